@@ -1,0 +1,135 @@
+"""The interface every collective communication library (CCL) implements.
+
+A CCL has two halves:
+
+* the controller half, :meth:`CCL.rendezvous`, runs once in ``Session.init_ccl``
+  and makes what the workers need to meet (a shared-memory segment, an NCCL
+  unique id, MPI port names). It returns a :class:`Rendezvous` whose ``payload``
+  reaches every worker, and which the session aborts when a worker dies and
+  closes at shutdown;
+* the worker half, an instance of the CCL class on every worker, runs the
+  operations.
+
+The contract every implementation honours (``disco_core.testing.ccl_kit`` checks it):
+
+* collectives are called on every member of the communicator (all workers, or the
+  worker's group when ``in_group``), in the same order;
+* when any member's arguments are wrong (a missing array, mismatched shape or
+  dtype, a size that does not divide), **every** member raises a
+  :class:`~disco_core.errors.CCLError` that names the problem; nobody waits forever;
+* an operation that waits longer than the CCL's timeout raises
+  :class:`~disco_core.errors.CCLTimeoutError`; an aborted rendezvous (a dead peer)
+  makes waiting members raise promptly.
+
+Argument conventions follow TVM's ``disco`` builtins: ``src`` and ``dst`` are
+arrays (NumPy on cpu), ``None`` where TVM passes an empty ``Optional``; the
+"root" of a communicator is its first worker (worker 0, or the group's first).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..channels.base import Channel
+    from ..worker import WorkerContext
+
+__all__ = ["CCL", "Rendezvous", "REDUCE_OPS"]
+
+#: Reduction operators, in TVM's ``ReduceKind`` order.
+REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
+
+
+class Rendezvous:
+    """The controller's half of a CCL: what workers need to meet, and its clean-up.
+
+    Parameters
+    ----------
+    payload : object
+        Picklable data sent to every worker's CCL constructor.
+    """
+
+    def __init__(self, payload: Any = None) -> None:
+        self.payload = payload
+
+    def abort(self, reason: str) -> None:
+        """Make every worker waiting in a collective fail promptly (a peer died)."""
+
+    def close(self) -> None:
+        """Release what :meth:`CCL.rendezvous` made (called once, at shutdown)."""
+
+
+class CCL(abc.ABC):
+    """The worker's half of a collective library.
+
+    Parameters
+    ----------
+    ctx : WorkerContext
+        The worker this instance serves (id, group, device).
+    payload : object
+        The :attr:`Rendezvous.payload` the controller made.
+    device_ids : tuple of int
+        The ``init_ccl`` device ids.
+    **options
+        The ``init_ccl`` keyword options.
+    """
+
+    #: The registered name (``"shm"``, ``"mpi"``, ...).
+    name: ClassVar[str] = "?"
+
+    def __init__(
+        self, ctx: WorkerContext, payload: Any, device_ids: Sequence[int] = (), **options: Any
+    ) -> None:
+        self.ctx = ctx
+
+    @classmethod
+    def rendezvous(cls, channel: Channel, device_ids: Sequence[int], **options: Any) -> Rendezvous:
+        """Controller side: prepare the meeting of the workers (see :class:`Rendezvous`)."""
+        return Rendezvous()
+
+    # ---- helpers ---------------------------------------------------------------------
+    def members(self, in_group: bool) -> range:
+        """Global worker ids of the communicator this worker uses for ``in_group``."""
+        ctx = self.ctx
+        if not in_group:
+            return range(ctx.num_workers)
+        start = ctx.group_id * ctx.group_size
+        return range(start, start + ctx.group_size)
+
+    # ---- collectives -------------------------------------------------------------------
+    @abc.abstractmethod
+    def allreduce(self, src: Any, dst: Any, op: str, in_group: bool) -> None:
+        """``dst = reduce(op, src of every member)`` on every member."""
+
+    @abc.abstractmethod
+    def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
+        """``dst = concatenate(src of every member, axis 0)`` on every member."""
+
+    @abc.abstractmethod
+    def broadcast(self, src: Any, dst: Any, in_group: bool) -> None:
+        """``dst = src of the root`` on every member (``src`` may be None elsewhere)."""
+
+    @abc.abstractmethod
+    def scatter(self, src: Any, dst: Any, in_group: bool) -> None:
+        """Member ``r`` of ``n`` gets the ``r``-th of ``n`` equal pieces of the root's ``src``."""
+
+    @abc.abstractmethod
+    def gather(self, src: Any, dst: Any, in_group: bool) -> None:
+        """The root's ``dst`` gets every member's ``src`` concatenated (``dst`` may be None elsewhere)."""
+
+    @abc.abstractmethod
+    def send(self, buf: Any, peer: int) -> None:
+        """Send ``buf`` to worker ``peer`` (global id)."""
+
+    @abc.abstractmethod
+    def recv(self, buf: Any, peer: int) -> None:
+        """Receive into ``buf`` (in place) what worker ``peer`` sent."""
+
+    @abc.abstractmethod
+    def barrier(self, in_group: bool = False) -> None:
+        """Wait until every member arrived."""
+
+    def close(self) -> None:
+        """Release this worker's resources (called once, at shutdown)."""

@@ -1,0 +1,296 @@
+"""The control plane: the :class:`Channel` interface every channel implements.
+
+A channel carries commands from the controller to its workers and replies back.
+The :class:`~disco_core.Session` only ever talks to this interface; it never knows
+whether its workers are threads, processes or other machines.
+
+Most channels are a list of *links* (one per worker, or one per remote node that
+relays to several workers) plus a :class:`ReplyHub` where replies and asynchronous
+error reports arrive. :class:`LinkChannel` implements the interface on top of
+them; :class:`ThreadWorkerLink` is the in-process link every session uses for
+worker 0.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from ..errors import DiscoError, WorkerDiedError, WorkerError
+from ..protocol import Frame, encode, isolate
+from ..worker import Worker
+
+__all__ = ["Channel", "Outgoing", "ReplyHub", "WorkerLink", "LinkChannel", "ThreadWorkerLink"]
+
+
+class Outgoing:
+    """One command on its way to several workers; encoded at most once.
+
+    Parameters
+    ----------
+    cmd : tuple
+        The command.
+    by_reference : bool
+        In-process workers get ``cmd`` itself rather than a private copy (used for
+        the host arrays of ``copy_to/from_worker_0``, which worker 0 reads or writes
+        in place).
+    """
+
+    __slots__ = ("cmd", "by_reference", "_frame")
+
+    def __init__(self, cmd: tuple, by_reference: bool = False) -> None:
+        self.cmd = cmd
+        self.by_reference = by_reference
+        self._frame: Frame | None = None
+
+    @property
+    def frame(self) -> Frame:
+        """The serialised command (pickle header + out-of-band buffers)."""
+        if self._frame is None:
+            self._frame = encode(self.cmd)
+        return self._frame
+
+    def local(self) -> tuple:
+        """The command for an in-process worker: its own copy of every mutable value."""
+        if self.by_reference:
+            return self.cmd
+        return isolate(self.cmd)
+
+
+class Channel(abc.ABC):
+    """The control plane of one session.
+
+    Attributes
+    ----------
+    num_workers, num_groups : int
+        The session's shape.
+    num_nodes : int
+        How many machines the workers span (1 for threaded and process channels).
+    shares_memory : bool
+        True when every worker runs on the controller's machine (the ``shm`` CCL
+        needs it).
+    """
+
+    num_workers: int
+    num_groups: int
+    num_nodes: int = 1
+    shares_memory: bool = True
+    kind: str = "?"
+
+    @abc.abstractmethod
+    def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
+        """Send a command to ``workers`` (all when None), in order, without waiting."""
+
+    @abc.abstractmethod
+    def recv(self, worker_id: int) -> Any:
+        """Wait for the next reply of ``worker_id``.
+
+        Raises
+        ------
+        WorkerError
+            The worker answered with the failure of the synchronous command.
+        WorkerDiedError
+            A worker of the session died while waiting.
+        """
+
+    @abc.abstractmethod
+    def take_errors(self) -> list[WorkerError]:
+        """Remove and return the asynchronous errors reported so far."""
+
+    @abc.abstractmethod
+    def check_alive(self) -> None:
+        """Raise :class:`WorkerDiedError` when a worker is known to be dead."""
+
+    @abc.abstractmethod
+    def on_worker_death(self, callback: Callable[[list[int], str], None]) -> None:
+        """Call ``callback(worker_ids, reason)`` (once) when workers die."""
+
+    @abc.abstractmethod
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every worker (the shutdown command has been sent); kill laggards."""
+
+
+class ReplyHub:
+    """Where replies and asynchronous error reports of all workers arrive."""
+
+    _WAKE = ("wake", None)
+
+    def __init__(self, num_workers: int) -> None:
+        self.replies = [queue.SimpleQueue() for _ in range(num_workers)]
+        self.errors: collections.deque[WorkerError] = collections.deque()
+        self.dead: dict[int, str] = {}
+        self.closing = False
+        self._death_callbacks: list[Callable[[list[int], str], None]] = []
+        self._lock = threading.Lock()
+
+    def deliver(self, worker_id: int, msg: tuple) -> None:
+        if msg[0] == "error":
+            self.errors.append(msg[1])
+        else:
+            self.replies[worker_id].put(msg)
+
+    def on_death(self, callback: Callable[[list[int], str], None]) -> None:
+        self._death_callbacks.append(callback)
+
+    def mark_dead(self, worker_ids: Iterable[int], reason: str) -> None:
+        """Record dead workers, wake every waiter, run the death callbacks once."""
+        ids = [w for w in worker_ids if w not in self.dead]
+        if not ids or self.closing:
+            return
+        with self._lock:
+            for w in ids:
+                self.dead[w] = reason
+            callbacks = list(self._death_callbacks)
+        for cb in callbacks:
+            try:
+                cb(ids, reason)
+            except Exception:  # a failing abort must not hide the death
+                pass
+        for q in self.replies:
+            q.put(self._WAKE)
+
+    def died_error(self) -> WorkerDiedError:
+        reasons = sorted(set(self.dead.values()))
+        return WorkerDiedError(sorted(self.dead), "; ".join(reasons))
+
+    def wait(self, worker_id: int, poll: Callable[[], None], interval: float = 0.2) -> Any:
+        q = self.replies[worker_id]
+        while True:
+            if self.dead:
+                raise self.died_error()
+            try:
+                kind, payload = q.get(timeout=interval)
+            except queue.Empty:
+                poll()
+                continue
+            if kind == "reply" or kind == "ready":
+                return payload
+            if kind == "fail":
+                raise payload
+            # "wake": loop to look at self.dead
+
+    def take_errors(self) -> list[WorkerError]:
+        out = []
+        while self.errors:
+            out.append(self.errors.popleft())
+        return out
+
+
+class WorkerLink(abc.ABC):
+    """The controller's connection to one worker (or one node of workers)."""
+
+    worker_ids: tuple[int, ...]
+
+    @abc.abstractmethod
+    def send(self, out: Outgoing) -> None:
+        """Deliver a command to every worker behind this link."""
+
+    def poll(self) -> str | None:
+        """Return a reason when the link's workers are known dead, else None."""
+        return None
+
+    @abc.abstractmethod
+    def close(self, deadline: float) -> None:
+        """Wait until ``deadline`` (``time.monotonic()``) for the workers to stop; kill them then."""
+
+
+class ThreadWorkerLink(WorkerLink):
+    """A worker running in a thread of the controller's process."""
+
+    def __init__(self, worker_id: int, num_workers: int, num_groups: int, hub: ReplyHub) -> None:
+        self.worker_ids = (worker_id,)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        deliver = hub.deliver
+        self.worker = Worker(
+            worker_id, num_workers, num_groups, lambda msg: deliver(worker_id, msg)
+        )
+        self.hub = hub
+        self.thread = threading.Thread(
+            target=self._run, name=f"disco-worker-{worker_id}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.worker.run(self.queue.get)
+        except BaseException as exc:  # noqa: BLE001 - the loop itself broke
+            self.hub.mark_dead(
+                self.worker_ids, f"worker thread stopped: {type(exc).__name__}: {exc}"
+            )
+
+    def send(self, out: Outgoing) -> None:
+        self.queue.put(out.local())
+
+    def poll(self) -> str | None:
+        if not self.thread.is_alive() and not self.hub.closing:
+            return "worker thread stopped"
+        return None
+
+    def close(self, deadline: float) -> None:
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class LinkChannel(Channel):
+    """A :class:`Channel` made of links, one per worker or per node."""
+
+    def __init__(self, num_workers: int, num_groups: int) -> None:
+        self.num_workers = num_workers
+        self.num_groups = num_groups
+        self.hub = ReplyHub(num_workers)
+        self.links: list[WorkerLink] = []
+        self._link_of: list[WorkerLink] = []
+
+    def _set_links(self, links: list[WorkerLink]) -> None:
+        # In-process links first: a pipe that blocks must never delay worker 0.
+        self.links = sorted(links, key=lambda link: not isinstance(link, ThreadWorkerLink))
+        by_worker: dict[int, WorkerLink] = {}
+        for link in links:
+            for w in link.worker_ids:
+                by_worker[w] = link
+        missing = set(range(self.num_workers)) - set(by_worker)
+        if missing:
+            raise DiscoError(f"channel has no link for workers {sorted(missing)}")
+        self._link_of = [by_worker[w] for w in range(self.num_workers)]
+
+    def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
+        if workers is None:
+            for link in self.links:
+                link.send(out)
+            return
+        seen = set()
+        for w in workers:
+            link = self._link_of[w]
+            if id(link) not in seen:
+                seen.add(id(link))
+                link.send(out)
+
+    def recv(self, worker_id: int) -> Any:
+        return self.hub.wait(worker_id, self.check_alive)
+
+    def take_errors(self) -> list[WorkerError]:
+        return self.hub.take_errors()
+
+    def check_alive(self) -> None:
+        for link in self.links:
+            reason = link.poll()
+            if reason:
+                self.hub.mark_dead(link.worker_ids, reason)
+        if self.hub.dead:
+            raise self.hub.died_error()
+
+    def on_worker_death(self, callback: Callable[[list[int], str], None]) -> None:
+        self.hub.on_death(callback)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.hub.closing = True
+        deadline = time.monotonic() + timeout
+        for link in self.links:
+            try:
+                link.close(deadline)
+            except Exception:
+                pass

@@ -1,0 +1,206 @@
+"""The ``process`` channel: worker 0 is a thread, workers 1..N-1 are child processes.
+
+Children are started as ``python -m <entrypoint>`` and spoken to over two pipes
+each (commands down, replies up). Frames are written with the arrays' memory as
+the source and read straight into the receiving buffers: no extra copy. One reader
+thread in the controller drains every reply pipe, so a worker never blocks on a
+full reply pipe, and a pipe's end of file is a dead worker, seen at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from ..errors import WorkerDiedError
+from ..protocol import FrameReader, decode, write_frame
+from .base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
+
+__all__ = ["ProcessChannel", "ProcessWorkerLink", "start_timeout"]
+
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_PIPE_BYTES = 1 << 20
+
+
+def start_timeout() -> float:
+    """Seconds to wait for workers to start (``DISCO_START_TIMEOUT``, default 60)."""
+    return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
+
+
+def _grow_pipe(fd: int) -> None:
+    try:  # bigger pipes move large arrays in fewer wake-ups
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+    except OSError:
+        pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "its pipe closed"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Workers import user modules the way the controller does.
+    env["DISCO_SYS_PATH"] = os.pathsep.join(p if p else os.getcwd() for p in sys.path)
+    return env
+
+
+class ProcessWorkerLink(WorkerLink):
+    """One worker in a child process, behind a command pipe and a reply pipe."""
+
+    def __init__(
+        self, worker_id: int, num_workers: int, num_groups: int, entrypoint: str, env: dict
+    ) -> None:
+        self.worker_ids = (worker_id,)
+        cmd_r, self.cmd_w = os.pipe()
+        self.reply_r, reply_w = os.pipe()
+        for fd in (self.cmd_w, reply_w):
+            _grow_pipe(fd)
+        argv = [
+            sys.executable, "-m", entrypoint,
+            "--worker-id", str(worker_id), "--num-workers", str(num_workers),
+            "--num-groups", str(num_groups), "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w),
+        ]  # fmt: skip
+        try:
+            self.proc = subprocess.Popen(
+                argv, pass_fds=(cmd_r, reply_w), env=env, stdin=subprocess.DEVNULL
+            )
+        finally:
+            os.close(cmd_r)
+            os.close(reply_w)
+        self.reader = FrameReader(self.reply_r)
+        self.lock = threading.Lock()
+        self.dead_reason: str | None = None
+
+    def send(self, out: Outgoing) -> None:
+        try:
+            with self.lock:
+                write_frame(self.cmd_w, out.frame)
+        except (BrokenPipeError, OSError) as exc:
+            reason = self.exit_reason(wait=0.5) or f"command pipe broke ({exc})"
+            raise WorkerDiedError(
+                self.worker_ids, f"worker {self.worker_ids[0]} {reason}"
+            ) from None
+
+    def exit_reason(self, wait: float = 0.0) -> str | None:
+        try:
+            code = self.proc.wait(wait) if wait else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            return None
+        return f"worker {self.worker_ids[0]} (pid {self.proc.pid}) {describe_exit(code)}"
+
+    def poll(self) -> str | None:
+        return self.dead_reason or self.exit_reason()
+
+    def close(self, deadline: float) -> None:
+        try:
+            os.close(self.cmd_w)  # EOF: an idle worker exits even without the command
+        except OSError:
+            pass
+        try:
+            self.proc.wait(max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+class ReplyReader(threading.Thread):
+    """Drains the reply pipes of process workers into the hub; EOF means death."""
+
+    def __init__(self, links: list[ProcessWorkerLink], hub: ReplyHub) -> None:
+        super().__init__(name="disco-replies", daemon=True)
+        self.hub = hub
+        self.selector = selectors.DefaultSelector()
+        for link in links:
+            self.selector.register(link.reply_r, selectors.EVENT_READ, link)
+        self.remaining = len(links)
+
+    def run(self) -> None:
+        while self.remaining:
+            for key, _ in self.selector.select():
+                link: ProcessWorkerLink = key.data
+                try:
+                    header, buffers, _ = link.reader.read()
+                    msg = decode(header, buffers)
+                except (EOFError, OSError):
+                    self.selector.unregister(key.fd)
+                    link.reader.close()
+                    os.close(key.fd)
+                    self.remaining -= 1
+                    if not self.hub.closing:
+                        reason = (
+                            link.exit_reason(wait=1.0)
+                            or f"worker {link.worker_ids[0]} closed its reply pipe"
+                        )
+                        link.dead_reason = reason
+                        self.hub.mark_dead(link.worker_ids, reason)
+                    continue
+                self.hub.deliver(link.worker_ids[0], msg)
+        self.selector.close()
+
+
+class ProcessChannel(LinkChannel):
+    """Worker 0 in a thread of the controller; workers 1..N-1 as child processes."""
+
+    kind = "process"
+
+    def __init__(
+        self, num_workers: int, num_groups: int = 1, entrypoint: str = "disco_core.worker"
+    ) -> None:
+        super().__init__(num_workers, num_groups)
+        env = worker_env()
+        procs: list[ProcessWorkerLink] = []
+        try:
+            for w in range(1, num_workers):
+                procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
+            self.reader = ReplyReader(procs, self.hub)
+            self.reader.start()
+            self.procs = procs
+            self._set_links([ThreadWorkerLink(0, num_workers, num_groups, self.hub), *procs])
+            self._wait_ready(procs)
+        except BaseException:
+            self.hub.closing = True
+            for link in procs:
+                link.kill()
+                link.close(time.monotonic() + 1)
+            raise
+
+    def _wait_ready(self, procs: list[ProcessWorkerLink]) -> None:
+        limit = start_timeout()
+        deadline = time.monotonic() + limit
+
+        def poll() -> None:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"workers did not start within {limit:.0f} s (DISCO_START_TIMEOUT)"
+                )
+
+        for link in procs:
+            try:
+                self.hub.wait(link.worker_ids[0], poll, interval=0.05)
+            except WorkerDiedError as exc:
+                raise WorkerDiedError(exc.worker_ids, f"failed to start: {exc.reason}") from None
+
+    def close(self, timeout: float = 5.0) -> None:
+        super().close(timeout)
+        self.reader.join(timeout=1.0)

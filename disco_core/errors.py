@@ -1,0 +1,123 @@
+"""Exception types of Disco. Every error the runtime raises is a :class:`DiscoError`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "DiscoError",
+    "WorkerError",
+    "WorkerDiedError",
+    "PluginNotFoundError",
+    "PluginConflictError",
+    "PluginLoadError",
+    "SessionClosedError",
+    "CCLError",
+    "CCLTimeoutError",
+]
+
+
+class DiscoError(RuntimeError):
+    """Base class of every error raised by Disco."""
+
+
+class WorkerError(DiscoError):
+    """An exception raised inside a worker, surfaced at the controller.
+
+    Parameters
+    ----------
+    worker_id : int
+        The worker on which the exception was raised.
+    exc_type : str
+        The remote exception's type name (``"ValueError"``, ``"numpy.AxisError"``).
+    message : str
+        The remote exception's message.
+    remote_traceback : str
+        The formatted traceback, as the worker printed it.
+    others : list of WorkerError, optional
+        Further errors that were pending at the same synchronising call.
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        exc_type: str,
+        message: str,
+        remote_traceback: str = "",
+        others: Iterable[WorkerError] = (),
+    ) -> None:
+        self.worker_id = worker_id
+        self.exc_type = exc_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        self.others = list(others)
+        text = f"worker {worker_id} raised {exc_type}: {message}"
+        if self.others:
+            more = "; ".join(
+                f"worker {e.worker_id} {e.exc_type}: {e.remote_message}" for e in self.others[:4]
+            )
+            text += f"\n(and {len(self.others)} more: {more})"
+        if remote_traceback:
+            text += f"\n--- remote traceback (worker {worker_id}) ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (
+                self.worker_id,
+                self.exc_type,
+                self.remote_message,
+                self.remote_traceback,
+                self.others,
+            ),
+        )
+
+
+class WorkerDiedError(DiscoError):
+    """One or more workers died (killed, crashed, or their node disconnected).
+
+    Parameters
+    ----------
+    worker_ids : list of int
+        The workers that are gone.
+    reason : str
+        What is known about how they died (exit code, signal, lost connection).
+    """
+
+    def __init__(self, worker_ids: Iterable[int], reason: str = "") -> None:
+        self.worker_ids = sorted(set(worker_ids))
+        self.reason = reason
+        ids = ", ".join(map(str, self.worker_ids))
+        text = f"worker{'s' if len(self.worker_ids) != 1 else ''} {ids} died"
+        if reason:
+            text += f": {reason}"
+        text += "; the session can no longer run commands (shutdown() still works)"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (type(self), (self.worker_ids, self.reason))
+
+
+class PluginNotFoundError(DiscoError, LookupError):
+    """A channel, CCL or module loader was asked for by a name nobody registered."""
+
+
+class PluginConflictError(DiscoError):
+    """Two plugins registered the same name for the same kind of component."""
+
+
+class PluginLoadError(DiscoError, ImportError):
+    """A plugin's entry point failed to import."""
+
+
+class SessionClosedError(DiscoError):
+    """A session was used after :meth:`Session.shutdown`."""
+
+
+class CCLError(DiscoError):
+    """A collective operation failed (mismatched buffers, no CCL initialised, ...)."""
+
+
+class CCLTimeoutError(CCLError, TimeoutError):
+    """A collective operation waited longer than the CCL's timeout for its peers."""

@@ -1,0 +1,220 @@
+"""The command protocol: TVM's nine actions, value (de)serialisation and framing.
+
+Commands are plain tuples ``(action, *fields)``. In-process workers receive them as
+Python objects (after :func:`isolate` gives each worker its own copy of mutable
+values); workers in other processes receive them as frames: a pickle (protocol 5)
+header plus its out-of-band buffers, written straight from the array's memory to
+the file descriptor and read straight into the receiving array's memory, so large
+arrays are never copied on the way.
+
+Frame layout on a byte stream (all little endian)::
+
+    u64 header_len | u32 num_buffers | u32 flags | u64 buffer_len * num_buffers
+    header (pickle)  | buffer 0 | buffer 1 | ...
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import os
+import pickle
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Action",
+    "RegRef",
+    "Frame",
+    "encode",
+    "decode",
+    "isolate",
+    "write_frame",
+    "read_frame",
+    "FrameReader",
+    "OOB_THRESHOLD",
+]
+
+#: Buffers at least this large travel out of band (never copied into the pickle).
+OOB_THRESHOLD = 4096
+#: Refuse a frame whose declared size is beyond this (a corrupt or hostile stream).
+MAX_FRAME_BYTES = 1 << 40
+
+_PREFIX = struct.Struct("<QII")
+_LEN = struct.Struct("<Q")
+
+
+class Action(enum.IntEnum):
+    """TVM's ``DiscoAction`` codes, in TVM's order."""
+
+    SHUTDOWN = 0
+    KILL_REG = 1
+    GET_GLOBAL_FUNC = 2
+    CALL_PACKED = 3
+    SYNC_WORKER = 4
+    COPY_FROM_WORKER0 = 5
+    COPY_TO_WORKER0 = 6
+    DEBUG_GET_FROM_REMOTE = 7
+    DEBUG_SET_REGISTER = 8
+
+
+class RegRef:
+    """A register named inside a command; the worker replaces it by the register's value."""
+
+    __slots__ = ("reg_id",)
+
+    def __init__(self, reg_id: int) -> None:
+        self.reg_id = reg_id
+
+    def __repr__(self) -> str:
+        return f"RegRef({self.reg_id})"
+
+    def __reduce__(self):
+        return (RegRef, (self.reg_id,))
+
+
+Frame = tuple[bytes, list]  # (header, out-of-band buffers)
+
+
+def _is_dref(obj: Any) -> bool:
+    return getattr(type(obj), "_disco_dref", False)
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any):
+        if _is_dref(obj):
+            return obj.reg_id
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> RegRef:
+        return RegRef(pid)
+
+
+def encode(obj: Any) -> Frame:
+    """Serialise ``obj``; DRefs become :class:`RegRef`; large buffers stay out of band."""
+    buffers: list = []
+
+    def keep(pb: pickle.PickleBuffer) -> bool:
+        m = pb.raw()
+        if m.nbytes < OOB_THRESHOLD:
+            return True  # small: in band
+        buffers.append(m)
+        return False
+
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
+    return f.getvalue(), buffers
+
+
+def decode(header: bytes | bytearray | memoryview, buffers: Sequence[Any] = ()) -> Any:
+    """Inverse of :func:`encode`; out-of-band buffers become the arrays' memory."""
+    return _Unpickler(io.BytesIO(header), buffers=buffers).load()
+
+
+_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), np.dtype, np.generic, RegRef)
+
+
+def isolate(value: Any) -> Any:
+    """Give an in-process worker its own copy of ``value``, as a pipe would.
+
+    Immutable values are shared; arrays are copied; DRefs become :class:`RegRef`.
+    Anything else goes through a pickle round trip, so that in-process and
+    out-of-process workers accept and reject the same values.
+    """
+    t = type(value)
+    if t in _IMMUTABLE or isinstance(value, _IMMUTABLE):
+        return value
+    if t is tuple:
+        return tuple([isolate(v) for v in value])
+    if t is list:
+        return [isolate(v) for v in value]
+    if _is_dref(value):
+        return RegRef(value.reg_id)
+    if t is np.ndarray:
+        return value.copy()
+    if getattr(t, "__module__", "").startswith("disco_core.device"):
+        return value
+    if t is dict:
+        return {isolate(k): isolate(v) for k, v in value.items()}
+    return decode(*encode(value))
+
+
+# --------------------------------------------------------------------------- framing
+def write_frame(fd: int, frame: Frame, flags: int = 0) -> None:
+    """Write one frame to a blocking file descriptor; buffers are written in place."""
+    header, buffers = frame
+    lens = [m.nbytes for m in buffers]
+    head = (
+        _PREFIX.pack(len(header), len(lens), flags) + b"".join(_LEN.pack(n) for n in lens) + header
+    )
+    _write_all(fd, head)
+    for m in buffers:
+        _write_all(fd, m)
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    n = os.write(fd, view)
+    total = len(view)
+    if n == total:
+        return
+    view = memoryview(view)
+    while n < total:
+        n += os.write(fd, view[n:])
+
+
+class FrameReader:
+    """Reads frames from a blocking file descriptor.
+
+    Small reads are buffered; out-of-band buffers are read straight into freshly
+    allocated, writable memory (``bytearray``), which becomes the arrays' storage.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.file = os.fdopen(fd, "rb", buffering=1 << 16, closefd=False)
+
+    def read(self) -> tuple[bytes, list, int]:
+        """Return ``(header, buffers, flags)``; raise ``EOFError`` when the peer is gone."""
+        prefix = self._exact(_PREFIX.size)
+        hlen, nbuf, flags = _PREFIX.unpack(prefix)
+        lens = [_LEN.unpack(self._exact(8))[0] for _ in range(nbuf)]
+        if hlen > MAX_FRAME_BYTES or sum(lens) > MAX_FRAME_BYTES:
+            raise EOFError(f"corrupt frame: declared size {hlen + sum(lens)} bytes")
+        header = self._exact(hlen)
+        buffers = []
+        for n in lens:
+            buf = bytearray(n)
+            if n and self.file.readinto(buf) != n:
+                raise EOFError("peer closed the stream in the middle of a frame")
+            buffers.append(buf)
+        return header, buffers, flags
+
+    def _exact(self, n: int) -> bytes:
+        data = self.file.read(n)
+        if data is None or len(data) != n:
+            raise EOFError("peer closed the stream")
+        return data
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError:
+            pass
+
+
+def read_frame(fd: int) -> tuple[bytes, list, int]:  # convenience for one-off reads
+    return FrameReader(fd).read()
+
+
+def describe_command(cmd: tuple, func_name: Callable[[int], str] | None = None) -> str:
+    """A short human description of a command, for error messages."""
+    action = Action(cmd[0])
+    if action is Action.CALL_PACKED and func_name is not None:
+        return f"call_packed({func_name(cmd[2])})"
+    return action.name.lower()

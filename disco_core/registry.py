@@ -1,0 +1,115 @@
+"""The global function registry, shared by sessions and RPC.
+
+One process-wide table from names to Python callables, after TVM's global
+function registry (``tvm.register_func`` / ``tvm.get_global_func``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections.abc import Callable
+from typing import Any, overload
+
+__all__ = ["register_func", "get_global_func", "list_global_func_names", "remove_global_func"]
+
+_FUNCS: dict[str, Callable[..., Any]] = {}
+_LOCK = threading.Lock()
+
+
+@overload
+def register_func(
+    name: str, func: None = None, override: bool = False
+) -> Callable[[Callable], Callable]: ...
+@overload
+def register_func(name: str, func: Callable, override: bool = False) -> Callable: ...
+@overload
+def register_func(name: Callable, func: None = None, override: bool = False) -> Callable: ...
+
+
+def register_func(name, func=None, override=False):
+    """Register a global function.
+
+    Parameters
+    ----------
+    name : str or callable
+        The global name. When a callable is given instead, it is registered under its
+        ``__qualname__`` (``@register_func`` without arguments).
+    func : callable, optional
+        The function. When omitted, a decorator is returned.
+    override : bool
+        Replace an existing registration instead of raising ``ValueError``.
+
+    Returns
+    -------
+    callable
+        The function itself, or a decorator that registers and returns it.
+
+    Examples
+    --------
+    .. code-block:: python
+
+        @disco.register_func("my.add")
+        def add(a, b):
+            return a + b
+    """
+    if callable(name) and func is None:
+        fn = name
+        return register_func(fn.__qualname__, fn, override)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_func: name must be a non-empty str, got {name!r}")
+
+    def _register(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"register_func({name!r}): {fn!r} is not callable")
+        with _LOCK:
+            old = _FUNCS.get(name)
+            if old is not None and not override and old is not fn:
+                raise ValueError(
+                    f"global function {name!r} is already registered ({_describe(old)}); "
+                    "pass override=True to replace it"
+                )
+            _FUNCS[name] = fn
+        return fn
+
+    return _register if func is None else _register(func)
+
+
+def get_global_func(name: str, allow_missing: bool = False) -> Callable[..., Any] | None:
+    """Look up a global function.
+
+    Parameters
+    ----------
+    name : str
+        The registered name.
+    allow_missing : bool
+        Return ``None`` for an unknown name instead of raising ``ValueError``.
+    """
+    fn = _FUNCS.get(name)
+    if fn is None and not allow_missing:
+        raise ValueError(missing_message(name))
+    return fn
+
+
+def list_global_func_names() -> list[str]:
+    """Return the names of every registered global function, sorted."""
+    with _LOCK:
+        return sorted(_FUNCS)
+
+
+def remove_global_func(name: str) -> None:
+    """Remove a registration (a no-op for an unknown name)."""
+    with _LOCK:
+        _FUNCS.pop(name, None)
+
+
+def missing_message(name: str) -> str:
+    """The error text for an unknown function name, with close matches."""
+    close = difflib.get_close_matches(name, list(_FUNCS), n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return f"global function {name!r} is not registered{hint}"
+
+
+def _describe(fn: Callable) -> str:
+    mod = getattr(fn, "__module__", "?")
+    return f"{mod}.{getattr(fn, '__qualname__', repr(fn))}"

@@ -1,0 +1,620 @@
+"""The controller side: :class:`Session`, :class:`DRef`, :class:`DPackedFunc`, :class:`DModule`.
+
+A session broadcasts commands to its workers through a
+:class:`~disco_core.channels.base.Channel` and never knows which channel it drives.
+Register ids are allocated here: 0 means "discard the result", freed ids are
+reused, and dropping the last :class:`DRef` to a register frees it on every worker
+(the kill command rides along with the next command, so freeing costs no message
+of its own).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import plugins, registry
+from .ccl.base import REDUCE_OPS
+from .channels.base import Channel, Outgoing
+from .device import Device, as_array, as_device, as_dtype, as_shape
+from .errors import CCLError, DiscoError, SessionClosedError, WorkerDiedError, WorkerError
+from .protocol import Action
+
+__all__ = [
+    "Session",
+    "DRef",
+    "DPackedFunc",
+    "DModule",
+    "ThreadedSession",
+    "ProcessSession",
+    "SocketSession",
+]
+
+
+class DRef:
+    """A register on every worker of a session.
+
+    Dropping the last reference frees the register on every worker.
+    """
+
+    _disco_dref = True
+    __slots__ = ("session", "reg_id", "__weakref__")
+
+    def __init__(self, session: Session, reg_id: int) -> None:
+        self.session = session
+        self.reg_id = reg_id
+
+    def __del__(self) -> None:
+        session = self.session
+        if session is not None and self.reg_id:
+            session._release(self.reg_id)
+
+    def debug_get_from_remote(self, worker_id: int = 0) -> Any:
+        """Fetch the register's value from one worker (arrays come back as NumPy).
+
+        This is a synchronising call: errors of earlier commands surface here.
+        """
+        return self.session._debug_get(self, worker_id)
+
+    def debug_copy_from(self, worker_id: int, value: Any) -> None:
+        """Set the register on one worker to ``value`` (a synchronising call)."""
+        self.session._debug_set(self, worker_id, value)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} register {self.reg_id}>"
+
+    def __reduce__(self):
+        raise TypeError(
+            "a DRef only has a meaning inside its session; pass it to call_packed instead"
+        )
+
+
+class DPackedFunc(DRef):
+    """A function in a register on every worker; calling it is ``session.call_packed(self, *args)``."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> DRef:
+        return self.session.call_packed(self, *args)
+
+
+class DModule(DRef):
+    """A module loaded on every worker; ``module["name"]`` is a :class:`DPackedFunc`."""
+
+    __slots__ = ()
+
+    def __getitem__(self, name: str) -> DPackedFunc:
+        if not isinstance(name, str):
+            raise TypeError(f"module function names are str, got {type(name).__name__}")
+        session = self.session
+        getter = session._get_cached_method("disco.module_get_function")
+        return session._call(getter, (self, name), DPackedFunc)
+
+
+def check_session_shape(num_workers: Any, num_groups: Any) -> None:
+    """Validate ``num_workers`` and ``num_groups`` with a clear error."""
+    for name, value in (("num_workers", num_workers), ("num_groups", num_groups)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if num_workers % num_groups:
+        raise ValueError(
+            f"num_workers ({num_workers}) must be a multiple of num_groups ({num_groups}): "
+            "every group has the same number of workers"
+        )
+
+
+def _close_channel(channel: Channel, state: dict) -> None:
+    """Stop a session's workers (also run by the finaliser at interpreter exit)."""
+    if state.get("closed"):
+        return
+    state["closed"] = True
+    try:
+        channel.send(Outgoing((Action.SHUTDOWN,)))
+    except Exception:  # dead workers: close() still reaps them
+        pass
+    rendezvous = state.get("rendezvous")
+    try:
+        channel.close(timeout=float(os.environ.get("DISCO_SHUTDOWN_TIMEOUT", "5")))
+    finally:
+        if rendezvous is not None:
+            rendezvous.close()
+
+
+class Session:
+    """A controller and its workers. Use one of :class:`ThreadedSession`,
+    :class:`ProcessSession`, :class:`SocketSession`, or :meth:`Session.create`.
+
+    Sessions are context managers that shut down on exit.
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        if not isinstance(channel, Channel):
+            raise TypeError(f"Session needs a disco_core Channel, got {type(channel).__name__}")
+        self._channel = channel
+        self.num_workers: int = channel.num_workers
+        self.num_groups: int = channel.num_groups
+        self._next_reg = 1
+        self._free_regs: list[int] = []
+        self._released: collections.deque[int] = collections.deque()
+        self._lock = threading.RLock()
+        self._cache: dict[str, DPackedFunc] = {}
+        self._state: dict[str, Any] = {"closed": False, "rendezvous": None, "ccl": None}
+        self._finalizer = weakref.finalize(self, _close_channel, channel, self._state)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, channel: str, **options: Any) -> Session:
+        """Create a session on any registered channel.
+
+        Parameters
+        ----------
+        channel : str
+            A channel name (``"threaded"``, ``"process"``, ``"socket"``, ``"rpc"``, ...).
+        **options
+            Passed to the channel's factory (``num_workers=4``, ``num_groups=1``, ...).
+        """
+        factory = plugins.lookup("channel", channel)
+        return Session(factory(**options))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._state["closed"] else "open"
+        return f"<{type(self).__name__} {self._channel.kind} workers={self.num_workers} groups={self.num_groups} {state}>"
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def channel(self) -> Channel:
+        """The control-plane channel this session drives."""
+        return self._channel
+
+    def _release(self, reg_id: int) -> None:
+        # Runs in DRef.__del__, possibly in the middle of another send: only queue it.
+        if not self._state["closed"]:
+            self._released.append(reg_id)
+
+    def _alloc(self) -> int:
+        if self._free_regs:
+            return self._free_regs.pop()
+        reg = self._next_reg
+        self._next_reg += 1
+        return reg
+
+    def _check_open(self) -> None:
+        if self._state["closed"]:
+            raise SessionClosedError("this session has been shut down")
+
+    def _send(
+        self, cmd: tuple, workers: Sequence[int] | None = None, by_reference: bool = False
+    ) -> None:
+        if self._state["closed"]:
+            raise SessionClosedError("this session has been shut down")
+        channel = self._channel
+        with self._lock:
+            released = self._released
+            if released:
+                ids = []
+                while released:
+                    ids.append(released.popleft())
+                channel.send(Outgoing((Action.KILL_REG, tuple(ids))))
+                self._free_regs.extend(ids)
+            channel.send(Outgoing(cmd, by_reference), workers)
+
+    def _call(self, func: DRef, args: tuple, cls: type = DRef) -> Any:
+        if self._state["closed"]:
+            raise SessionClosedError("this session has been shut down")
+        if not isinstance(func, DRef) or func.session is not self:
+            raise TypeError(f"call_packed: expected a DPackedFunc of this session, got {func!r}")
+        for a in args:
+            if isinstance(a, DRef) and a.session is not self:
+                raise ValueError(f"call_packed: {a!r} belongs to another session")
+        with self._lock:
+            reg = self._alloc()
+            try:
+                self._send((Action.CALL_PACKED, reg, func.reg_id, args))
+            except (DiscoError, OSError):
+                self._free_regs.append(reg)
+                raise
+            except Exception as exc:
+                self._free_regs.append(reg)
+                raise TypeError(
+                    f"call_packed: the arguments cannot be sent to the workers: {exc}"
+                ) from exc
+        return cls(self, reg)
+
+    def _recv(self, worker_id: int) -> Any:
+        return self._channel.recv(worker_id)
+
+    def _raise_pending(self) -> None:
+        errors = self._channel.take_errors()
+        if not errors:
+            return
+        # Rare path: let every worker catch up, so that one WorkerError reports every
+        # worker's failure of the same command, and none surfaces later at random.
+        for w in range(self.num_workers):
+            self._send((Action.SYNC_WORKER, w), [w])
+        for w in range(self.num_workers):
+            try:
+                self._recv(w)
+            except WorkerError as exc:
+                errors.append(exc)
+        errors += self._channel.take_errors()
+        errors.sort(key=lambda e: e.worker_id)
+        first = errors[0]
+        raise WorkerError(
+            first.worker_id,
+            first.exc_type,
+            first.remote_message,
+            first.remote_traceback,
+            errors[1:],
+        )
+
+    def _check_worker(self, worker_id: Any) -> int:
+        if isinstance(worker_id, bool) or not isinstance(worker_id, (int, np.integer)):
+            raise TypeError(f"worker_id must be an int, got {type(worker_id).__name__}")
+        if not 0 <= worker_id < self.num_workers:
+            raise ValueError(
+                f"worker_id {worker_id} is out of range for {self.num_workers} workers"
+            )
+        return int(worker_id)
+
+    def _get_cached_method(self, name: str) -> DPackedFunc:
+        func = self._cache.get(name)
+        if func is None:
+            func = self._cache[name] = self.get_global_func(name)
+        return func
+
+    def _sync_all(self) -> None:
+        """Wait until every worker has run every command so far; raise their errors."""
+        for w in range(self.num_workers):
+            self._send((Action.SYNC_WORKER, w), [w])
+        for w in range(self.num_workers):
+            self._recv(w)
+        self._raise_pending()
+
+    # ------------------------------------------------------------------ public API
+    def get_global_func(self, name: str) -> DPackedFunc:
+        """Get a global function (``disco_core.register_func``) on every worker.
+
+        Raises
+        ------
+        ValueError
+            No function of that name is registered (checked here, at the call site).
+        """
+        self._check_open()
+        if not isinstance(name, str):
+            raise TypeError(f"get_global_func: name must be a str, got {type(name).__name__}")
+        if registry.get_global_func(name, allow_missing=True) is None:
+            raise ValueError(registry.missing_message(name))
+        with self._lock:
+            reg = self._alloc()
+            self._send((Action.GET_GLOBAL_FUNC, reg, name))
+        return DPackedFunc(self, reg)
+
+    def import_python_module(self, module_name: str) -> None:
+        """Import a Python module on every worker (so the functions it registers exist).
+
+        Returns once worker 0, which lives in the controller's process, has imported it:
+        an ``ImportError`` is raised right here. The other workers import it in order
+        with the following commands.
+        """
+        self._check_open()
+        importlib.import_module(module_name)
+        self.call_packed(self._get_cached_method("disco.import_python_module"), module_name)
+
+    def call_packed(self, func: DRef | str, *args: Any) -> DRef:
+        """Call ``func`` on every worker with ``args``; return the result's register at once.
+
+        DRef arguments are replaced on each worker by that worker's register value;
+        other values (arrays included) are sent by value to every worker.
+        """
+        if isinstance(func, str):
+            func = self._get_cached_method(func)
+        return self._call(func, args)
+
+    def sync_worker_0(self) -> None:
+        """Wait until worker 0 has run every command so far; raise pending worker errors."""
+        self._send((Action.SYNC_WORKER, 0), [0])
+        self._recv(0)
+        self._raise_pending()
+
+    def copy_from_worker_0(self, host_array: np.ndarray, remote_array: DRef) -> None:
+        """Copy worker 0's ``remote_array`` into ``host_array`` (a synchronising call)."""
+        if not isinstance(remote_array, DRef):
+            raise TypeError(
+                f"copy_from_worker_0: remote_array must be a DRef, got {type(remote_array).__name__}"
+            )
+        host = as_array(host_array)
+        if not isinstance(host, np.ndarray):
+            raise TypeError("copy_from_worker_0: host_array must be a host (NumPy) array")
+        if not host.flags.writeable:
+            raise ValueError("copy_from_worker_0: host_array is read-only")
+        self._send((Action.COPY_FROM_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
+        self._recv(0)
+        self._raise_pending()
+
+    def copy_to_worker_0(self, host_array: Any, remote_array: DRef | None = None) -> DRef:
+        """Copy a host array into worker 0's ``remote_array`` (allocated when None).
+
+        Returns once worker 0 holds the data, so the host array may change afterwards.
+        """
+        host = as_array(host_array)
+        if remote_array is None:
+            remote_array = self.empty(host.shape, host.dtype, worker0_only=True)
+        elif not isinstance(remote_array, DRef):
+            raise TypeError(
+                f"copy_to_worker_0: remote_array must be a DRef, got {type(remote_array).__name__}"
+            )
+        self._send((Action.COPY_TO_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
+        self._recv(0)
+        return remote_array
+
+    def empty(
+        self,
+        shape: Sequence[int],
+        dtype: Any,
+        device: Device | str | None = None,
+        worker0_only: bool = False,
+        in_group: bool = True,
+    ) -> DRef:
+        """Allocate an uninitialised array on every worker (or only on group roots).
+
+        Parameters
+        ----------
+        shape, dtype
+            The array's shape and dtype (checked here).
+        device : Device, optional
+            Defaults to each worker's own device (its GPU once a GPU CCL is initialised).
+        worker0_only : bool
+            Allocate only on worker 0 (``in_group=False``) or on each group's first worker.
+        """
+        shape = as_shape(shape)
+        dt = as_dtype(dtype)
+        dev = as_device(device)
+        func = self._get_cached_method("disco.empty")
+        return self._call(func, (shape, dt.name, dev, bool(worker0_only), bool(in_group)))
+
+    def load_vm_module(
+        self, path: str | os.PathLike, device: Device | str | None = None
+    ) -> DModule:
+        """Load a module file on every worker through the module-loader plugins.
+
+        The loader is chosen by the file's suffix (``.py`` in the core, ``.pt2`` with torch).
+        """
+        self._check_open()
+        path = os.path.abspath(os.fspath(path))
+        suffix = os.path.splitext(path)[1]
+        plugins.lookup("loader", suffix)  # PluginNotFoundError here, not on the workers
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"load_vm_module: no such file: {path}")
+        func = self._get_cached_method("disco.load_module")
+        return self._call(func, (path, as_device(device)), DModule)
+
+    # ------------------------------------------------------------------ collectives
+    def init_ccl(self, ccl: str, *device_ids: int, **options: Any) -> None:
+        """Initialise the collective library ``ccl`` on every worker.
+
+        Parameters
+        ----------
+        ccl : str
+            A registered CCL: ``"shm"`` (core), ``"mpi"``, ``"nccl"``, ``"rccl"``, ...
+        *device_ids : int
+            The devices the workers bind to (GPU CCLs), as in TVM.
+        **options
+            CCL-specific options, e.g. ``timeout=`` (seconds) for ``shm``.
+        """
+        self._check_open()
+        if self._state["ccl"] is not None:
+            raise CCLError(f"a CCL ({self._state['ccl']!r}) is already initialised on this session")
+        cls = plugins.lookup("ccl", ccl)
+        ids = tuple(int(d) for d in device_ids)
+        rendezvous = cls.rendezvous(self._channel, ids, **options)
+        self._state["rendezvous"] = rendezvous
+        self._channel.on_worker_death(
+            lambda ids_, reason: rendezvous.abort(f"worker(s) {ids_} died: {reason}")
+        )
+        init = self._get_cached_method("disco.init_ccl")
+        self.call_packed(init, ccl, rendezvous.payload, ids, options)
+        try:
+            self._sync_all()
+        except WorkerError:
+            self._state["rendezvous"] = None
+            rendezvous.abort("init_ccl failed")
+            rendezvous.close()
+            raise
+        self._state["ccl"] = ccl
+
+    def _collective(self, name: str, *args: Any) -> None:
+        if self._state["ccl"] is None:
+            self._check_open()
+            raise CCLError(
+                f"{name}: no CCL is initialised; call session.init_ccl('shm') (or 'mpi', 'nccl') first"
+            )
+        self.call_packed(self._get_cached_method(f"disco.{name}"), *args)
+
+    def broadcast(self, src: Any, dst: DRef | None = None, in_group: bool = True) -> DRef:
+        """Send a host array to every worker; returns ``dst`` (allocated when None).
+
+        Every worker receives the same data whatever ``in_group`` says (with several
+        groups the data goes from worker 0 to all, so each group gets it).
+        """
+        host = as_array(src)
+        if dst is None:
+            dst = self.empty(host.shape, host.dtype)
+        src_ref = self.copy_to_worker_0(host)
+        self._collective("broadcast_from_worker0", src_ref, False, dst)
+        return dst
+
+    def broadcast_from_worker0(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
+        """Broadcast ``src`` of worker 0 (of each group's first worker if ``in_group``) into ``dst``."""
+        self._collective("broadcast_from_worker0", src, bool(in_group), dst)
+        return dst
+
+    def scatter(self, src: Any, dst: DRef | None = None, in_group: bool = True) -> DRef:
+        """Send ``src[w]`` of a host array to worker ``w``; returns ``dst``.
+
+        ``src.shape[0]`` must equal ``num_workers`` (with any number of groups).
+        """
+        host = as_array(src)
+        if host.ndim == 0 or host.shape[0] != self.num_workers:
+            raise ValueError(
+                f"scatter: the first dimension of src must be the number of workers "
+                f"({self.num_workers}), got shape {tuple(host.shape)}"
+            )
+        if dst is None:
+            dst = self.empty(host.shape[1:], host.dtype)
+        src_ref = self.copy_to_worker_0(host)
+        self._collective("scatter_from_worker0", src_ref, False, dst)
+        return dst
+
+    def scatter_from_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
+        """Split ``from_array`` of worker 0 (each group root) evenly into every worker's ``to_array``."""
+        self._collective("scatter_from_worker0", from_array, bool(in_group), to_array)
+
+    def gather_to_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
+        """Concatenate every worker's ``from_array`` into ``to_array`` of worker 0 (each group root)."""
+        self._collective("gather_to_worker0", from_array, bool(in_group), to_array)
+
+    def allreduce(self, src: DRef, dst: DRef, op: str = "sum", in_group: bool = True) -> DRef:
+        """Reduce ``src`` over the workers (or each group) into ``dst`` on all of them.
+
+        ``op`` is one of ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``.
+        """
+        if op not in REDUCE_OPS:
+            raise ValueError(
+                f"allreduce: unsupported op {op!r}; expected one of {', '.join(REDUCE_OPS)}"
+            )
+        self._collective("allreduce", src, op, bool(in_group), dst)
+        return dst
+
+    def allgather(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
+        """Concatenate every worker's ``src`` along the first axis into ``dst`` on all of them."""
+        self._collective("allgather", src, bool(in_group), dst)
+        return dst
+
+    # ------------------------------------------------------------------ debug + shutdown
+    def _debug_get(self, ref: DRef, worker_id: int) -> Any:
+        w = self._check_worker(worker_id)
+        self._send((Action.DEBUG_GET_FROM_REMOTE, ref.reg_id, w), [w])
+        value = self._recv(w)
+        self._raise_pending()
+        return value
+
+    def _debug_set(self, ref: DRef, worker_id: int, value: Any) -> None:
+        w = self._check_worker(worker_id)
+        if not isinstance(value, np.ndarray) and hasattr(value, "__dlpack__"):
+            value = np.array(as_array(value), copy=True)
+        self._send((Action.DEBUG_SET_REGISTER, ref.reg_id, w, value), [w])
+        self._recv(w)
+
+    def shutdown(self) -> None:
+        """Stop every worker and free everything; a second call does nothing."""
+        if self._state["closed"]:
+            return
+        with self._lock:
+            self._finalizer()
+            self._cache.clear()
+
+    @property
+    def is_closed(self) -> bool:
+        return bool(self._state["closed"])
+
+
+class ThreadedSession(Session):
+    """A session whose workers are all threads of the controller's process.
+
+    Parameters
+    ----------
+    num_workers : int
+        Number of workers.
+    num_groups : int
+        Number of worker groups; must divide ``num_workers``.
+    """
+
+    def __init__(self, num_workers: int, num_groups: int = 1) -> None:
+        check_session_shape(num_workers, num_groups)
+        super().__init__(
+            plugins.lookup("channel", "threaded")(num_workers=num_workers, num_groups=num_groups)
+        )
+
+
+class ProcessSession(Session):
+    """Worker 0 is a thread of the controller; workers 1..N-1 are child processes.
+
+    Parameters
+    ----------
+    num_workers : int
+        Number of workers.
+    num_groups : int
+        Number of worker groups; must divide ``num_workers``.
+    entrypoint : str
+        The module the children run as ``python -m <entrypoint>``; it must end by
+        calling :func:`disco_core.worker.main`.
+    """
+
+    def __init__(
+        self, num_workers: int, num_groups: int = 1, entrypoint: str = "disco_core.worker"
+    ) -> None:
+        check_session_shape(num_workers, num_groups)
+        if not isinstance(entrypoint, str) or not entrypoint:
+            raise TypeError("entrypoint must be a module name")
+        factory = plugins.lookup("channel", "process")
+        super().__init__(
+            factory(num_workers=num_workers, num_groups=num_groups, entrypoint=entrypoint)
+        )
+
+
+class SocketSession(Session):
+    """A session across machines (provided by the disco-socket plugin).
+
+    Parameters
+    ----------
+    num_nodes : int
+        Number of machines, the controller's included.
+    num_workers_per_node : int
+        Workers on each machine.
+    num_groups : int
+        Number of worker groups.
+    host, port
+        Where the controller listens for node agents (``disco-socket join HOST PORT``).
+    **options
+        Passed to the socket channel (token, ssl_context, timeout, ...).
+    """
+
+    def __init__(
+        self,
+        num_nodes: int,
+        num_workers_per_node: int,
+        num_groups: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        **options: Any,
+    ) -> None:
+        factory = plugins.lookup("channel", "socket")
+        check_session_shape(num_nodes * num_workers_per_node, num_groups)
+        super().__init__(
+            factory(
+                num_nodes=num_nodes,
+                num_workers_per_node=num_workers_per_node,
+                num_groups=num_groups,
+                host=host,
+                port=port,
+                **options,
+            )
+        )
+
+
+_ = WorkerDiedError  # re-exported for type checkers reading this module

@@ -1,0 +1,343 @@
+"""The worker: register file and command loop; ``python -m disco_core.worker``.
+
+The same :class:`Worker` runs in a thread of the controller's process (worker 0,
+and every worker of a ThreadedSession) and in child processes. User functions ask
+the worker they run on for its facts with :func:`current`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import registry
+from ..device import Device, as_array, to_host
+from ..errors import DiscoError, WorkerError
+from ..protocol import Action, FrameReader, RegRef, decode, encode, write_frame
+
+__all__ = ["WorkerContext", "Worker", "current", "MissingValue", "main"]
+
+_local = threading.local()
+
+
+@dataclass
+class WorkerContext:
+    """Facts about the worker a function runs on (``disco_core.worker.current()``).
+
+    Attributes
+    ----------
+    worker_id : int
+        Global id, 0 .. num_workers-1.
+    num_workers, num_groups : int
+        The session's shape.
+    device : Device
+        The worker's default device (``cpu:0``; a CCL such as nccl binds a GPU).
+    ccl : CCL or None
+        The collective library, once ``init_ccl`` ran.
+    """
+
+    worker_id: int
+    num_workers: int
+    num_groups: int
+    device: Device = field(default_factory=lambda: Device("cpu", 0))
+    ccl: Any = None
+    registers: dict = field(default_factory=dict, repr=False)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_workers // self.num_groups
+
+    @property
+    def group_id(self) -> int:
+        return self.worker_id // self.group_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within the worker's group."""
+        return self.worker_id % self.group_size
+
+    @property
+    def is_group_root(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def world_size(self) -> int:
+        return self.num_workers
+
+
+def current() -> WorkerContext:
+    """The context of the worker running the calling function.
+
+    Raises
+    ------
+    DiscoError
+        When called outside a worker (e.g. in the controller's own code).
+    """
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise DiscoError("disco_core.worker.current() called outside a Disco worker")
+    return ctx
+
+
+class MissingValue:
+    """Stands for an argument whose register holds no value.
+
+    Collective functions receive it instead of an exception, so that the worker still
+    takes part in the collective (every peer then raises the same error instead of
+    waiting for it).
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"MissingValue({self.reason!r})"
+
+
+class _Failed:
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+_ABSENT = object()
+
+
+class Worker:
+    """One worker: a register file and the interpreter of the command stream.
+
+    Parameters
+    ----------
+    worker_id, num_workers, num_groups : int
+        The worker's place in the session.
+    send : callable
+        ``send(message)`` delivers a message to the controller: ``("reply", value)``,
+        ``("fail", WorkerError)`` (a synchronous command failed) or
+        ``("error", WorkerError)`` (an asynchronous command failed).
+    """
+
+    def __init__(
+        self, worker_id: int, num_workers: int, num_groups: int, send: Callable[[tuple], None]
+    ) -> None:
+        self.ctx = WorkerContext(worker_id, num_workers, num_groups)
+        self.regs: dict[int, Any] = self.ctx.registers
+        self.send = send
+        self._names: dict[int, str] = {}  # register -> global function name, for messages
+
+    # -- registers --------------------------------------------------------------------
+    def get_reg(self, reg_id: int) -> Any:
+        value = self.regs.get(reg_id, _ABSENT)
+        if value is _ABSENT:
+            raise DiscoError(
+                f"register {reg_id} holds no value on worker {self.ctx.worker_id} "
+                "(never set on this worker, or already freed)"
+            )
+        if type(value) is _Failed:
+            raise DiscoError(
+                f"register {reg_id} holds no value on worker {self.ctx.worker_id}: {value.reason}"
+            )
+        return value
+
+    def _resolve(self, value: Any, lenient: bool) -> Any:
+        t = type(value)
+        if t is RegRef:
+            if not lenient:
+                return self.get_reg(value.reg_id)
+            try:
+                return self.get_reg(value.reg_id)
+            except DiscoError as exc:
+                return MissingValue(str(exc))
+        if t is tuple:
+            return tuple([self._resolve(v, lenient) for v in value])
+        if t is list:
+            return [self._resolve(v, lenient) for v in value]
+        if t is dict:
+            return {k: self._resolve(v, lenient) for k, v in value.items()}
+        return value
+
+    # -- the loop ----------------------------------------------------------------------
+    def run(self, next_command: Callable[[], tuple]) -> None:
+        """Execute commands from ``next_command()`` until a shutdown command."""
+        _local.ctx = self.ctx
+        try:
+            while self.execute(next_command()):
+                pass
+        finally:
+            _local.ctx = None
+
+    def execute(self, cmd: tuple) -> bool:
+        """Execute one command; return False after a shutdown command."""
+        action = cmd[0]
+        if action == Action.CALL_PACKED:
+            _, reg, func_reg, args = cmd
+            try:
+                func = self.get_reg(func_reg)
+                lenient = getattr(func, "_disco_collective", False)
+                args = self._resolve(args, lenient)
+                result = func(*args)
+                if reg:
+                    self.regs[reg] = result
+            except BaseException as exc:  # noqa: BLE001 - everything is reported
+                name = self._names.get(func_reg, f"register {func_reg}")
+                if reg:
+                    self.regs[reg] = _Failed(
+                        f"call_packed({name}) failed with {type(exc).__name__}: {exc}"
+                    )
+                self._report(exc, f"call_packed({name})")
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+        elif action == Action.KILL_REG:
+            pop = self.regs.pop
+            for reg in cmd[1]:
+                pop(reg, None)
+        elif action == Action.GET_GLOBAL_FUNC:
+            _, reg, name = cmd
+            fn = registry.get_global_func(name, allow_missing=True)
+            if fn is None:
+                self.regs[reg] = _Failed(registry.missing_message(name))
+                self._report(
+                    ValueError(registry.missing_message(name)),
+                    f"get_global_func({name!r})",
+                    tb=False,
+                )
+            else:
+                self.regs[reg] = fn
+                self._names[reg] = name
+        elif action == Action.SYNC_WORKER:
+            self.send(("reply", None))
+        elif action == Action.COPY_FROM_WORKER0:
+            _, reg, host = cmd
+            self._sync_op(lambda: _copy_into(host, self.get_reg(reg), "copy_from_worker_0"))
+        elif action == Action.COPY_TO_WORKER0:
+            _, reg, host = cmd
+            self._sync_op(lambda: _copy_into(self.get_reg(reg), host, "copy_to_worker_0"))
+        elif action == Action.DEBUG_GET_FROM_REMOTE:
+            self._sync_op(lambda: to_host(self.get_reg(cmd[1])))
+        elif action == Action.DEBUG_SET_REGISTER:
+            _, reg, _, value = cmd
+
+            def _set():
+                self.regs[reg] = value
+
+            self._sync_op(_set)
+        elif action == Action.SHUTDOWN:
+            self.close()
+            return False
+        else:
+            self._report(DiscoError(f"unknown command action {action!r}"), "protocol")
+        return True
+
+    def _sync_op(self, op: Callable[[], Any]) -> None:
+        try:
+            value = op()
+        except Exception as exc:
+            self.send(("fail", self._error(exc)))
+        else:
+            self.send(("reply", value))
+
+    def _error(self, exc: BaseException, where: str = "", tb: bool = True) -> WorkerError:
+        typ = type(exc)
+        name = (
+            typ.__qualname__
+            if typ.__module__ in ("builtins", "disco_core.errors")
+            else f"{typ.__module__}.{typ.__qualname__}"
+        )
+        text = traceback.format_exc() if tb else ""
+        msg = str(exc) if not where else f"{exc} (in {where})"
+        return WorkerError(self.ctx.worker_id, name, msg, text)
+
+    def _report(self, exc: BaseException, where: str, tb: bool = True) -> None:
+        self.send(("error", self._error(exc, where, tb)))
+
+    def close(self) -> None:
+        ccl, self.ctx.ccl = self.ctx.ccl, None
+        if ccl is not None:
+            try:
+                ccl.close()
+            except Exception:  # shutting down: nothing to report to
+                pass
+        self.regs.clear()
+
+
+def _copy_into(dst: Any, src: Any, what: str) -> None:
+    dst_arr, src_arr = as_array(dst), as_array(src)
+    if dst_arr.shape != src_arr.shape or dst_arr.dtype != src_arr.dtype:
+        raise ValueError(
+            f"{what}: shape/dtype mismatch: destination is {dst_arr.dtype}{list(dst_arr.shape)}, "
+            f"source is {src_arr.dtype}{list(src_arr.shape)}"
+        )
+    if isinstance(dst_arr, np.ndarray) and isinstance(src_arr, np.ndarray):
+        np.copyto(dst_arr, src_arr)
+    elif isinstance(dst_arr, np.ndarray):
+        dst_arr[...] = src_arr.get()
+    else:
+        dst_arr.set(src_arr) if isinstance(src_arr, np.ndarray) else dst_arr.__setitem__(
+            Ellipsis, src_arr
+        )
+
+
+# ------------------------------------------------------------------ process entry point
+def _watch_parent(parent: int) -> None:
+    # The command pipe's EOF ends an idle worker; this ends a busy one whose controller
+    # was killed (no child may outlive its session).
+    import time
+
+    while True:
+        time.sleep(0.25)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a worker process: ``python -m disco_core.worker --worker-id 1 ...``.
+
+    Normally started by :class:`~disco_core.ProcessSession`. A custom ``entrypoint``
+    module may do its own set-up and then call this function.
+    """
+    p = argparse.ArgumentParser(prog="python -m disco_core.worker", description=main.__doc__)
+    p.add_argument("--worker-id", type=int, required=True)
+    p.add_argument("--num-workers", type=int, required=True)
+    p.add_argument("--num-groups", type=int, default=1)
+    p.add_argument("--cmd-fd", type=int, required=True)
+    p.add_argument("--reply-fd", type=int, required=True)
+    args = p.parse_args(argv)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    extra_path = os.environ.get("DISCO_SYS_PATH")
+    if extra_path:
+        sys.path[:0] = [p for p in extra_path.split(os.pathsep) if p not in sys.path]
+    threading.Thread(
+        target=_watch_parent, args=(os.getppid(),), daemon=True, name="disco-parent-watch"
+    ).start()
+
+    reply_fd = args.reply_fd
+
+    def send(msg: tuple) -> None:
+        write_frame(reply_fd, encode(msg))
+
+    worker = Worker(args.worker_id, args.num_workers, args.num_groups, send)
+    reader = FrameReader(args.cmd_fd)
+    send(("ready", os.getpid()))
+
+    def next_command() -> tuple:
+        header, buffers, _ = reader.read()
+        return decode(header, buffers)
+
+    try:
+        worker.run(next_command)
+    except EOFError:
+        worker.close()  # the controller is gone
+    os._exit(0)
