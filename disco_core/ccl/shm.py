@@ -1,7 +1,580 @@
-"""Placeholder: the shared-memory CCL lands in its own change."""
+"""The ``shm`` CCL: collectives through shared memory on one machine.
 
-from .base import CCL
+Every worker maps one ``memfd`` segment made by the controller (no name in
+``/dev/shm``, so nothing is left behind even when everything crashes). Data moves
+worker to worker through it; the controller and the control pipes never see it.
+
+Segment layout::
+
+    header | per communicator (all workers; each group): bell, arrival counters,
+           |     2 x n descriptors, 2 x n data slots (double-buffered by round)
+           | per ordered worker pair: a mailbox (counters, header, data)
+
+Each collective runs in rounds of at most ``slot_bytes`` per member. In a round,
+members write their part, arrive (a counter only they write), and wait for the
+others' arrivals on a futex. The first round also carries every member's
+descriptor of its arguments, so mismatched calls fail on every member at once.
+
+Reduction order: ``allreduce`` combines contributions in rank order,
+``((x0 op x1) op x2) ...``, elementwise in the array's own dtype (NumPy ufuncs),
+so results are bit-identical to ``functools.reduce(ufunc, xs)`` in NumPy; ``avg``
+divides the sum by the member count and is defined for floating dtypes only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import CCLError, CCLTimeoutError
+from . import _futex, validate
+from .base import CCL, Rendezvous
+
+__all__ = ["ShmCCL", "ShmRendezvous", "Layout"]
+
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add}
+_LINE = 64
+_HEADER = 4096
+_ABORT_TEXT = 256  # header offset of the abort reason
+_DEFAULT_SLOT = 1 << 20
+_DEFAULT_MBOX = 1 << 20
+_DEFAULT_TIMEOUT = 300.0
 
 
-class ShmCCL(CCL):  # pragma: no cover - replaced by the real implementation
+def _align(n: int, a: int = 4096) -> int:
+    return (n + a - 1) // a * a
+
+
+class Layout:
+    """Offsets of everything in the segment (identical in every process)."""
+
+    def __init__(self, num_workers: int, num_groups: int, slot_bytes: int, mbox_bytes: int) -> None:
+        self.num_workers, self.num_groups = num_workers, num_groups
+        self.slot_bytes, self.mbox_bytes = slot_bytes, mbox_bytes
+        gsize = num_workers // num_groups
+        comms = [tuple(range(num_workers))]
+        if num_groups > 1:
+            comms += [tuple(range(g * gsize, (g + 1) * gsize)) for g in range(num_groups)]
+        self.comms = comms
+        off = _HEADER
+        self.comm_offsets = []
+        for members in comms:
+            n = len(members)
+            ctl = off
+            desc = ctl + _LINE * (1 + n)
+            data = _align(desc + 2 * n * validate.DESC_BYTES)
+            self.comm_offsets.append((ctl, desc, data))
+            off = data + 2 * n * slot_bytes
+        self.mbox_base = off
+        self.mbox_stride = _align(3 * _LINE + validate.DESC_BYTES + mbox_bytes)
+        self.size = off + num_workers * num_workers * self.mbox_stride
+
+    def mailbox(self, sender: int, receiver: int) -> int:
+        return self.mbox_base + (sender * self.num_workers + receiver) * self.mbox_stride
+
+
+class ShmRendezvous(Rendezvous):
+    """The controller's half: creates the segment, aborts waits, frees it at shutdown."""
+
+    def __init__(self, layout: Layout, options: dict) -> None:
+        self.layout = layout
+        self.fd = os.memfd_create("disco-shm", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, layout.size)
+        self.map = mmap.mmap(self.fd, layout.size)
+        super().__init__({"pid": os.getpid(), "fd": self.fd, "layout": layout, **options})
+
+    def abort(self, reason: str) -> None:
+        if self.map.closed:
+            return
+        text = reason.encode()[: _HEADER - _ABORT_TEXT - 1]
+        self.map[_ABORT_TEXT : _ABORT_TEXT + len(text) + 1] = text + b"\0"
+        words = memoryview(self.map).cast("i")
+        words[0] = 1
+        for ctl, _, _ in self.layout.comm_offsets:
+            words[ctl // 4] = words[ctl // 4] + 1
+            _futex.wake(_futex.address_of(self.map, ctl))
+        n = self.layout.num_workers
+        for s in range(n):
+            for r in range(n):
+                bell = self.layout.mailbox(s, r)
+                words[bell // 4] = words[bell // 4] + 1
+                _futex.wake(_futex.address_of(self.map, bell))
+        words.release()
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive; the fd close below frees it later
+            pass
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class _Comm:
+    """One communicator as seen by one member: its counters, descriptors and slots."""
+
+    def __init__(self, ccl: ShmCCL, index: int) -> None:
+        layout = ccl.layout
+        self.members = layout.comms[index]
+        self.n = len(self.members)
+        self.rank = self.members.index(ccl.ctx.worker_id)
+        ctl, desc, data = layout.comm_offsets[index]
+        self.bell = ctl // 4
+        self.bell_addr = ccl.base_addr + ctl
+        self.arrive = [(ctl + _LINE * (1 + i)) // 8 for i in range(self.n)]
+        self.desc_off = desc
+        self.data_off = data
+        self.slot = layout.slot_bytes
+        self.round = 0  # identical on every member: barriers so far
+        self.chunks = 0  # identical on every member: data rounds so far (buffer parity)
+        self.parity = 0
+
+
+class ShmCCL(CCL):
+    """Collectives through a shared-memory segment on one machine.
+
+    Options (``session.init_ccl("shm", timeout=..., slot_bytes=..., mailbox_bytes=...)``):
+
+    timeout : float
+        Seconds a collective waits for its peers before :class:`CCLTimeoutError`
+        (default 300, or ``DISCO_CCL_TIMEOUT``).
+    slot_bytes : int
+        Bytes each member moves per round (default 1 MiB).
+    mailbox_bytes : int
+        Size of each worker pair's point-to-point mailbox (default 1 MiB); a send
+        no larger than this returns without waiting for the receiver.
+    """
+
     name = "shm"
+
+    @classmethod
+    def rendezvous(
+        cls, channel: Any, device_ids: Sequence[int] = (), **options: Any
+    ) -> ShmRendezvous:
+        if getattr(channel, "num_nodes", 1) > 1 or not getattr(channel, "shares_memory", True):
+            raise CCLError(
+                "the 'shm' CCL needs every worker on one machine; this session spans "
+                f"{getattr(channel, 'num_nodes', '?')} nodes: use init_ccl('mpi') (pip install disco-mpi) "
+                "or init_ccl('nccl') (pip install disco-nccl)"
+            )
+        if not _futex.available():
+            raise CCLError(
+                "the 'shm' CCL needs Linux futexes (Linux on x86-64, aarch64, ppc64le or s390x)"
+            )
+        unknown = set(options) - {"timeout", "slot_bytes", "mailbox_bytes"}
+        if unknown:
+            raise TypeError(f"init_ccl('shm'): unknown options {sorted(unknown)}")
+        opts = {
+            "timeout": float(
+                options.get("timeout", os.environ.get("DISCO_CCL_TIMEOUT", _DEFAULT_TIMEOUT))
+            ),
+            "threads": getattr(channel, "kind", "") == "threaded",
+        }
+        slot = int(options.get("slot_bytes", _DEFAULT_SLOT))
+        mbox = int(options.get("mailbox_bytes", _DEFAULT_MBOX))
+        if slot < 4096 or mbox < 4096 or opts["timeout"] <= 0:
+            raise ValueError(
+                "init_ccl('shm'): slot_bytes and mailbox_bytes must be >= 4096, timeout > 0"
+            )
+        slot -= slot % 64
+        return ShmRendezvous(Layout(channel.num_workers, channel.num_groups, slot, mbox), opts)
+
+    def __init__(
+        self, ctx: Any, payload: dict, device_ids: Sequence[int] = (), **options: Any
+    ) -> None:
+        super().__init__(ctx, payload, device_ids)
+        self.layout: Layout = payload["layout"]
+        self.timeout = payload["timeout"]
+        self.spin = 0 if payload["threads"] else 64
+        fd = os.open(f"/proc/{payload['pid']}/fd/{payload['fd']}", os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, self.layout.size)
+        finally:
+            os.close(fd)
+        self.buf = np.frombuffer(self.map, dtype=np.uint8)
+        self.q = memoryview(self.map).cast("q")
+        self.i = memoryview(self.map).cast("i")
+        self.base_addr = _futex.address_of(self.map, 0)
+        self._stamp = 0
+        self.broken = ""
+        self._world_comm = _Comm(self, 0)
+        self._group_comm = (
+            self._world_comm if len(self.layout.comms) == 1 else _Comm(self, 1 + ctx.group_id)
+        )
+        me = ctx.worker_id
+        self._sent = [0] * self.layout.num_workers  # per receiver: chunks posted to its mailbox
+        self._recvd = [0] * self.layout.num_workers  # per sender: chunks consumed
+        self._me = me
+
+    # ------------------------------------------------------------------ waiting
+    def _ring(self, bell: int, addr: int) -> None:
+        self._stamp = (self._stamp + 1) & 0x3FFFFFF
+        self.i[bell] = (self._stamp << 5) | (self._me & 31)
+        _futex.wake(addr)
+
+    def _check_abort(self, what: str) -> None:
+        if self.i[0]:
+            reason = (
+                bytes(self.map[_ABORT_TEXT:_HEADER]).split(b"\0", 1)[0].decode(errors="replace")
+            )
+            self.broken = reason or "aborted"
+            raise CCLError(f"{what} aborted: {self.broken}")
+
+    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for) -> None:
+        """Wait until ``ready()``; sleep on the futex at ``addr`` between checks."""
+        if ready():
+            return
+        for _ in range(self.spin):
+            os.sched_yield()
+            if ready():
+                return
+        deadline = time.monotonic() + self.timeout
+        words = self.i
+        while True:
+            seen = words[bell]
+            if ready():
+                return
+            self._check_abort(what)
+            now = time.monotonic()
+            if now > deadline:
+                self.broken = f"{what} timed out"
+                raise CCLTimeoutError(
+                    f"{what}: waited {self.timeout:.0f} s for worker(s) {waiting_for()} "
+                    "(raise it with init_ccl('shm', timeout=...) or DISCO_CCL_TIMEOUT)"
+                )
+            _futex.wait(addr, seen, min(0.05, deadline - now))
+
+    def _barrier(self, comm: _Comm, what: str) -> None:
+        """Arrive at the end of this round and wait for every member."""
+        comm.round += 1
+        target = comm.round
+        q = self.q
+        q[comm.arrive[comm.rank]] = target
+        self._ring(comm.bell, comm.bell_addr)
+        arrive = comm.arrive
+
+        def ready() -> bool:
+            for idx in arrive:
+                if q[idx] < target:
+                    return False
+            return True
+
+        self._wait(
+            ready, comm.bell, comm.bell_addr, what,
+            lambda: [comm.members[k] for k, idx in enumerate(arrive) if q[idx] < target],
+        )  # fmt: skip
+
+    def _slots(self, comm: _Comm) -> np.ndarray:
+        """Start a data round: its slots, shape ``(n, slot_bytes)``.
+
+        Rounds alternate between two buffers, so a member that runs ahead into the
+        next round never overwrites data a slower member is still reading.
+        """
+        comm.parity = comm.chunks % 2
+        comm.chunks += 1
+        start = comm.data_off + comm.parity * comm.n * comm.slot
+        return self.buf[start : start + comm.n * comm.slot].reshape(comm.n, comm.slot)
+
+    def _exchange(self, comm: _Comm, desc: validate.Desc, op: str) -> None:
+        """Publish this member's descriptor, end the round, check everyone's."""
+        start = comm.desc_off + comm.parity * comm.n * validate.DESC_BYTES
+        mine = start + comm.rank * validate.DESC_BYTES
+        self.map[mine : mine + validate.DESC_BYTES] = validate.pack(desc)
+        self._barrier(comm, op.split(":")[0])
+        descs = [
+            validate.unpack(
+                self.map[start + k * validate.DESC_BYTES : start + (k + 1) * validate.DESC_BYTES]
+            )
+            for k in range(comm.n)
+        ]
+        validate.check(op, descs, comm.members)
+
+    def _comm(self, in_group: bool) -> _Comm:
+        if self.broken:
+            raise CCLError(
+                f"the shm CCL is unusable after an earlier failure ({self.broken}); start a new session"
+            )
+        return self._group_comm if in_group else self._world_comm
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, in_group: bool = False) -> None:
+        comm = self._comm(in_group)
+        self._slots(comm)
+        self._exchange(comm, validate.describe("barrier", None, None), "barrier")
+
+    def allreduce(self, src: Any, dst: Any, op: str, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        err = "" if op in _UFUNCS else f"unknown op {op!r}"
+        name = f"allreduce:{op}"
+        ufunc = _UFUNCS.get(op)
+        n, rank = comm.n, comm.rank
+        first = True
+        src_b = dst_b = None
+        total = 0
+        if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray) and not err:
+            src_c = np.ascontiguousarray(src)
+            src_b, total = validate.flat_bytes(src_c), src_c.nbytes
+            dst_b = validate.flat_bytes(dst) if dst.flags.c_contiguous else None
+        itemsize = src.dtype.itemsize if isinstance(src, np.ndarray) else 1
+        chunk = comm.slot - comm.slot % itemsize
+        off = 0
+        while first or off < total:
+            slots = self._slots(comm)
+            c = min(chunk, total - off)
+            if c > 0 and src_b is not None:
+                slots[rank, :c] = src_b[off : off + c]
+            if first:
+                self._exchange(comm, validate.describe(name, src, dst, error=err), name)
+                first = False
+            else:
+                self._barrier(comm, "allreduce")
+            if c > 0:
+                count = c // itemsize
+                lo = (count * rank // n) * itemsize
+                hi = (count * (rank + 1) // n) * itemsize
+                if hi > lo:
+                    acc = slots[0, lo:hi].view(src.dtype)
+                    for k in range(1, n):
+                        ufunc(acc, slots[k, lo:hi].view(src.dtype), out=acc)
+                    if op == "avg":
+                        np.true_divide(acc, n, out=acc, casting="unsafe")
+            self._barrier(comm, "allreduce")
+            if c > 0:
+                dst_b[off : off + c] = slots[0, :c]
+            off += c
+            if c <= 0:
+                break
+
+    def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        self._gather_like("allgather", comm, src, dst, to_all=True)
+
+    def gather(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        self._gather_like("gather", comm, src, dst, to_all=False)
+
+    def _gather_like(self, name: str, comm: _Comm, src: Any, dst: Any, to_all: bool) -> None:
+        rank, n = comm.rank, comm.n
+        receives = to_all or rank == 0
+        src_b = (
+            validate.flat_bytes(np.ascontiguousarray(src)) if isinstance(src, np.ndarray) else None
+        )
+        dst_b = None
+        if receives and isinstance(dst, np.ndarray) and dst.flags.c_contiguous:
+            dst_b = validate.flat_bytes(dst)
+        piece = src_b.nbytes if src_b is not None else 0
+        off, first = 0, True
+        while first or off < piece:
+            slots = self._slots(comm)
+            c = min(comm.slot, piece - off)
+            if c > 0:
+                slots[rank, :c] = src_b[off : off + c]
+            if first:
+                self._exchange(comm, validate.describe(name, src, dst if receives else None), name)
+                first = False
+            else:
+                self._barrier(comm, name)
+            if c > 0 and receives:
+                for k in range(n):
+                    dst_b[k * piece + off : k * piece + off + c] = slots[k, :c]
+            off += c
+            if c <= 0:
+                break
+
+    def broadcast(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        root = comm.rank == 0
+        src_b = (
+            validate.flat_bytes(np.ascontiguousarray(src))
+            if root and isinstance(src, np.ndarray)
+            else None
+        )
+        dst_b = (
+            validate.flat_bytes(dst)
+            if isinstance(dst, np.ndarray) and dst.flags.c_contiguous
+            else None
+        )
+        total = dst_b.nbytes if dst_b is not None else 0
+        cap = comm.n * comm.slot
+        off, first = 0, True
+        while first or off < total:
+            slots = self._slots(comm).reshape(-1)
+            c = min(cap, total - off)
+            if root and c > 0 and src_b is not None and src_b.nbytes == total:
+                slots[:c] = src_b[off : off + c]
+            if first:
+                self._exchange(
+                    comm, validate.describe("broadcast", src if root else None, dst), "broadcast"
+                )
+                first = False
+            else:
+                self._barrier(comm, "broadcast")
+            if c > 0:
+                if root:
+                    if src_b.ctypes.data != dst_b.ctypes.data:
+                        dst_b[off : off + c] = src_b[off : off + c]
+                else:
+                    dst_b[off : off + c] = slots[:c]
+            off += c
+            if c <= 0:
+                break
+
+    def scatter(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        root, n = comm.rank == 0, comm.n
+        src_b = (
+            validate.flat_bytes(np.ascontiguousarray(src))
+            if root and isinstance(src, np.ndarray)
+            else None
+        )
+        dst_b = (
+            validate.flat_bytes(dst)
+            if isinstance(dst, np.ndarray) and dst.flags.c_contiguous
+            else None
+        )
+        piece = dst_b.nbytes if dst_b is not None else 0
+        ok_src = src_b is not None and src_b.nbytes == n * piece
+        off, first = 0, True
+        while first or off < piece:
+            slots = self._slots(comm)
+            c = min(comm.slot, piece - off)
+            if root and c > 0 and ok_src:
+                for k in range(1, n):
+                    slots[k, :c] = src_b[k * piece + off : k * piece + off + c]
+            if first:
+                self._exchange(
+                    comm, validate.describe("scatter", src if root else None, dst), "scatter"
+                )
+                first = False
+            else:
+                self._barrier(comm, "scatter")
+            if c > 0:
+                if root:
+                    dst_b[off : off + c] = src_b[off : off + c]
+                else:
+                    dst_b[off : off + c] = slots[comm.rank, :c]
+            off += c
+            if c <= 0:
+                break
+
+    # ------------------------------------------------------------------ point to point
+    def _check_peer(self, peer: Any, what: str) -> int:
+        n = self.layout.num_workers
+        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
+            raise CCLError(f"{what}: the peer must be a worker id (int), got {peer!r}")
+        if not 0 <= peer < n:
+            raise CCLError(f"{what}: worker {peer} is out of range for {n} workers")
+        if peer == self._me:
+            raise CCLError(f"{what}: worker {peer} cannot send to or receive from itself")
+        return int(peer)
+
+    def _mbox(self, sender: int, receiver: int):
+        base = self.layout.mailbox(sender, receiver)
+        bell = base // 4
+        return (
+            bell,
+            self.base_addr + base,
+            (base + _LINE) // 8,
+            (base + 2 * _LINE) // 8,
+            base + 3 * _LINE,
+        )
+
+    def send(self, buf: Any, peer: int) -> None:
+        if self.broken:
+            self._comm(False)
+        peer = self._check_peer(peer, "send_to_worker")
+        bell, addr, sent_i, acked_i, head = self._mbox(self._me, peer)
+        data = head + validate.DESC_BYTES
+        desc = validate.describe("p2p", buf, None)
+        src_b = validate.flat_bytes(np.ascontiguousarray(buf)) if not desc.status else None
+        total = src_b.nbytes if src_b is not None else 0
+        cap = self.layout.mbox_bytes
+        q = self.q
+        off, first = 0, True
+        while first or off < total:
+            posted = self._sent[peer]
+            self._wait(
+                lambda posted=posted: q[acked_i] >= posted,
+                bell,
+                addr,
+                "send_to_worker",
+                lambda: [peer],
+            )
+            if first:
+                self.map[head : head + validate.DESC_BYTES] = validate.pack(desc)
+            c = min(cap, total - off)
+            if c > 0:
+                self.buf[data : data + c] = src_b[off : off + c]
+            self._sent[peer] = posted + 1
+            q[sent_i] = posted + 1
+            self._ring(bell, addr)
+            off += c
+            if first and desc.status:
+                raise CCLError(f"send_to_worker: {desc.error}")
+            first = False
+            if c <= 0:
+                break
+
+    def recv(self, buf: Any, peer: int) -> None:
+        if self.broken:
+            self._comm(False)
+        peer = self._check_peer(peer, "recv_from_worker")
+        bell, addr, sent_i, acked_i, head = self._mbox(peer, self._me)
+        data = head + validate.DESC_BYTES
+        q = self.q
+        mine = validate.describe("p2p", None, buf)
+        dst_b = validate.flat_bytes(buf) if not mine.status else None
+
+        def take() -> None:
+            got = self._recvd[peer]
+            self._wait(lambda: q[sent_i] > got, bell, addr, "recv_from_worker", lambda: [peer])
+
+        def done() -> None:
+            self._recvd[peer] += 1
+            q[acked_i] = self._recvd[peer]
+            self._ring(bell, addr)
+
+        take()
+        theirs = validate.unpack(self.map[head : head + validate.DESC_BYTES])
+        error = ""
+        if theirs.status:
+            error = f"worker {peer} failed to send: {theirs.error}"
+        elif mine.status:
+            error = mine.error
+        elif theirs.src[0] != mine.dst[0] or theirs.src[2] != mine.dst[2]:
+            error = (
+                f"worker {peer} sent {theirs.src[0]}{list(theirs.src[1])} but the receive buffer is "
+                f"{mine.dst[0]}{list(mine.dst[1])}"
+            )
+        total = 0 if theirs.status else theirs.src[2]
+        cap = self.layout.mbox_bytes
+        off, first = 0, True
+        while first or off < total:
+            if not first:
+                take()
+            c = min(cap, total - off)
+            if c > 0 and not error:
+                dst_b[off : off + c] = self.buf[data : data + c]
+            done()
+            off += c
+            first = False
+            if c <= 0:
+                break
+        if error:  # the whole message was drained, so the sender is free
+            raise CCLError(f"recv_from_worker: {error}")
+
+    def close(self) -> None:
+        self.q.release()
+        self.i.release()
+        self.buf = None
+        try:
+            self.map.close()
+        except BufferError:
+            pass

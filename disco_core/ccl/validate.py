@@ -1,0 +1,225 @@
+"""Descriptors of collective arguments, exchanged so every member agrees on errors.
+
+Before moving data, every member of a collective publishes a small fixed-size
+descriptor of its arguments (:func:`describe`); after exchanging them every member
+runs the same :func:`check` on the same descriptors and therefore raises the same
+:class:`~disco_core.errors.CCLError`, or none. Nobody waits for a peer that gave up.
+Any CCL can reuse this: the ``shm`` CCL exchanges descriptors through shared
+memory, an MPI CCL would allgather them.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CCLError
+from ..worker import MissingValue
+
+__all__ = ["Desc", "describe", "pack", "unpack", "check", "flat_bytes", "DESC_BYTES", "MAX_NDIM"]
+
+MAX_NDIM = 8
+_FMT = struct.Struct("<ii q 32s q i 16s 8q q i 16s 8q q 120s")
+DESC_BYTES = 512
+assert _FMT.size <= DESC_BYTES
+
+
+@dataclass
+class Desc:
+    """What one member passed to a collective."""
+
+    status: int  # 0: fine; 1: this member found an error (see ``error``)
+    error: str
+    op: str  # "allreduce:sum", "allgather", ... (must agree across members)
+    extra: int  # op-specific (peer id, ...)
+    src: tuple | None  # (dtype name, shape, nbytes) or None when absent
+    dst: tuple | None
+
+
+def _array_info(x: Any, name: str) -> tuple[tuple | None, str]:
+    if x is None:
+        return None, ""
+    if isinstance(x, MissingValue):
+        return None, f"{name}: {x.reason}"
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+            try:
+                shape, dtype, nbytes = tuple(x.shape), np.dtype(x.dtype), x.nbytes
+            except Exception:
+                return None, f"{name}: cannot read the array's shape and dtype"
+            return (dtype.name, shape, nbytes), ""
+        return None, f"{name} must be an array, got {type(x).__name__}"
+    if x.ndim > MAX_NDIM:
+        return None, f"{name} has {x.ndim} dimensions; collectives support at most {MAX_NDIM}"
+    return (x.dtype.name, tuple(x.shape), x.nbytes), ""
+
+
+def describe(op: str, src: Any, dst: Any, extra: int = 0, error: str = "") -> Desc:
+    """Describe one member's arguments; ``error`` is a problem the member found itself."""
+    src_info, e1 = _array_info(src, "src")
+    dst_info, e2 = _array_info(dst, "dst")
+    if not error:
+        error = e1 or e2
+    if not error and isinstance(dst, np.ndarray) and not dst.flags.c_contiguous:
+        error = "dst must be a C-contiguous array"
+    if not error and isinstance(dst, np.ndarray) and not dst.flags.writeable:
+        error = "dst is read-only"
+    return Desc(1 if error else 0, error, op, extra, src_info, dst_info)
+
+
+def _pack_arr(info: tuple | None) -> tuple:
+    if info is None:
+        return (-1, b"", *([0] * MAX_NDIM), 0)
+    dtype, shape, nbytes = info
+    return (len(shape), dtype.encode()[:16], *shape, *([0] * (MAX_NDIM - len(shape))), nbytes)
+
+
+def pack(d: Desc) -> bytes:
+    s = _pack_arr(d.src)
+    t = _pack_arr(d.dst)
+    return _FMT.pack(
+        d.status, 0, d.extra, d.op.encode()[:32], 0,
+        s[0], s[1], *s[2:2 + MAX_NDIM], s[-1],
+        t[0], t[1], *t[2:2 + MAX_NDIM], t[-1],
+        d.error.encode()[:120],
+    ).ljust(DESC_BYTES, b"\0")  # fmt: skip
+
+
+def unpack(raw: bytes | memoryview) -> Desc:
+    v = _FMT.unpack_from(raw)
+    status, _, extra, op, _ = v[:5]
+
+    def arr(i: int) -> tuple | None:
+        ndim, dtype = v[i], v[i + 1]
+        if ndim < 0:
+            return None
+        shape = tuple(v[i + 2 : i + 2 + ndim])
+        return (dtype.rstrip(b"\0").decode(), shape, v[i + 2 + MAX_NDIM])
+
+    src = arr(5)
+    dst = arr(5 + 3 + MAX_NDIM)
+    err = v[-1].rstrip(b"\0").decode(errors="replace")
+    return Desc(status, err, op.rstrip(b"\0").decode(), extra, src, dst)
+
+
+def _fmt(info: tuple | None) -> str:
+    return "nothing" if info is None else f"{info[0]}{list(info[1])}"
+
+
+def check(op: str, descs: Sequence[Desc], members: Sequence[int]) -> None:
+    """Raise the same :class:`CCLError` on every member when the call is inconsistent.
+
+    ``descs[i]`` belongs to global worker ``members[i]``; ``members[0]`` is the root.
+    """
+    name = op.split(":")[0]
+    for w, d in zip(members, descs):
+        if d.op != op:
+            raise CCLError(
+                f"{name}: collective mismatch: worker {members[0]} called {descs[0].op}, worker {w} called {d.op}"
+            )
+    bad = [(w, d.error) for w, d in zip(members, descs) if d.status]
+    if bad:
+        text = "; ".join(f"worker {w}: {e}" for w, e in bad[:4])
+        raise CCLError(f"{name} failed: {text}")
+    n = len(members)
+    root = descs[0]
+
+    def same(attr: str, what: str, sel=lambda i: i) -> None:
+        ref = sel(getattr(root, attr))
+        for w, d in zip(members, descs):
+            if sel(getattr(d, attr)) != ref:
+                raise CCLError(
+                    f"{name}: {what} differ across workers: worker {members[0]} has "
+                    f"{_fmt(getattr(root, attr))}, worker {w} has {_fmt(getattr(d, attr))}"
+                )
+
+    def need(cond: bool, text: str) -> None:
+        if not cond:
+            raise CCLError(f"{name}: {text}")
+
+    def dtype_size(info):
+        return None if info is None else (info[0], info[2])
+
+    if name == "barrier":
+        return
+    if name == "allreduce":
+        for w, d in zip(members, descs):
+            need(d.src is not None and d.dst is not None, f"worker {w} passed no src or dst array")
+            need(
+                d.src[:2] == d.dst[:2],
+                f"worker {w}: dst {_fmt(d.dst)} does not match src {_fmt(d.src)}",
+            )
+        same("src", "src arrays")
+        kind = np.dtype(_dtype(root.src[0])).kind
+        if op.endswith(":avg"):
+            need(
+                kind in "fc" or root.src[0] in ("bfloat16",),
+                f"op 'avg' needs a floating dtype, got {root.src[0]} (use 'sum' and divide)",
+            )
+        return
+    if name == "allgather":
+        for w, d in zip(members, descs):
+            need(d.src is not None and d.dst is not None, f"worker {w} passed no src or dst array")
+            need(
+                d.src[0] == d.dst[0],
+                f"worker {w}: dst dtype {d.dst[0]} differs from src dtype {d.src[0]}",
+            )
+            need(
+                d.dst[2] == n * d.src[2],
+                f"worker {w}: dst {_fmt(d.dst)} must hold {n} x src {_fmt(d.src)}",
+            )
+        same("src", "src arrays")
+        return
+    if name == "broadcast":
+        need(root.src is not None, f"worker {members[0]} (the root) passed no src array")
+        for w, d in zip(members, descs):
+            need(d.dst is not None, f"worker {w} passed no dst array")
+            need(
+                dtype_size(d.dst) == dtype_size(root.src),
+                f"worker {w}: dst {_fmt(d.dst)} does not match the root's src {_fmt(root.src)}",
+            )
+        return
+    if name == "scatter":
+        need(root.src is not None, f"worker {members[0]} (the root) passed no src array")
+        for w, d in zip(members, descs):
+            need(d.dst is not None, f"worker {w} passed no dst array")
+            need(
+                d.dst[0] == root.src[0],
+                f"worker {w}: dst dtype {d.dst[0]} differs from the root's src dtype {root.src[0]}",
+            )
+        same("dst", "dst arrays", lambda i: i and (i[0], i[2]))
+        need(
+            root.src[2] == n * root.dst[2],
+            f"the root's src {_fmt(root.src)} must split into {n} pieces of dst {_fmt(root.dst)} (size not divisible or wrong)",
+        )
+        return
+    if name == "gather":
+        need(root.dst is not None, f"worker {members[0]} (the root) passed no dst array")
+        for w, d in zip(members, descs):
+            need(d.src is not None, f"worker {w} passed no src array")
+            need(
+                d.src[0] == root.dst[0],
+                f"worker {w}: src dtype {d.src[0]} differs from the root's dst dtype {root.dst[0]}",
+            )
+        same("src", "src arrays", lambda i: i and (i[0], i[2]))
+        need(
+            root.dst[2] == n * root.src[2],
+            f"the root's dst {_fmt(root.dst)} must hold {n} x src {_fmt(root.src)}",
+        )
+        return
+    raise CCLError(f"unknown collective {op!r}")
+
+
+def _dtype(name: str) -> np.dtype:
+    from ..device import as_dtype
+
+    return as_dtype(name)
+
+
+def flat_bytes(arr: np.ndarray) -> np.ndarray:
+    """A flat ``uint8`` view of a C-contiguous array (no copy)."""
+    return arr.reshape(-1).view(np.uint8)
