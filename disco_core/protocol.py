@@ -171,41 +171,67 @@ def _write_all(fd: int, data: Any) -> None:
 class FrameReader:
     """Reads frames from a blocking file descriptor.
 
-    Small reads are buffered; out-of-band buffers are read straight into freshly
-    allocated, writable memory (``bytearray``), which becomes the arrays' storage.
+    Headers are read in large chunks (several frames may arrive in one read, so
+    :meth:`has_buffered` tells a ``select`` loop to keep parsing); out-of-band
+    buffers are read straight into freshly allocated, writable memory
+    (``bytearray``), which becomes the arrays' storage.
     """
+
+    _CHUNK = 1 << 16
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.file = os.fdopen(fd, "rb", buffering=1 << 16, closefd=False)
+        self.buf = bytearray()
+        self.pos = 0
+
+    def has_buffered(self) -> bool:
+        """True when bytes of a further frame are already buffered."""
+        return self.pos < len(self.buf)
+
+    def _fill(self, need: int) -> None:
+        avail = len(self.buf) - self.pos
+        if avail >= need:
+            return
+        if self.pos:
+            del self.buf[: self.pos]
+            self.pos = 0
+        while len(self.buf) < need:
+            chunk = os.read(self.fd, max(self._CHUNK, need - len(self.buf)))
+            if not chunk:
+                raise EOFError("peer closed the stream")
+            self.buf += chunk
+
+    def _take(self, n: int) -> bytes:
+        self._fill(n)
+        data = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return data
 
     def read(self) -> tuple[bytes, list, int]:
         """Return ``(header, buffers, flags)``; raise ``EOFError`` when the peer is gone."""
-        prefix = self._exact(_PREFIX.size)
-        hlen, nbuf, flags = _PREFIX.unpack(prefix)
-        lens = [_LEN.unpack(self._exact(8))[0] for _ in range(nbuf)]
+        hlen, nbuf, flags = _PREFIX.unpack(self._take(_PREFIX.size))
+        lens = struct.unpack(f"<{nbuf}Q", self._take(8 * nbuf)) if nbuf else ()
         if hlen > MAX_FRAME_BYTES or sum(lens) > MAX_FRAME_BYTES:
             raise EOFError(f"corrupt frame: declared size {hlen + sum(lens)} bytes")
-        header = self._exact(hlen)
-        buffers = []
-        for n in lens:
-            buf = bytearray(n)
-            if n and self.file.readinto(buf) != n:
-                raise EOFError("peer closed the stream in the middle of a frame")
-            buffers.append(buf)
-        return header, buffers, flags
+        header = self._take(hlen)
+        return header, [self._read_buffer(n) for n in lens], flags
 
-    def _exact(self, n: int) -> bytes:
-        data = self.file.read(n)
-        if data is None or len(data) != n:
-            raise EOFError("peer closed the stream")
-        return data
+    def _read_buffer(self, n: int) -> bytearray:
+        out = bytearray(n)
+        have = min(n, len(self.buf) - self.pos)
+        if have:
+            out[:have] = self.buf[self.pos : self.pos + have]
+            self.pos += have
+        view = memoryview(out)
+        while have < n:
+            got = os.readv(self.fd, [view[have:]])
+            if not got:
+                raise EOFError("peer closed the stream in the middle of a frame")
+            have += got
+        return out
 
     def close(self) -> None:
-        try:
-            self.file.close()
-        except OSError:
-            pass
+        self.buf = bytearray()
 
 
 def read_frame(fd: int) -> tuple[bytes, list, int]:  # convenience for one-off reads

@@ -139,8 +139,11 @@ class ReplyReader(threading.Thread):
             for key, _ in self.selector.select():
                 link: ProcessWorkerLink = key.data
                 try:
-                    header, buffers, _ = link.reader.read()
-                    msg = decode(header, buffers)
+                    while True:  # every frame already buffered, not just the first
+                        header, buffers, _ = link.reader.read()
+                        self.hub.deliver(link.worker_ids[0], decode(header, buffers))
+                        if not link.reader.has_buffered():
+                            break
                 except (EOFError, OSError):
                     self.selector.unregister(key.fd)
                     link.reader.close()
@@ -154,7 +157,6 @@ class ReplyReader(threading.Thread):
                         link.dead_reason = reason
                         self.hub.mark_dead(link.worker_ids, reason)
                     continue
-                self.hub.deliver(link.worker_ids[0], msg)
         self.selector.close()
 
 

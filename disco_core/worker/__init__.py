@@ -24,7 +24,7 @@ from ..device import Device, as_array, to_host
 from ..errors import DiscoError, WorkerError
 from ..protocol import Action, FrameReader, RegRef, decode, encode, write_frame
 
-__all__ = ["WorkerContext", "Worker", "current", "MissingValue", "main"]
+__all__ = ["WorkerContext", "Worker", "current", "set_current", "MissingValue", "main"]
 
 _local = threading.local()
 
@@ -87,6 +87,13 @@ def current() -> WorkerContext:
     if ctx is None:
         raise DiscoError("disco_core.worker.current() called outside a Disco worker")
     return ctx
+
+
+def set_current(ctx: WorkerContext | None) -> WorkerContext | None:
+    """Make ``ctx`` the calling thread's worker context; return the previous one."""
+    previous = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    return previous
 
 
 class MissingValue:

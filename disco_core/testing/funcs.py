@@ -1,0 +1,204 @@
+"""Worker-side functions used by the conformance kits (``testing.*`` global functions).
+
+The kits call ``session.import_python_module("disco_core.testing.funcs")`` so that
+every worker, in whatever process or machine it runs, registers these names.
+
+The functions that end a worker (``testing.die``) take the controller's pid and
+refuse to act in that process, so that a mistake can never take the test run down
+with it (worker 0 always lives in the controller's process).
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import os
+import signal
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ..registry import register_func
+from ..worker import current
+
+__all__ = ["DLPackOnly", "describe"]
+
+
+def _reg(name: str):
+    def deco(func):
+        register_func(f"testing.{name}", func, override=True)
+        return func
+
+    return deco
+
+
+@_reg("echo")
+def echo(value: Any) -> Any:
+    """Return the argument itself (its register then holds it)."""
+    return value
+
+
+@_reg("echo_args")
+def echo_args(*args: Any) -> tuple:
+    """Return every argument as a tuple."""
+    return args
+
+
+def describe(value: Any) -> Any:
+    """The type structure of ``value``, as plain strings (tuples and lists kept)."""
+    if type(value) is tuple:
+        return tuple(describe(v) for v in value)
+    if type(value) is list:
+        return [describe(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return f"ndarray[{value.dtype}]{list(value.shape)}"
+    return type(value).__name__
+
+
+@_reg("describe")
+def describe_args(*args: Any) -> Any:
+    """``describe`` of every argument, as the worker received them."""
+    return describe(args)
+
+
+@_reg("add")
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+@_reg("context")
+def context() -> dict:
+    """The facts ``disco_core.worker.current()`` gives a user function."""
+    ctx = current()
+    return {
+        "worker_id": ctx.worker_id,
+        "num_workers": ctx.num_workers,
+        "num_groups": ctx.num_groups,
+        "group_id": ctx.group_id,
+        "world_size": ctx.world_size,
+        "device": str(ctx.device),
+        "pid": os.getpid(),
+    }
+
+
+@_reg("pid")
+def pid() -> int:
+    return os.getpid()
+
+
+@_reg("mutate")
+def mutate(arr: np.ndarray) -> np.ndarray:
+    """Add ``worker_id + 1`` to ``arr`` in place and return it."""
+    arr += current().worker_id + 1
+    return arr
+
+
+@_reg("fill")
+def fill(arr: Any, value: Any) -> None:
+    """Set every element of ``arr`` (a register's array) to ``value``, in place."""
+    arr[...] = value
+
+
+@_reg("arange")
+def arange(n: int, dtype: str = "float32") -> np.ndarray:
+    """``arange(n) * (worker_id + 1)``: a different array on every worker."""
+    return np.arange(n, dtype=dtype) * (current().worker_id + 1)
+
+
+@_reg("checksum")
+def checksum(arr: np.ndarray) -> tuple:
+    """``(shape, dtype, crc32 of the bytes)``, to compare large arrays cheaply."""
+    a = np.ascontiguousarray(arr)
+    return (tuple(a.shape), a.dtype.str, zlib.crc32(a.view(np.uint8).reshape(-1)))
+
+
+@_reg("new_list")
+def new_list() -> list:
+    return []
+
+
+@_reg("append")
+def append(lst: list, item: Any) -> int:
+    """Append to a list held in a register (in place); return its new length."""
+    lst.append(item)
+    return len(lst)
+
+
+@_reg("make_dict")
+def make_dict() -> dict:
+    ctx = current()
+    return {"worker": ctx.worker_id, "nested": [1, (2, 3)], "text": "é"}
+
+
+@_reg("raise")
+def raise_(exc_type: str = "ValueError", message: str = "raised on purpose") -> None:
+    """Raise ``builtins.<exc_type>(message)`` on every worker."""
+    raise getattr(builtins, exc_type)(message)
+
+
+@_reg("raise_on")
+def raise_on(
+    worker_id: int, exc_type: str = "ValueError", message: str = "raised on purpose"
+) -> int:
+    """Raise on one worker only; return the worker id elsewhere."""
+    me = current().worker_id
+    if me == worker_id:
+        raise getattr(builtins, exc_type)(f"{message} (worker {me})")
+    return me
+
+
+@_reg("sleep")
+def sleep(seconds: float, only_worker: int | None = None) -> None:
+    """Sleep (on every worker, or on ``only_worker``)."""
+    if only_worker is None or current().worker_id == only_worker:
+        time.sleep(seconds)
+
+
+@_reg("unpicklable")
+def unpicklable() -> Any:
+    """A value that cannot cross a process boundary."""
+    import threading
+
+    return threading.Lock()
+
+
+@_reg("die")
+def die(mode: str, worker_id: int, controller_pid: int, delay: float = 0.0) -> None:
+    """End worker ``worker_id``'s process: ``mode`` is ``"exit"``, ``"sigkill"`` or ``"segfault"``.
+
+    Does nothing on other workers, and refuses to act in the controller's process.
+    """
+    me = current().worker_id
+    if me != worker_id:
+        return
+    if os.getpid() == controller_pid:
+        raise RuntimeError(
+            f"testing.die: worker {me} runs in the controller's process; refusing to end it"
+        )
+    if delay:
+        time.sleep(delay)
+    if mode == "exit":
+        os._exit(17)
+    elif mode == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)
+    elif mode == "segfault":
+        ctypes.string_at(0)
+        os._exit(99)  # not reached
+    else:
+        raise ValueError(f"testing.die: unknown mode {mode!r}")
+
+
+class DLPackOnly:
+    """An array known only through ``__dlpack__`` (stands for a torch tensor)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._array.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._array.__dlpack_device__()
