@@ -15,6 +15,8 @@ Frame layout on a byte stream (all little endian)::
 
 from __future__ import annotations
 
+import collections
+import copyreg
 import enum
 import io
 import os
@@ -36,6 +38,11 @@ __all__ = [
     "read_frame",
     "FrameReader",
     "OOB_THRESHOLD",
+    "FLAG_BATCH",
+    "frame_head",
+    "write_all",
+    "register_ref_type",
+    "isolate_command",
 ]
 
 #: Buffers at least this large travel out of band (never copied into the pickle).
@@ -61,6 +68,11 @@ class Action(enum.IntEnum):
     DEBUG_SET_REGISTER = 8
 
 
+# Plain ints for the hot path (an IntEnum is slower to compare and to pickle).
+SHUTDOWN, KILL_REG, GET_GLOBAL_FUNC, CALL_PACKED, SYNC_WORKER = 0, 1, 2, 3, 4
+COPY_FROM_WORKER0, COPY_TO_WORKER0, DEBUG_GET_FROM_REMOTE, DEBUG_SET_REGISTER = 5, 6, 7, 8
+
+
 class RegRef:
     """A register named inside a command; the worker replaces it by the register's value."""
 
@@ -79,24 +91,28 @@ class RegRef:
 Frame = tuple[bytes, list]  # (header, out-of-band buffers)
 
 
-def _is_dref(obj: Any) -> bool:
-    return getattr(type(obj), "_disco_dref", False)
+#: Handle types (DRef and subclasses) pickled as the register they name.
+_REF_TYPES: set[type] = set()
+_DISPATCH = collections.ChainMap({}, copyreg.dispatch_table)
+
+#: ``flags`` bit of a frame holding a tuple of commands rather than one.
+FLAG_BATCH = 1
 
 
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any):
-        if _is_dref(obj):
-            return obj.reg_id
-        return None
+def _reduce_ref(obj: Any):
+    return (RegRef, (obj.reg_id,))
 
 
-class _Unpickler(pickle.Unpickler):
-    def persistent_load(self, pid: Any) -> RegRef:
-        return RegRef(pid)
+def register_ref_type(cls: type) -> type:
+    """Make ``cls`` (a handle with ``reg_id``) travel as a :class:`RegRef`."""
+    _REF_TYPES.add(cls)
+    _SHARED_TYPES.add(cls)
+    _DISPATCH.maps[0][cls] = _reduce_ref
+    return cls
 
 
 def encode(obj: Any) -> Frame:
-    """Serialise ``obj``; DRefs become :class:`RegRef`; large buffers stay out of band."""
+    """Serialise ``obj``; handles become :class:`RegRef`; large buffers stay out of band."""
     buffers: list = []
 
     def keep(pb: pickle.PickleBuffer) -> bool:
@@ -107,16 +123,35 @@ def encode(obj: Any) -> Frame:
         return False
 
     f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
+    p = pickle.Pickler(f, protocol=5, buffer_callback=keep)
+    p.dispatch_table = _DISPATCH  # consulted only for non-builtin types: ints and tuples stay fast
+    p.dump(obj)
     return f.getvalue(), buffers
 
 
 def decode(header: bytes | bytearray | memoryview, buffers: Sequence[Any] = ()) -> Any:
     """Inverse of :func:`encode`; out-of-band buffers become the arrays' memory."""
-    return _Unpickler(io.BytesIO(header), buffers=buffers).load()
+    return pickle.loads(header, buffers=buffers)
 
 
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), np.dtype, np.generic, RegRef)
+
+
+_SHARED_TYPES = {int, float, complex, bool, str, bytes, type(None), RegRef}
+
+
+def isolate_command(cmd: tuple) -> tuple:
+    """:func:`isolate` the values of a command (the other fields are ints and strs)."""
+    action = cmd[0]
+    if action == CALL_PACKED:
+        shared = _SHARED_TYPES
+        for v in cmd[3]:
+            if type(v) not in shared:
+                return (action, cmd[1], cmd[2], isolate(cmd[3]))
+        return cmd
+    if action == DEBUG_SET_REGISTER:
+        return (action, cmd[1], cmd[2], isolate(cmd[3]))
+    return cmd
 
 
 def isolate(value: Any) -> Any:
@@ -133,8 +168,8 @@ def isolate(value: Any) -> Any:
         return tuple([isolate(v) for v in value])
     if t is list:
         return [isolate(v) for v in value]
-    if _is_dref(value):
-        return RegRef(value.reg_id)
+    if t in _REF_TYPES:
+        return value  # handles are resolved by the worker, like RegRef
     if t is np.ndarray:
         return value.copy()
     if getattr(t, "__module__", "").startswith("disco_core.device"):
@@ -145,19 +180,22 @@ def isolate(value: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- framing
+def frame_head(frame: Frame, flags: int = 0) -> bytes:
+    """The bytes of a frame before its out-of-band buffers (prefix, lengths, header)."""
+    header, buffers = frame
+    lens = b"".join(_LEN.pack(m.nbytes) for m in buffers)
+    return _PREFIX.pack(len(header), len(buffers), flags) + lens + header
+
+
 def write_frame(fd: int, frame: Frame, flags: int = 0) -> None:
     """Write one frame to a blocking file descriptor; buffers are written in place."""
-    header, buffers = frame
-    lens = [m.nbytes for m in buffers]
-    head = (
-        _PREFIX.pack(len(header), len(lens), flags) + b"".join(_LEN.pack(n) for n in lens) + header
-    )
-    _write_all(fd, head)
-    for m in buffers:
-        _write_all(fd, m)
+    write_all(fd, frame_head(frame, flags))
+    for m in frame[1]:
+        write_all(fd, m)
 
 
-def _write_all(fd: int, data: Any) -> None:
+def write_all(fd: int, data: Any) -> None:
+    """Write all of ``data`` (any buffer) to a blocking file descriptor, without copying it."""
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     n = os.write(fd, view)
     total = len(view)

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 
 from . import plugins, registry
+from . import protocol as P
 from .ccl.base import REDUCE_OPS
 from .channels.base import Channel, Outgoing
 from .device import Device, as_array, as_device, as_dtype, as_shape
 from .errors import CCLError, DiscoError, SessionClosedError, WorkerDiedError, WorkerError
-from .protocol import Action
+from .protocol import register_ref_type
 
 __all__ = [
     "Session",
@@ -44,7 +45,6 @@ class DRef:
     Dropping the last reference frees the register on every worker.
     """
 
-    _disco_dref = True
     __slots__ = ("session", "reg_id", "__weakref__")
 
     def __init__(self, session: Session, reg_id: int) -> None:
@@ -76,6 +76,9 @@ class DRef:
         )
 
 
+register_ref_type(DRef)
+
+
 class DPackedFunc(DRef):
     """A function in a register on every worker; calling it is ``session.call_packed(self, *args)``."""
 
@@ -98,6 +101,10 @@ class DModule(DRef):
         return session._call(getter, (self, name), DPackedFunc)
 
 
+register_ref_type(DPackedFunc)
+register_ref_type(DModule)
+
+
 def check_session_shape(num_workers: Any, num_groups: Any) -> None:
     """Validate ``num_workers`` and ``num_groups`` with a clear error."""
     for name, value in (("num_workers", num_workers), ("num_groups", num_groups)):
@@ -118,7 +125,7 @@ def _close_channel(channel: Channel, state: dict) -> None:
         return
     state["closed"] = True
     try:
-        channel.send(Outgoing((Action.SHUTDOWN,)))
+        channel.send(Outgoing((P.SHUTDOWN,)))
     except Exception:  # dead workers: close() still reaps them
         pass
     rendezvous = state.get("rendezvous")
@@ -205,13 +212,15 @@ class Session:
         channel = self._channel
         with self._lock:
             released = self._released
-            if released:
+            if released and workers is None:
                 ids = []
                 while released:
                     ids.append(released.popleft())
-                channel.send(Outgoing((Action.KILL_REG, tuple(ids))))
+                # The kill rides in the same frame as the command: one write, not two.
+                channel.send(Outgoing((P.KILL_REG, tuple(ids)), cmd, by_reference=by_reference))
                 self._free_regs.extend(ids)
-            channel.send(Outgoing(cmd, by_reference), workers)
+                return
+            channel.send(Outgoing(cmd, by_reference=by_reference), workers)
 
     def _call(self, func: DRef, args: tuple, cls: type = DRef) -> Any:
         if self._state["closed"]:
@@ -224,7 +233,7 @@ class Session:
         with self._lock:
             reg = self._alloc()
             try:
-                self._send((Action.CALL_PACKED, reg, func.reg_id, args))
+                self._send((P.CALL_PACKED, reg, func.reg_id, args))
             except (DiscoError, OSError):
                 self._free_regs.append(reg)
                 raise
@@ -245,7 +254,7 @@ class Session:
         # Rare path: let every worker catch up, so that one WorkerError reports every
         # worker's failure of the same command, and none surfaces later at random.
         for w in range(self.num_workers):
-            self._send((Action.SYNC_WORKER, w), [w])
+            self._send((P.SYNC_WORKER, w), [w])
         for w in range(self.num_workers):
             try:
                 self._recv(w)
@@ -280,7 +289,7 @@ class Session:
     def _sync_all(self) -> None:
         """Wait until every worker has run every command so far; raise their errors."""
         for w in range(self.num_workers):
-            self._send((Action.SYNC_WORKER, w), [w])
+            self._send((P.SYNC_WORKER, w), [w])
         for w in range(self.num_workers):
             self._recv(w)
         self._raise_pending()
@@ -301,7 +310,7 @@ class Session:
             raise ValueError(registry.missing_message(name))
         with self._lock:
             reg = self._alloc()
-            self._send((Action.GET_GLOBAL_FUNC, reg, name))
+            self._send((P.GET_GLOBAL_FUNC, reg, name))
         return DPackedFunc(self, reg)
 
     def import_python_module(self, module_name: str) -> None:
@@ -327,7 +336,7 @@ class Session:
 
     def sync_worker_0(self) -> None:
         """Wait until worker 0 has run every command so far; raise pending worker errors."""
-        self._send((Action.SYNC_WORKER, 0), [0])
+        self._send((P.SYNC_WORKER, 0), [0])
         self._recv(0)
         self._raise_pending()
 
@@ -342,7 +351,7 @@ class Session:
             raise TypeError("copy_from_worker_0: host_array must be a host (NumPy) array")
         if not host.flags.writeable:
             raise ValueError("copy_from_worker_0: host_array is read-only")
-        self._send((Action.COPY_FROM_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
+        self._send((P.COPY_FROM_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
         self._recv(0)
         self._raise_pending()
 
@@ -358,7 +367,7 @@ class Session:
             raise TypeError(
                 f"copy_to_worker_0: remote_array must be a DRef, got {type(remote_array).__name__}"
             )
-        self._send((Action.COPY_TO_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
+        self._send((P.COPY_TO_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
         self._recv(0)
         return remote_array
 
@@ -508,7 +517,7 @@ class Session:
     # ------------------------------------------------------------------ debug + shutdown
     def _debug_get(self, ref: DRef, worker_id: int) -> Any:
         w = self._check_worker(worker_id)
-        self._send((Action.DEBUG_GET_FROM_REMOTE, ref.reg_id, w), [w])
+        self._send((P.DEBUG_GET_FROM_REMOTE, ref.reg_id, w), [w])
         value = self._recv(w)
         self._raise_pending()
         return value
@@ -517,7 +526,7 @@ class Session:
         w = self._check_worker(worker_id)
         if not isinstance(value, np.ndarray) and hasattr(value, "__dlpack__"):
             value = np.array(as_array(value), copy=True)
-        self._send((Action.DEBUG_SET_REGISTER, ref.reg_id, w, value), [w])
+        self._send((P.DEBUG_SET_REGISTER, ref.reg_id, w, value), [w])
         self._recv(w)
 
     def shutdown(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import os
 import queue
 import threading
 import time
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import DiscoError, WorkerDiedError, WorkerError
-from ..protocol import Frame, encode, isolate
+from ..protocol import FLAG_BATCH, Frame, encode, isolate_command
 from ..worker import Worker, set_current
 
 __all__ = ["Channel", "Outgoing", "ReplyHub", "WorkerLink", "LinkChannel", "ThreadWorkerLink"]
@@ -33,33 +34,37 @@ class Outgoing:
 
     Parameters
     ----------
-    cmd : tuple
-        The command.
+    cmds : tuple of tuple
+        The commands, in order (usually one; freed registers ride along with the next).
     by_reference : bool
         In-process workers get ``cmd`` itself rather than a private copy (used for
         the host arrays of ``copy_to/from_worker_0``, which worker 0 reads or writes
         in place).
     """
 
-    __slots__ = ("cmd", "by_reference", "_frame")
+    __slots__ = ("cmds", "by_reference", "_frame")
 
-    def __init__(self, cmd: tuple, by_reference: bool = False) -> None:
-        self.cmd = cmd
+    def __init__(self, *cmds: tuple, by_reference: bool = False) -> None:
+        self.cmds = cmds
         self.by_reference = by_reference
         self._frame: Frame | None = None
 
     @property
+    def flags(self) -> int:
+        return FLAG_BATCH if len(self.cmds) > 1 else 0
+
+    @property
     def frame(self) -> Frame:
-        """The serialised command (pickle header + out-of-band buffers)."""
+        """The serialised command(s) (pickle header + out-of-band buffers), one frame."""
         if self._frame is None:
-            self._frame = encode(self.cmd)
+            self._frame = encode(self.cmds if len(self.cmds) > 1 else self.cmds[0])
         return self._frame
 
     def local(self) -> tuple:
-        """The command for an in-process worker: its own copy of every mutable value."""
+        """The commands for an in-process worker: its own copy of every mutable value."""
         if self.by_reference:
-            return self.cmd
-        return isolate(self.cmd)
+            return self.cmds
+        return tuple([isolate_command(c) for c in self.cmds])
 
 
 class Channel(abc.ABC):
@@ -186,9 +191,15 @@ class WorkerLink(abc.ABC):
 
     worker_ids: tuple[int, ...]
 
+    #: True when :meth:`send` may keep commands back until :meth:`flush`.
+    buffered: bool = False
+
     @abc.abstractmethod
     def send(self, out: Outgoing) -> None:
-        """Deliver a command to every worker behind this link."""
+        """Deliver a command to every worker behind this link (possibly buffered)."""
+
+    def flush(self) -> None:
+        """Deliver every buffered command now."""
 
     def poll(self) -> str | None:
         """Return a reason when the link's workers are known dead, else None."""
@@ -260,7 +271,7 @@ class ThreadWorkerLink(WorkerLink):
             self.lock.release()
 
     def send(self, out: Outgoing) -> None:
-        self.pending.append(out.local())
+        self.pending.extend(out.local())
         self.tokens.put(None)
 
     def poll(self) -> str | None:
@@ -273,8 +284,18 @@ class ThreadWorkerLink(WorkerLink):
         self.thread.join(max(0.0, deadline - time.monotonic()))
 
 
+#: Longest time a buffered command waits before it is written out
+#: (``DISCO_FLUSH_DELAY`` seconds; 0 writes every command at once).
+FLUSH_DELAY = float(os.environ.get("DISCO_FLUSH_DELAY", "0.0005"))
+
+
 class LinkChannel(Channel):
-    """A :class:`Channel` made of links, one per worker or per node."""
+    """A :class:`Channel` made of links, one per worker or per node.
+
+    Links may buffer small commands; the channel flushes them before it waits for
+    a reply, and a flusher thread flushes them within :data:`FLUSH_DELAY` seconds
+    otherwise, so asynchronous commands always start promptly.
+    """
 
     def __init__(self, num_workers: int, num_groups: int) -> None:
         self.num_workers = num_workers
@@ -282,6 +303,42 @@ class LinkChannel(Channel):
         self.hub = ReplyHub(num_workers)
         self.links: list[WorkerLink] = []
         self._link_of: list[WorkerLink] = []
+        self._wake_flusher: queue.SimpleQueue = queue.SimpleQueue()
+        self._flusher: threading.Thread | None = None
+        self._flush_due = False
+        self._stopping = False
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._wake_flusher.get()
+            if self._stopping:
+                return
+            time.sleep(FLUSH_DELAY)
+            self._flush_due = False
+            for link in self.links:
+                if link.buffered:
+                    try:
+                        link.flush()
+                    except WorkerDiedError as exc:
+                        self.hub.mark_dead(exc.worker_ids, exc.reason)
+
+    def _mark_dirty(self) -> None:
+        if FLUSH_DELAY <= 0:
+            self.flush()
+            return
+        if self._flusher is None:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="disco-flush", daemon=True
+            )
+            self._flusher.start()
+        self._flush_due = True
+        self._wake_flusher.put(None)
+
+    def flush(self) -> None:
+        """Write out every buffered command now."""
+        for link in self.links:
+            if link.buffered:
+                link.flush()
 
     def _set_links(self, links: list[WorkerLink]) -> None:
         # In-process links first: a pipe that blocks must never delay worker 0.
@@ -297,17 +354,18 @@ class LinkChannel(Channel):
 
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
         if workers is None:
-            for link in self.links:
-                link.send(out)
-            return
-        seen = set()
-        for w in workers:
-            link = self._link_of[w]
-            if id(link) not in seen:
-                seen.add(id(link))
-                link.send(out)
+            targets = self.links
+        else:
+            targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
+        dirty = False
+        for link in targets:
+            link.send(out)
+            dirty = dirty or link.buffered
+        if dirty and not self._flush_due:
+            self._mark_dirty()
 
     def recv(self, worker_id: int) -> Any:
+        self.flush()
         link = self._link_of[worker_id]
         if type(link) is ThreadWorkerLink:
             link.run_pending(self.check_alive)
@@ -328,6 +386,12 @@ class LinkChannel(Channel):
         self.hub.on_death(callback)
 
     def close(self, timeout: float = 5.0) -> None:
+        try:
+            self.flush()
+        except WorkerDiedError:
+            pass
+        self._stopping = True
+        self._wake_flusher.put(None)
         self.hub.closing = True
         deadline = time.monotonic() + timeout
         for link in self.links:

@@ -19,13 +19,14 @@ import threading
 import time
 
 from ..errors import WorkerDiedError
-from ..protocol import FrameReader, decode, write_frame
+from ..protocol import FrameReader, decode, frame_head, write_all
 from .base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
 
 __all__ = ["ProcessChannel", "ProcessWorkerLink", "start_timeout"]
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _PIPE_BYTES = 1 << 20
+_OUTBOX_BYTES = 1 << 16
 
 
 def start_timeout() -> float:
@@ -84,16 +85,54 @@ class ProcessWorkerLink(WorkerLink):
         self.reader = FrameReader(self.reply_r)
         self.lock = threading.Lock()
         self.dead_reason: str | None = None
+        self.outbox: list[bytes] = []
+        self.outbox_bytes = 0
 
     def send(self, out: Outgoing) -> None:
+        # Small commands wait in the outbox and leave together (one write, one wake-up
+        # of the worker); the channel flushes it before it waits for any reply and
+        # within FLUSH_DELAY otherwise. A frame with out-of-band buffers leaves now:
+        # those buffers are views of the caller's arrays, which may change next.
+        frame = out.frame
+        head = frame_head(frame, out.flags)
         try:
             with self.lock:
-                write_frame(self.cmd_w, out.frame)
-        except (BrokenPipeError, OSError) as exc:
-            reason = self.exit_reason(wait=0.5) or f"command pipe broke ({exc})"
-            raise WorkerDiedError(
-                self.worker_ids, f"worker {self.worker_ids[0]} {reason}"
-            ) from None
+                if frame[1]:
+                    self._flush_locked()
+                    write_all(self.cmd_w, head)
+                    for m in frame[1]:
+                        write_all(self.cmd_w, m)
+                else:
+                    self.outbox.append(head)
+                    self.outbox_bytes += len(head)
+                    if self.outbox_bytes >= _OUTBOX_BYTES:
+                        self._flush_locked()
+        except OSError as exc:
+            raise self._died(exc) from None
+
+    @property
+    def buffered(self) -> bool:
+        return bool(self.outbox)
+
+    def flush(self) -> None:
+        try:
+            with self.lock:
+                self._flush_locked()
+        except OSError as exc:
+            raise self._died(exc) from None
+
+    def _flush_locked(self) -> None:
+        if self.outbox:
+            data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
+            self.outbox.clear()
+            self.outbox_bytes = 0
+            write_all(self.cmd_w, data)
+
+    def _died(self, exc: OSError) -> WorkerDiedError:
+        reason = (
+            self.exit_reason(wait=0.5) or f"worker {self.worker_ids[0]} command pipe broke ({exc})"
+        )
+        return WorkerDiedError(self.worker_ids, reason)
 
     def exit_reason(self, wait: float = 0.0) -> str | None:
         try:

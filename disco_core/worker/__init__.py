@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import protocol as P
 from .. import registry
 from ..device import Device, as_array, to_host
 from ..errors import DiscoError, WorkerError
-from ..protocol import Action, FrameReader, RegRef, decode, encode, write_frame
+from ..protocol import _REF_TYPES, FLAG_BATCH, FrameReader, RegRef, decode, encode, write_frame
 
 __all__ = ["WorkerContext", "Worker", "current", "set_current", "MissingValue", "main"]
 
@@ -160,7 +161,7 @@ class Worker:
 
     def _resolve(self, value: Any, lenient: bool) -> Any:
         t = type(value)
-        if t is RegRef:
+        if t is RegRef or t in _REF_TYPES:
             if not lenient:
                 return self.get_reg(value.reg_id)
             try:
@@ -188,7 +189,7 @@ class Worker:
     def execute(self, cmd: tuple) -> bool:
         """Execute one command; return False after a shutdown command."""
         action = cmd[0]
-        if action == Action.CALL_PACKED:
+        if action == P.CALL_PACKED:
             _, reg, func_reg, args = cmd
             try:
                 func = self.get_reg(func_reg)
@@ -206,11 +207,11 @@ class Worker:
                 self._report(exc, f"call_packed({name})")
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
-        elif action == Action.KILL_REG:
+        elif action == P.KILL_REG:
             pop = self.regs.pop
             for reg in cmd[1]:
                 pop(reg, None)
-        elif action == Action.GET_GLOBAL_FUNC:
+        elif action == P.GET_GLOBAL_FUNC:
             _, reg, name = cmd
             fn = registry.get_global_func(name, allow_missing=True)
             if fn is None:
@@ -223,24 +224,24 @@ class Worker:
             else:
                 self.regs[reg] = fn
                 self._names[reg] = name
-        elif action == Action.SYNC_WORKER:
+        elif action == P.SYNC_WORKER:
             self.send(("reply", None))
-        elif action == Action.COPY_FROM_WORKER0:
+        elif action == P.COPY_FROM_WORKER0:
             _, reg, host = cmd
             self._sync_op(lambda: _copy_into(host, self.get_reg(reg), "copy_from_worker_0"))
-        elif action == Action.COPY_TO_WORKER0:
+        elif action == P.COPY_TO_WORKER0:
             _, reg, host = cmd
             self._sync_op(lambda: _copy_into(self.get_reg(reg), host, "copy_to_worker_0"))
-        elif action == Action.DEBUG_GET_FROM_REMOTE:
+        elif action == P.DEBUG_GET_FROM_REMOTE:
             self._sync_op(lambda: to_host(self.get_reg(cmd[1])))
-        elif action == Action.DEBUG_SET_REGISTER:
+        elif action == P.DEBUG_SET_REGISTER:
             _, reg, _, value = cmd
 
             def _set():
                 self.regs[reg] = value
 
             self._sync_op(_set)
-        elif action == Action.SHUTDOWN:
+        elif action == P.SHUTDOWN:
             self.close()
             return False
         else:
@@ -339,12 +340,16 @@ def main(argv: list[str] | None = None) -> None:
     reader = FrameReader(args.cmd_fd)
     send(("ready", os.getpid()))
 
-    def next_command() -> tuple:
-        header, buffers, _ = reader.read()
-        return decode(header, buffers)
+    def commands():
+        while True:
+            header, buffers, flags = reader.read()
+            if flags & FLAG_BATCH:
+                yield from decode(header, buffers)
+            else:
+                yield decode(header, buffers)
 
     try:
-        worker.run(next_command)
+        worker.run(commands().__next__)
     except EOFError:
         worker.close()  # the controller is gone
     os._exit(0)
