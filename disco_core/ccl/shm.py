@@ -192,7 +192,7 @@ class ShmCCL(CCL):
         super().__init__(ctx, payload, device_ids)
         self.layout: Layout = payload["layout"]
         self.timeout = payload["timeout"]
-        self.spin = 0 if payload["threads"] else 64
+        self.spin = 0 if payload["threads"] else int(os.environ.get("DISCO_SHM_SPIN", "64"))
         fd = os.open(f"/proc/{payload['pid']}/fd/{payload['fd']}", os.O_RDWR)
         try:
             self.map = mmap.mmap(fd, self.layout.size)
@@ -203,6 +203,7 @@ class ShmCCL(CCL):
         self.i = memoryview(self.map).cast("i")
         self.base_addr = _futex.address_of(self.map, 0)
         self._stamp = 0
+        self._checked: set[bytes] = set()  # descriptors of calls already found consistent
         self.broken = ""
         self._world_comm = _Comm(self, 0)
         self._group_comm = (
@@ -284,17 +285,21 @@ class ShmCCL(CCL):
 
     def _exchange(self, comm: _Comm, desc: validate.Desc, op: str) -> None:
         """Publish this member's descriptor, end the round, check everyone's."""
-        start = comm.desc_off + comm.parity * comm.n * validate.DESC_BYTES
-        mine = start + comm.rank * validate.DESC_BYTES
-        self.map[mine : mine + validate.DESC_BYTES] = validate.pack(desc)
+        size = validate.DESC_BYTES
+        start = comm.desc_off + comm.parity * comm.n * size
+        mine = validate.pack(desc)
+        at = start + comm.rank * size
+        self.map[at : at + size] = mine
         self._barrier(comm, op.split(":")[0])
-        descs = [
-            validate.unpack(
-                self.map[start + k * validate.DESC_BYTES : start + (k + 1) * validate.DESC_BYTES]
-            )
-            for k in range(comm.n)
-        ]
-        validate.check(op, descs, comm.members)
+        raw = [self.map[start + k * size : start + (k + 1) * size] for k in range(comm.n)]
+        uniform = raw.count(mine) == comm.n
+        if uniform and mine in self._checked:
+            return  # the same call as one already checked, by every member alike
+        validate.check(op, [validate.unpack(r) for r in raw], comm.members)
+        if uniform:
+            if len(self._checked) > 256:
+                self._checked.clear()
+            self._checked.add(mine)
 
     def _comm(self, in_group: bool) -> _Comm:
         if self.broken:
