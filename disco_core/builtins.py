@@ -12,9 +12,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from . import plugins
 from .ccl.base import REDUCE_OPS
-from .device import as_device
+from .device import as_array, as_device
 from .device import empty as _alloc
 from .errors import CCLError
 from .registry import register_func
@@ -132,6 +134,16 @@ def init_ccl(name: str, payload: Any, device_ids: tuple, options: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- collectives
+def _arr(x: Any) -> Any:
+    """Arrays from other libraries (torch, anything with ``__dlpack__``) as NumPy/CuPy views."""
+    if x is None or isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
+        return x
+    try:
+        return as_array(x)
+    except (TypeError, RuntimeError, BufferError):
+        return x
+
+
 def _op_name(op: Any) -> str:
     # TVM passes the ReduceKind as an int (or a 1-tuple); we take names too.
     if isinstance(op, (tuple, list)) and len(op) == 1:
@@ -144,31 +156,31 @@ def _op_name(op: Any) -> str:
 @_builtin("allreduce")
 @collective
 def allreduce(src, op, in_group, dst) -> None:
-    _ccl().allreduce(src, dst, _op_name(op), bool(in_group))
+    _ccl().allreduce(_arr(src), _arr(dst), _op_name(op), bool(in_group))
 
 
 @_builtin("allgather")
 @collective
 def allgather(src, in_group, dst) -> None:
-    _ccl().allgather(src, dst, bool(in_group))
+    _ccl().allgather(_arr(src), _arr(dst), bool(in_group))
 
 
 @_builtin("broadcast_from_worker0")
 @collective
 def broadcast_from_worker0(src, in_group, dst) -> None:
-    _ccl().broadcast(src, dst, bool(in_group))
+    _ccl().broadcast(_arr(src), _arr(dst), bool(in_group))
 
 
 @_builtin("scatter_from_worker0")
 @collective
 def scatter_from_worker0(src, in_group, dst) -> None:
-    _ccl().scatter(src, dst, bool(in_group))
+    _ccl().scatter(_arr(src), _arr(dst), bool(in_group))
 
 
 @_builtin("gather_to_worker0")
 @collective
 def gather_to_worker0(src, in_group, dst) -> None:
-    _ccl().gather(src, dst, bool(in_group))
+    _ccl().gather(_arr(src), _arr(dst), bool(in_group))
 
 
 @_builtin("barrier")
@@ -181,14 +193,14 @@ def barrier(in_group: bool = False) -> None:
 @collective
 def send_to_worker(buf, receiver_id: int) -> None:
     """Send ``buf`` to worker ``receiver_id``."""
-    _ccl().send(buf, receiver_id)
+    _ccl().send(_arr(buf), receiver_id)
 
 
 @_builtin("recv_from_worker")
 @collective
 def recv_from_worker(buf, sender_id: int) -> None:
     """Receive into ``buf`` (in place) from worker ``sender_id``."""
-    _ccl().recv(buf, sender_id)
+    _ccl().recv(_arr(buf), sender_id)
 
 
 @_builtin("recv_from_worker0")
@@ -196,7 +208,7 @@ def recv_from_worker(buf, sender_id: int) -> None:
 def recv_from_worker0(buf) -> None:
     """Receive into ``buf`` what worker 0 sent with ``send_to_worker``; a no-op on worker 0."""
     if current().worker_id != 0:
-        _ccl().recv(buf, 0)
+        _ccl().recv(_arr(buf), 0)
 
 
 @_builtin("send_to_next_group")
@@ -209,7 +221,7 @@ def send_to_next_group(buf) -> None:
         raise CCLError(
             f"send_to_next_group: worker {ctx.worker_id} is in the last group; there is no next group"
         )
-    _ccl().send(buf, peer)
+    _ccl().send(_arr(buf), peer)
 
 
 @_builtin("recv_from_prev_group")
@@ -222,4 +234,4 @@ def recv_from_prev_group(buf) -> None:
         raise CCLError(
             f"recv_from_prev_group: worker {ctx.worker_id} is in the first group; there is no previous group"
         )
-    _ccl().recv(buf, peer)
+    _ccl().recv(_arr(buf), peer)

@@ -222,6 +222,8 @@ def as_array(value: Any) -> Any:
     mod = type(value).__module__.split(".")[0]
     if mod == "cupy":
         return value
+    if mod == "torch" and getattr(value, "requires_grad", False):
+        value = value.detach()
     if hasattr(value, "__dlpack_device__"):
         dev_type, _ = value.__dlpack_device__()
         if int(dev_type) in (2, 10):  # kDLCUDA, kDLROCM

@@ -59,11 +59,21 @@ class Pt2Module:
 
     def __getitem__(self, name: str) -> Any:
         if name in ("main", "forward", "__call__"):
-            return self._callable
+            return self._call
         raise KeyError(f"{self.path}: a .pt2 archive exposes 'main' (or 'forward'), not {name!r}")
 
     def __repr__(self) -> str:
         return f"<Pt2Module {self.path}>"
+
+    def _call(self, *args: Any) -> Any:
+        # NumPy inputs become tensors sharing their memory; outputs stay tensors
+        # (a register may hold them; debug_get_from_remote returns NumPy).
+        import numpy as np
+        import torch
+
+        return self._callable(
+            *[torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
+        )
 
 
 def load_pt2(path: str, device: Any = None) -> Pt2Module:

@@ -111,6 +111,8 @@ class _Manager:
 
     def _broken(self, key: str, dist: str, version: str, error: str) -> None:
         self.broken[key] = PluginInfo(key, dist, version, error=error)
+        if os.environ.get("DISCO_WORKER_PROCESS"):
+            return  # the controller already warned; workers report it only when used
         warnings.warn(
             f"Disco plugin {key!r} (distribution {dist} {version}) failed to load and is "
             f"ignored: {error}",
@@ -149,7 +151,11 @@ class _Manager:
                         f"plugin {key!r} ({self._dist(key)}) failed in {hook_name}(): "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
-                for name, value in dict(provided).items():
+                provided = dict(provided)
+                info = self.infos.get(key)
+                if info is not None:
+                    info.provides[kind] = sorted(provided)
+                for name, value in provided.items():
                     if name in table and table[name][1] != key:
                         other = table[name][1]
                         raise PluginConflictError(
@@ -158,9 +164,6 @@ class _Manager:
                             f"{self._dist(key)}); uninstall one of them"
                         )
                     table[name] = (value, key)
-                info = self.infos.get(key)
-                if info is not None:
-                    info.provides[kind] = sorted(dict(provided))
             self._tables[kind] = table
             return table
 

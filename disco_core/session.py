@@ -129,6 +129,10 @@ def _close_channel(channel: Channel, state: dict) -> None:
     except Exception:  # dead workers: close() still reaps them
         pass
     rendezvous = state.get("rendezvous")
+    if rendezvous is not None:
+        # A worker still waiting in a collective would never read the shutdown
+        # command; the session is going away, so make such waits fail now.
+        rendezvous.abort("the session is shutting down")
     try:
         channel.close(timeout=float(os.environ.get("DISCO_SHUTDOWN_TIMEOUT", "5")))
     finally:

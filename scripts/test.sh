@@ -10,5 +10,8 @@ for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p")
 done
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' "${plugins[@]}"
+# Interop tests (DLPack, the .pt2 loader, bfloat16): the CPU build of torch, pinned
+# so that pip never pulls a multi-GB CUDA build.
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 ml_dtypes
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"

@@ -52,10 +52,19 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(num_workers: int = 1) -> dict[str, str]:
+    """The environment of worker processes.
+
+    Workers import user modules the way the controller does (its ``sys.path``), and
+    unless the user set them, BLAS/OpenMP thread counts are split between the
+    workers of this machine, so N workers do not each start one thread per core.
+    """
     env = dict(os.environ)
-    # Workers import user modules the way the controller does.
     env["DISCO_SYS_PATH"] = os.pathsep.join(p if p else os.getcwd() for p in sys.path)
+    env["DISCO_WORKER_PROCESS"] = "1"
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, num_workers)))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, threads)
     return env
 
 
@@ -208,7 +217,7 @@ class ProcessChannel(LinkChannel):
         self, num_workers: int, num_groups: int = 1, entrypoint: str = "disco_core.worker"
     ) -> None:
         super().__init__(num_workers, num_groups)
-        env = worker_env()
+        env = worker_env(num_workers)
         procs: list[ProcessWorkerLink] = []
         try:
             for w in range(1, num_workers):
