@@ -5,9 +5,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+import threading
 from typing import Any
 
 __all__ = ["PyModule", "load_py", "Pt2Module", "load_pt2", "torch_available"]
+
+# Worker threads of one process load modules one at a time: neither importlib's
+# sys.modules dance nor torch.export.load is safe to run concurrently.
+_LOAD_LOCK = threading.Lock()
 
 
 class PyModule:
@@ -39,13 +44,14 @@ def load_py(path: str, device: Any = None) -> PyModule:
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
+    with _LOAD_LOCK:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
     return PyModule(module, path)
 
 
@@ -80,7 +86,8 @@ def load_pt2(path: str, device: Any = None) -> Pt2Module:
     """Load a ``torch.export`` archive (``torch.export.save``)."""
     import torch
 
-    return Pt2Module(torch.export.load(path), path, device)
+    with _LOAD_LOCK:
+        return Pt2Module(torch.export.load(path), path, device)
 
 
 def torch_available() -> bool:
