@@ -8,14 +8,19 @@ and summed.
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import numpy as np
 
 from .registry import register_func
 
-__all__ = ["gelu", "mlp_reference", "mlp_shard", "MLP_SHARD"]
+__all__ = ["gelu", "mlp_reference", "mlp_shard", "blas_threads", "MLP_SHARD", "BLAS_THREADS"]
 
 #: The global name of :func:`mlp_shard`.
 MLP_SHARD = "disco_demo.mlp_shard"
+#: The global name of :func:`blas_threads`.
+BLAS_THREADS = "disco_demo.blas_threads"
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 
@@ -62,3 +67,69 @@ def mlp_shard(x: np.ndarray, w1_shard: np.ndarray, w2_shard: np.ndarray, out: np
             f"mlp_shard: out has shape {out.shape}, expected {(x.shape[0], w2_shard.shape[1])}"
         )
     np.matmul(gelu(x @ w1_shard), w2_shard, out=out)
+
+
+# ---------------------------------------------------------------------------- BLAS threads
+# Each worker of a tensor-parallel step should use its share of the cores: a BLAS
+# that starts one thread per core in every worker oversubscribes the machine (with
+# OpenBLAS's spinning threads, 10x slower). threadpoolctl does this properly when it
+# is installed; otherwise we talk to OpenBLAS / MKL found among the loaded libraries.
+_SETTERS = (
+    ("openblas", "openblas_get_num_threads", "openblas_set_num_threads"),
+    ("openblas", "openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+    ("openblas", "scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+    ("openblas", "scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
+    ("mkl_rt", "MKL_Get_Max_Threads", "MKL_Set_Num_Threads"),
+)
+
+
+def _blas_libraries() -> list[tuple[object, object]]:
+    """(getter, setter) pairs of the BLAS libraries loaded in this process (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if ".so" in line})
+    except OSError:
+        return []
+    found = []
+    for path in paths:
+        base = os.path.basename(path).lower()
+        for tag, get_name, set_name in _SETTERS:
+            if tag not in base:
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+                getter, setter = getattr(lib, get_name), getattr(lib, set_name)
+            except (OSError, AttributeError):
+                continue
+            getter.restype = ctypes.c_int
+            found.append((getter, setter))
+            break
+    return found
+
+
+@register_func(BLAS_THREADS)
+def blas_threads(num_threads: int | None = None) -> int | None:
+    """Set the BLAS thread count of this process (``None``: only ask); return the old one.
+
+    Returns ``None`` when no BLAS library could be controlled. In a ProcessSession,
+    worker 0 shares the controller's process, so this changes the controller's BLAS.
+    """
+    try:
+        import threadpoolctl  # type: ignore[import-not-found]
+    except ImportError:
+        threadpoolctl = None
+    if threadpoolctl is not None:
+        infos = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
+        if infos:
+            old = int(infos[0]["num_threads"])
+            if num_threads is not None:
+                threadpoolctl.threadpool_limits(int(num_threads), user_api="blas")
+            return old
+    libs = _blas_libraries()
+    if not libs:
+        return None
+    old = int(libs[0][0]())
+    if num_threads is not None:
+        for _, setter in libs:
+            setter(int(num_threads))
+    return old

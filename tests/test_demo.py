@@ -1,0 +1,138 @@
+"""``disco demo``: the tensor-parallel MLP block, its shard arithmetic and its exit codes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from disco_core import demo, demo_funcs
+
+SMALL = ["--d-model", "64", "--d-ff", "256", "--batch", "4", "--steps", "2", "--warmup", "1"]
+
+
+def run_demo(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("DISCO_PLUGINS", None)
+    env.pop("DISCO_DISABLE_PLUGIN_AUTOLOAD", None)
+    return subprocess.run(
+        [sys.executable, "-m", "disco_core", "demo", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def reported_errors(out: str) -> list[float]:
+    return [float(m) for m in re.findall(r"max abs error ([0-9.eE+-]+)", out)]
+
+
+# ---------------------------------------------------------------------------- the command
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("session", ["process", "threaded"])
+def test_demo_small_passes(session):
+    proc = run_demo(*SMALL, "--workers", "1,2,4", "--session", session)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "check passed" in out
+    # progress lines for each configuration, then the table
+    for n in ("1 worker]", "2 workers]", "4 workers]"):
+        assert f"[{n} starting" in out
+    for row in ("numpy (1 process, no Disco)", f"disco {session}, 2 workers", "4 workers"):
+        assert row in out
+    errors = reported_errors(out)
+    assert len(errors) == 4  # one per session + the final verdict
+    assert all(e <= 1e-4 for e in errors), errors
+
+
+@pytest.mark.timeout(120)
+def test_demo_float64_is_tight():
+    proc = run_demo(*SMALL, "--workers", "2", "--dtype", "float64")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert max(reported_errors(proc.stdout)) <= 1e-10
+
+
+@pytest.mark.timeout(120)
+def test_demo_fails_loudly_above_tolerance():
+    # A float32 sum split over two workers never matches NumPy's to the last bit.
+    proc = run_demo(*SMALL, "--workers", "2", "--tol", "0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "CHECK FAILED" in proc.stdout
+    assert "ABOVE TOLERANCE" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_demo_rejects_a_split_that_does_not_divide():
+    proc = run_demo("--d-ff", "100", "--workers", "3")
+    assert proc.returncode == 2
+    assert "not divisible" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_demo_rejects_bad_worker_list():
+    proc = run_demo("--workers", "two")
+    assert proc.returncode == 2
+    assert "--workers" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- in process
+@pytest.mark.timeout(120)
+def test_run_in_process_threaded(capsys):
+    parser = demo.argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args([*SMALL, "--workers", "2", "--session", "threaded"])
+    assert demo.run(args) == 0
+    assert "check passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_shards_are_megatron_splits(n):
+    rng = np.random.default_rng(n)
+    d_model, d_ff, batch = 8, 32, 3
+    x = rng.standard_normal((batch, d_model))
+    w1 = rng.standard_normal((d_model, d_ff))
+    w2 = rng.standard_normal((d_ff, d_model))
+    w1s, w2s = demo.shard_weights(w1, w2, n)
+    f = d_ff // n
+    assert w1s.shape == (n, d_model, f) and w2s.shape == (n, f, d_model)
+    assert w1s.flags.c_contiguous and w2s.flags.c_contiguous
+    for w in range(n):
+        np.testing.assert_array_equal(w1s[w], w1[:, w * f : (w + 1) * f])
+        np.testing.assert_array_equal(w2s[w], w2[w * f : (w + 1) * f, :])
+    partials = []
+    for w in range(n):
+        out = np.empty((batch, d_model))
+        demo_funcs.mlp_shard(x, w1s[w], w2s[w], out)
+        partials.append(out)
+    np.testing.assert_allclose(sum(partials), demo_funcs.mlp_reference(x, w1, w2), rtol=1e-12)
+
+
+def test_gelu_is_the_tanh_approximation():
+    h = np.linspace(-6, 6, 101)
+    expected = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
+    np.testing.assert_allclose(demo_funcs.gelu(h.copy()), expected, rtol=1e-12, atol=1e-15)
+
+
+def test_mlp_shard_checks_shapes():
+    x = np.zeros((2, 4))
+    with pytest.raises(ValueError, match="do not chain"):
+        demo_funcs.mlp_shard(x, np.zeros((5, 3)), np.zeros((3, 4)), np.zeros((2, 4)))
+    with pytest.raises(ValueError, match="out has shape"):
+        demo_funcs.mlp_shard(x, np.zeros((4, 3)), np.zeros((3, 4)), np.zeros((2, 5)))
+
+
+def test_blas_threads_round_trip():
+    old = demo_funcs.blas_threads()
+    if old is None:
+        pytest.skip("no controllable BLAS in this process")
+    try:
+        assert demo_funcs.blas_threads(1) == old
+        assert demo_funcs.blas_threads() == 1
+    finally:
+        demo_funcs.blas_threads(old)
+    assert demo_funcs.blas_threads() == old
