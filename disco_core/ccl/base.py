@@ -131,5 +131,11 @@ class CCL(abc.ABC):
     def barrier(self, in_group: bool = False) -> None:
         """Wait until every member arrived."""
 
+    def synchronize(self) -> None:
+        """Wait for this worker's queued device work (GPU streams); a no-op on the CPU.
+
+        Called when the controller synchronises with the worker (``sync_worker_0``).
+        """
+
     def close(self) -> None:
         """Release this worker's resources (called once, at shutdown)."""

@@ -225,7 +225,8 @@ class Worker:
                 self.regs[reg] = fn
                 self._names[reg] = name
         elif action == P.SYNC_WORKER:
-            self.send(("reply", None))
+            ccl = self.ctx.ccl
+            self._sync_op(ccl.synchronize if ccl is not None else _nothing)
         elif action == P.COPY_FROM_WORKER0:
             _, reg, host = cmd
             self._sync_op(lambda: _copy_into(host, self.get_reg(reg), "copy_from_worker_0"))
@@ -280,6 +281,10 @@ class Worker:
         self.regs.clear()
 
 
+def _nothing() -> None:
+    return None
+
+
 def _copy_into(dst: Any, src: Any, what: str) -> None:
     dst_arr, src_arr = as_array(dst), as_array(src)
     if dst_arr.shape != src_arr.shape or dst_arr.dtype != src_arr.dtype:
@@ -290,7 +295,7 @@ def _copy_into(dst: Any, src: Any, what: str) -> None:
     if isinstance(dst_arr, np.ndarray) and isinstance(src_arr, np.ndarray):
         np.copyto(dst_arr, src_arr)
     elif isinstance(dst_arr, np.ndarray):
-        dst_arr[...] = src_arr.get()
+        src_arr.get(out=dst_arr)  # device -> host straight into the host array
     else:
         dst_arr.set(src_arr) if isinstance(src_arr, np.ndarray) else dst_arr.__setitem__(
             Ellipsis, src_arr

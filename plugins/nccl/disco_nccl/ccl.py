@@ -1,0 +1,339 @@
+"""The NCCL CCL (also serves RCCL): one implementation, two registered names.
+
+Controller side (:meth:`NCCLCCL.rendezvous`): checks the device ids, creates the
+NCCL unique ids (one for all workers, one per group) that reach every worker
+through the control plane. Worker side: binds the worker to its GPU, builds the
+global communicator and its group's communicator with ``ncclCommInitRank`` (CuPy
+exposes no ``ncclCommSplit``; separate initialisation is what TVM does without
+it), and runs every operation on the worker's current CUDA stream, so it is
+ordered with the user's own kernels. Communicators are destroyed exactly once.
+
+Every collective first all-gathers a small descriptor of each member's arguments
+(see :mod:`disco_core.ccl.validate`), so a mismatched call fails on every member
+with the same :class:`~disco_core.errors.CCLError` instead of corrupting memory or
+hanging in NCCL; ``init_ccl("nccl", validate=False)`` skips that exchange.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from disco_core.ccl import validate
+from disco_core.ccl.base import CCL, Rendezvous
+from disco_core.device import Device
+from disco_core.errors import CCLError
+
+from . import backend
+
+__all__ = ["NCCLCCL", "NCCLRendezvous", "nccl_dtype", "reduce_op", "check_device_ids"]
+
+# NCCL's enum values (nccl.h); CuPy exposes the same numbers as NCCL_* constants.
+_DTYPES = {
+    "int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
+    "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
+}  # fmt: skip
+_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+
+# Aborts requested by the controller, seen by the workers living in its process
+# (worker 0); workers in other processes are stopped by the session instead.
+_ABORTED: dict[int, str] = {}
+_NEXT_TOKEN = iter(range(1, 1 << 62))
+_TOKEN_LOCK = threading.Lock()
+
+
+def nccl_dtype(dtype: Any) -> int:
+    """NCCL's datatype code for a NumPy/CuPy dtype; ``CCLError`` for one NCCL lacks."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    code = _DTYPES.get(name)
+    if code is None:
+        raise CCLError(
+            f"NCCL has no datatype for {name}; supported: {', '.join(sorted(_DTYPES))} "
+            "(bool and int16 are not NCCL types: cast first)"
+        )
+    return code
+
+
+def reduce_op(op: str) -> int:
+    """NCCL's reduction code for ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``."""
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise CCLError(f"unsupported op {op!r}; expected one of {', '.join(_OPS)}") from None
+
+
+def check_device_ids(
+    device_ids: Sequence[int], workers_per_node: int, device_count: int
+) -> tuple[int, ...]:
+    """The GPU of each local worker, validated (distinct, existing), as TVM expects them.
+
+    With no ids, worker ``w`` uses GPU ``w``.
+    """
+    ids = tuple(int(d) for d in device_ids) or tuple(range(workers_per_node))
+    if len(ids) != workers_per_node:
+        raise CCLError(
+            f"init_ccl: {len(ids)} device ids given for {workers_per_node} workers per node; "
+            "give one GPU per worker (or none for 0..N-1)"
+        )
+    if len(set(ids)) != len(ids):
+        raise CCLError(
+            f"init_ccl: device ids {list(ids)} repeat a GPU; NCCL needs one GPU per worker"
+        )
+    bad = [d for d in ids if not 0 <= d < device_count]
+    if bad:
+        raise CCLError(f"init_ccl: no GPU {bad} on this machine ({device_count} visible)")
+    return ids
+
+
+class NCCLRendezvous(Rendezvous):
+    """The controller's half: unique ids for the communicators, and the abort flag."""
+
+    def __init__(self, payload: dict) -> None:
+        super().__init__(payload)
+        self.token = payload["token"]
+
+    def abort(self, reason: str) -> None:
+        _ABORTED[self.token] = reason
+
+    def close(self) -> None:
+        _ABORTED.pop(self.token, None)
+
+
+class NCCLCCL(CCL):
+    """NCCL collectives on CuPy arrays, one GPU per worker.
+
+    Options (``init_ccl("nccl", *device_ids, validate=True)``):
+
+    validate : bool
+        Exchange argument descriptors before each collective (default True).
+    """
+
+    name: ClassVar[str] = "nccl"
+
+    @classmethod
+    def rendezvous(
+        cls, channel: Any, device_ids: Sequence[int] = (), **options: Any
+    ) -> NCCLRendezvous:
+        unknown = set(options) - {"validate"}
+        if unknown:
+            raise TypeError(f"init_ccl({cls.name!r}): unknown options {sorted(unknown)}")
+        cupy, nccl = backend.load(cls.name)
+        per_node = channel.num_workers // max(1, getattr(channel, "num_nodes", 1))
+        ids = check_device_ids(device_ids, per_node, cupy.cuda.runtime.getDeviceCount())
+        groups = channel.num_groups
+        with _TOKEN_LOCK:
+            token = next(_NEXT_TOKEN)
+        payload = {
+            "token": token,
+            "device_ids": ids,
+            "world_uid": nccl.get_unique_id(),
+            "group_uids": [nccl.get_unique_id() for _ in range(groups)] if groups > 1 else None,
+            "validate": bool(options.get("validate", True)),
+        }
+        return NCCLRendezvous(payload)
+
+    def __init__(
+        self, ctx: Any, payload: dict, device_ids: Sequence[int] = (), **options: Any
+    ) -> None:
+        super().__init__(ctx, payload, device_ids)
+        self.cupy, self.nccl = backend.load(self.name)
+        ids = payload["device_ids"]
+        self.gpu = ids[ctx.worker_id % len(ids)]
+        self.cupy.cuda.Device(self.gpu).use()
+        ctx.device = Device("rocm" if self.name == "rccl" else "cuda", self.gpu)
+        self.token = payload["token"]
+        self.validate = payload["validate"]
+        self._closed = False
+        self.world = self.nccl.NcclCommunicator(
+            ctx.num_workers, payload["world_uid"], ctx.worker_id
+        )
+        if payload["group_uids"] is None:
+            self.group = self.world
+        else:
+            self.group = self.nccl.NcclCommunicator(
+                ctx.group_size, payload["group_uids"][ctx.group_id], ctx.local_rank
+            )
+
+    # ------------------------------------------------------------------ helpers
+    def _comm(self, in_group: bool):
+        if self._closed:
+            raise CCLError(f"the {self.name} CCL of worker {self.ctx.worker_id} is closed")
+        return self.group if in_group else self.world
+
+    @property
+    def _stream(self) -> int:
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def _gpu_array(self, x: Any, what: str) -> str:
+        """An error text when ``x`` is not a contiguous CuPy array on this worker's GPU."""
+        if x is None or isinstance(x, validate.MissingValue):
+            return ""
+        if not isinstance(x, self.cupy.ndarray):
+            return f"{what} must be a CuPy array on cuda:{self.gpu} (got {type(x).__name__}); allocate it with session.empty"
+        if x.device.id != self.gpu:
+            return f"{what} is on GPU {x.device.id}, but this worker uses GPU {self.gpu}"
+        if not x.flags.c_contiguous:
+            return f"{what} must be C-contiguous"
+        if x.dtype.name not in _DTYPES:
+            return f"NCCL has no datatype for {x.dtype.name} ({what})"
+        return ""
+
+    def _agree(self, comm: Any, op: str, src: Any, dst: Any, members: Sequence[int]) -> None:
+        """Exchange descriptors over NCCL; raise the same error on every member."""
+        err = self._gpu_array(src, "src") or self._gpu_array(dst, "dst")
+        desc = validate.describe(op, src, dst, error=err)
+        if not self.validate:
+            if desc.status:
+                raise CCLError(f"{op.split(':')[0]}: {desc.error}")
+            return
+        cp = self.cupy
+        mine = cp.asarray(np.frombuffer(validate.pack(desc), np.uint8))
+        everyone = cp.empty(len(members) * validate.DESC_BYTES, np.uint8)
+        comm.allGather(
+            mine.data.ptr, everyone.data.ptr, validate.DESC_BYTES, _DTYPES["uint8"], self._stream
+        )
+        raw = everyone.get().tobytes()
+        descs = [validate.unpack(raw[k * validate.DESC_BYTES :]) for k in range(len(members))]
+        validate.check(op, descs, members)
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, src: Any, dst: Any, op: str, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        self._agree(comm, f"allreduce:{op}", src, dst, self.members(in_group))
+        comm.allReduce(
+            src.data.ptr, dst.data.ptr, src.size, nccl_dtype(src.dtype), reduce_op(op), self._stream
+        )
+
+    def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        self._agree(comm, "allgather", src, dst, self.members(in_group))
+        comm.allGather(src.data.ptr, dst.data.ptr, src.size, nccl_dtype(src.dtype), self._stream)
+
+    def broadcast(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        root = self._rank(in_group) == 0
+        self._agree(comm, "broadcast", src if root else None, dst, self.members(in_group))
+        send = src.data.ptr if root else dst.data.ptr
+        comm.broadcast(send, dst.data.ptr, dst.size, nccl_dtype(dst.dtype), 0, self._stream)
+
+    def scatter(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        rank, members = self._rank(in_group), self.members(in_group)
+        self._agree(comm, "scatter", src if rank == 0 else None, dst, members)
+        dt, count = nccl_dtype(dst.dtype), dst.size
+        self.nccl.groupStart()
+        try:
+            if rank == 0:
+                flat = src.reshape(-1)
+                for r in range(1, len(members)):
+                    comm.send(flat[r * count :].data.ptr, count, dt, r, self._stream)
+            else:
+                comm.recv(dst.data.ptr, count, dt, 0, self._stream)
+        finally:
+            self.nccl.groupEnd()
+        if rank == 0:
+            dst.reshape(-1)[...] = src.reshape(-1)[:count]
+
+    def gather(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        rank, members = self._rank(in_group), self.members(in_group)
+        self._agree(comm, "gather", src, dst if rank == 0 else None, members)
+        dt, count = nccl_dtype(src.dtype), src.size
+        self.nccl.groupStart()
+        try:
+            if rank == 0:
+                flat = dst.reshape(-1)
+                for r in range(1, len(members)):
+                    comm.recv(flat[r * count :].data.ptr, count, dt, r, self._stream)
+            else:
+                comm.send(src.data.ptr, count, dt, 0, self._stream)
+        finally:
+            self.nccl.groupEnd()
+        if rank == 0:
+            dst.reshape(-1)[:count] = src.reshape(-1)
+
+    def barrier(self, in_group: bool = False) -> None:
+        comm = self._comm(in_group)
+        self._agree(comm, "barrier", None, None, self.members(in_group))
+        one = self.cupy.ones(1, np.int32)
+        comm.allReduce(one.data.ptr, one.data.ptr, 1, _DTYPES["int32"], _OPS["sum"], self._stream)
+        self.synchronize()
+
+    # ------------------------------------------------------------------ point to point
+    def _peer(self, peer: Any, what: str) -> int:
+        n = self.ctx.num_workers
+        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < n:
+            raise CCLError(f"{what}: worker {peer!r} is not a worker id of this {n}-worker session")
+        if peer == self.ctx.worker_id:
+            raise CCLError(f"{what}: worker {peer} cannot send to or receive from itself")
+        return int(peer)
+
+    def send(self, buf: Any, peer: int) -> None:
+        peer = self._peer(peer, "send_to_worker")
+        comm = self._comm(False)
+        err = self._gpu_array(buf, "buf") or (
+            "buf: " + buf.reason if isinstance(buf, validate.MissingValue) else ""
+        )
+        desc = validate.pack(validate.describe("p2p", None if err else buf, None, error=err))
+        head = self.cupy.asarray(np.frombuffer(desc, np.uint8))
+        comm.send(head.data.ptr, validate.DESC_BYTES, _DTYPES["uint8"], peer, self._stream)
+        if err:
+            raise CCLError(f"send_to_worker: {err}")
+        comm.send(buf.data.ptr, buf.size, nccl_dtype(buf.dtype), peer, self._stream)
+
+    def recv(self, buf: Any, peer: int) -> None:
+        peer = self._peer(peer, "recv_from_worker")
+        comm = self._comm(False)
+        head = self.cupy.empty(validate.DESC_BYTES, np.uint8)
+        comm.recv(head.data.ptr, validate.DESC_BYTES, _DTYPES["uint8"], peer, self._stream)
+        theirs = validate.unpack(head.get().tobytes())
+        if theirs.status:
+            raise CCLError(f"recv_from_worker: worker {peer} failed to send: {theirs.error}")
+        dtype, shape, nbytes = theirs.src
+        err = self._gpu_array(buf, "buf")
+        if not err and (buf.dtype.name != dtype or buf.nbytes != nbytes):
+            err = f"worker {peer} sent {dtype}{list(shape)} but the receive buffer is {buf.dtype.name}{list(buf.shape)}"
+        target = buf
+        if err:  # still take the message off the wire, so the sender is not left hanging
+            target = self.cupy.empty(nbytes, np.uint8)
+            comm.recv(target.data.ptr, nbytes, _DTYPES["uint8"], peer, self._stream)
+            raise CCLError(f"recv_from_worker: {err}")
+        comm.recv(target.data.ptr, target.size, nccl_dtype(target.dtype), peer, self._stream)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _rank(self, in_group: bool) -> int:
+        return self.ctx.local_rank if in_group else self.ctx.worker_id
+
+    def synchronize(self) -> None:
+        """Wait for the current stream; fail (and abort NCCL) when the session aborted."""
+        stream = self.cupy.cuda.get_current_stream()
+        delay = 1e-5
+        while not stream.done:
+            reason = _ABORTED.get(self.token)
+            if reason is not None:
+                self._abort()
+                raise CCLError(f"{self.name} operation aborted: {reason}")
+            if hasattr(self.world, "check_async_error"):
+                self.world.check_async_error()
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def _abort(self) -> None:
+        for comm in {id(self.world): self.world, id(self.group): self.group}.values():
+            try:
+                comm.abort()
+            except Exception:
+                pass
+        self._closed = True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Destroy each communicator once (the group one may be the world one).
+        for comm in {id(self.world): self.world, id(self.group): self.group}.values():
+            comm.destroy()
