@@ -150,6 +150,11 @@ class Session:
     def __init__(self, channel: Channel) -> None:
         if not isinstance(channel, Channel):
             raise TypeError(f"Session needs a disco_core Channel, got {type(channel).__name__}")
+        try:
+            check_session_shape(channel.num_workers, channel.num_groups)
+        except (TypeError, ValueError):
+            channel.close(timeout=1.0)
+            raise
         self._channel = channel
         self.num_workers: int = channel.num_workers
         self.num_groups: int = channel.num_groups
@@ -174,6 +179,8 @@ class Session:
             Passed to the channel's factory (``num_workers=4``, ``num_groups=1``, ...).
         """
         factory = plugins.lookup("channel", channel)
+        if "num_workers" in options:
+            check_session_shape(options["num_workers"], options.get("num_groups", 1))
         return Session(factory(**options))
 
     def __enter__(self) -> Session:
@@ -249,19 +256,28 @@ class Session:
         return cls(self, reg)
 
     def _recv(self, worker_id: int) -> Any:
-        return self._channel.recv(worker_id)
+        """The reply of ``worker_id``; its failure comes merged with the errors that led to it."""
+        try:
+            return self._channel.recv(worker_id)
+        except WorkerError as exc:
+            self._raise_pending(exc)
+            raise
 
-    def _raise_pending(self) -> None:
+    def _raise_pending(self, failure: WorkerError | None = None) -> None:
         errors = self._channel.take_errors()
         if not errors:
+            if failure is not None:
+                raise failure
             return
+        if failure is not None:
+            errors.append(failure)
         # Rare path: let every worker catch up, so that one WorkerError reports every
         # worker's failure of the same command, and none surfaces later at random.
         for w in range(self.num_workers):
             self._send((P.SYNC_WORKER, w), [w])
         for w in range(self.num_workers):
             try:
-                self._recv(w)
+                self._channel.recv(w)
             except WorkerError as exc:
                 errors.append(exc)
         errors += self._channel.take_errors()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import DiscoError, WorkerDiedError, WorkerError
-from ..protocol import FLAG_BATCH, Frame, encode, isolate_command
+from ..protocol import FLAG_BATCH, Frame, encode, isolate, isolate_command
 from ..worker import Worker, set_current
 
 __all__ = ["Channel", "Outgoing", "ReplyHub", "WorkerLink", "LinkChannel", "ThreadWorkerLink"]
@@ -227,9 +227,14 @@ class ThreadWorkerLink(WorkerLink):
         self.lock = threading.Lock()
         self.stopped = False
         deliver = hub.deliver
-        self.worker = Worker(
-            worker_id, num_workers, num_groups, lambda msg: deliver(worker_id, msg)
-        )
+
+        def reply(msg: tuple) -> None:
+            # The controller gets its own copy, as it would through a pipe.
+            if msg[0] == "reply" and msg[1] is not None:
+                msg = ("reply", isolate(msg[1]))
+            deliver(worker_id, msg)
+
+        self.worker = Worker(worker_id, num_workers, num_groups, reply)
         self.hub = hub
         self.thread = threading.Thread(
             target=self._run, name=f"disco-worker-{worker_id}", daemon=True

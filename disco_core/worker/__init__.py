@@ -254,8 +254,11 @@ class Worker:
             value = op()
         except Exception as exc:
             self.send(("fail", self._error(exc)))
-        else:
+            return
+        try:
             self.send(("reply", value))
+        except Exception as exc:  # e.g. a value that cannot be pickled
+            self.send(("fail", self._error(exc, "sending the reply")))
 
     def _error(self, exc: BaseException, where: str = "", tb: bool = True) -> WorkerError:
         typ = type(exc)

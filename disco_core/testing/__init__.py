@@ -1,0 +1,25 @@
+"""Conformance kits: reusable pytest suites that plugins run against themselves.
+
+A channel plugin proves it honours the session contract with:
+
+.. code-block:: python
+
+    import pytest
+    from disco_core.testing import ChannelContract
+
+    class TestMyChannel(ChannelContract):
+        workers_are_processes = True     # workers 1..N-1 may be killed by the death tests
+
+        @pytest.fixture
+        def make_session(self):
+            def make(num_workers, num_groups=1):
+                return disco.Session.create("mine", num_workers=num_workers, num_groups=num_groups)
+            return make
+
+The worker-side helpers live in :mod:`disco_core.testing.funcs` (``testing.*``
+global functions); the kit imports that module on every worker.
+"""
+
+from .channel_kit import FUNCS_MODULE, ChannelContract
+
+__all__ = ["ChannelContract", "FUNCS_MODULE"]

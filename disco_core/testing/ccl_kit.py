@@ -1,0 +1,980 @@
+"""The CCL conformance kit: :class:`CCLContract`.
+
+Any collective library (the core's ``shm``; disco-mpi's ``mpi``, disco-nccl's
+``nccl``, disco-rccl's ``rccl``; a third party's) subclasses :class:`CCLContract`
+and provides one fixture, ``make_session``, returning a factory
+
+    ``make_session(num_workers, num_groups=1, **ccl_options) -> disco_core.Session``
+
+whose session already ran ``init_ccl`` (with ``ccl_options`` passed on). The kit
+shuts the sessions down itself; it reuses a healthy session across the tests of a
+class (a test that fails, or that breaks its session on purpose, gets a new one).
+
+What the kit checks: every operation of DESIGN.md (``allreduce`` with every op,
+``allgather``, ``broadcast_from_worker0``, ``scatter_from_worker0``,
+``gather_to_worker0``, ``send_to_worker``/``recv_from_worker``,
+``recv_from_worker0``, ``send_to_next_group``/``recv_from_prev_group``,
+``barrier``, and the controller's ``broadcast(array)`` and ``scatter(array)``), in
+and across groups of every size dividing ``num_workers``, for every dtype, at
+tiny, empty, odd and multi-round sizes, with results **bit-identical** to a NumPy
+reference; and the failure cases: mismatched calls, wrong sizes, bad peers, a
+failed register, no CCL, a dead worker, a timeout. None may hang, and the session
+works afterwards.
+
+The reference semantics (what every CCL promises):
+
+* ``allreduce`` combines the members' arrays in rank order,
+  ``functools.reduce(ufunc, [x0, x1, ...])`` elementwise in the array's dtype
+  (``np.add``, ``np.multiply``, ``np.minimum``, ``np.maximum``); ``avg`` is that sum
+  divided by the member count in the array's dtype (floating dtypes only: on
+  integers and bool it is a :class:`~disco_core.errors.CCLError`);
+* ``allgather`` and ``gather_to_worker0`` concatenate along axis 0 in rank order;
+  ``scatter_from_worker0`` gives member ``r`` the ``r``-th equal piece of the root's
+  flat ``src``; ``broadcast_from_worker0`` copies the root's ``src``; the root of a
+  communicator is worker 0 (``in_group=False``) or the group's first worker;
+* wrong use raises :class:`~disco_core.errors.CCLError` on every member of the
+  communicator (surfacing at the controller as :class:`~disco_core.errors.WorkerError`).
+
+Class attributes a subclass may set:
+
+``num_workers`` (int, default 4)
+    The session size of most tests; every divisor is used as a group count.
+``dtypes`` (tuple of str)
+    The dtypes the CCL supports (default: all of :data:`DTYPES`); the others are
+    skipped with a reason. ``bfloat16`` is skipped when ml_dtypes is missing.
+``workers_are_processes`` (bool, default False)
+    Workers 1..N-1 run in processes of their own, which the death tests end.
+``death_timeout`` (float, default 5)
+    Seconds within which a worker's death must surface as ``WorkerDiedError``.
+``supports_empty_arrays`` (bool, default True)
+    Whether 0-element arrays are tested.
+``avg_exact`` (bool, default True)
+    ``avg`` is bit-identical to ``sum / n``; when False (NCCL pre-multiplies by
+    ``1/n``) it is compared with a tolerance.
+``small_round_options`` (dict or None)
+    ``init_ccl`` options that make the CCL move little data per round, so that the
+    multi-round tests exercise several rounds with small arrays (``shm``:
+    ``{"slot_bytes": 4096, "mailbox_bytes": 4096}``). None: the multi-round tests
+    use default options.
+``multi_round_elements`` (int, default 5003)
+    Elements per member in the multi-round tests.
+``timeout_options`` (dict or None, default ``{"timeout": 1}``)
+    ``init_ccl`` options giving a short collective timeout; None skips the timeout tests.
+``buffered_send_bytes`` (int, default 0)
+    Sends up to this size return before the matching receive runs; when positive
+    the kit also drives ``send_to_worker``/``recv_from_worker`` straight from the
+    controller (every worker sending, then every worker receiving).
+``ccl_error_types`` (tuple of str)
+    The remote exception type names accepted as "the CCL raised an error".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+from disco_core.testing.ccl_funcs import FUNCS_MODULE, make_input
+
+__all__ = ["CCLContract", "DTYPES", "FUNCS_MODULE", "reference_allreduce", "make_input"]
+
+#: Every dtype the kit knows.
+DTYPES = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+OPS = ("sum", "prod", "min", "max", "avg")
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+# ---------------------------------------------------------------------------- references
+def reference_allreduce(xs: Sequence[np.ndarray], op: str) -> np.ndarray:
+    """``functools.reduce(ufunc, xs)`` in the arrays' dtype; ``avg`` = that sum / len(xs)."""
+    with np.errstate(all="ignore"):
+        acc = functools.reduce(_UFUNCS["sum" if op == "avg" else op], xs)
+        acc = np.array(acc, copy=True)
+        if op == "avg":
+            np.true_divide(acc, len(xs), out=acc, casting="unsafe")
+    return acc
+
+
+def _members(worker: int, num_workers: int, num_groups: int, in_group: bool) -> list[int]:
+    if not in_group:
+        return list(range(num_workers))
+    size = num_workers // num_groups
+    start = worker // size * size
+    return list(range(start, start + size))
+
+
+def _comms(num_workers: int, num_groups: int, in_group: bool) -> list[list[int]]:
+    if not in_group:
+        return [list(range(num_workers))]
+    size = num_workers // num_groups
+    return [list(range(g * size, (g + 1) * size)) for g in range(num_groups)]
+
+
+def _seed(*parts: Any) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _bf16_available() -> bool:
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def assert_bits(got: Any, ref: np.ndarray, what: str) -> None:
+    """``got`` has ``ref``'s dtype, shape and exact bytes."""
+    assert isinstance(got, np.ndarray), f"{what}: expected an array, got {type(got).__name__}"
+    assert got.dtype == ref.dtype, f"{what}: dtype {got.dtype}, expected {ref.dtype}"
+    assert got.shape == ref.shape, f"{what}: shape {got.shape}, expected {ref.shape}"
+    g = np.ascontiguousarray(got)
+    r = np.ascontiguousarray(ref)
+    if g.tobytes() == r.tobytes():
+        return
+    gb = g.reshape(-1).view(np.uint8).reshape(g.size, -1)
+    rb = r.reshape(-1).view(np.uint8).reshape(r.size, -1)
+    bad = np.flatnonzero((gb != rb).any(axis=1))
+    i = int(bad[0])
+    pytest.fail(
+        f"{what}: {len(bad)} of {g.size} elements differ from the NumPy reference; "
+        f"first at flat index {i}: got {g.reshape(-1)[i]!r}, expected {r.reshape(-1)[i]!r}"
+    )
+
+
+def _values(ref: disco.DRef, workers: Sequence[int]) -> dict[int, Any]:
+    return {w: ref.debug_get_from_remote(w) for w in workers}
+
+
+def _sync(sess: disco.Session) -> None:
+    """Wait for every worker; raise their pending errors (WorkerError, WorkerDiedError)."""
+    ref = sess.call_packed("ccl_kit.peer", "self")
+    for w in range(sess.num_workers):
+        assert ref.debug_get_from_remote(w) == w
+
+
+def _divisors(n: int) -> list[int]:
+    return [g for g in range(1, n + 1) if n % g == 0]
+
+
+@pytest.mark.timeout(60)
+class CCLContract:
+    """The contract every CCL honours. Subclass it and provide ``make_session``."""
+
+    num_workers: int = 4
+    dtypes: tuple[str, ...] = DTYPES
+    workers_are_processes: bool = False
+    death_timeout: float = 5.0
+    supports_empty_arrays: bool = True
+    avg_exact: bool = True
+    small_round_options: dict | None = None
+    multi_round_elements: int = 5003
+    timeout_options: dict | None = {"timeout": 1}
+    buffered_send_bytes: int = 0
+    ccl_error_types: tuple[str, ...] = ("CCLError", "CCLTimeoutError")
+
+    # ------------------------------------------------------------------ fixtures
+    @pytest.fixture
+    def make_session(self) -> Callable[..., disco.Session]:
+        """Provided by the subclass: ``make_session(num_workers, num_groups=1, **ccl_options)``."""
+        raise NotImplementedError(
+            "a CCLContract subclass must define the make_session fixture"
+        )  # pragma: no cover
+
+    @pytest.fixture(scope="class")
+    def _ccl_pool(self):
+        pool: dict[tuple, disco.Session] = {}
+        yield pool
+        for sess in pool.values():
+            sess.shutdown()
+
+    @pytest.fixture
+    def session(self, make_session, _ccl_pool, request):
+        """``session(num_groups=1, num_workers=None, **ccl_options)``: a pooled session."""
+        used: list[tuple] = []
+
+        def get(num_groups: int = 1, num_workers: int | None = None, **options: Any):
+            nw = self.num_workers if num_workers is None else num_workers
+            key = (nw, num_groups, tuple(sorted(options.items())))
+            sess = _ccl_pool.get(key)
+            if sess is None or sess.is_closed:
+                sess = make_session(nw, num_groups, **options)
+                assert isinstance(sess, disco.Session)
+                assert (sess.num_workers, sess.num_groups) == (nw, num_groups)
+                sess.import_python_module(FUNCS_MODULE)
+                _ccl_pool[key] = sess
+            used.append(key)
+            return sess
+
+        failed = request.session.testsfailed
+        yield get
+        if request.session.testsfailed != failed or request.node.get_closest_marker("xfail"):
+            for key in used:  # a failed test may leave its sessions in any state
+                sess = _ccl_pool.pop(key, None)
+                if sess is not None:
+                    sess.shutdown()
+
+    @pytest.fixture
+    def fresh_session(self, make_session):
+        """``fresh_session(num_workers=None, num_groups=1, **ccl_options)``: not shared."""
+        made: list[disco.Session] = []
+
+        def get(num_workers: int | None = None, num_groups: int = 1, **options: Any):
+            nw = self.num_workers if num_workers is None else num_workers
+            sess = make_session(nw, num_groups, **options)
+            made.append(sess)
+            sess.import_python_module(FUNCS_MODULE)
+            return sess
+
+        yield get
+        for sess in made:
+            sess.shutdown()
+
+    # ------------------------------------------------------------------ helpers
+    def layouts(self) -> list[int]:
+        """The group counts the tests run with (every divisor of ``num_workers``)."""
+        return _divisors(self.num_workers)
+
+    def need_dtype(self, dtype: str) -> None:
+        if dtype not in self.dtypes:
+            pytest.skip(f"{dtype} is not supported by this CCL")
+        if dtype == "bfloat16" and not _bf16_available():
+            pytest.skip("bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+
+    def reduce_ops(self, dtype: str) -> tuple[str, ...]:
+        """The ops tested on ``dtype``: all on floats; no avg on integers; min/max on bool."""
+        if dtype == "bool":
+            return ("min", "max")
+        if dtype in FLOAT_DTYPES:
+            return OPS
+        return ("sum", "prod", "min", "max")
+
+    def inputs(self, shape: Any, dtype: str, seed: int) -> list[np.ndarray]:
+        return [make_input(shape, dtype, seed, w) for w in range(self.num_workers)]
+
+    def check_allreduce(self, got: Any, xs: list[np.ndarray], op: str, what: str) -> None:
+        ref = reference_allreduce(xs, op)
+        if op == "avg" and not self.avg_exact:
+            assert got.dtype == ref.dtype and got.shape == ref.shape, what
+            tol = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6}.get(str(ref.dtype), 1e-12)
+            np.testing.assert_allclose(
+                got.astype("float64"), ref.astype("float64"), rtol=tol, atol=tol, err_msg=what
+            )
+            return
+        assert_bits(got, ref, what)
+
+    def expect_ccl_error(
+        self, sess: disco.Session, workers: Sequence[int], pattern: str = ""
+    ) -> list[disco.WorkerError]:
+        """The next sync raises a WorkerError whose CCL errors cover ``workers``.
+
+        ``pattern`` (a case-insensitive regex) must match each of those errors' message.
+        """
+        t0 = time.monotonic()
+        with pytest.raises(disco.WorkerError) as info:
+            _sync(sess)
+        took = time.monotonic() - t0
+        errors = [info.value, *info.value.others]
+        ccl = [e for e in errors if e.exc_type.rsplit(".", 1)[-1] in self.ccl_error_types]
+        raised = {e.worker_id for e in ccl}
+        summary = "; ".join(f"worker {e.worker_id} {e.exc_type}: {e.remote_message}" for e in errors)
+        assert set(workers) <= raised, (
+            f"expected a CCL error on workers {sorted(workers)}, got: {summary}"
+        )
+        for e in ccl:
+            if e.worker_id in workers and pattern:
+                assert re.search(pattern, e.remote_message, re.I), (
+                    f"worker {e.worker_id}'s error does not name the problem ({pattern!r}): "
+                    f"{e.remote_message}"
+                )
+        assert took < 30, f"the error took {took:.1f} s to surface"
+        return errors
+
+    def assert_usable(self, sess: disco.Session, seed: int = 7) -> None:
+        """The session's CCL still gives right answers (world and each group)."""
+        _sync(sess)
+        src = sess.call_packed("ccl_kit.input", (5,), "float32", seed)
+        dst = sess.empty((5,), "float32")
+        xs = self.inputs((5,), "float32", seed)
+        for in_group in (False, True):
+            sess.allreduce(src, dst, "sum", in_group=in_group)
+            for w, got in _values(dst, range(sess.num_workers)).items():
+                members = _members(w, sess.num_workers, sess.num_groups, in_group)
+                self.check_allreduce(got, [xs[m] for m in members], "sum", "after the error")
+
+    # ------------------------------------------------------------------ allreduce
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("op", OPS)
+    def test_allreduce(self, session, op, dtype):
+        self.need_dtype(dtype)
+        if op not in self.reduce_ops(dtype):
+            pytest.skip(f"allreduce {op} is not defined on {dtype}")
+        shape = (7, 3)
+        seed = _seed("allreduce", op, dtype)
+        xs = self.inputs(shape, dtype, seed)
+        for groups in self.layouts():
+            sess = session(groups)
+            src = sess.call_packed("ccl_kit.input", shape, dtype, seed)
+            dst = sess.empty(shape, dtype)
+            for in_group in (True, False):
+                assert sess.allreduce(src, dst, op, in_group=in_group) is dst
+                for w, got in _values(dst, range(self.num_workers)).items():
+                    members = _members(w, self.num_workers, groups, in_group)
+                    self.check_allreduce(
+                        got,
+                        [xs[m] for m in members],
+                        op,
+                        f"allreduce {op} {dtype} groups={groups} in_group={in_group} worker {w}",
+                    )
+
+    @pytest.mark.parametrize(
+        ("size", "dtype", "op"),
+        [(0, "float32", "sum"), (1, "int8", "max"), (1, "float64", "prod"), (3, "float16", "sum")]
+        + [(2, "uint8", "min"), (1001, "float64", "sum"), (1001, "int32", "prod")]
+        + [(4099, "float16", "sum"), (257, "int64", "min")],
+    )
+    def test_allreduce_sizes(self, session, size, dtype, op):
+        self.need_dtype(dtype)
+        if size == 0 and not self.supports_empty_arrays:
+            pytest.skip("this CCL does not take empty arrays")
+        seed = _seed("allreduce_sizes", size, dtype, op)
+        xs = self.inputs((size,), dtype, seed)
+        for groups in (1, self.layouts()[1]):
+            sess = session(groups)
+            src = sess.call_packed("ccl_kit.input", (size,), dtype, seed)
+            dst = sess.empty((size,), dtype)
+            for in_group in (True, False):
+                sess.allreduce(src, dst, op, in_group=in_group)
+                for w, got in _values(dst, range(self.num_workers)).items():
+                    members = _members(w, self.num_workers, groups, in_group)
+                    self.check_allreduce(got, [xs[m] for m in members], op, f"size {size} w{w}")
+
+    def test_allreduce_in_place(self, session):
+        sess = session()
+        seed = _seed("in_place")
+        xs = self.inputs((33,), "float32", seed)
+        buf = sess.call_packed("ccl_kit.input", (33,), "float32", seed)
+        sess.allreduce(buf, buf, "sum", in_group=False)
+        ref = reference_allreduce(xs, "sum")
+        for w, got in _values(buf, range(self.num_workers)).items():
+            assert_bits(got, ref, f"in-place allreduce, worker {w}")
+
+    @pytest.mark.parametrize("kind", [0, 1, 2, 3, 4])
+    def test_allreduce_tvm_reduce_kind(self, session, kind):
+        """TVM passes ``ReduceKind`` as an int: 0 sum, 1 prod, 2 min, 3 max, 4 avg."""
+        sess = session()
+        op = OPS[kind]
+        seed = _seed("kind", kind)
+        xs = self.inputs((6,), "float32", seed)
+        src = sess.call_packed("ccl_kit.input", (6,), "float32", seed)
+        dst = sess.empty((6,), "float32")
+        sess.call_packed("disco.allreduce", src, kind, False, dst)  # TVM's argument order
+        for w, got in _values(dst, range(self.num_workers)).items():
+            self.check_allreduce(got, xs, op, f"ReduceKind {kind} worker {w}")
+
+    # ------------------------------------------------------------------ data movement
+    def _check_movement(
+        self, sess, op: str, dtype: str, piece: tuple, in_group: bool, seed: int, root_only=False
+    ) -> None:
+        """Run one data-movement collective and compare every worker with NumPy."""
+        nw, groups = self.num_workers, sess.num_groups
+        m = nw if not in_group else nw // groups
+        big = (m * piece[0], *piece[1:]) if piece else (m,)
+        roots = in_group if root_only else None
+        if op == "allgather":
+            src_shape, dst_shape = piece, big
+        elif op == "broadcast":
+            src_shape, dst_shape = piece, piece
+        elif op == "scatter":
+            src_shape, dst_shape = big, piece
+        else:  # gather
+            src_shape, dst_shape = piece, big
+        src = sess.call_packed(
+            "ccl_kit.input", src_shape, dtype, seed, roots if op in ("scatter",) else None
+        )
+        if op == "gather" and root_only:
+            dst = sess.empty(dst_shape, dtype, worker0_only=True, in_group=in_group)
+        else:
+            dst = sess.empty(dst_shape, dtype)
+        {
+            "allgather": sess.allgather,
+            "broadcast": sess.broadcast_from_worker0,
+            "scatter": sess.scatter_from_worker0,
+            "gather": sess.gather_to_worker0,
+        }[op](src, dst, in_group=in_group)
+        xs = self.inputs(src_shape, dtype, seed)
+        for w in range(nw):
+            members = _members(w, nw, groups, in_group)
+            rank, root = members.index(w), members[0]
+            what = f"{op} {dtype} {piece} groups={groups} in_group={in_group} worker {w}"
+            if op == "allgather":
+                ref = np.concatenate([xs[k].reshape(piece) for k in members]).reshape(dst_shape)
+            elif op == "broadcast":
+                ref = xs[root]
+            elif op == "scatter":
+                k = int(np.prod(dst_shape))
+                ref = xs[root].reshape(-1)[rank * k : (rank + 1) * k].reshape(dst_shape)
+            else:
+                if w != root:
+                    continue  # gather leaves the other workers' dst alone
+                ref = np.concatenate([xs[k].reshape(piece) for k in members]).reshape(dst_shape)
+            assert_bits(dst.debug_get_from_remote(w), ref, what)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("op", ["allgather", "broadcast", "scatter", "gather"])
+    def test_data_movement(self, session, op, dtype):
+        self.need_dtype(dtype)
+        for groups in self.layouts():
+            sess = session(groups)
+            for in_group in (True, False):
+                seed = _seed(op, dtype, groups, in_group)
+                self._check_movement(sess, op, dtype, (2, 3), in_group, seed)
+
+    @pytest.mark.parametrize("op", ["scatter", "gather"])
+    def test_root_only_buffers(self, session, op):
+        """Scatter's src and gather's dst may exist on the roots only (None elsewhere)."""
+        for groups in self.layouts():
+            sess = session(groups)
+            for in_group in (True, False):
+                seed = _seed("root_only", op, groups, in_group)
+                self._check_movement(sess, op, "int32", (5,), in_group, seed, root_only=True)
+
+    @pytest.mark.parametrize(
+        ("op", "size", "dtype"),
+        [
+            (op, size, dtype)
+            for op in ("allgather", "broadcast", "scatter", "gather")
+            for size, dtype in ((0, "float32"), (1, "int8"), (3, "float16"), (1001, "float64"))
+        ],
+    )
+    def test_data_movement_sizes(self, session, op, size, dtype):
+        self.need_dtype(dtype)
+        if size == 0 and not self.supports_empty_arrays:
+            pytest.skip("this CCL does not take empty arrays")
+        for groups in (1, self.layouts()[1]):
+            sess = session(groups)
+            for in_group in (True, False):
+                seed = _seed("sizes", op, size, groups, in_group)
+                self._check_movement(sess, op, dtype, (size,), in_group, seed)
+
+    def test_broadcast_in_place_on_root(self, session):
+        """The root may pass the same array as src and dst."""
+        sess = session()
+        seed = _seed("bcast_in_place")
+        buf = sess.call_packed("ccl_kit.input", (9,), "float64", seed)
+        sess.broadcast_from_worker0(buf, buf, in_group=False)
+        ref = make_input((9,), "float64", seed, 0)
+        for w, got in _values(buf, range(self.num_workers)).items():
+            assert_bits(got, ref, f"worker {w}")
+
+    # ------------------------------------------------------------------ multi-round
+    @pytest.mark.parametrize(
+        "case",
+        [
+            "allreduce-sum-float16",
+            "allreduce-avg-float32",
+            "allreduce-max-int16",
+            "allreduce-prod-float64",
+            "allgather",
+            "broadcast",
+            "scatter",
+            "gather",
+            "sendrecv",
+            "recv_from_worker0",
+        ],
+    )
+    def test_multi_round(self, session, case):
+        """Arrays larger than one round of the CCL (see ``small_round_options``)."""
+        opts = dict(self.small_round_options or {})
+        n = self.multi_round_elements
+        nw = self.num_workers
+        for groups in (1, self.layouts()[1]):
+            sess = session(groups, **opts)
+            if case.startswith("allreduce"):
+                _, op, dtype = case.split("-")
+                self.need_dtype(dtype)
+                seed = _seed(case, groups)
+                xs = self.inputs((n,), dtype, seed)
+                src = sess.call_packed("ccl_kit.input", (n,), dtype, seed)
+                dst = sess.empty((n,), dtype)
+                for in_group in (True, False):
+                    sess.allreduce(src, dst, op, in_group=in_group)
+                    for w, got in _values(dst, range(nw)).items():
+                        members = _members(w, nw, groups, in_group)
+                        self.check_allreduce(got, [xs[m] for m in members], op, f"{case} w{w}")
+            elif case in ("allgather", "broadcast", "scatter", "gather"):
+                dtype = "float32" if case != "broadcast" else "int64"
+                for in_group in (True, False):
+                    seed = _seed(case, groups, in_group)
+                    self._check_movement(sess, case, dtype, (n,), in_group, seed)
+            elif case == "sendrecv":
+                self._check_ring(sess, "float32", (n,), _seed(case, groups))
+            else:
+                self._check_recv_from_worker0(sess, "float64", (n,), _seed(case, groups))
+
+    # ------------------------------------------------------------------ point to point
+    def _check_ring(self, sess, dtype: str, shape: tuple, seed: int) -> None:
+        nw = self.num_workers
+        buf = sess.call_packed("ccl_kit.input", shape, dtype, seed)
+        out = sess.empty(shape, dtype)
+        nxt = sess.call_packed("ccl_kit.peer", "next")
+        prv = sess.call_packed("ccl_kit.peer", "prev")
+        sess.call_packed("ccl_kit.exchange", buf, out, nxt, prv)
+        xs = self.inputs(shape, dtype, seed)
+        for w, got in _values(out, range(nw)).items():
+            assert_bits(got, xs[(w - 1) % nw], f"ring {dtype}{list(shape)}: worker {w}")
+
+    def _check_recv_from_worker0(self, sess, dtype: str, shape: tuple, seed: int) -> None:
+        nw = self.num_workers
+        buf = sess.call_packed("ccl_kit.input", shape, dtype, seed)
+        out = sess.call_packed("ccl_kit.input", shape, dtype, seed + 1)
+        sess.call_packed("ccl_kit.send_from_worker0", buf)
+        sess.call_packed("disco.recv_from_worker0", out)
+        for w, got in _values(out, range(nw)).items():
+            ref = make_input(shape, dtype, seed if w else seed + 1, 0)
+            assert_bits(got, ref, f"recv_from_worker0 {dtype}: worker {w}")
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_send_recv_ring(self, session, dtype):
+        self.need_dtype(dtype)
+        self._check_ring(session(), dtype, (3, 4), _seed("ring", dtype))
+
+    @pytest.mark.parametrize("size", [0, 1, 1001])
+    def test_send_recv_sizes(self, session, size):
+        if size == 0 and not self.supports_empty_arrays:
+            pytest.skip("this CCL does not take empty arrays")
+        self._check_ring(session(), "float16", (size,), _seed("ring_size", size))
+
+    def test_send_recv_pairs_both_ways(self, session):
+        """Workers 0-1, 2-3, ... swap arrays, several times in a row (no stale data)."""
+        if self.num_workers % 2:
+            pytest.skip("needs an even number of workers")
+        sess = session()
+        pair = sess.call_packed("ccl_kit.peer", "pair")
+        out = sess.empty((17,), "int64")
+        for i in range(3):
+            seed = _seed("pairs", i)
+            buf = sess.call_packed("ccl_kit.input", (17,), "int64", seed)
+            sess.call_packed("ccl_kit.exchange", buf, out, pair, pair)
+            xs = self.inputs((17,), "int64", seed)
+            for w, got in _values(out, range(self.num_workers)).items():
+                assert_bits(got, xs[w ^ 1], f"round {i}, worker {w}")
+
+    def test_send_recv_builtins_from_controller(self, session):
+        """``disco.send_to_worker(buf, receiver_id)`` then ``disco.recv_from_worker(buf, sender_id)``."""
+        if self.buffered_send_bytes < 64:
+            pytest.skip("sends of this CCL wait for the receiver")
+        sess = session()
+        nw = self.num_workers
+        seed = _seed("builtins_p2p")
+        buf = sess.call_packed("ccl_kit.input", (8,), "float32", seed)
+        out = sess.empty((8,), "float32")
+        nxt = sess.call_packed("ccl_kit.peer", "next")
+        prv = sess.call_packed("ccl_kit.peer", "prev")
+        sess.get_global_func("disco.send_to_worker")(buf, nxt)
+        sess.get_global_func("disco.recv_from_worker")(out, prv)
+        xs = self.inputs((8,), "float32", seed)
+        for w, got in _values(out, range(nw)).items():
+            assert_bits(got, xs[(w - 1) % nw], f"worker {w}")
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "bool"])
+    def test_recv_from_worker0(self, session, dtype):
+        self.need_dtype(dtype)
+        self._check_recv_from_worker0(session(), dtype, (4, 5), _seed("rfw0", dtype))
+
+    def test_send_to_next_group(self, session):
+        nw = self.num_workers
+        layouts = [g for g in self.layouts() if g > 1]
+        if not layouts:
+            pytest.skip("needs more than one group")
+        for groups in layouts:
+            sess = session(groups)
+            gs = nw // groups
+            seed = _seed("next_group", groups)
+            buf = sess.call_packed("ccl_kit.input", (11,), "float32", seed)
+            out = sess.call_packed("ccl_kit.input", (11,), "float32", seed + 1)
+            sess.call_packed("ccl_kit.pipeline", buf, out)
+            for w, got in _values(out, range(nw)).items():
+                ref = make_input((11,), "float32", seed if w >= gs else seed + 1, w - gs if w >= gs else w)
+                assert_bits(got, ref, f"groups={groups} worker {w}")
+
+    # ------------------------------------------------------------------ barrier
+    @pytest.mark.parametrize("in_group", [False, True])
+    def test_barrier(self, session, in_group):
+        nw = self.num_workers
+        groups = self.layouts()[1] if in_group else 1
+        sess = session(groups)
+        sess.call_packed("disco.barrier", in_group)  # the built-in, TVM-style call
+        times = _values(sess.call_packed("ccl_kit.barrier_times", in_group, 0.05), range(nw))
+        for comm in _comms(nw, groups, in_group):
+            last_arrival = max(times[w][0] for w in comm)
+            for w in comm:
+                assert times[w][1] >= last_arrival, (
+                    f"worker {w} left the barrier before worker(s) of {comm} arrived"
+                )
+
+    # ------------------------------------------------------------------ controller conveniences
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int64", "uint8", "bool"])
+    def test_controller_broadcast(self, session, dtype):
+        self.need_dtype(dtype)
+        nw = self.num_workers
+        for groups in self.layouts():
+            sess = session(groups)
+            host = make_input((3, 5), dtype, _seed("cb", dtype, groups), 99)
+            keep = host.copy()
+            for in_group in (True, False):
+                dst = sess.broadcast(host, in_group=in_group)
+                for w, got in _values(dst, range(nw)).items():
+                    assert_bits(got, keep, f"broadcast groups={groups} in_group={in_group} w{w}")
+            given = sess.empty((3, 5), dtype)
+            assert sess.broadcast(host, given) is given
+            for w, got in _values(given, range(nw)).items():
+                assert_bits(got, keep, f"broadcast into dst, groups={groups} w{w}")
+            assert_bits(host, keep, "the host array must not change")
+
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "uint8", "bool"])
+    def test_controller_scatter(self, session, dtype):
+        self.need_dtype(dtype)
+        nw = self.num_workers
+        for groups in self.layouts():
+            sess = session(groups)
+            host = make_input((nw, 3, 2), dtype, _seed("cs", dtype, groups), 99)
+            for in_group in (True, False):
+                dst = sess.scatter(host, in_group=in_group)
+                for w, got in _values(dst, range(nw)).items():
+                    assert_bits(got, host[w], f"scatter groups={groups} in_group={in_group} w{w}")
+            given = sess.empty((3, 2), dtype)
+            assert sess.scatter(host, given) is given
+            for w, got in _values(given, range(nw)).items():
+                assert_bits(got, host[w], f"scatter into dst, groups={groups} w{w}")
+
+    def test_controller_scatter_wrong_first_dim(self, session):
+        sess = session()
+        nw = self.num_workers
+        for bad in (np.zeros((nw + 1, 2), "float32"), np.zeros((), "float32"), np.zeros(0)):
+            with pytest.raises(ValueError, match="first dimension|workers"):
+                sess.scatter(bad)
+        self.assert_usable(sess)
+
+    def test_controller_one_element(self, session):
+        sess = session(self.layouts()[-1])
+        nw = self.num_workers
+        host = np.array([2.5], "float64")
+        for w, got in _values(sess.broadcast(host), range(nw)).items():
+            assert_bits(got, host, f"worker {w}")
+        host2 = np.arange(nw, dtype="int16")
+        for w, got in _values(sess.scatter(host2), range(nw)).items():
+            assert_bits(got, host2[w], f"worker {w}")
+
+    # ------------------------------------------------------------------ wrong use
+    @pytest.mark.parametrize("kind", ["shape", "dtype"])
+    @pytest.mark.parametrize("op", ["allreduce", "allgather", "broadcast", "scatter", "gather"])
+    def test_mismatched_buffers(self, session, op, kind):
+        """One worker (via ``debug_copy_from``) passes a different array: all members fail."""
+        sess = session()
+        nw = self.num_workers
+        odd = nw - 1
+        other = (lambda shape: np.zeros((shape[0] + 1,), "float32")) if kind == "shape" else (
+            lambda shape: np.zeros(shape, "int32")
+        )
+        src_shape = {"scatter": (nw * 3,)}.get(op, (3,))
+        dst_shape = {"allgather": (nw * 3,), "gather": (nw * 3,)}.get(op, (3,))
+        src = sess.call_packed("ccl_kit.input", src_shape, "float32", 1)
+        dst = sess.empty(dst_shape, "float32")
+        if op == "allreduce":
+            src.debug_copy_from(odd, other(src_shape))
+            dst.debug_copy_from(odd, other(dst_shape))
+        elif op in ("allgather", "gather"):
+            src.debug_copy_from(odd, other(src_shape))
+        else:  # broadcast, scatter: a non-root's dst differs from the root's
+            dst.debug_copy_from(odd, other(dst_shape))
+        fn = {
+            "allreduce": lambda: sess.allreduce(src, dst, "sum", in_group=False),
+            "allgather": lambda: sess.allgather(src, dst, in_group=False),
+            "broadcast": lambda: sess.broadcast_from_worker0(src, dst, in_group=False),
+            "scatter": lambda: sess.scatter_from_worker0(src, dst, in_group=False),
+            "gather": lambda: sess.gather_to_worker0(src, dst, in_group=False),
+        }[op]
+        fn()
+        pattern = r"shape|differ|match|hold|size|\[4\]" if kind == "shape" else r"dtype|int32|differ"
+        self.expect_ccl_error(sess, range(nw), pattern)
+        self.assert_usable(sess)
+
+    def test_mismatch_in_one_group_only(self, session):
+        """A bad call in one group fails that group only; the other groups finish correctly."""
+        groups = next((g for g in self.layouts() if 1 < g < self.num_workers), None)
+        if groups is None:
+            pytest.skip("needs groups of two or more workers, and several groups")
+        nw = self.num_workers
+        sess = session(groups)
+        seed = _seed("one_group")
+        src = sess.call_packed("ccl_kit.input", (4,), "float64", seed)
+        dst = sess.empty((4,), "float64")
+        src.debug_copy_from(nw - 1, np.zeros(5))
+        dst.debug_copy_from(nw - 1, np.zeros(5))
+        sess.allreduce(src, dst, "max", in_group=True)
+        last = _comms(nw, groups, True)[-1]
+        errors = self.expect_ccl_error(sess, last, r"shape|differ|match|\[5\]")
+        assert {e.worker_id for e in errors} == set(last), "other groups must not fail"
+        xs = self.inputs((4,), "float64", seed)
+        for comm in _comms(nw, groups, True)[:-1]:
+            for w in comm:
+                got = dst.debug_get_from_remote(w)
+                self.check_allreduce(got, [xs[m] for m in comm], "max", f"worker {w}")
+        self.assert_usable(sess)
+
+    def test_mismatched_operations(self, session):
+        """Workers disagree on the reduction: every worker raises."""
+        sess = session()
+        nw = self.num_workers
+        src = sess.call_packed("ccl_kit.input", (4,), "float32", 3)
+        dst = sess.empty((4,), "float32")
+        ops = ("sum",) * (nw - 1) + ("max",)
+        sess.call_packed("ccl_kit.allreduce_per_worker_op", src, dst, ops, False)
+        self.expect_ccl_error(sess, range(nw), r"mismatch|differ|max")
+        self.assert_usable(sess)
+
+    def test_scatter_not_divisible(self, session):
+        sess = session()
+        nw = self.num_workers
+        src = sess.call_packed("ccl_kit.input", (nw * 3 + 1,), "float32", 1)
+        dst = sess.empty((3,), "float32")
+        sess.scatter_from_worker0(src, dst, in_group=False)
+        self.expect_ccl_error(sess, range(nw), r"divis|split|piece|size")
+        self.assert_usable(sess)
+
+    def test_allgather_dst_too_small(self, session):
+        sess = session()
+        nw = self.num_workers
+        src = sess.call_packed("ccl_kit.input", (3,), "float32", 1)
+        dst = sess.empty((nw * 3 - 1,), "float32")
+        sess.allgather(src, dst, in_group=False)
+        self.expect_ccl_error(sess, range(nw), r"hold|small|size|dst")
+        self.assert_usable(sess)
+
+    def test_gather_root_without_dst(self, session):
+        sess = session()
+        src = sess.call_packed("ccl_kit.input", (3,), "float32", 1)
+        sess.gather_to_worker0(src, None, in_group=False)
+        self.expect_ccl_error(sess, range(self.num_workers), r"dst|root")
+        self.assert_usable(sess)
+
+    @pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "uint8", "bool"])
+    def test_avg_of_integers_is_an_error(self, session, dtype):
+        self.need_dtype(dtype)
+        sess = session()
+        src = sess.call_packed("ccl_kit.input", (4,), dtype, 1)
+        dst = sess.empty((4,), dtype)
+        sess.allreduce(src, dst, "avg", in_group=False)
+        self.expect_ccl_error(sess, range(self.num_workers), r"avg")
+        self.assert_usable(sess)
+
+    def test_unknown_reduce_op(self, session):
+        sess = session()
+        src = sess.call_packed("ccl_kit.input", (4,), "float32", 1)
+        dst = sess.empty((4,), "float32")
+        with pytest.raises(ValueError, match="median"):
+            sess.allreduce(src, dst, "median")
+        sess.call_packed("disco.allreduce", src, "median", False, dst)
+        self.expect_ccl_error(sess, range(self.num_workers), r"median|op")
+        self.assert_usable(sess)
+
+    @pytest.mark.parametrize("direction", ["send", "recv"])
+    def test_self_send(self, session, direction):
+        sess = session()
+        buf = sess.call_packed("ccl_kit.input", (4,), "float32", 1)
+        me = sess.call_packed("ccl_kit.peer", "self")
+        name = "disco.send_to_worker" if direction == "send" else "disco.recv_from_worker"
+        sess.call_packed(name, buf, me)
+        self.expect_ccl_error(sess, range(self.num_workers), r"itself|self")
+        self.assert_usable(sess)
+
+    @pytest.mark.parametrize("direction", ["send", "recv"])
+    @pytest.mark.parametrize("peer", ["-1", "num_workers", "1000"])
+    def test_out_of_range_peer(self, session, peer, direction):
+        sess = session()
+        nw = self.num_workers
+        value = {"-1": -1, "num_workers": nw, "1000": 1000}[peer]
+        buf = sess.call_packed("ccl_kit.input", (4,), "float32", 1)
+        name = "disco.send_to_worker" if direction == "send" else "disco.recv_from_worker"
+        sess.call_packed(name, buf, value)
+        self.expect_ccl_error(sess, range(nw), r"range|invalid|peer")
+        self.assert_usable(sess)
+
+    @pytest.mark.parametrize("kind", ["size", "dtype"])
+    def test_recv_buffer_mismatch(self, session, kind):
+        """Worker 0 sends 5 float32; worker 1 receives into a wrong buffer: worker 1 fails."""
+        sess = session()
+        buf = sess.call_packed("ccl_kit.input", (5,), "float32", 1)
+        out = sess.empty((4,), "float32") if kind == "size" else sess.empty((5,), "int32")
+        sess.call_packed("ccl_kit.call_on", (0,), "send_to_worker", buf, 1)
+        sess.call_packed("ccl_kit.call_on", (1,), "recv_from_worker", out, 0)
+        self.expect_ccl_error(sess, [1], r"sent|size|dtype|buffer|match")
+        self._check_ring(sess, "float32", (6,), _seed("after recv mismatch"))
+        self.assert_usable(sess)
+
+    @pytest.mark.parametrize(
+        ("op", "bad"),
+        [
+            ("allreduce", "src"),
+            ("allreduce", "dst"),
+            ("allgather", "src"),
+            ("broadcast", "dst"),
+            ("broadcast", "root-src"),
+            ("scatter", "dst"),
+            ("scatter", "root-src"),
+            ("gather", "src"),
+            ("gather", "root-dst"),
+            ("send", "src"),
+            ("recv", "dst"),
+        ],
+    )
+    def test_collective_on_failed_register(self, session, op, bad):
+        """A register that failed to compute on one worker: the others fail too, none waits."""
+        sess = session()
+        nw = self.num_workers
+        victim = 0 if bad.startswith("root") else nw - 1
+        shape = {"scatter": (nw * 2,)}.get(op, (2,))
+        out_shape = {"allgather": (nw * 2,), "gather": (nw * 2,)}.get(op, (2,))
+        good_src = sess.call_packed("ccl_kit.input", shape, "float32", 1)
+        good_dst = sess.empty(out_shape, "float32")
+        failed_src = sess.call_packed("ccl_kit.fail_on", victim, shape, "float32")
+        failed_dst = sess.call_packed("ccl_kit.fail_on", victim, out_shape, "float32")
+        src = failed_src if bad.endswith("src") else good_src
+        dst = failed_dst if bad.endswith("dst") else good_dst
+        expected: Sequence[int] = range(nw)
+        if op == "allreduce":
+            sess.allreduce(src, dst, "sum", in_group=False)
+        elif op == "allgather":
+            sess.allgather(src, dst, in_group=False)
+        elif op == "broadcast":
+            sess.broadcast_from_worker0(src, dst, in_group=False)
+        elif op == "scatter":
+            sess.scatter_from_worker0(src, dst, in_group=False)
+        elif op == "gather":
+            sess.gather_to_worker0(src, dst, in_group=False)
+        elif op == "send":  # worker nw-1 sends a failed register to worker 0
+            sess.call_packed("ccl_kit.call_on", (victim,), "send_to_worker", src, 0)
+            sess.call_packed("ccl_kit.call_on", (0,), "recv_from_worker", dst, victim)
+            expected = [0, victim]
+        else:  # worker 0 sends to worker nw-1, whose receive buffer failed
+            sess.call_packed("ccl_kit.call_on", (0,), "send_to_worker", src, victim)
+            sess.call_packed("ccl_kit.call_on", (victim,), "recv_from_worker", dst, 0)
+            expected = [victim]
+        errors = self.expect_ccl_error(sess, expected, r"")
+        assert any(e.worker_id == victim and e.exc_type == "ValueError" for e in errors), (
+            "the original failure must be reported too"
+        )
+        self.assert_usable(sess)
+
+    @pytest.mark.parametrize("name", ["send_to_next_group", "recv_from_prev_group"])
+    def test_no_next_or_previous_group(self, session, name):
+        """``send_to_next_group`` on the last group (``recv_from_prev_group`` on the first)."""
+        nw = self.num_workers
+        for groups in self.layouts():
+            sess = session(groups)
+            buf = sess.call_packed("ccl_kit.input", (3,), "float32", 1)
+            comms = _comms(nw, groups, True)
+            edge = comms[-1] if name == "send_to_next_group" else comms[0]
+            if groups == 1:  # every worker is in the last (and first) group: the plain built-in
+                sess.get_global_func(f"disco.{name}")(buf)
+            else:
+                sess.call_packed("ccl_kit.call_on", tuple(edge), name, buf)
+            errors = self.expect_ccl_error(sess, edge, r"group")
+            assert {e.worker_id for e in errors} == set(edge)
+            self.assert_usable(sess)
+
+    def test_collective_without_init_ccl(self):
+        """A collective on a session with no CCL: CCLError at the call site (a core rule)."""
+        with disco.ThreadedSession(2) as bare:
+            a = bare.empty((3,), "float32")
+            b = bare.empty((6,), "float32")
+            calls = [
+                lambda: bare.allreduce(a, a),
+                lambda: bare.allgather(a, b),
+                lambda: bare.broadcast_from_worker0(a, a),
+                lambda: bare.scatter_from_worker0(b, a),
+                lambda: bare.gather_to_worker0(a, b),
+                lambda: bare.broadcast(np.zeros(3, "float32")),
+                lambda: bare.scatter(np.zeros((2, 3), "float32")),
+            ]
+            for call in calls:
+                with pytest.raises(disco.CCLError, match="init_ccl"):
+                    call()
+            # The built-in called directly fails on every worker, naming the cure.
+            bare.get_global_func("disco.allreduce")(a, "sum", False, a)
+            with pytest.raises(disco.WorkerError, match="init_ccl") as info:
+                bare.sync_worker_0()
+            assert {info.value.worker_id, *(e.worker_id for e in info.value.others)} == {0, 1}
+            bare.sync_worker_0()
+
+    # ------------------------------------------------------------------ death and timeouts
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize("op", ["allreduce", "barrier", "recv"])
+    def test_worker_death_during_collective(self, fresh_session, op):
+        """A worker exits while the others wait in a collective: WorkerDiedError, fast."""
+        if not self.workers_are_processes:
+            pytest.skip("this session's workers are not separate processes")
+        sess = fresh_session()
+        nw = self.num_workers
+        victim = nw - 1
+        src = sess.call_packed("ccl_kit.input", (8,), "float32", 1)
+        dst = sess.empty((8,), "float32")
+        _sync(sess)
+        args = {
+            "allreduce": ("allreduce", src, "sum", False, dst),
+            "barrier": ("barrier", False),
+            "recv": ("recv_from_worker", dst, victim),
+        }[op]
+        delay = 0.3
+        t0 = time.monotonic()
+        sess.call_packed("ccl_kit.die_or_call", victim, os.getpid(), delay, *args)
+        with pytest.raises(disco.WorkerDiedError) as info:
+            sess.sync_worker_0()  # worker 0 waits in the collective meanwhile
+        took = time.monotonic() - t0
+        assert victim in info.value.worker_ids
+        assert took < self.death_timeout + delay, f"death surfaced after {took:.1f} s"
+        t1 = time.monotonic()
+        sess.shutdown()
+        assert time.monotonic() - t1 < 15, "shutdown after a death took too long"
+
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize("who", ["worker0", "others"])
+    def test_collective_timeout(self, fresh_session, who):
+        """Some workers enter a barrier the others never call: they time out quickly."""
+        if self.timeout_options is None:
+            pytest.skip("no timeout option for this CCL")
+        nw = self.num_workers
+        sess = fresh_session(nw, 1, **self.timeout_options)
+        waiting = (0,) if who == "worker0" else tuple(range(1, nw))
+        t0 = time.monotonic()
+        sess.call_packed("ccl_kit.call_on", waiting, "barrier", False)
+        with pytest.raises(disco.WorkerError) as info:
+            _sync(sess)
+        took = time.monotonic() - t0
+        errors = [info.value, *info.value.others]
+        timed_out = {e.worker_id for e in errors if e.exc_type.endswith("CCLTimeoutError")}
+        assert timed_out == set(waiting), [(e.worker_id, e.exc_type) for e in errors]
+        assert took < 20, f"the timeout surfaced after {took:.1f} s"
+        # The session (its control plane) still works.
+        _sync(sess)
+        assert sess.call_packed("ccl_kit.peer", "const", 5).debug_get_from_remote(nw - 1) == 5

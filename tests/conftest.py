@@ -1,0 +1,95 @@
+"""Shared fixtures of the core's tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import disco_core  # noqa: F401  (the built-ins are registered before any test runs)
+
+
+def pid_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pids, timeout: float) -> list[int]:
+    """Wait until every pid is gone; return those still running after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if not pid_gone(p)]
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+def children_of(pid: int) -> set[int]:
+    """The live (non-zombie) child processes of ``pid``, read from /proc."""
+    out = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(rest[1]) == pid and rest[0] not in ("Z", "X"):
+            out.add(int(name))
+    return out
+
+
+def run_python(
+    code: str, env: dict | None = None, timeout: float = 60, **kw
+) -> subprocess.CompletedProcess:
+    """Run ``python -c code`` with the test interpreter; capture its output."""
+    full_env = dict(os.environ)
+    full_env.pop("DISCO_PLUGINS", None)
+    full_env.pop("DISCO_DISABLE_PLUGIN_AUTOLOAD", None)
+    if env:
+        full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+@pytest.fixture
+def no_leftover_children():
+    """Fail a test that leaves a child process of this one running."""
+    before = children_of(os.getpid())
+    yield
+    deadline = time.monotonic() + 5
+    extra = children_of(os.getpid()) - before
+    while extra and time.monotonic() < deadline:
+        time.sleep(0.05)
+        extra = children_of(os.getpid()) - before
+    assert not extra, f"child processes left behind: {sorted(extra)}"
+
+
+@pytest.fixture
+def python_run():
+    """``python_run(code, env=None, timeout=60)``: run code in a fresh interpreter."""
+    return run_python
+
+
+@pytest.fixture
+def procs():
+    """Process helpers: ``procs.pid_gone``, ``procs.wait_gone``, ``procs.children_of``."""
+    import types
+
+    return types.SimpleNamespace(pid_gone=pid_gone, wait_gone=wait_gone, children_of=children_of)

@@ -1,0 +1,132 @@
+"""Devices, dtypes, shapes and the host-array helpers."""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+from disco_core import device as dev
+from disco_core.testing.funcs import DLPackOnly
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("cpu", 0), ("cpu", 0)),
+        (("cpu",), ("cpu", 0)),
+        (("cuda:1",), ("cuda", 1)),
+        (("CUDA", 2), ("cuda", 2)),
+        ((2, 0), ("cuda", 0)),
+        ((10, 3), ("rocm", 3)),
+        (("gpu", 1), ("cuda", 1)),
+        (("llvm",), ("cpu", 0)),
+        ((disco.Device("rocm", 4),), ("rocm", 4)),
+    ],
+)
+def test_device_forms(args, expected):
+    d = disco.Device(*args)
+    assert (d.device_type, d.device_id) == expected
+
+
+@pytest.mark.parametrize(
+    "args, exc",
+    [
+        (("nope",), ValueError),
+        (("cuda:x",), ValueError),
+        (("cuda:1", 2), ValueError),
+        (("cpu", -1), ValueError),
+        (("cpu", 1.5), ValueError),
+        ((999,), ValueError),
+        ((None,), TypeError),
+    ],
+)
+def test_device_errors(args, exc):
+    with pytest.raises(exc):
+        disco.Device(*args)
+
+
+def test_device_equality_hash_str_pickle():
+    d = disco.Device("cuda", 1)
+    assert d == disco.Device("cuda:1") and d == "cuda:1" and d != "cuda:0" and d != "garbage"
+    assert hash(d) == hash(disco.Device("cuda", 1))
+    assert len({d, disco.Device("cuda:1"), disco.Device("cpu")}) == 2
+    assert str(d) == "cuda:1" and "cuda" in repr(d)
+    assert pickle.loads(pickle.dumps(d)) == d
+    assert d.device_type_code == 2 and d.is_gpu
+    assert disco.Device("cpu").device_type_code == 1 and not disco.Device("cpu").is_gpu
+
+
+def test_as_device():
+    assert dev.as_device(None) is None
+    d = disco.Device("cpu", 0)
+    assert dev.as_device(d) is d
+    assert dev.as_device("cuda:2") == disco.Device("cuda", 2)
+    assert dev.as_device(("rocm", 1)) == disco.Device("rocm", 1)
+
+    class TorchLike:
+        type = "cuda"
+        index = 3
+
+    assert dev.as_device(TorchLike()) == disco.Device("cuda", 3)
+    with pytest.raises(TypeError):
+        dev.as_device(object())
+
+
+def test_as_dtype():
+    assert dev.as_dtype("float32") == np.float32
+    assert dev.as_dtype(np.float16) == np.float16
+    assert dev.as_dtype(np.dtype("int8")) == np.int8
+    assert dev.as_dtype("bool") == np.bool_
+    for bad in ("not_a_dtype", None, object, "U5", "S3", "O", "datetime64[s]"):
+        with pytest.raises(TypeError):
+            dev.as_dtype(bad)
+
+
+def test_bfloat16():
+    if importlib.util.find_spec("ml_dtypes") is None:
+        with pytest.raises(TypeError, match="ml_dtypes"):
+            dev.as_dtype("bfloat16")
+    else:
+        assert dev.as_dtype("bfloat16").name == "bfloat16"
+
+
+def test_as_shape():
+    assert dev.as_shape(3) == (3,)
+    assert dev.as_shape((2, np.int64(3))) == (2, 3)
+    assert dev.as_shape([]) == ()
+    with pytest.raises(ValueError):
+        dev.as_shape((2, -1))
+    for bad in ((2.0,), (True,), "ab", None):
+        with pytest.raises(TypeError):
+            dev.as_shape(bad)
+
+
+def test_empty_on_host():
+    a = dev.empty((2, 3), "float32")
+    assert isinstance(a, np.ndarray) and a.shape == (2, 3) and a.dtype == np.float32
+    assert dev.empty(4, "int8", disco.Device("cpu", 0)).shape == (4,)
+    with pytest.raises(ValueError):
+        dev.empty((2,), "float32", disco.Device("opencl", 0))
+
+
+def test_empty_on_gpu_without_cupy():
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed")
+    with pytest.raises(RuntimeError, match="CuPy"):
+        dev.empty((2,), "float32", "cuda:0")
+
+
+def test_dlpack_arrays_are_viewed_without_copy():
+    host = np.arange(6, dtype="float32")
+    view = dev.as_array(DLPackOnly(host))
+    assert isinstance(view, np.ndarray) and np.shares_memory(view, host)
+    assert dev.to_host(host) is host
+    np.testing.assert_array_equal(dev.to_host(DLPackOnly(host)), host)
+    assert dev.is_array(host) and dev.is_array(DLPackOnly(host)) and not dev.is_array([1])
+    assert dev.to_host(5) == 5
+    with pytest.raises(TypeError):
+        dev.as_array(object())

@@ -1,0 +1,179 @@
+"""Session life cycle: shapes, creation by name, start-up failures, no child left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import disco_core as disco
+
+SESSIONS = [disco.ThreadedSession, disco.ProcessSession]
+
+
+@pytest.mark.parametrize("cls", SESSIONS, ids=["threaded", "process"])
+@pytest.mark.parametrize(
+    "num_workers, num_groups, exc",
+    [
+        (0, 1, ValueError),
+        (-2, 1, ValueError),
+        (4, 3, ValueError),
+        (4, 0, ValueError),
+        (2.0, 1, TypeError),
+        ("2", 1, TypeError),
+        (True, 1, TypeError),
+        (2, None, TypeError),
+    ],
+)
+def test_bad_shapes(cls, num_workers, num_groups, exc, no_leftover_children):
+    with pytest.raises(exc):
+        cls(num_workers, num_groups)
+
+
+@pytest.mark.parametrize("channel", ["threaded", "process"])
+@pytest.mark.parametrize(
+    "options",
+    [{"num_workers": 0}, {"num_workers": 4, "num_groups": 3}],
+    ids=["zero-workers", "groups-do-not-divide"],
+)
+def test_create_checks_shapes(channel, options):
+    sess = None
+    try:
+        with pytest.raises((ValueError, TypeError)):
+            sess = disco.Session.create(channel, **options)
+    finally:
+        if sess is not None:
+            sess.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("channel", ["threaded", "process"])
+def test_create_by_name(channel, no_leftover_children):
+    with disco.Session.create(channel, num_workers=4, num_groups=2) as sess:
+        assert isinstance(sess, disco.Session)
+        assert (sess.num_workers, sess.num_groups) == (4, 2)
+        gid = sess.get_global_func("disco.group_id")()
+        assert [gid.debug_get_from_remote(w) for w in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(disco.SessionClosedError):
+        sess.sync_worker_0()
+
+
+def test_single_worker_sessions():
+    for cls in SESSIONS:
+        with cls(1) as sess:
+            assert sess.get_global_func("disco.world_size")().debug_get_from_remote(0) == 1
+
+
+@pytest.mark.timeout(30)
+def test_no_child_left_after_shutdown(no_leftover_children, procs):
+    sess = disco.ProcessSession(3)
+    sess.import_python_module("disco_core.testing.funcs")
+    pids = [sess.get_global_func("testing.pid")().debug_get_from_remote(w) for w in (1, 2)]
+    assert set(pids) <= procs.children_of(os.getpid())
+    sess.shutdown()
+    assert procs.wait_gone(pids, 5) == []
+    assert not set(pids) & procs.children_of(os.getpid())
+
+
+@pytest.mark.timeout(30)
+def test_no_child_left_after_dropping_the_session(no_leftover_children, procs):
+    import gc
+
+    sess = disco.ProcessSession(2)
+    pid = sess.channel.procs[0].proc.pid if hasattr(sess.channel, "procs") else None
+    del sess
+    gc.collect()
+    if pid is not None:
+        assert procs.wait_gone([pid], 5) == []
+
+
+@pytest.mark.timeout(30)
+def test_worker_that_cannot_start(no_leftover_children):
+    t0 = time.monotonic()
+    with pytest.raises(disco.DiscoError) as info:
+        disco.ProcessSession(2, entrypoint="disco_core.no_such_entrypoint_module")
+    assert time.monotonic() - t0 < 10
+    assert isinstance(info.value, disco.WorkerDiedError)
+    with pytest.raises(TypeError):
+        disco.ProcessSession(2, entrypoint="")
+
+
+_CONTROLLER = """
+import os, sys, time
+import disco_core as disco
+sess = disco.ProcessSession(3)
+sess.import_python_module("disco_core.testing.funcs")
+pids = [sess.get_global_func("testing.pid")().debug_get_from_remote(w) for w in (1, 2)]
+mode = sys.argv[1]
+if mode == "busy":
+    sess.get_global_func("testing.sleep")(60.0)  # workers are busy when the controller dies
+print("PIDS", *pids, flush=True)
+if mode == "raise":
+    raise RuntimeError("controller crashed")
+if mode == "os_exit":
+    os._exit(3)
+time.sleep(120)
+"""
+
+
+def _start_controller(mode: str) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CONTROLLER, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if not line.startswith("PIDS"):
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        pytest.fail(f"the controller did not start its workers: {line!r} {err}")
+    return proc, [int(p) for p in line.split()[1:]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["idle", "busy"])
+def test_workers_exit_when_the_controller_is_killed(mode, procs):
+    proc, pids = _start_controller(mode)
+    try:
+        assert all(not procs.pid_gone(p) for p in pids)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert procs.wait_gone(pids, 5) == [], f"workers outlived their controller ({mode})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in pids:
+            if not procs.pid_gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["raise", "os_exit"])
+def test_workers_exit_when_the_controller_crashes(mode, procs):
+    proc, pids = _start_controller(mode)
+    try:
+        proc.wait(20)
+        assert proc.returncode != 0
+        assert procs.wait_gone(pids, 5) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in pids:
+            if not procs.pid_gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.timeout(30)
+def test_session_repr_and_channel():
+    with disco.ProcessSession(2) as sess:
+        assert isinstance(sess.channel, disco.Channel)
+        assert "process" in repr(sess)
+    assert "closed" in repr(sess)

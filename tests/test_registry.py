@@ -1,0 +1,101 @@
+"""The global function registry."""
+
+from __future__ import annotations
+
+import pytest
+
+import disco_core as disco
+from disco_core import registry
+
+
+@pytest.fixture
+def names():
+    """Names registered by a test, removed afterwards."""
+    used: list[str] = []
+    yield used
+    for name in used:
+        registry.remove_global_func(name)
+    assert not set(used) & set(disco.list_global_func_names())
+
+
+def test_register_by_call_and_decorator(names):
+    names += ["test.reg.call", "test.reg.deco"]
+
+    def f(x):
+        return x + 1
+
+    assert disco.register_func("test.reg.call", f) is f
+
+    @disco.register_func("test.reg.deco")
+    def g(x):
+        return x * 2
+
+    assert disco.get_global_func("test.reg.call") is f
+    assert disco.get_global_func("test.reg.deco")(4) == 8
+    listed = disco.list_global_func_names()
+    assert listed == sorted(listed)
+    assert {"test.reg.call", "test.reg.deco"} <= set(listed)
+
+
+def test_bare_decorator_uses_qualname(names):
+    @disco.register_func
+    def test_registry_bare_function():
+        return 1
+
+    names.append(test_registry_bare_function.__qualname__)
+    assert disco.get_global_func(test_registry_bare_function.__qualname__)() == 1
+
+
+def test_duplicate_and_override(names):
+    names.append("test.reg.dup")
+    disco.register_func("test.reg.dup", lambda: 1)
+    with pytest.raises(ValueError, match="already registered"):
+        disco.register_func("test.reg.dup", lambda: 2)
+    assert disco.get_global_func("test.reg.dup")() == 1
+    disco.register_func("test.reg.dup", lambda: 3, override=True)
+    assert disco.get_global_func("test.reg.dup")() == 3
+    same = disco.get_global_func("test.reg.dup")
+    disco.register_func("test.reg.dup", same)  # the same function again is fine
+
+
+def test_missing():
+    with pytest.raises(ValueError, match="test.reg.never"):
+        disco.get_global_func("test.reg.never")
+    assert disco.get_global_func("test.reg.never", allow_missing=True) is None
+
+
+def test_missing_suggests_close_names():
+    with pytest.raises(ValueError, match="disco.worker_id"):
+        disco.get_global_func("disco.worker_idd")
+
+
+def test_bad_registrations():
+    with pytest.raises(TypeError):
+        disco.register_func("test.reg.bad", 42)
+    with pytest.raises(TypeError):
+        disco.register_func("", lambda: 0)
+    with pytest.raises(TypeError):
+        disco.register_func(None, lambda: 0)
+    assert disco.get_global_func("test.reg.bad", allow_missing=True) is None
+
+
+def test_builtins_registered():
+    names = set(disco.list_global_func_names())
+    expected = {
+        "worker_id", "worker_rank", "world_size", "group_id", "device", "empty",
+        "allreduce", "allgather", "broadcast_from_worker0", "scatter_from_worker0",
+        "gather_to_worker0", "recv_from_worker0", "send_to_worker", "recv_from_worker",
+        "send_to_next_group", "recv_from_prev_group",
+    }  # fmt: skip
+    assert {f"disco.{n}" for n in expected} <= names
+
+
+def test_sessions_use_the_registry(names):
+    names.append("test.reg.session")
+    disco.register_func("test.reg.session", lambda a, b: (a, b, disco.worker.current().worker_id))
+    with disco.ThreadedSession(2) as sess:
+        r = sess.get_global_func("test.reg.session")("x", 2)
+        assert r.debug_get_from_remote(1) == ("x", 2, 1)
+    with disco.ThreadedSession(1) as sess:
+        with pytest.raises(ValueError):
+            sess.get_global_func("test.reg.not.there")
