@@ -8,7 +8,9 @@ import pytest
 
 import disco_core as disco
 
-torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs the CPU build)")
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (scripts/test.sh installs the CPU build)"
+)
 
 pytestmark = pytest.mark.timeout(60)
 
