@@ -1,0 +1,513 @@
+"""Control-plane benchmark of disco_core, side by side with TVM's Disco when installed.
+
+Measures, for ThreadedSession and ProcessSession with 2 and 4 workers:
+
+* round trip: one ``call_packed`` + ``sync_worker_0`` (median over many);
+* async: 10,000 ``call_packed`` (results dropped) followed by one ``sync_worker_0``,
+  reported per call;
+* ``copy_to_worker_0`` / ``copy_from_worker_0`` at 1, 16, 64 MiB (GB/s, 2 workers);
+* ProcessSession start-up (constructor until every worker has answered) and
+  shutdown, for 2 and 4 workers;
+* register leak check: 1,000,000 ``call_packed`` with dropped results, the largest
+  ``disco.register_count`` seen on any worker.
+
+Run: ``python bench/bench_core.py [--quick]`` (or ``python bench/run_all.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from _common import (
+    MiB,
+    fmt_num,
+    fmt_size,
+    fmt_time,
+    gc_paused,
+    load_tvm,
+    machine_summary,
+    memcpy_bandwidth,
+    print_table,
+    ratio,
+    save_json,
+)
+
+import disco_core as disco
+
+try:
+    import psutil
+except ImportError:  # optional: only for "all worker processes exited" after shutdown
+    psutil = None
+
+
+# ---------------------------------------------------------------------------- implementations
+class Impl:
+    """One runtime under test: how to make a session and wrap host arrays."""
+
+    name = "?"
+    func_name = "?"
+
+    def session(self, kind: str, n: int) -> Any:
+        raise NotImplementedError
+
+    def host(self, arr: np.ndarray) -> Any:
+        return arr
+
+    def to_numpy(self, arr: Any) -> np.ndarray:
+        return arr
+
+    def empty0(self, sess: Any, nelem: int) -> Any:
+        return sess.empty((nelem,), "float32", worker0_only=True)
+
+    def shutdown(self, sess: Any) -> None:
+        sess.shutdown()
+
+    def copy_to(self, sess: Any, host: Any, remote: Any) -> None:
+        sess.copy_to_worker_0(host, remote)  # ours returns once worker 0 holds the data
+
+    def copy_from(self, sess: Any, host: Any, remote: Any) -> None:
+        sess.copy_from_worker_0(host, remote)  # ours returns once host holds the data
+
+
+class Ours(Impl):
+    name = "ours"
+    func_name = "disco.worker_id"
+
+    def session(self, kind: str, n: int) -> Any:
+        cls = disco.ThreadedSession if kind == "threaded" else disco.ProcessSession
+        return cls(n)
+
+
+class TVM(Impl):
+    name = "TVM"
+    func_name = "runtime.disco.worker_id"
+
+    def __init__(self, tvm_disco: Any) -> None:
+        import tvm
+
+        self.tvm = tvm
+        self.mod = tvm_disco
+
+    def session(self, kind: str, n: int) -> Any:
+        cls = self.mod.ThreadedSession if kind == "threaded" else self.mod.ProcessSession
+        return cls(num_workers=n)
+
+    def host(self, arr: np.ndarray) -> Any:
+        return self.tvm.runtime.tensor(arr)
+
+    def shutdown(self, sess: Any) -> None:
+        # TVM 0.27 aborts the process ("Write Error: Broken pipe") when a cached
+        # DPackedFunc of a ProcessSession is freed after shutdown: free them first.
+        cache = getattr(sess, "_cache", None)
+        if cache:
+            cache.clear()
+        sess.shutdown()
+
+    def to_numpy(self, arr: Any) -> np.ndarray:
+        return arr.numpy()
+
+    # TVM's copies only enqueue the command: the data is in place after a sync.
+    def copy_to(self, sess: Any, host: Any, remote: Any) -> None:
+        sess.copy_to_worker_0(host, remote)
+        sess.sync_worker_0()
+
+    def copy_from(self, sess: Any, host: Any, remote: Any) -> None:
+        sess.copy_from_worker_0(host, remote)
+        sess.sync_worker_0()
+
+
+# ---------------------------------------------------------------------------- measurements
+def wait_all_workers(sess: Any, func: Any) -> None:
+    """Return once every worker has run a command (public API only, both runtimes)."""
+    ref = func()
+    for w in range(sess.num_workers):
+        ref.debug_get_from_remote(w)
+
+
+def round_trip_samples(sess: Any, func: Any, reps: int) -> list[float]:
+    """Wall times of ``reps`` round trips (call_packed + sync_worker_0)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        func()
+        sess.sync_worker_0()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def async_sample(sess: Any, func: Any, calls: int) -> float:
+    """Seconds per call of ``calls`` async call_packed (results dropped) + one sync."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        func()
+    sess.sync_worker_0()
+    return (time.perf_counter() - t0) / calls
+
+
+def interleaved(
+    subjects: dict[str, Any], sample: Callable[[Any], list[float]], rounds: int
+) -> dict[str, float]:
+    """Median of samples taken in alternating rounds, so the machine's drifting
+    load hits every runtime alike."""
+    samples: dict[str, list[float]] = {name: [] for name in subjects}
+    with gc_paused():
+        for _ in range(rounds):
+            for name, subject in subjects.items():
+                samples[name] += sample(subject)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def bench_copies(runs: dict[str, tuple], sizes: list[int], quick: bool) -> dict:
+    """GB/s of copy_to/from_worker_0 per size, sampled alternately across runtimes."""
+    out: dict[str, dict] = {name: {} for name in runs}
+    for nbytes in sizes:
+        nelem = nbytes // 4
+        data = np.random.default_rng(0).random(nelem, dtype=np.float32)
+        bufs = {}
+        for name, (impl, sess, _) in runs.items():
+            host = impl.host(data)
+            host_out = impl.host(np.zeros(nelem, dtype=np.float32))
+            bufs[name] = (impl, sess, host, host_out, impl.empty0(sess, nelem))
+        reps = 3 if quick else max(5, min(30, (256 * MiB) // nbytes))
+
+        def sample_to(b: tuple) -> list[float]:
+            impl, sess, host, _, remote = b
+            t0 = time.perf_counter()
+            impl.copy_to(sess, host, remote)
+            return [time.perf_counter() - t0]
+
+        def sample_from(b: tuple) -> list[float]:
+            impl, sess, _, host_out, remote = b
+            t0 = time.perf_counter()
+            impl.copy_from(sess, host_out, remote)
+            return [time.perf_counter() - t0]
+
+        interleaved(bufs, sample_to, 1)  # warm-up (page faults of fresh buffers)
+        interleaved(bufs, sample_from, 1)
+        t_to = interleaved(bufs, sample_to, reps)
+        t_from = interleaved(bufs, sample_from, reps)
+        for name, (impl, _, _, host_out, _) in bufs.items():
+            if not np.array_equal(impl.to_numpy(host_out), data):
+                raise AssertionError(f"{name}: copy round trip of {fmt_size(nbytes)} is wrong")
+            out[name][nbytes] = {"to_s": t_to[name], "from_s": t_from[name]}
+        del bufs
+    return out
+
+
+def open_sessions(impls: list[Impl], kind: str, n: int) -> dict[str, tuple]:
+    """``{name: (impl, session, worker_id function)}``, every worker ready."""
+    runs: dict[str, tuple] = {}
+    try:
+        for impl in impls:
+            sess = impl.session(kind, n)
+            runs[impl.name] = (impl, sess, sess.get_global_func(impl.func_name))
+            wait_all_workers(sess, runs[impl.name][2])
+    except BaseException:
+        close_sessions(runs)
+        raise
+    return runs
+
+
+def close_sessions(runs: dict[str, tuple]) -> None:
+    # Free every handle before its session shuts down (TVM aborts otherwise).
+    while runs:
+        _, (impl, sess, _) = runs.popitem()
+        impl.shutdown(sess)
+
+
+def children_pids() -> list[int]:
+    if psutil is None:
+        return []
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def bench_startup(impl: Impl, n: int, reps: int) -> dict:
+    starts, stops, gone = [], [], []
+    for _ in range(reps):
+        before = set(children_pids())
+        t0 = time.perf_counter()
+        sess = impl.session("process", n)
+        func = sess.get_global_func(impl.func_name)
+        wait_all_workers(sess, func)
+        starts.append(time.perf_counter() - t0)
+        kids = [p for p in children_pids() if p not in before]
+        del func
+        t0 = time.perf_counter()
+        impl.shutdown(sess)
+        # Dropping the session at once is part of shutting down: TVM's destructor waits
+        # for its workers (and aborts the process when they have already exited).
+        del sess
+        stops.append(time.perf_counter() - t0)
+        if psutil is not None:
+            procs = []
+            for pid in kids:
+                try:
+                    procs.append(psutil.Process(pid))
+                except psutil.NoSuchProcess:
+                    pass
+            _, alive = psutil.wait_procs(procs, timeout=10)
+            gone.append(time.perf_counter() - t0 if not alive else float("inf"))
+        gc.collect()
+    return {
+        "start_s": statistics.median(starts),
+        "shutdown_s": statistics.median(stops),
+        "exited_s": statistics.median(gone) if gone else None,
+    }
+
+
+def bench_leak(sess: Any, func: Any, calls: int) -> dict:
+    count = sess.get_global_func("disco.register_count")
+
+    def counts() -> list[int]:
+        ref = count()
+        return [int(ref.debug_get_from_remote(w)) for w in range(sess.num_workers)]
+
+    sess.sync_worker_0()
+    baseline = max(counts())
+    peak = baseline
+    chunk = min(100_000, calls)
+    t0 = time.perf_counter()
+    done = 0
+    with gc_paused():
+        while done < calls:
+            for _ in range(min(chunk, calls - done)):
+                func()
+            done += chunk
+            sess.sync_worker_0()
+            peak = max(peak, *counts())
+    elapsed = time.perf_counter() - t0
+    final = max(counts())
+    return {
+        "calls": calls,
+        "baseline": baseline,
+        "max": peak,
+        "final": final,
+        "calls_per_s": calls / elapsed,
+    }
+
+
+# ---------------------------------------------------------------------------- driver
+def run(quick: bool = False, tvm: bool = True) -> dict:
+    impls: list[Impl] = [Ours()]
+    tvm_disco = load_tvm() if tvm else None
+    if tvm_disco is not None:
+        impls.append(TVM(tvm_disco))
+    names = [i.name for i in impls]
+    rt_reps = 300 if quick else 2000
+    async_calls, async_reps = 10_000, (1 if quick else 3)
+    copy_sizes = [1 * MiB, 16 * MiB, 64 * MiB]
+    leak_calls = 100_000 if quick else 1_000_000
+    results: dict[str, Any] = {"machine": machine_summary(), "impls": names, "quick": quick}
+
+    print(f"bench_core: {machine_summary()}; load average {os.getloadavg()[0]:.2f}")
+    print(f"runtimes: {', '.join(names)}; disco_core {disco.__version__}")
+    memcpy = memcpy_bandwidth(16 * MiB)
+    results["memcpy_16MiB_GBps"] = memcpy / 1e9
+
+    # -- round trip, async, copies ----------------------------------------------------
+    ctl: dict = {}
+    copies: dict = {}
+    leak: dict = {}
+    for kind in ("threaded", "process"):
+        for n in (2, 4):
+            # Every runtime's session of this shape is open at once, measured in turns.
+            runs = open_sessions(impls, kind, n)
+            try:
+                interleaved(runs, lambda r: round_trip_samples(r[1], r[2], 50), 1)  # warm-up
+                rt = interleaved(runs, lambda r: round_trip_samples(r[1], r[2], rt_reps // 10), 10)
+                interleaved(runs, lambda r: [async_sample(r[1], r[2], async_calls)], 1)
+                per_call = interleaved(
+                    runs, lambda r: [async_sample(r[1], r[2], async_calls)], async_reps
+                )
+                for name in runs:
+                    ctl[(kind, n, name)] = {
+                        "round_trip_s": rt[name],
+                        "async_per_call_s": per_call[name],
+                    }
+                if n == 2:
+                    for name, v in bench_copies(runs, copy_sizes, quick).items():
+                        copies[(kind, name)] = v
+                    leak[kind] = bench_leak(runs["ours"][1], runs["ours"][2], leak_calls)
+            finally:
+                close_sessions(runs)
+
+    rows = []
+    for kind in ("threaded", "process"):
+        for n in (2, 4):
+            o = ctl[(kind, n, "ours")]
+            t = ctl.get((kind, n, "TVM"))
+            rows.append(
+                [
+                    f"{kind:8s} n={n}",
+                    fmt_time(o["round_trip_s"]),
+                    fmt_time(t and t["round_trip_s"]),
+                    fmt_num(ratio(o["round_trip_s"], t and t["round_trip_s"])),
+                    fmt_time(o["async_per_call_s"]),
+                    f"{1 / o['async_per_call_s'] / 1e3:.0f}k",
+                    fmt_time(t and t["async_per_call_s"]),
+                    fmt_num(ratio(o["async_per_call_s"], t and t["async_per_call_s"])),
+                ]
+            )
+    print_table(
+        "control plane (medians; ratio = ours/TVM time, < 1 is faster)",
+        [
+            "session",
+            "rt ours",
+            "rt TVM",
+            "rt ratio",
+            "async/call ours",
+            "calls/s",
+            "async/call TVM",
+            "async ratio",
+        ],
+        rows,
+    )
+
+    rows = []
+    for kind in ("threaded", "process"):
+        for nbytes in copy_sizes:
+            o = copies[(kind, "ours")][nbytes]
+            t = copies.get((kind, "TVM"), {}).get(nbytes)
+            o_to, o_from = nbytes / o["to_s"] / 1e9, nbytes / o["from_s"] / 1e9
+            t_to = t and nbytes / t["to_s"] / 1e9
+            t_from = t and nbytes / t["from_s"] / 1e9
+            rows.append(
+                [
+                    f"{kind:8s} {fmt_size(nbytes):>6s}",
+                    fmt_num(o_to),
+                    fmt_num(t_to),
+                    fmt_num(ratio(o_to, t_to)),
+                    fmt_num(o_from),
+                    fmt_num(t_from),
+                    fmt_num(ratio(o_from, t_from)),
+                ]
+            )
+    print_table(
+        f"copies to/from worker 0, 2 workers, GB/s (ratio = ours/TVM, > 1 is faster; "
+        f"np.copyto 16 MiB: {memcpy / 1e9:.1f} GB/s)",
+        ["session size", "to ours", "to TVM", "to ratio", "from ours", "from TVM", "from ratio"],
+        rows,
+    )
+
+    # -- start-up / shutdown ------------------------------------------------------------
+    startup: dict = {}
+    reps = 1 if quick else 3
+    for n in (2, 4):
+        for impl in impls:
+            startup[(n, impl.name)] = bench_startup(impl, n, reps)
+    rows = []
+    for n in (2, 4):
+        o = startup[(n, "ours")]
+        t = startup.get((n, "TVM"))
+        rows.append(
+            [
+                f"process n={n}",
+                fmt_time(o["start_s"]),
+                fmt_time(t and t["start_s"]),
+                fmt_num(ratio(o["start_s"], t and t["start_s"])),
+                fmt_time(o["shutdown_s"]),
+                fmt_time(t and t["shutdown_s"]),
+                fmt_time(o["exited_s"]),
+                fmt_time(t and t["exited_s"]),
+            ]
+        )
+    print_table(
+        f"ProcessSession start-up and shutdown (median of {reps}; ratio = ours/TVM)",
+        [
+            "session",
+            "ready ours",
+            "ready TVM",
+            "ratio",
+            "shutdown ours",
+            "shutdown TVM",
+            "exited ours",
+            "exited TVM",
+        ],
+        rows,
+    )
+
+    # -- leak -----------------------------------------------------------------------------
+    rows = [
+        [
+            f"{kind:8s} n=2",
+            f"{r['calls']:,}",
+            r["baseline"],
+            r["max"],
+            r["final"],
+            f"{r['calls_per_s'] / 1e3:.0f}k",
+            "ok" if r["max"] - r["baseline"] <= 64 else "LEAK?",
+        ]
+        for kind, r in leak.items()
+    ]
+    print_table(
+        "register leak check: call_packed with dropped results (disco.register_count, max over workers)",
+        ["session", "calls", "registers before", "max seen", "after", "calls/s", "verdict"],
+        rows,
+    )
+
+    # -- targets (issue 2) ----------------------------------------------------------------
+    checks = []
+    for n in (2, 4):
+        o = ctl[("process", n, "ours")]
+        t = ctl.get(("process", n, "TVM"))
+        r = ratio(o["round_trip_s"], t and t["round_trip_s"])
+        checks.append((f"process round trip n={n} <= 1.5x TVM", r, r is not None and r <= 1.5))
+    for kind in ("threaded", "process"):
+        cps = 1 / ctl[(kind, 2, "ours")]["async_per_call_s"]
+        checks.append((f"{kind} async >= 100k calls/s (n=2)", cps, cps >= 100_000))
+    for kind in ("threaded", "process"):
+        t = copies.get((kind, "TVM"))
+        if t:
+            o = copies[(kind, "ours")]
+            speedups = [t[s][d] / o[s][d] for s in copy_sizes for d in ("to_s", "from_s")]
+            geo = float(np.exp(np.mean(np.log(speedups))))
+            # Copies are memory-bound in both runtimes: allow 5% for this machine's noise.
+            checks.append((f"{kind} copies >= TVM bandwidth (geomean ours/TVM)", geo, geo >= 0.95))
+    ready4 = startup[(4, "ours")]["start_s"]
+    checks.append(("4-worker ProcessSession ready < 0.5 s", ready4, ready4 < 0.5))
+    print_table(
+        "targets (issue 2)",
+        ["target", "value", "met"],
+        [
+            [
+                name,
+                "-" if v is None else f"{v:,.3g}",
+                "n/a" if v is None else ("yes" if ok else "NO"),
+            ]
+            for name, v, ok in checks
+        ],
+    )
+
+    results.update(
+        {
+            "control": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in ctl.items()},
+            "copies": {f"{k[0]}/{k[1]}": v for k, v in copies.items()},
+            "startup": {f"process/{k[0]}/{k[1]}": v for k, v in startup.items()},
+            "leak": leak,
+            "targets": [{"target": c[0], "value": c[1], "met": c[2]} for c in checks],
+        }
+    )
+    path = save_json("bench_core.json", results)
+    print(f"\nresults written to {path}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (about 4x faster)")
+    ap.add_argument("--no-tvm", action="store_true", help="skip TVM even when installed")
+    args = ap.parse_args(argv)
+    run(quick=args.quick, tvm=not args.no_tvm)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
