@@ -44,6 +44,7 @@ _ABORT_TEXT = 256  # header offset of the abort reason
 _DEFAULT_SLOT = 1 << 20
 _DEFAULT_MBOX = 1 << 20
 _DEFAULT_TIMEOUT = 300.0
+_SMALL = 64 << 10  # allreduce at most this large takes the one-round path
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -192,7 +193,10 @@ class ShmCCL(CCL):
         super().__init__(ctx, payload, device_ids)
         self.layout: Layout = payload["layout"]
         self.timeout = payload["timeout"]
-        self.spin = 0 if payload["threads"] else int(os.environ.get("DISCO_SHM_SPIN", "64"))
+        # Processes poll (yielding the core) this long before they sleep on the futex:
+        # waking a sleeper costs tens of microseconds. Threads share the GIL: no polling.
+        spin_us = 0 if payload["threads"] else float(os.environ.get("DISCO_SHM_SPIN_US", "200"))
+        self.spin = spin_us * 1e-6
         fd = os.open(f"/proc/{payload['pid']}/fd/{payload['fd']}", os.O_RDWR)
         try:
             self.map = mmap.mmap(fd, self.layout.size)
@@ -232,10 +236,13 @@ class ShmCCL(CCL):
         """Wait until ``ready()``; sleep on the futex at ``addr`` between checks."""
         if ready():
             return
-        for _ in range(self.spin):
-            os.sched_yield()
-            if ready():
-                return
+        if self.spin:
+            clock = time.perf_counter
+            until = clock() + self.spin
+            while clock() < until:
+                os.sched_yield()
+                if ready():
+                    return
         deadline = time.monotonic() + self.timeout
         words = self.i
         while True:
@@ -328,6 +335,23 @@ class ShmCCL(CCL):
             src_b, total = validate.flat_bytes(src_c), src_c.nbytes
             dst_b = validate.flat_bytes(dst) if dst.flags.c_contiguous else None
         itemsize = src.dtype.itemsize if isinstance(src, np.ndarray) else 1
+        if src_b is not None and dst_b is not None and 0 < total <= min(comm.slot, _SMALL):
+            # Small: one round trip. Every member reduces the whole array itself,
+            # in rank order, straight into its dst (no second barrier).
+            slots = self._slots(comm)
+            slots[rank, :total] = src_b
+            self._exchange(comm, validate.describe(name, src, dst), name)
+            out = dst_b.view(src.dtype)
+            parts = [slots[k, :total].view(src.dtype) for k in range(n)]
+            if n == 1:
+                out[...] = parts[0]
+            else:
+                ufunc(parts[0], parts[1], out=out)
+                for k in range(2, n):
+                    ufunc(out, parts[k], out=out)
+            if op == "avg":
+                np.true_divide(out, n, out=out, casting="unsafe")
+            return
         chunk = comm.slot - comm.slot % itemsize
         off = 0
         while first or off < total:
