@@ -1,0 +1,162 @@
+"""disco-socket benchmark: a 2-node loopback SocketSession beside a ProcessSession.
+
+Measures, in one run:
+
+* round trip ``call_packed`` + ``sync_worker_0`` (µs);
+* copy bandwidth ``copy_to_worker_0`` + ``copy_from_worker_0`` (worker 0 is in the
+  controller's process in both sessions);
+* ``debug_get_from_remote`` of a 64 MiB array from worker 2: a worker on the remote
+  node for the socket session (socket + agent relay), a child process for the
+  process session (pipe);
+* 64 MiB sent to every worker as a ``call_packed`` argument;
+* raw loopback TCP bandwidth (one process ``sendall``, another ``recv_into``), the
+  yardstick the remote ``debug_get_from_remote`` is compared against.
+
+Usage: ``python bench_socket.py [--mib 64] [--repeat 5] [--json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import time
+
+import numpy as np
+
+import disco_core as disco
+from disco_socket import start_local_agents
+
+
+def _best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _sender(port: int, nbytes: int, rounds: int) -> None:
+    data = np.ones(nbytes, np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(rounds):
+            s.sendall(memoryview(data))
+            s.recv(1)  # the receiver's go-ahead: one transfer at a time, like a reply
+
+
+def raw_loopback_bandwidth(nbytes: int, rounds: int) -> float:
+    """Best GB/s of one ``nbytes`` transfer between two processes over loopback TCP."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        proc = mp.get_context("spawn").Process(target=_sender, args=(port, nbytes, rounds))
+        proc.start()
+        conn, _ = srv.accept()
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        best = float("inf")
+        with conn:
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                got = 0
+                while got < nbytes:
+                    got += conn.recv_into(view[got:])
+                best = min(best, time.perf_counter() - t0)
+                conn.sendall(b"k")
+        proc.join()
+    return nbytes / best / 1e9
+
+
+def bench_session(name: str, sess: disco.Session, nbytes: int, repeat: int) -> dict:
+    sess.import_python_module("disco_core.testing.funcs")
+    out: dict = {"session": name}
+    echo = sess.get_global_func("testing.echo")
+    for _ in range(200):  # warm up
+        echo(1)
+        sess.sync_worker_0()
+    n = 2000
+    t0 = time.perf_counter()
+    for i in range(n):
+        echo(i)
+        sess.sync_worker_0()
+    out["round_trip_us"] = (time.perf_counter() - t0) / n * 1e6
+
+    host = np.random.default_rng(0).standard_normal(nbytes // 8)
+    back = np.empty_like(host)
+    ref = sess.copy_to_worker_0(host)
+    t_to = _best(lambda: sess.copy_to_worker_0(host, ref), repeat)
+    t_from = _best(lambda: sess.copy_from_worker_0(back, ref), repeat)
+    assert np.array_equal(back, host)
+    out["copy_to_worker0_GBps"] = nbytes / t_to / 1e9
+    out["copy_from_worker0_GBps"] = nbytes / t_from / 1e9
+
+    remote = echo(host)  # every worker holds its own copy
+    w = 2
+    got = remote.debug_get_from_remote(w)
+    assert np.array_equal(got, host)
+    del got
+    t_get = _best(lambda: remote.debug_get_from_remote(w), repeat)
+    out[f"debug_get_worker{w}_GBps"] = nbytes / t_get / 1e9
+
+    checksum = sess.get_global_func("testing.checksum")
+
+    def send_all() -> None:
+        done = checksum(echo(host))
+        for k in range(sess.num_workers):
+            done.debug_get_from_remote(k)
+
+    t_bcast = _best(send_all, repeat)
+    out["call_packed_64MiB_to_all_GBps_per_worker"] = nbytes / t_bcast / 1e9
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", help="write the results here too")
+    args = p.parse_args()
+    nbytes = args.mib << 20
+
+    results = []
+    with disco.ProcessSession(4) as sess:
+        results.append(bench_session("process (4 workers)", sess, nbytes, args.repeat))
+    agents = []
+    with disco.SocketSession(
+        2,
+        2,
+        1,
+        "127.0.0.1",
+        0,
+        on_listen=lambda h, p: agents.extend(start_local_agents(h, p, 1, 2, extra_args=("-q",))),
+    ) as sess:
+        results.append(bench_session("socket (2 nodes x 2, loopback)", sess, nbytes, args.repeat))
+    for a in agents:
+        a.wait(10)
+    raw = raw_loopback_bandwidth(nbytes, args.repeat)
+
+    keys = [k for k in results[0] if k != "session"]
+    width = max(len(k) for k in keys) + 2
+    print(f"{'':{width}}" + "".join(f"{r['session']:>34}" for r in results))
+    for k in keys:
+        print(f"{k:{width}}" + "".join(f"{r[k]:>34.3f}" for r in results))
+    ratio = results[1]["debug_get_worker2_GBps"] / raw
+    print(f"\nraw loopback TCP bandwidth ({args.mib} MiB, best of {args.repeat}): {raw:.3f} GB/s")
+    print(
+        f"socket debug_get_from_remote(worker on the remote node), {args.mib} MiB: "
+        f"{results[1]['debug_get_worker2_GBps']:.3f} GB/s = {ratio:.2f} x raw loopback "
+        f"({'meets' if ratio >= 0.5 else 'BELOW'} the 0.5 x target)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"sessions": results, "raw_loopback_GBps": raw, "ratio": ratio},
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()

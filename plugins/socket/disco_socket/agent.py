@@ -1,0 +1,525 @@
+"""The node agent: ``disco-socket join HOST PORT --workers N``.
+
+It connects to the controller (retrying while the controller is not up yet),
+authenticates both ways, starts its N workers as child processes (the core's
+``python -m disco_core.worker``, through :class:`ProcessWorkerLink`) and then only
+relays: command frames from the socket to the workers' pipes, reply frames from
+the pipes to the socket, as bytes, never unpickled. It exits, and its workers with
+it, when the session shuts down or the controller disappears.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import selectors
+import shutil
+import signal
+import socket
+import ssl
+import struct
+import tempfile
+import threading
+import time
+from typing import Any
+
+from disco_core.channels.process import ProcessWorkerLink, worker_env
+
+from . import wire
+from .wire import (
+    ALL,
+    HELLO,
+    K_BYE,
+    K_DIED,
+    K_FILE,
+    K_FRAME,
+    K_STAT,
+    MAGIC,
+    MSG,
+    PROTOCOL_VERSION,
+    HandshakeError,
+    StreamReader,
+)
+
+__all__ = ["run_agent", "AgentError", "EXIT_OK", "EXIT_LOST", "EXIT_REFUSED", "EXIT_NO_CONTROLLER"]
+
+log = logging.getLogger("disco_socket.agent")
+
+#: Exit codes of the agent.
+EXIT_OK = 0  # the session shut down
+EXIT_LOST = 1  # the controller went away without shutting the session down
+EXIT_REFUSED = 2  # the handshake failed (version, token, worker count)
+EXIT_NO_CONTROLLER = 3  # no controller answered within --connect-timeout
+
+
+class AgentError(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _writev_all(fd: int, parts: list) -> None:
+    views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + 512])
+        while n and i < len(views):
+            v = views[i]
+            if n >= len(v):
+                n -= len(v)
+                i += 1
+            else:
+                views[i] = memoryview(v)[n:]
+                n = 0
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def connect(
+    host: str,
+    port: int,
+    connect_timeout: float,
+    retry_interval: float,
+    ssl_context: ssl.SSLContext | None,
+    server_hostname: str | None,
+) -> socket.socket:
+    """Connect to the controller, retrying until ``connect_timeout`` seconds have passed."""
+    deadline = time.monotonic() + connect_timeout
+    said = False
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=max(1.0, retry_interval * 4))
+            break
+        except OSError as exc:
+            if time.monotonic() + retry_interval > deadline:
+                raise AgentError(
+                    f"no controller answered at {host}:{port} within {connect_timeout:g} s "
+                    f"(--connect-timeout): {exc}",
+                    EXIT_NO_CONTROLLER,
+                ) from None
+            if not said:
+                log.info("disco-socket: waiting for the controller at %s:%d (%s)", host, port, exc)
+                said = True
+            time.sleep(retry_interval)
+    wire.tune_socket(sock)
+    sock.settimeout(30.0)  # the handshake; relaying is blocking
+    if ssl_context is not None:
+        try:
+            sock = ssl_context.wrap_socket(sock, server_hostname=server_hostname or host)
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            raise AgentError(
+                f"TLS handshake with {host}:{port} failed: {exc}", EXIT_REFUSED
+            ) from None
+    return sock
+
+
+def handshake(sock: socket.socket, token: bytes, workers: int) -> dict:
+    """Authenticate both ways; return the controller's welcome (node id, session shape)."""
+    nonce_node = wire.new_nonce()
+    hello = {
+        "workers": workers,
+        "nonce": nonce_node,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    data = json.dumps(hello).encode()
+    sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION) + wire.U32.pack(len(data)) + data)
+    challenge = wire.recv_json(sock)
+    if "error" in challenge:
+        raise HandshakeError(str(challenge["error"]))
+    if challenge.get("version") != PROTOCOL_VERSION:
+        raise HandshakeError(
+            f"protocol version mismatch: the node speaks {PROTOCOL_VERSION}, "
+            f"the controller {challenge.get('version')}"
+        )
+    nonce_ctrl = challenge.get("nonce")
+    if not isinstance(nonce_ctrl, str) or not 32 <= len(nonce_ctrl) <= 128:
+        raise HandshakeError("malformed challenge")
+    wire.send_json(sock, {"proof": wire.proof(token, "node", nonce_node, nonce_ctrl)})
+    welcome = wire.recv_json(sock)
+    if "error" in welcome:
+        raise HandshakeError(str(welcome["error"]))
+    expected = wire.proof(token, "controller", nonce_node, nonce_ctrl)
+    if not wire.check_proof(expected, welcome.get("proof")):
+        raise HandshakeError("the controller failed to authenticate (its token differs)")
+    ids = welcome.get("worker_ids")
+    if not isinstance(ids, list) or len(ids) != workers or not all(isinstance(i, int) for i in ids):
+        raise HandshakeError("malformed welcome")
+    return welcome
+
+
+_CAN_SPLICE = hasattr(os, "splice")
+_SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_MORE", 4)
+
+
+class _ReplyRelay:
+    """Moves reply frames from one worker's pipe to the controller's socket.
+
+    The frame's head (prefix, lengths, pickle header) is parsed here; its
+    out-of-band buffers go from the pipe to the socket with ``splice`` (kernel to
+    kernel, no copy in this process, and streaming: the worker is still writing the
+    end of an array while its start is on the wire). Over TLS they are read into
+    memory and sent from there.
+    """
+
+    _CHUNK = 1 << 16
+
+    def __init__(self, fd: int, gid: int, agent: Agent, splice: bool) -> None:
+        self.fd = fd
+        self.tag = MSG.pack(K_FRAME, gid)
+        self.agent = agent
+        self.splice = splice
+        self.buf = bytearray()
+        self.sending = False
+
+    def pump(self) -> None:
+        """Relay every frame whose first bytes are waiting (blocks until each is whole)."""
+        chunk = os.read(self.fd, self._CHUNK)  # small replies: several frames in one read
+        if not chunk:
+            raise EOFError("worker closed its reply pipe")
+        self.buf += chunk
+        while self.buf:
+            self._relay_one()
+
+    def _relay_one(self) -> None:
+        P = wire.FRAME_PREFIX
+        # Read only the head: with splice, what follows must stay in the pipe.
+        self._need_exact(P.size)
+        hlen, nbuf, _ = P.unpack_from(self.buf)
+        self._need_exact(P.size + 8 * nbuf)
+        lens = struct.unpack_from(f"<{nbuf}Q", self.buf, P.size) if nbuf else ()
+        head_len = P.size + 8 * nbuf + hlen
+        self._need_exact(head_len)
+        total = sum(lens)
+        have = min(total, len(self.buf) - head_len)
+        first = bytes(self.buf[: head_len + have])
+        del self.buf[: head_len + have]
+        left = total - have
+        agent = self.agent
+        with agent.send_lock:
+            self.sending = True
+            sock = agent.sock
+            if not left:
+                sock.sendall(self.tag + first)
+            elif self.splice:
+                sock.sendall(self.tag + first)
+                sfd = sock.fileno()
+                while left:
+                    n = os.splice(self.fd, sfd, min(left, 1 << 30), flags=_SPLICE_FLAGS)
+                    if not n:
+                        raise EOFError("worker closed its reply pipe in the middle of a frame")
+                    left -= n
+            else:
+                rest = bytearray(left)
+                view = memoryview(rest)
+                got = 0
+                while got < left:
+                    n = os.readv(self.fd, [view[got:]])
+                    if not n:
+                        raise EOFError("worker closed its reply pipe in the middle of a frame")
+                    got += n
+                wire.send_views(sock, [self.tag + first, rest])
+            self.sending = False
+
+    def _need_exact(self, n: int) -> None:
+        # Never read past the frame's head (the buffers may be spliced).
+        while len(self.buf) < n:
+            chunk = os.read(self.fd, n - len(self.buf))
+            if not chunk:
+                raise EOFError("worker closed its reply pipe")
+            self.buf += chunk
+
+
+class Agent:
+    """Relays one node's traffic (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket, welcome: dict, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.node_id = int(welcome["node_id"])
+        self.ids: list[int] = welcome["worker_ids"]
+        self.send_lock = threading.Lock()
+        self.stopping = False
+        self.bye = threading.Event()
+        self._stopped = False
+        self._cache: str | None = None  # made on the first shipped file
+        env = worker_env()
+        # The controller's import path first where it exists here (same layout on
+        # every node is common); then the agent's own.
+        extra = [p for p in welcome.get("sys_path", []) if isinstance(p, str) and os.path.isdir(p)]
+        own = env.get("DISCO_SYS_PATH", "").split(os.pathsep)
+        env["DISCO_SYS_PATH"] = os.pathsep.join(dict.fromkeys([*own, *extra]))
+        entrypoint = str(welcome.get("entrypoint") or "disco_core.worker")
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", entrypoint):
+            raise HandshakeError(f"bad worker entry point {entrypoint!r}")
+        nw, ng = int(welcome["num_workers"]), int(welcome["num_groups"])
+        self.links: list[ProcessWorkerLink] = []
+        for gid in self.ids:
+            self.links.append(ProcessWorkerLink(gid, nw, ng, entrypoint, env))
+        self.queues = [queue.SimpleQueue() for _ in self.links]
+        self.writers = [
+            threading.Thread(target=self._write_loop, args=(i,), daemon=True, name=f"to-{gid}")
+            for i, gid in enumerate(self.ids)
+        ]
+        for t in self.writers:
+            t.start()
+        self.replier = threading.Thread(target=self._reply_loop, daemon=True, name="replies")
+        self.replier.start()
+
+    # ------------------------------------------------------------------ to the workers
+    def _write_loop(self, i: int) -> None:
+        q, fd = self.queues[i], self.links[i].cmd_w
+        broken = False
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            parts = list(item)
+            while len(parts) < 64:  # coalesce what is already waiting: one write
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    q.put(None)
+                    break
+                parts.extend(nxt)
+            if broken:
+                continue
+            try:
+                _writev_all(fd, parts)
+            except OSError:
+                broken = True  # the worker is gone; the reply loop reports it
+
+    # ------------------------------------------------------------------ to the controller
+    def _send(self, parts: list) -> None:
+        with self.send_lock:
+            wire.send_views(self.sock, parts)
+
+    def _reply_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        relays = {}
+        splice = _CAN_SPLICE and not isinstance(self.sock, ssl.SSLSocket)
+        for i, link in enumerate(self.links):
+            relays[link.reply_r] = _ReplyRelay(link.reply_r, self.ids[i], self, splice)
+            sel.register(link.reply_r, selectors.EVENT_READ, i)
+        while relays:
+            for key, _ in sel.select():
+                relay = relays[key.fd]
+                try:
+                    relay.pump()
+                except (EOFError, OSError) as exc:
+                    if isinstance(exc, OSError) and relay.sending:
+                        pass  # the connection broke; the main loop sees it
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
+                    del relays[key.fd]
+                    if not self.stopping:
+                        self._report_death(key.data)
+        sel.close()
+
+    def _report_death(self, i: int) -> None:
+        link, gid = self.links[i], self.ids[i]
+        reason = link.exit_reason(wait=1.0) or f"worker {gid} closed its reply pipe"
+        if link.proc.poll() == 0:
+            # A clean exit: the session's shutdown command, whose BYE follows.
+            self.bye.wait(1.0)
+        if not self.stopping:
+            log.error("disco-socket: %s", reason)
+            try:
+                self._send([MSG.pack(K_DIED, gid), wire.blob(reason.encode())])
+            except OSError:
+                pass
+
+    def _answer(self, kind: int, rid: int, answer: dict) -> None:
+        self._send([MSG.pack(kind, rid), wire.blob(json.dumps(answer).encode())])
+
+    # ------------------------------------------------------------------ module files
+    @property
+    def cache(self) -> str:
+        if self._cache is None:
+            self._cache = tempfile.mkdtemp(prefix=f"disco-socket-node{self.node_id}-")
+        return self._cache
+
+    def _cache_path(self, meta: dict) -> str:
+        name = os.path.basename(str(meta.get("name", ""))) or "module"
+        if name in (".", ".."):
+            name = "module"
+        digest = str(meta.get("sha256", ""))
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError("bad sha256")
+        return os.path.join(self.cache, digest[:32], name)
+
+    def _stat(self, meta: dict) -> dict:
+        try:
+            path, digest = str(meta["path"]), str(meta["sha256"])
+            if os.path.isfile(path) and _sha256(path) == digest:
+                return {"path": path, "need": False}
+            target = self._cache_path(meta)
+            return {"path": target, "need": not os.path.isfile(target)}
+        except (OSError, KeyError, ValueError) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _receive_file(self, reader: StreamReader, meta: dict) -> dict:
+        size = int(meta.get("size", -1))
+        if size < 0:
+            raise EOFError("protocol error: file without a size")
+        chunk = bytearray(min(size, 1 << 20) or 1)
+        h = hashlib.sha256()
+        error = None
+        try:
+            target = self._cache_path(meta)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target))
+        except (OSError, ValueError) as exc:
+            error, fd, tmp, target = f"{type(exc).__name__}: {exc}", -1, "", ""
+        left = size
+        with memoryview(chunk) as view:
+            while left:  # always consume the bytes, so the stream stays in step
+                n = min(left, len(chunk))
+                reader.read_into(view[:n])
+                h.update(view[:n])
+                if fd >= 0:
+                    _writev_all(fd, [view[:n]])
+                left -= n
+        if fd >= 0:
+            os.close(fd)
+            if h.hexdigest() != meta.get("sha256"):
+                os.unlink(tmp)
+                error = "the file arrived corrupted (SHA-256 mismatch)"
+            else:
+                os.replace(tmp, target)
+        if error:
+            log.error("disco-socket: could not store %s: %s", meta.get("name"), error)
+            return {"error": error}
+        return {"path": target}
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        reader = StreamReader(self.sock)
+        queues = self.queues
+        n = len(queues)
+        code = EXIT_LOST
+        try:
+            while True:
+                kind, arg = reader.read_msg()
+                if kind == K_FRAME:
+                    if arg == ALL:
+                        targets = range(n)
+                    else:
+                        targets = struct.unpack(f"<{arg}I", reader.take(4 * arg))
+                    header, buffers, flags = reader.read_frame()
+                    item = (wire.frame_head(header, buffers, flags), *buffers)
+                    for t in targets:
+                        queues[t].put(item)
+                elif kind == K_STAT:
+                    self._answer(K_STAT, arg, self._stat(json.loads(reader.read_blob())))
+                elif kind == K_FILE:
+                    meta = json.loads(reader.read_blob())
+                    self._answer(K_FILE, arg, self._receive_file(reader, meta))
+                elif kind == K_BYE:
+                    self.stopping = True
+                    self.bye.set()
+                    code = EXIT_OK
+                    break
+                else:
+                    raise EOFError(f"protocol error: unknown message kind {kind}")
+        except (EOFError, OSError, ValueError, struct.error) as exc:
+            log.error(
+                "disco-socket: node %d lost the controller at %s (%s); stopping its workers",
+                self.node_id, self.peer, exc,
+            )  # fmt: skip
+        finally:
+            self.stop(grace=4.0 if code == EXIT_OK else 1.0)
+        return code
+
+    def stop(self, grace: float) -> None:
+        """Let the workers finish their commands (a shutdown is among them), then end them."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.stopping = True
+        self.bye.set()
+        for q in self.queues:
+            q.put(None)
+        deadline = time.monotonic() + grace
+        for t in self.writers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for link in self.links:
+            link.close(deadline)  # EOF on the command pipe, wait, kill laggards
+        self.replier.join(max(0.1, deadline - time.monotonic()))
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self._cache is not None:
+            shutil.rmtree(self._cache, ignore_errors=True)
+
+
+def client_ssl_context(
+    ca: str | None = None, cert: str | None = None, key: str | None = None
+) -> ssl.SSLContext:
+    """A TLS client context: verify the controller against ``ca`` (system CAs when None)."""
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def run_agent(
+    host: str,
+    port: int,
+    workers: int,
+    token: str | bytes | None = None,
+    connect_timeout: float = 60.0,
+    retry_interval: float = 0.2,
+    ssl_context: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+) -> int:
+    """Join the session at ``host:port`` with ``workers`` workers; return the exit code."""
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    key = wire.resolve_token(token)
+    try:
+        sock = connect(host, port, connect_timeout, retry_interval, ssl_context, server_hostname)
+        try:
+            welcome = handshake(sock, key, workers)
+        except (HandshakeError, OSError, ValueError) as exc:
+            sock.close()
+            raise AgentError(
+                f"the controller at {host}:{port} refused this node: {exc}", EXIT_REFUSED
+            ) from None
+        sock.settimeout(None)
+        log.info(
+            "disco-socket: joined %s:%d as node %s (workers %s)",
+            host, port, welcome["node_id"], welcome["worker_ids"],
+        )  # fmt: skip
+        agent = Agent(sock, welcome, f"{host}:{port}")
+    except AgentError as exc:
+        log.error("disco-socket: %s", exc)
+        return exc.code
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGHUP, _terminate)
+    try:
+        return agent.run()
+    except BaseException:
+        agent.stop(grace=0.5)
+        raise

@@ -1,0 +1,673 @@
+"""The controller side of the ``socket`` channel: :class:`SocketChannel` and :class:`NodeLink`.
+
+Worker 0 is a thread of the controller's process, the controller's node's other
+workers are child processes (the core's own :class:`ProcessWorkerLink`), and each
+remote node is one :class:`NodeLink`: a TCP (optionally TLS) connection to a node
+agent that relays every command to that node's workers and every reply back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import ipaddress
+import json
+import logging
+import os
+import queue
+import socket
+import ssl
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from disco_core import protocol as P
+from disco_core.channels.base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
+from disco_core.channels.process import ProcessWorkerLink, ReplyReader, start_timeout, worker_env
+from disco_core.errors import DiscoError, WorkerDiedError, WorkerError
+from disco_core.protocol import decode, frame_head
+
+from . import wire
+from .wire import (
+    ALL,
+    HELLO,
+    K_BYE,
+    K_DIED,
+    K_FILE,
+    K_FRAME,
+    K_STAT,
+    MAGIC,
+    MSG,
+    PROTOCOL_VERSION,
+    HandshakeError,
+    StreamReader,
+)
+
+__all__ = ["SocketChannel", "NodeLink", "DEFAULT_TIMEOUT"]
+
+log = logging.getLogger("disco_socket")
+
+#: Seconds the controller waits for every node to join (the ``timeout`` option).
+DEFAULT_TIMEOUT = 60.0
+#: Seconds one connection may take to complete its handshake.
+HANDSHAKE_TIMEOUT = 10.0
+_OUTBOX_BYTES = 1 << 16
+#: The core's built-in function that loads module files (intercepted to ship the file).
+_LOAD_MODULE = "disco.load_module"
+
+
+def _span(ids: Sequence[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+class NodeLink(WorkerLink):
+    """The controller's connection to one remote node and, through it, to its workers.
+
+    One reader thread per node receives the replies (tagged with their global worker
+    id) straight into their arrays' memory and hands them to the :class:`ReplyHub`;
+    a closed connection marks every worker of the node dead at once.
+    """
+
+    def __init__(
+        self,
+        node_id: int,
+        sock: socket.socket,
+        peer: str,
+        worker_ids: Sequence[int],
+        hub: ReplyHub,
+        info: dict,
+    ) -> None:
+        self.node_id = node_id
+        self.sock = sock
+        self.peer = peer
+        self.worker_ids = tuple(worker_ids)
+        self.first = self.worker_ids[0]
+        self.hub = hub
+        self.info = info
+        self.lock = threading.Lock()
+        self.outbox: list[bytes] = []
+        self.outbox_bytes = 0
+        self.dead_reason: str | None = None
+        self._requests: dict[int, queue.SimpleQueue] = {}
+        self._next_request = 1
+        self._staged: dict[tuple[str, str], str] = {}
+        self.reader = threading.Thread(
+            target=self._read_loop, name=f"disco-socket-node{node_id}", daemon=True
+        )
+        self.reader.start()
+
+    def describe(self) -> str:
+        return f"node {self.node_id} ({self.peer}, workers {_span(self.worker_ids)})"
+
+    def __repr__(self) -> str:
+        return f"<NodeLink {self.describe()}>"
+
+    # ------------------------------------------------------------------ sending
+    def _route(self, targets: Sequence[int] | None) -> bytes:
+        if targets is None or len(targets) == len(self.worker_ids):
+            return MSG.pack(K_FRAME, ALL)
+        first = self.first
+        return MSG.pack(K_FRAME, len(targets)) + struct.pack(
+            f"<{len(targets)}I", *[w - first for w in targets]
+        )
+
+    def send(self, out: Outgoing) -> None:
+        self.send_to(out, None)
+
+    def send_to(self, out: Outgoing, targets: Sequence[int] | None) -> None:
+        """Send ``out`` to the node's workers ``targets`` (global ids; None: all of them)."""
+        frame = out.frame
+        head = self._route(targets) + frame_head(frame, out.flags)
+        try:
+            with self.lock:
+                if frame[1]:
+                    # Out-of-band buffers are views of the caller's arrays: they leave now.
+                    self._flush_locked()
+                    wire.send_views(self.sock, [head, *frame[1]])
+                else:
+                    self.outbox.append(head)
+                    self.outbox_bytes += len(head)
+                    if self.outbox_bytes >= _OUTBOX_BYTES:
+                        self._flush_locked()
+        except OSError as exc:
+            raise self._died(exc) from None
+
+    @property
+    def buffered(self) -> bool:
+        return bool(self.outbox)
+
+    def flush(self) -> None:
+        try:
+            with self.lock:
+                self._flush_locked()
+        except OSError as exc:
+            raise self._died(exc) from None
+
+    def _flush_locked(self) -> None:
+        if self.outbox:
+            data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
+            self.outbox.clear()
+            self.outbox_bytes = 0
+            self.sock.sendall(data)
+
+    def _died(self, exc: BaseException) -> WorkerDiedError:
+        if self.dead_reason is None:
+            self.reader.join(0.5)  # the reader usually knows better why
+        reason = self.dead_reason or f"{self.describe()} connection broke: {exc}"
+        return WorkerDiedError(self.worker_ids, reason)
+
+    # ------------------------------------------------------------------ module files
+    def _request(self, kind: int, meta: dict, payload: Callable[[], None] | None = None) -> int:
+        with self.lock:
+            rid = self._next_request
+            self._next_request += 1
+            self._requests[rid] = queue.SimpleQueue()
+            self._flush_locked()
+            self.sock.sendall(MSG.pack(kind, rid) + wire.blob(json.dumps(meta).encode()))
+            if payload is not None:
+                payload()
+        return rid
+
+    def _answer(self, rid: int, timeout: float) -> dict:
+        q = self._requests[rid]
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.dead_reason:
+                    raise WorkerDiedError(self.worker_ids, self.dead_reason)
+                try:
+                    return q.get(timeout=0.2)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"{self.describe()} did not answer a module-file request "
+                            f"within {timeout:.0f} s"
+                        ) from None
+        finally:
+            self._requests.pop(rid, None)
+
+    def stage_file(self, path: str, sha256: str, size: int, timeout: float = 60.0) -> str:
+        """Make the module file ``path`` available on the node; return its path there.
+
+        The node keeps its own copy when it has the same file (same path, same
+        SHA-256); otherwise the controller ships the bytes once, into the agent's
+        cache folder.
+        """
+        key = (path, sha256)
+        staged = self._staged.get(key)
+        if staged is not None:
+            return staged
+        meta = {"path": path, "sha256": sha256, "size": size, "name": os.path.basename(path)}
+        try:
+            answer = self._answer(self._request(K_STAT, meta), timeout)
+            if answer.get("need"):
+
+                def payload() -> None:
+                    with open(path, "rb") as f:
+                        self.sock.sendfile(f)
+
+                answer = self._answer(self._request(K_FILE, meta, payload), timeout)
+        except OSError as exc:
+            raise self._died(exc) from None
+        if answer.get("error"):
+            raise DiscoError(f"{self.describe()} could not store {path}: {answer['error']}")
+        staged = str(answer["path"])
+        self._staged[key] = staged
+        return staged
+
+    # ------------------------------------------------------------------ receiving
+    def _read_loop(self) -> None:
+        reader = StreamReader(self.sock)
+        hub = self.hub
+        ids = set(self.worker_ids)
+        try:
+            while True:
+                kind, arg = reader.read_msg()
+                if kind == K_FRAME:
+                    header, buffers, _ = reader.read_frame()
+                    if arg not in ids:
+                        raise EOFError(f"protocol error: a reply tagged worker {arg}")
+                    try:
+                        msg = decode(header, buffers)
+                    except Exception as exc:  # noqa: BLE001 - a reply this process cannot load
+                        msg = (
+                            "fail",
+                            WorkerError(
+                                arg,
+                                type(exc).__name__,
+                                f"the worker's reply could not be unpickled on the controller: {exc}",
+                            ),
+                        )
+                    hub.deliver(arg, msg)
+                elif kind == K_DIED:
+                    reason = reader.read_blob().decode(errors="replace")
+                    if arg in ids and not hub.closing:
+                        hub.mark_dead([arg], f"{reason} (on {self.describe()})")
+                elif kind in (K_STAT, K_FILE):
+                    answer = json.loads(reader.read_blob().decode())
+                    q = self._requests.get(arg)
+                    if q is not None:
+                        q.put(answer)
+                else:
+                    raise EOFError(f"protocol error: unknown message kind {kind}")
+        except (EOFError, OSError, ValueError, struct.error) as exc:
+            if isinstance(exc, EOFError) and str(exc) == "connection closed":
+                what = "disconnected (the node agent exited or its machine went away)"
+            else:
+                what = f"disconnected: {exc}"
+            self.dead_reason = f"{self.describe()} {what}"
+            if not hub.closing:
+                log.error("disco-socket: %s", self.dead_reason)
+                hub.mark_dead(self.worker_ids, self.dead_reason)
+
+    def poll(self) -> str | None:
+        return self.dead_reason
+
+    def close(self, deadline: float) -> None:
+        try:
+            with self.lock:
+                self._flush_locked()
+                self.sock.sendall(MSG.pack(K_BYE, 0))
+        except OSError:
+            pass
+        # The agent stops its workers, then closes the connection.
+        self.reader.join(max(0.0, deadline - time.monotonic()))
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.reader.join(1.0)
+        self.sock.close()
+
+    def kill(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class SocketChannel(LinkChannel):
+    """Workers on several machines; node 0 is the controller's own.
+
+    Parameters
+    ----------
+    num_nodes : int
+        Machines, the controller's included.
+    num_workers_per_node : int
+        Workers on every machine. Global worker ids are node-major: node ``k`` holds
+        workers ``k * per_node`` .. ``k * per_node + per_node - 1``.
+    num_groups : int
+        Worker groups.
+    host, port
+        Where to listen for node agents (``port=0``: any free port; see ``address``).
+    token : str or bytes, optional
+        The shared secret (default ``$DISCO_TOKEN``; empty means no authentication,
+        accepted with a warning on a non-loopback address).
+    ssl_context : ssl.SSLContext, optional
+        A server-side TLS context; the agents then need ``--tls-ca`` (and, for mutual
+        TLS, ``--tls-cert/--tls-key``).
+    timeout : float
+        Seconds to wait for every node to join (default 60); then ``TimeoutError``.
+    on_listen : callable, optional
+        ``on_listen(host, port)`` is called once the controller listens (to start
+        the agents, e.g. with :func:`disco_socket.start_local_agents`).
+    entrypoint : str
+        The worker module every node starts (``python -m <entrypoint>``).
+    ship_modules : bool
+        Ship ``load_vm_module`` files to nodes that do not have them (default True).
+    handshake_timeout : float
+        Seconds one connection may take to authenticate.
+    """
+
+    kind = "socket"
+
+    def __init__(
+        self,
+        num_nodes: int,
+        num_workers_per_node: int,
+        num_groups: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | bytes | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        on_listen: Callable[[str, int], Any] | None = None,
+        entrypoint: str = "disco_core.worker",
+        ship_modules: bool = True,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
+        for name, value in (
+            ("num_nodes", num_nodes),
+            ("num_workers_per_node", num_workers_per_node),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+            raise TypeError("ssl_context must be an ssl.SSLContext")
+        num_workers = num_nodes * num_workers_per_node
+        super().__init__(num_workers, num_groups)
+        self.num_nodes = num_nodes
+        self.shares_memory = num_nodes == 1
+        self.per_node = num_workers_per_node
+        self.timeout = float(timeout)
+        self.entrypoint = entrypoint
+        self.ship_modules = ship_modules
+        self._token = wire.resolve_token(token)
+        self._ssl = ssl_context
+        self._handshake_timeout = float(handshake_timeout)
+        self._free_ids = list(range(1, num_nodes))
+        self._ids_lock = threading.Lock()
+        self._joined: queue.SimpleQueue = queue.SimpleQueue()
+        self.rejected: list[str] = []
+        self.nodes: list[NodeLink] = []
+        self.procs: list[ProcessWorkerLink] = []
+        self.reader: ReplyReader | None = None
+        self._loader_regs: set[int] = set()
+        self._hashes: dict[tuple, str] = {}
+        self._listener: socket.socket | None = None
+        try:
+            self._start(host, port, on_listen)
+        except BaseException:
+            self._abort()
+            raise
+
+    # ------------------------------------------------------------------ start-up
+    def _start(self, host: str, port: int, on_listen: Callable | None) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        if self.num_nodes > 1:
+            self._listener = socket.create_server((host, port), family=family, backlog=64)
+            self.address: tuple[str, int] = self._listener.getsockname()[:2]
+            if not self._token and not _is_loopback(host):
+                log.warning(
+                    "disco-socket: listening on %s:%d without a token: anyone who can reach "
+                    "it can run code here; set DISCO_TOKEN (or token=) on every node",
+                    *self.address,
+                )
+        else:
+            self.address = (host, port)
+        env = worker_env()
+        nw, ng = self.num_workers, self.num_groups
+        for w in range(1, self.per_node):
+            self.procs.append(ProcessWorkerLink(w, nw, ng, self.entrypoint, env))
+        self.reader = ReplyReader(self.procs, self.hub)
+        self.reader.start()
+        if self._listener is not None:
+            log.info(
+                "disco-socket: waiting for %d node(s) on %s:%d "
+                "(disco-socket join %s %d --workers %d)",
+                self.num_nodes - 1, *self.address, *self.address, self.per_node,
+            )  # fmt: skip
+            if on_listen is not None:
+                on_listen(*self.address)
+            self._accept_nodes()
+        thread0 = ThreadWorkerLink(0, nw, ng, self.hub)
+        self._set_links([thread0, *self.procs, *sorted(self.nodes, key=lambda n: n.node_id)])
+        self._wait_ready()
+
+    def _accept_nodes(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        listener.settimeout(0.1)
+        deadline = time.monotonic() + self.timeout
+        want = self.num_nodes - 1
+        while len(self.nodes) < want:
+            while True:
+                try:
+                    self.nodes.append(self._joined.get_nowait())
+                except queue.Empty:
+                    break
+            if len(self.nodes) >= want:
+                break
+            if self.hub.dead:
+                raise self.hub.died_error()
+            if time.monotonic() > deadline:
+                host, port = self.address
+                rejected = ""
+                if self.rejected:
+                    rejected = f"; {len(self.rejected)} connection(s) were rejected: " + "; ".join(
+                        self.rejected[-3:]
+                    )
+                raise TimeoutError(
+                    f"SocketSession: {len(self.nodes)} of {want} node(s) joined {host}:{port} "
+                    f"within {self.timeout:g} s (timeout=); start each missing node with "
+                    f"`disco-socket join {host} {port} --workers {self.per_node}`{rejected}"
+                )
+            try:
+                conn, addr = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(
+                target=self._handshake,
+                args=(conn, addr),
+                name="disco-socket-handshake",
+                daemon=True,
+            ).start()
+        listener.close()  # later connections are refused
+
+    def _claim_id(self) -> int | None:
+        with self._ids_lock:
+            return heapq.heappop(self._free_ids) if self._free_ids else None
+
+    def _release_id(self, node_id: int) -> None:
+        with self._ids_lock:
+            heapq.heappush(self._free_ids, node_id)
+
+    def _handshake(self, conn: socket.socket, addr: Any) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        node_id = None
+        try:
+            conn.settimeout(self._handshake_timeout)
+            wire.tune_socket(conn)
+            if self._ssl is not None:
+                conn = self._ssl.wrap_socket(conn, server_side=True)
+            magic, version = HELLO.unpack(wire.recv_exact(conn, HELLO.size))
+            if magic != MAGIC:
+                raise HandshakeError("not a disco-socket node agent (bad magic bytes)")
+            if version != PROTOCOL_VERSION:
+                msg = (
+                    f"protocol version mismatch: the controller speaks disco-socket protocol "
+                    f"{PROTOCOL_VERSION}, the node speaks {version}; install the same "
+                    "disco-socket version on every node"
+                )
+                wire.send_json(conn, {"error": msg})
+                raise HandshakeError(msg)
+            hello = wire.recv_json(conn)
+            nonce_node = hello.get("nonce")
+            if not isinstance(nonce_node, str) or not 32 <= len(nonce_node) <= 128:
+                raise HandshakeError("malformed hello (nonce)")
+            nonce_ctrl = wire.new_nonce()
+            wire.send_json(conn, {"version": PROTOCOL_VERSION, "nonce": nonce_ctrl})
+            auth = wire.recv_json(conn)
+            expected = wire.proof(self._token, "node", nonce_node, nonce_ctrl)
+            if not wire.check_proof(expected, auth.get("proof")):
+                wire.send_json(
+                    conn,
+                    {
+                        "error": "authentication failed: the node's token differs from the "
+                        "controller's (use the same --token or DISCO_TOKEN everywhere)"
+                    },
+                )
+                raise HandshakeError("authentication failed (wrong token)")
+            workers = hello.get("workers")
+            if workers != self.per_node:
+                msg = (
+                    f"the node offers {workers} workers but this session has "
+                    f"{self.per_node} workers per node (--workers {self.per_node})"
+                )
+                wire.send_json(conn, {"error": msg})
+                raise HandshakeError(msg)
+            node_id = self._claim_id()
+            if node_id is None:
+                wire.send_json(conn, {"error": "the session already has all its nodes"})
+                raise HandshakeError("the session already has all its nodes")
+            first = node_id * self.per_node
+            ids = list(range(first, first + self.per_node))
+            wire.send_json(
+                conn,
+                {
+                    "proof": wire.proof(self._token, "controller", nonce_node, nonce_ctrl),
+                    "node_id": node_id,
+                    "num_nodes": self.num_nodes,
+                    "num_workers": self.num_workers,
+                    "num_groups": self.num_groups,
+                    "worker_ids": ids,
+                    "entrypoint": self.entrypoint,
+                    "sys_path": [p if p else os.getcwd() for p in sys.path],
+                },
+            )
+            conn.settimeout(None)
+            info = {
+                "node_id": node_id,
+                "peer": peer,
+                "hostname": str(hello.get("host", "?")),
+                "pid": hello.get("pid"),
+                "worker_ids": ids,
+            }
+            link = NodeLink(node_id, conn, peer, ids, self.hub, info)
+            node_id = None
+            log.info("disco-socket: %s joined (agent pid %s)", link.describe(), info["pid"])
+            self._joined.put(link)
+        except (HandshakeError, OSError, ValueError, struct.error) as exc:
+            if node_id is not None:
+                self._release_id(node_id)
+            self.rejected.append(f"{peer}: {exc}")
+            log.warning("disco-socket: rejected the connection from %s: %s", peer, exc)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _wait_ready(self) -> None:
+        limit = max(start_timeout(), 1.0)
+        deadline = time.monotonic() + limit
+
+        def poll() -> None:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"workers did not start within {limit:.0f} s (DISCO_START_TIMEOUT)"
+                )
+
+        for w in range(1, self.num_workers):
+            try:
+                self.hub.wait(w, poll, interval=0.05)
+            except WorkerDiedError as exc:
+                raise WorkerDiedError(exc.worker_ids, f"failed to start: {exc.reason}") from None
+
+    def _abort(self) -> None:
+        self.hub.closing = True
+        if self._listener is not None:
+            self._listener.close()
+        while True:
+            try:
+                self.nodes.append(self._joined.get_nowait())
+            except queue.Empty:
+                break
+        for link in self.nodes:
+            link.kill()
+            link.close(time.monotonic() + 1)
+        for link in self.procs:
+            link.kill()
+            link.close(time.monotonic() + 1)
+
+    # ------------------------------------------------------------------ commands
+    def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
+        loads = self._scan(out) if self.nodes else None
+        link_of = self._link_of
+        if workers is None:
+            targets = [(link, None) for link in self.links]
+        else:
+            groups: dict[int, tuple[WorkerLink, list[int]]] = {}
+            for w in workers:
+                link = link_of[w]
+                entry = groups.get(id(link))
+                if entry is None:
+                    groups[id(link)] = (link, [w])
+                else:
+                    entry[1].append(w)
+            targets = list(groups.values())
+        staged: dict[int, Outgoing] = {}
+        if loads:  # every node has the module file before any worker gets the command
+            for link, _ in targets:
+                if type(link) is NodeLink:
+                    staged[id(link)] = self._stage(out, loads, link)
+        dirty = False
+        for link, ws in targets:
+            if type(link) is NodeLink:
+                link.send_to(staged.get(id(link), out), ws)
+            else:
+                link.send(out)
+            dirty = dirty or link.buffered
+        if dirty and not self._flush_due:
+            self._mark_dirty()
+
+    def _scan(self, out: Outgoing) -> list[int] | None:
+        """Track the registers holding ``disco.load_module``; stage files it is called on."""
+        regs = self._loader_regs
+        loads = []
+        for i, cmd in enumerate(out.cmds):
+            action = cmd[0]
+            if action == P.CALL_PACKED:
+                if regs and cmd[2] in regs and cmd[3] and isinstance(cmd[3][0], str):
+                    loads.append(i)
+                regs.discard(cmd[1])
+            elif action == P.GET_GLOBAL_FUNC:
+                if cmd[2] == _LOAD_MODULE:
+                    regs.add(cmd[1])
+                else:
+                    regs.discard(cmd[1])
+            elif action == P.KILL_REG:
+                regs.difference_update(cmd[1])
+            elif action == P.DEBUG_SET_REGISTER:
+                regs.discard(cmd[1])
+        if not loads or not self.ship_modules:
+            return None
+        return loads
+
+    def _file_hash(self, path: str) -> tuple[str, int]:
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns)
+        digest = self._hashes.get(key)
+        if digest is None:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            digest = self._hashes[key] = h.hexdigest()
+        return digest, st.st_size
+
+    def _stage(self, out: Outgoing, loads: list[int], link: NodeLink) -> Outgoing:
+        cmds = list(out.cmds)
+        for i in loads:
+            action, reg, func, args = cmds[i]
+            path = args[0]
+            if not os.path.isfile(path):
+                continue  # the node may have it; its loader reports otherwise
+            digest, size = self._file_hash(path)
+            remote = link.stage_file(path, digest, size)
+            cmds[i] = (action, reg, func, (remote, *args[1:]))
+        return Outgoing(*cmds)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        super().close(timeout)
+        if self.reader is not None:
+            self.reader.join(timeout=1.0)
+
+
+def create(**options: Any) -> SocketChannel:
+    """The ``socket`` channel factory (``Session.create("socket", ...)``)."""
+    return SocketChannel(**options)

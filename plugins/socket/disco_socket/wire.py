@@ -1,0 +1,269 @@
+"""The wire protocol between a controller and its node agents.
+
+A connection has two phases.
+
+**Handshake** (fixed binary and JSON messages only; nothing is unpickled)::
+
+    node -> controller   MAGIC (8 bytes) | u32 protocol version | JSON hello
+                         {"workers": N, "nonce": hex, "host": ..., "pid": ...}
+    controller -> node   JSON {"version": V, "nonce": hex}   or   {"error": ...}
+    node -> controller   JSON {"proof": HMAC(token, "node" | nonce_node | nonce_ctrl)}
+    controller -> node   JSON {"proof": HMAC(token, "controller" | ...), "node_id": k, ...}
+                         or {"error": "authentication failed"}
+
+Every JSON message is ``u32 length | UTF-8 JSON object`` of at most
+:data:`MAX_HANDSHAKE_BYTES`. Both sides prove they know the shared token; the token
+itself never travels. A peer that fails any step is dropped.
+
+**Relay** (after both sides are authenticated). Every message starts with
+``u32 kind | u32 arg`` (little endian):
+
+``FRAME`` (controller -> node)
+    ``arg`` = number of target workers (:data:`ALL` for every worker of the node),
+    then that many ``u32`` local worker indices, then one frame exactly as
+    :mod:`disco_core.protocol` writes it to a worker's pipe
+    (``u64 header_len | u32 num_buffers | u32 flags | u64 lens... | header | buffers``).
+``FRAME`` (node -> controller)
+    ``arg`` = the global id of the replying worker, then one frame.
+``DIED`` (node -> controller)
+    ``arg`` = the global id of a worker that died, then ``u32 length | UTF-8 reason``.
+``STAT`` / ``FILE`` (controller -> node), ``STAT`` (node -> controller)
+    Module-file shipping for ``load_vm_module``: ``arg`` = request id, then a JSON
+    message (``FILE`` is followed by the file's bytes).
+``BYE`` (controller -> node)
+    The session is shutting down.
+
+Frames are relayed as bytes: the agent never unpickles them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import ssl
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAGIC",
+    "HandshakeError",
+    "StreamReader",
+    "send_views",
+    "send_json",
+    "recv_json",
+    "proof",
+    "new_nonce",
+    "resolve_token",
+]
+
+PROTOCOL_VERSION = 1
+MAGIC = b"DISCOSOK"
+HELLO = struct.Struct("<8sI")
+MAX_HANDSHAKE_BYTES = 64 * 1024
+
+MSG = struct.Struct("<II")
+U32 = struct.Struct("<I")
+#: Same layout as ``disco_core.protocol``'s frame prefix (checked by the tests).
+FRAME_PREFIX = struct.Struct("<QII")
+MAX_FRAME_BYTES = 1 << 40
+
+K_FRAME, K_DIED, K_STAT, K_FILE, K_BYE = 1, 2, 3, 4, 5
+ALL = 0xFFFFFFFF
+
+_IOV_MAX = 512
+
+
+class HandshakeError(ConnectionError):
+    """The peer failed the handshake (wrong version, wrong token, malformed message)."""
+
+
+def resolve_token(token: str | bytes | None) -> bytes:
+    """The shared token: ``token`` itself, else ``$DISCO_TOKEN``, else empty (no secret)."""
+    if token is None:
+        token = os.environ.get("DISCO_TOKEN", "")
+    return token.encode() if isinstance(token, str) else bytes(token)
+
+
+def new_nonce() -> str:
+    return os.urandom(32).hex()
+
+
+def proof(token: bytes, role: str, nonce_node: str, nonce_ctrl: str) -> str:
+    """HMAC-SHA256 proof that the ``role`` side knows ``token`` (bound to both nonces)."""
+    msg = f"disco-socket/{PROTOCOL_VERSION}/{role}\0{nonce_node}\0{nonce_ctrl}".encode()
+    return hmac.new(token, msg, hashlib.sha256).hexdigest()
+
+
+def check_proof(expected: str, got: Any) -> bool:
+    return isinstance(got, str) and hmac.compare_digest(expected.encode(), got.encode())
+
+
+# --------------------------------------------------------------------------- handshake I/O
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise HandshakeError("the peer closed the connection during the handshake")
+        got += k
+    return bytes(buf)
+
+
+def send_json(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    sock.sendall(U32.pack(len(data)) + data)
+
+
+def recv_json(sock: socket.socket) -> dict:
+    (n,) = U32.unpack(recv_exact(sock, 4))
+    if n > MAX_HANDSHAKE_BYTES:
+        raise HandshakeError(f"handshake message too large ({n} bytes)")
+    try:
+        obj = json.loads(recv_exact(sock, n).decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise HandshakeError(f"malformed handshake message: {exc}") from None
+    if not isinstance(obj, dict):
+        raise HandshakeError("malformed handshake message: not a JSON object")
+    return obj
+
+
+# --------------------------------------------------------------------------- relay I/O
+class StreamReader:
+    """Buffered reads from a (possibly TLS) socket; large payloads go straight to their memory.
+
+    Small fields (message heads, pickle headers) are parsed out of a 64 KiB buffer
+    (several messages may arrive in one ``recv``); an out-of-band buffer is received
+    with ``recv_into`` directly into its final ``bytearray``.
+    """
+
+    _CHUNK = 1 << 16
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.recv_into = sock.recv_into
+        self.buf = bytearray(self._CHUNK)
+        self.start = 0
+        self.end = 0
+
+    def has_buffered(self) -> bool:
+        return self.start < self.end
+
+    def _fill(self, need: int) -> None:
+        if self.end - self.start >= need:
+            return
+        if self.start:
+            n = self.end - self.start
+            self.buf[:n] = self.buf[self.start : self.end]
+            self.start, self.end = 0, n
+        if need > len(self.buf):
+            self.buf.extend(bytes(need - len(self.buf)))
+        view = memoryview(self.buf)
+        try:
+            while self.end < need:
+                k = self.recv_into(view[self.end :])
+                if not k:
+                    raise EOFError("connection closed")
+                self.end += k
+        finally:
+            view.release()
+
+    def take(self, n: int) -> bytes:
+        self._fill(n)
+        data = bytes(self.buf[self.start : self.start + n])
+        self.start += n
+        return data
+
+    def read_into(self, out: memoryview) -> None:
+        n = len(out)
+        have = min(n, self.end - self.start)
+        if have:
+            out[:have] = self.buf[self.start : self.start + have]
+            self.start += have
+        while have < n:
+            k = self.recv_into(out[have:])
+            if not k:
+                raise EOFError("connection closed in the middle of a message")
+            have += k
+
+    def read_msg(self) -> tuple[int, int]:
+        return MSG.unpack(self.take(MSG.size))
+
+    def read_frame(self) -> tuple[bytes, list[bytearray], int]:
+        """One frame: ``(header, buffers, flags)``; buffers are fresh, writable memory."""
+        hlen, nbuf, flags = FRAME_PREFIX.unpack(self.take(FRAME_PREFIX.size))
+        lens = struct.unpack(f"<{nbuf}Q", self.take(8 * nbuf)) if nbuf else ()
+        if hlen > MAX_FRAME_BYTES or sum(lens) > MAX_FRAME_BYTES or nbuf > 1 << 20:
+            raise EOFError(f"corrupt frame: declared size {hlen + sum(lens)} bytes")
+        header = self.take(hlen)
+        buffers = []
+        for n in lens:
+            b = bytearray(n)
+            if n:
+                with memoryview(b) as view:
+                    self.read_into(view)
+            buffers.append(b)
+        return header, buffers, flags
+
+    def read_blob(self, limit: int = MAX_HANDSHAKE_BYTES) -> bytes:
+        (n,) = U32.unpack(self.take(4))
+        if n > limit:
+            raise EOFError(f"message too large ({n} bytes)")
+        return self.take(n)
+
+
+def frame_head(header: bytes, buffers: Sequence[Any], flags: int) -> bytes:
+    lens = b"".join(struct.pack("<Q", memoryview(b).nbytes) for b in buffers)
+    return FRAME_PREFIX.pack(len(header), len(buffers), flags) + lens + header
+
+
+def blob(data: bytes) -> bytes:
+    return U32.pack(len(data)) + data
+
+
+def send_views(sock: socket.socket, parts: Sequence[Any]) -> None:
+    """Send every buffer of ``parts`` in order, without copying (``sendmsg``; TLS: ``sendall``)."""
+    views = []
+    for p in parts:
+        m = p if isinstance(p, bytes) else memoryview(p).cast("B")
+        if len(m):
+            views.append(m)
+    if isinstance(sock, ssl.SSLSocket):
+        for m in views:
+            sock.sendall(m)
+        return
+    i = 0
+    while i < len(views):
+        n = sock.sendmsg(views[i : i + _IOV_MAX])
+        while n and i < len(views):
+            m = views[i]
+            if n >= len(m):
+                n -= len(m)
+                i += 1
+            else:
+                views[i] = memoryview(m)[n:]
+                n = 0
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """No Nagle delay; keepalive probes so a vanished peer is noticed within seconds."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+            except OSError:
+                pass
+    opt = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if opt is not None:
+        try:  # unacknowledged data for this long: the peer is gone
+            sock.setsockopt(socket.IPPROTO_TCP, opt, 15_000)
+        except OSError:
+            pass

@@ -1,0 +1,117 @@
+"""Helpers of disco-socket's tests (a uniquely named module: the core has its own conftest)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import disco_core as disco
+from disco_socket import start_local_agents
+
+HOST = "127.0.0.1"
+
+
+def pid_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pids, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if not pid_gone(p)]
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            out.append(int(name))
+    return out
+
+
+def agent_cmd(host: str, port: int, workers: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "disco_socket",
+        "join",
+        host,
+        str(port),
+        "--workers",
+        str(workers),
+        *extra,
+    ]
+
+
+class Cluster:
+    """Sessions plus the agent processes started for them; everything is reaped at the end."""
+
+    def __init__(self) -> None:
+        self.agents: list[subprocess.Popen] = []
+        self.sessions: list[disco.Session] = []
+
+    def session(
+        self,
+        num_nodes: int,
+        per_node: int,
+        num_groups: int = 1,
+        token: str | None = None,
+        timeout: float = 30.0,
+        agent_args: tuple = (),
+        **options,
+    ) -> disco.Session:
+        started: list[subprocess.Popen] = []
+
+        def on_listen(host: str, port: int) -> None:
+            started.extend(
+                start_local_agents(
+                    host, port, num_nodes - 1, per_node, token=token, extra_args=("-q", *agent_args)
+                )
+            )
+
+        try:
+            sess = disco.SocketSession(
+                num_nodes, per_node, num_groups, HOST, 0,
+                on_listen=on_listen, timeout=timeout, token=token, **options,
+            )  # fmt: skip
+        finally:
+            self.agents.extend(started)
+        sess.agents = started  # type: ignore[attr-defined]
+        self.sessions.append(sess)
+        return sess
+
+    def close(self) -> None:
+        for sess in self.sessions:
+            sess.shutdown()
+        for p in self.agents:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def layout(num_workers: int, per_node: int) -> tuple[int, int]:
+    """Nodes and workers per node for a kit session of ``num_workers``."""
+    if num_workers % per_node == 0 and num_workers // per_node > 1:
+        return num_workers // per_node, per_node
+    return num_workers, 1
