@@ -1,0 +1,165 @@
+"""Starting MPI in a process, finding the launcher, and borrowing a launcher's PMI.
+
+MPI is initialised lazily, the first time the plugin needs it, with
+``MPI_THREAD_MULTIPLE``: worker 0 lives in the controller's process and its
+commands run on the worker thread or on the controller's thread (whichever gets
+there first), so MPI calls come from more than one thread, never at the same time.
+
+Joining processes that were not started by ``mpiexec``
+-----------------------------------------------------
+Two processes that each called ``MPI_Init`` as *singletons* cannot
+``MPI_Comm_connect``/``MPI_Comm_accept`` with MPICH 5.0 (both singletons get the
+same world id: "Local and remote groups in MPI_Intercomm_create must not overlap",
+MPICH issue 7805), while one singleton and processes started under
+``mpiexec -n 1`` can. So a worker process that is not an MPI process yet borrows a
+launcher: it starts ``mpiexec -n 1 python -m disco_mpi._donor SOCKET``; the donor,
+started by the launcher, hands its PMI connection (the ``PMI_FD`` socket and the
+``PMI_*`` variables) back to the worker over a Unix socket and waits. The worker
+then initialises MPI as if the launcher had started it (a world of its own, with a
+unique id) and connects to worker 0. The donor exits when the worker does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from disco_core.errors import CCLError
+
+__all__ = ["mpi", "is_initialized", "launcher", "borrow_pmi", "library_version"]
+
+_LOCK = threading.RLock()
+_MPI: Any = None
+_DONOR: subprocess.Popen | None = None
+
+
+def launcher() -> str | None:
+    """The ``mpiexec`` to use: ``$DISCO_MPIEXEC``, the one beside Python, or on ``PATH``."""
+    env = os.environ.get("DISCO_MPIEXEC")
+    if env:
+        return env
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def is_initialized() -> bool:
+    """True when MPI is initialised in this process (without initialising it)."""
+    if _MPI is not None:
+        return True
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    return bool(sys.modules["mpi4py.MPI"].Is_initialized())
+
+
+def _launched() -> bool:
+    """True when a launcher started this process (it can talk to a process manager)."""
+    keys = ("PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "SLURM_STEP_ID")
+    return any(k in os.environ for k in keys)
+
+
+def mpi(borrow: bool = False, timeout: float = 60.0, finalize: bool = False) -> Any:
+    """Return ``mpi4py.MPI``, initialising MPI (``THREAD_MULTIPLE``) when needed.
+
+    With ``borrow``, a process that was not started by a launcher first borrows one
+    (see the module's docstring) so that it can connect to other MPI processes.
+    """
+    global _MPI
+    with _LOCK:
+        if _MPI is not None:
+            return _MPI
+        try:
+            import mpi4py
+        except ImportError as exc:  # pragma: no cover - a dependency of the plugin
+            raise CCLError(f"the 'mpi' CCL needs mpi4py ({exc}); pip install disco-mpi") from exc
+        if "mpi4py.MPI" not in sys.modules:
+            mpi4py.rc.thread_level = "multiple"
+            # A finalize at exit would wait for peers that are already gone, except in
+            # an MPI job (the ``mpi`` channel), where every rank finalizes together.
+            mpi4py.rc.finalize = bool(finalize)
+            if borrow and not _launched():
+                borrow_pmi(timeout)
+        try:
+            from mpi4py import MPI
+        except Exception as exc:
+            raise CCLError(f"MPI failed to initialise: {type(exc).__name__}: {exc}") from exc
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        _MPI = MPI
+        return MPI
+
+
+def thread_level_ok(MPI: Any) -> bool:
+    return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+
+
+def library_version() -> str:
+    return mpi().Get_library_version().strip().splitlines()[0]
+
+
+def borrow_pmi(timeout: float = 60.0) -> None:
+    """Start ``mpiexec -n 1 python -m disco_mpi._donor`` and adopt its PMI connection."""
+    global _DONOR
+    exe = launcher()
+    if exe is None:
+        raise CCLError(
+            "the 'mpi' CCL needs an MPI launcher (mpiexec) to let worker processes join: "
+            "none found beside Python or on PATH (pip install mpich, or set DISCO_MPIEXEC)"
+        )
+    folder = tempfile.mkdtemp(prefix="disco-mpi-")
+    path = os.path.join(folder, "pmi")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(1)
+        listener.settimeout(0.2)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PMI_")}
+        _DONOR = subprocess.Popen(
+            [exe, "-n", "1", sys.executable, "-m", "disco_mpi._donor", path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=False,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                conn, _ = listener.accept()
+                break
+            except TimeoutError:
+                code = _DONOR.poll()
+                if code is not None:
+                    raise CCLError(
+                        f"the MPI launcher {exe} exited with code {code} before handing over "
+                        "its PMI connection"
+                    ) from None
+                if time.monotonic() > deadline:
+                    _DONOR.kill()
+                    raise CCLError(
+                        f"the MPI launcher {exe} did not start within {timeout:.0f} s"
+                    ) from None
+        conn.settimeout(timeout)
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+        if not fds:
+            raise CCLError(f"the MPI launcher {exe} handed over no PMI connection")
+        env_in = json.loads(msg.decode())
+        env_in["PMI_FD"] = str(fds[0])
+        os.environ.update(env_in)
+        # Keep ``conn`` open for the life of this process: its EOF ends the donor.
+        _KEEP.append(conn)
+    finally:
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_KEEP: list[socket.socket] = []

@@ -1,0 +1,520 @@
+"""The ``mpi`` CCL: collectives and point-to-point through MPI (mpi4py).
+
+How the workers meet
+--------------------
+* Workers that are MPI ranks already (the ``mpi`` channel, ``mpiexec -n N``) use
+  ``MPI_COMM_WORLD``: rank ``w`` is worker ``w``.
+* Workers that are not (``ProcessSession``, ``SocketSession``...) join one
+  communicator by themselves: the controller opens an MPI port (``MPI_Open_port``)
+  and sends its name in the rendezvous payload; worker 0 (in the controller's
+  process) accepts ``N-1`` times, each worker process connects once and then takes
+  part in the remaining accepts, and every ``MPI_Comm_accept``/``connect`` result is
+  merged (``MPI_Intercomm_merge``) into a growing intracommunicator, finally
+  reordered by worker id (``MPI_Comm_split``). Worker processes that were not
+  started by a launcher first borrow one (:mod:`disco_mpi._runtime`), because
+  MPICH cannot connect two singletons.
+
+Groups are ``MPI_Comm_split`` sub-communicators of that world; point-to-point
+messages travel on a duplicate of the world (``MPI_Comm_dup``), so they never match
+a collective, and MPI's ordering per (sender, tag, communicator) keeps every
+message pair (descriptor, data) together.
+
+Every operation first exchanges the fixed-size argument descriptors of
+:mod:`disco_core.ccl.validate` (an ``MPI_Iallgather``), so a mismatched call raises
+the same :class:`~disco_core.errors.CCLError` on every member instead of hanging.
+
+Waiting
+-------
+Operations are non-blocking MPI calls completed by polling ``MPI_Test``. A wait that
+exceeds ``timeout`` raises :class:`~disco_core.errors.CCLTimeoutError`; in worker 0
+(in the controller's process) a wait stops at once when the session learns that a
+worker died. **MPI cannot recover a communicator** after a member died or an
+operation was abandoned: the CCL then refuses every further operation, and the
+session must be shut down (the controller raises ``WorkerDiedError``).
+
+Reduction order
+---------------
+``sum``/``prod``/``min``/``max`` use MPI's built-in operations for the dtypes MPI
+knows (integers, float32/64, complex64/128, bool as logical or/and). Integer,
+bool, ``min`` and ``max`` results are exact whatever the order. For floating
+``sum``/``prod``/``avg``, MPI chooses the reduction order and bracketing (MPICH:
+recursive doubling or reduce-scatter + allgather), so results may differ in the last
+bits from NumPy's left fold in rank order; with two members they are identical. Pass
+``init_ccl("mpi", ordered=True)`` to get results bit-identical to
+``functools.reduce(ufunc, [x0, x1, ...])``: members then allgather every contribution
+and fold them locally in rank order (n times the traffic). ``float16`` and
+``bfloat16`` (with ``ml_dtypes``), which MPI has no type for, and complex ``prod``
+(MPI's complex multiply rounds differently from NumPy's), reduce through a
+user-defined MPI operation applying the NumPy ufunc in the array's own dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from disco_core.ccl import validate
+from disco_core.ccl.base import CCL, Rendezvous
+from disco_core.errors import CCLError, CCLTimeoutError
+
+from . import _runtime
+
+__all__ = ["MPICCL", "MPIRendezvous"]
+
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add}
+_DEFAULT_TIMEOUT = 300.0
+_CONNECT_TIMEOUT = 60.0
+_DESC_TAG = 11
+_DATA_TAG = 12
+_UNRECOVERABLE = (
+    "MPI cannot recover a communicator after a failed or abandoned operation: "
+    "shut the session down and start a new one"
+)
+
+_USER_OPS: _UserOps | None = None
+
+#: Aborts of rendezvous made in this process, by token (read by worker 0's CCL).
+_ABORTS: dict[str, str] = {}
+
+
+class MPIRendezvous(Rendezvous):
+    """The controller's half: an MPI port (unless the workers are MPI ranks already)."""
+
+    def __init__(self, payload: dict, ports: Sequence[str] = ()) -> None:
+        super().__init__(payload)
+        self.ports = list(ports)
+        self.token = payload["token"]
+
+    def abort(self, reason: str) -> None:
+        _ABORTS[self.token] = reason
+
+    def close(self) -> None:
+        ports, self.ports = self.ports, []
+        for port in ports:
+            try:
+                _runtime.mpi().Close_port(port)
+            except Exception:
+                pass
+
+
+def _native_types(MPI: Any) -> dict[str, Any]:
+    table = {
+        "int8": MPI.INT8_T, "int16": MPI.INT16_T, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
+        "uint8": MPI.UINT8_T, "uint16": MPI.UINT16_T, "uint32": MPI.UINT32_T,
+        "uint64": MPI.UINT64_T, "float32": MPI.FLOAT, "float64": MPI.DOUBLE,
+        "complex64": MPI.C_FLOAT_COMPLEX, "complex128": MPI.C_DOUBLE_COMPLEX,
+        "bool": MPI.C_BOOL,
+    }  # fmt: skip
+    return {k: v for k, v in table.items() if v != MPI.DATATYPE_NULL}
+
+
+class _UserOps:
+    """User-defined MPI operations for dtypes MPI has no type for (float16, bfloat16).
+
+    One table per process: mpi4py allows a limited number of user-defined operations,
+    so they are made once and shared by every session of the process.
+    """
+
+    def __init__(self, MPI: Any) -> None:
+        self.MPI = MPI
+        self.types: dict[int, Any] = {}
+        self.ops: dict[tuple[str, str], Any] = {}
+
+    def datatype(self, itemsize: int) -> Any:
+        t = self.types.get(itemsize)
+        if t is None:
+            t = self.types[itemsize] = self.MPI.BYTE.Create_contiguous(itemsize).Commit()
+        return t
+
+    def op(self, dtype: np.dtype, name: str) -> Any:
+        key = (dtype.str, name)
+        op = self.ops.get(key)
+        if op is None:
+            ufunc = _UFUNCS[name]
+
+            def apply(inbuf, inoutbuf, datatype, dtype=dtype, ufunc=ufunc):
+                a = np.frombuffer(inbuf, dtype=dtype)
+                b = np.frombuffer(inoutbuf, dtype=dtype)
+                # MPI: inoutbuf = inbuf op inoutbuf, inbuf from the lower ranks.
+                ufunc(a, b, out=b)
+
+            # Declared non-commutative: MPI then keeps the operands in rank order.
+            op = self.ops[key] = self.MPI.Op.Create(apply, commute=False)
+        return op
+
+
+class MPICCL(CCL):
+    """Collectives through MPI.
+
+    Options (``session.init_ccl("mpi", timeout=..., ordered=..., connect_timeout=...)``):
+
+    timeout : float
+        Seconds an operation waits for its peers before :class:`CCLTimeoutError`
+        (default 300, or ``DISCO_CCL_TIMEOUT``).
+    ordered : bool
+        Reduce floating ``sum``/``prod``/``avg`` in rank order, bit-identical to NumPy
+        (default False: MPI's own, faster, order).
+    connect_timeout : float
+        Seconds the workers have to join one communicator (default 60).
+    """
+
+    name = "mpi"
+
+    @classmethod
+    def rendezvous(
+        cls, channel: Any, device_ids: Sequence[int] = (), **options: Any
+    ) -> MPIRendezvous:
+        unknown = set(options) - {"timeout", "ordered", "connect_timeout"}
+        if unknown:
+            raise TypeError(f"init_ccl('mpi'): unknown options {sorted(unknown)}")
+        timeout = float(
+            options.get("timeout", os.environ.get("DISCO_CCL_TIMEOUT", _DEFAULT_TIMEOUT))
+        )
+        connect_timeout = float(options.get("connect_timeout", _CONNECT_TIMEOUT))
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("init_ccl('mpi'): timeout and connect_timeout must be > 0")
+        payload = {
+            "token": uuid.uuid4().hex,
+            "timeout": timeout,
+            "connect_timeout": connect_timeout,
+            "ordered": bool(options.get("ordered", False)),
+        }
+        ports: list[str] = []
+        if getattr(channel, "kind", "") == "mpi":
+            payload["mode"] = "world"
+        elif getattr(channel, "kind", "") == "threaded":
+            raise CCLError(
+                "the 'mpi' CCL needs one process per worker; a ThreadedSession runs every "
+                "worker in one process: use ProcessSession, the 'mpi' channel, or the 'shm' CCL"
+            )
+        elif channel.num_workers == 1:
+            payload["mode"] = "self"
+        else:
+            MPI = _runtime.mpi()
+            if not _runtime.thread_level_ok(MPI):
+                raise CCLError(
+                    "the MPI library gives no thread support (MPI_THREAD_SERIALIZED or better "
+                    "is needed, because worker 0 runs in a thread of the controller's process)"
+                )
+            # One port per joining worker: worker k connects to ports[k] while the
+            # workers 0..k-1 accept on it, so no port ever has two connectors at once
+            # (concurrent connects to one port crash MPICH 5.0 with UCX).
+            ports = [MPI.Open_port() for _ in range(channel.num_workers)]
+            payload["mode"] = "connect"
+            payload["ports"] = ports
+        return MPIRendezvous(payload, ports)
+
+    def __init__(
+        self, ctx: Any, payload: dict, device_ids: Sequence[int] = (), **options: Any
+    ) -> None:
+        super().__init__(ctx, payload, device_ids)
+        self.token = payload["token"]
+        self.timeout = float(payload["timeout"])
+        self.ordered = bool(payload["ordered"])
+        self.broken = ""
+        self._me = ctx.worker_id
+        self._n = ctx.num_workers
+        mode = payload["mode"]
+        connect_timeout = float(payload["connect_timeout"])
+        MPI = self.MPI = _runtime.mpi(borrow=mode == "connect", timeout=connect_timeout)
+        if mode == "world":
+            world = MPI.COMM_WORLD.Dup()
+            if world.Get_size() != self._n or world.Get_rank() != self._me:
+                raise CCLError(
+                    f"MPI_COMM_WORLD has {world.Get_size()} ranks (this is rank "
+                    f"{world.Get_rank()}) but the session has {self._n} workers (this is {self._me})"
+                )
+        elif mode == "self":
+            world = MPI.COMM_SELF.Dup()
+        else:
+            world = self._join(payload["ports"], connect_timeout)
+        self.world = world
+        self.p2p = world.Dup()
+        if ctx.num_groups > 1:
+            self.group = world.Split(ctx.group_id, self._me)
+        else:
+            self.group = world
+        self.native = _native_types(MPI)
+        global _USER_OPS
+        if _USER_OPS is None:
+            _USER_OPS = _UserOps(MPI)
+        self.user_ops = _USER_OPS
+        self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        self._bool_ops = {"sum": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND, "max": MPI.LOR}
+        self._desc_out = np.zeros(validate.DESC_BYTES, np.uint8)
+        self._desc_in = {
+            id(c): np.zeros(c.Get_size() * validate.DESC_BYTES, np.uint8)
+            for c in (self.world, self.group)
+        }
+        self._checked: set[bytes] = set()
+
+    # ------------------------------------------------------------------ joining
+    def _join(self, ports: Sequence[str], timeout: float) -> Any:
+        """Accept/connect + merge until every worker is in one intracommunicator."""
+        MPI = self.MPI
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                n, me = self._n, self._me
+                if me == 0:
+                    comm = MPI.COMM_SELF
+                else:
+                    inter = MPI.COMM_SELF.Connect(ports[me])
+                    comm = inter.Merge(True)
+                    inter.Free()
+                while comm.Get_size() < n:
+                    inter = comm.Accept(ports[comm.Get_size()], root=0)
+                    merged = inter.Merge(False)
+                    inter.Free()
+                    if comm is not MPI.COMM_SELF:
+                        comm.Free()
+                    comm = merged
+                result["comm"] = comm.Dup()
+                if comm is not MPI.COMM_SELF:
+                    comm.Free()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                result["error"] = exc
+
+        t = threading.Thread(target=run, name=f"disco-mpi-join-{self._me}", daemon=True)
+        t.start()
+        deadline = time.monotonic() + timeout
+        while t.is_alive():
+            t.join(0.05)
+            reason = _ABORTS.get(self.token)
+            if reason:
+                raise CCLError(f"init_ccl('mpi') aborted: {reason}")
+            if time.monotonic() > deadline:
+                raise CCLTimeoutError(
+                    f"init_ccl('mpi'): the workers did not join one MPI communicator within "
+                    f"{timeout:.0f} s (init_ccl('mpi', connect_timeout=...))"
+                )
+        if "error" in result:
+            exc = result["error"]
+            raise CCLError(
+                f"init_ccl('mpi'): joining the MPI communicator failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        comm = result["comm"]
+        if comm.Get_rank() != self._me or comm.Get_size() != self._n:
+            raise CCLError("init_ccl('mpi'): the joined communicator has the wrong shape")
+        return comm
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, req: Any, what: str) -> None:
+        """Complete ``req`` (an MPI request, or a list of them) by polling."""
+        MPI = self.MPI
+        test = MPI.Request.Testall if isinstance(req, list) else req.Test
+        args = (req,) if isinstance(req, list) else ()
+        for _ in range(2000):
+            if test(*args):
+                return
+        deadline = time.monotonic() + self.timeout
+        slow = time.monotonic() + 0.5
+        while True:
+            for _ in range(200):
+                if test(*args):
+                    return
+            reason = _ABORTS.get(self.token)
+            if reason:
+                self.broken = reason
+                raise CCLError(f"{what} aborted: {reason}; {_UNRECOVERABLE}")
+            now = time.monotonic()
+            if now > deadline:
+                self.broken = f"{what} timed out"
+                raise CCLTimeoutError(
+                    f"{what}: waited {self.timeout:.0f} s for the other workers "
+                    f"(raise it with init_ccl('mpi', timeout=...) or DISCO_CCL_TIMEOUT); "
+                    f"{_UNRECOVERABLE}"
+                )
+            if now > slow:
+                time.sleep(0.0005)
+
+    def _comm(self, in_group: bool) -> Any:
+        if self.broken:
+            raise CCLError(f"the mpi CCL is unusable after an earlier failure ({self.broken})")
+        return self.group if in_group else self.world
+
+    def _exchange(self, comm: Any, desc: validate.Desc, op: str) -> None:
+        """Allgather everyone's descriptor and run the same check on every member."""
+        mine = validate.pack(desc)
+        out = self._desc_out
+        out[:] = np.frombuffer(mine, np.uint8)
+        inbuf = self._desc_in[id(comm)]
+        self._wait(comm.Iallgather([out, self.MPI.BYTE], [inbuf, self.MPI.BYTE]), op)
+        size = validate.DESC_BYTES
+        n = comm.Get_size()
+        raw = [inbuf[k * size : (k + 1) * size].tobytes() for k in range(n)]
+        uniform = raw.count(mine) == n
+        if uniform and mine in self._checked:
+            return
+        start = self._me - comm.Get_rank()
+        validate.check(op, [validate.unpack(r) for r in raw], range(start, start + n))
+        if uniform:
+            if len(self._checked) > 256:
+                self._checked.clear()
+            self._checked.add(mine)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, in_group: bool = False) -> None:
+        comm = self._comm(in_group)
+        self._exchange(comm, validate.describe("barrier", None, None), "barrier")
+
+    def _reduction(self, dt: np.dtype, op: str) -> tuple[Any, Any]:
+        """The MPI datatype and operation that reduce ``dt`` with ``op``."""
+        mtype = self.native.get(dt.name)
+        if dt.kind == "c" and op == "prod":
+            mtype = None  # MPI's complex product rounds differently from NumPy's
+        if mtype is not None:
+            table = self._bool_ops if dt == np.bool_ else self._ops
+            return mtype, table["sum" if op == "avg" else op]
+        return self.user_ops.datatype(dt.itemsize), self.user_ops.op(dt, op)
+
+    def allreduce(self, src: Any, dst: Any, op: str, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        err = "" if op in _UFUNCS else f"unknown op {op!r}"
+        name = f"allreduce:{op}"
+        n = comm.Get_size()
+        ordered = self.ordered and op in ("sum", "prod", "avg")
+        reduction = None
+        if not err and isinstance(src, np.ndarray) and n > 1:
+            dt = src.dtype
+            floating = dt.kind in "fc" or dt.name == "bfloat16"
+            ordered = ordered and floating
+            if not ordered:
+                try:
+                    reduction = self._reduction(dt, op)
+                except Exception as exc:  # every member learns it in the exchange
+                    err = f"cannot reduce {dt.name} with MPI: {type(exc).__name__}: {exc}"
+        self._exchange(comm, validate.describe(name, src, dst, error=err), name)
+        src = np.ascontiguousarray(src)
+        if src.size == 0:
+            return
+        MPI = self.MPI
+        if n == 1:
+            if src.ctypes.data != dst.ctypes.data:
+                np.copyto(dst, src)
+        elif reduction is None:  # ordered: gather everything, fold in rank order
+            parts = np.empty((n, *src.shape), src.dtype)
+            self._wait(
+                comm.Iallgather([src, src.nbytes, MPI.BYTE], [parts, src.nbytes, MPI.BYTE]),
+                "allreduce",
+            )
+            ufunc = _UFUNCS[op]
+            acc = parts[0]
+            for k in range(1, n):
+                ufunc(acc, parts[k], out=acc)
+            np.copyto(dst, acc)
+        else:
+            mtype, mop = reduction
+            sbuf = MPI.IN_PLACE if src.ctypes.data == dst.ctypes.data else [src, src.size, mtype]
+            self._wait(comm.Iallreduce(sbuf, [dst, dst.size, mtype], mop), "allreduce")
+        if op == "avg":
+            np.true_divide(dst, n, out=dst, casting="unsafe")
+
+    def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        self._exchange(comm, validate.describe("allgather", src, dst), "allgather")
+        src = np.ascontiguousarray(src)
+        B = self.MPI.BYTE
+        self._wait(comm.Iallgather([src, src.nbytes, B], [dst, src.nbytes, B]), "allgather")
+
+    def gather(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        root = comm.Get_rank() == 0
+        self._exchange(comm, validate.describe("gather", src, dst if root else None), "gather")
+        src = np.ascontiguousarray(src)
+        B = self.MPI.BYTE
+        rbuf = [dst, src.nbytes, B] if root else None
+        self._wait(comm.Igather([src, src.nbytes, B], rbuf, root=0), "gather")
+
+    def broadcast(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        root = comm.Get_rank() == 0
+        self._exchange(
+            comm, validate.describe("broadcast", src if root else None, dst), "broadcast"
+        )
+        B = self.MPI.BYTE
+        if root:
+            src = np.ascontiguousarray(src)
+            req = comm.Ibcast([src, src.nbytes, B], root=0)
+            if src.ctypes.data != dst.ctypes.data:  # overlaps with the transfer
+                np.copyto(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
+            self._wait(req, "broadcast")
+        else:
+            self._wait(comm.Ibcast([dst, dst.nbytes, B], root=0), "broadcast")
+
+    def scatter(self, src: Any, dst: Any, in_group: bool) -> None:
+        comm = self._comm(in_group)
+        root = comm.Get_rank() == 0
+        self._exchange(comm, validate.describe("scatter", src if root else None, dst), "scatter")
+        B = self.MPI.BYTE
+        sbuf = [np.ascontiguousarray(src), dst.nbytes, B] if root else None
+        self._wait(comm.Iscatter(sbuf, [dst, dst.nbytes, B], root=0), "scatter")
+
+    # ------------------------------------------------------------------ point to point
+    def _check_peer(self, peer: Any, what: str) -> int:
+        n = self._n
+        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
+            raise CCLError(f"{what}: the peer must be a worker id (int), got {peer!r}")
+        if not 0 <= peer < n:
+            raise CCLError(f"{what}: worker {peer} is out of range for {n} workers")
+        if peer == self._me:
+            raise CCLError(f"{what}: worker {peer} cannot send to or receive from itself")
+        return int(peer)
+
+    def send(self, buf: Any, peer: int) -> None:
+        self._comm(False)
+        peer = self._check_peer(peer, "send_to_worker")
+        desc = validate.describe("p2p", buf, None)
+        head = np.frombuffer(validate.pack(desc), np.uint8).copy()
+        reqs = [self.p2p.Isend([head, self.MPI.BYTE], peer, _DESC_TAG)]
+        if desc.status:
+            self._wait(reqs, "send_to_worker")
+            raise CCLError(f"send_to_worker: {desc.error}")
+        data = np.ascontiguousarray(buf)
+        if data.nbytes:
+            reqs.append(self.p2p.Isend([data, data.nbytes, self.MPI.BYTE], peer, _DATA_TAG))
+        self._wait(reqs, "send_to_worker")
+
+    def recv(self, buf: Any, peer: int) -> None:
+        self._comm(False)
+        peer = self._check_peer(peer, "recv_from_worker")
+        MPI = self.MPI
+        mine = validate.describe("p2p", None, buf)
+        head = np.zeros(validate.DESC_BYTES, np.uint8)
+        self._wait(self.p2p.Irecv([head, MPI.BYTE], peer, _DESC_TAG), "recv_from_worker")
+        theirs = validate.unpack(head.tobytes())
+        error = ""
+        if theirs.status:
+            error = f"worker {peer} failed to send: {theirs.error}"
+        elif mine.status:
+            error = mine.error
+        elif theirs.src[0] != mine.dst[0] or theirs.src[2] != mine.dst[2]:
+            error = (
+                f"worker {peer} sent {theirs.src[0]}{list(theirs.src[1])} but the receive buffer "
+                f"is {mine.dst[0]}{list(mine.dst[1])}"
+            )
+        nbytes = 0 if theirs.status else theirs.src[2]
+        if nbytes:
+            target = np.empty(nbytes, np.uint8) if error else buf
+            self._wait(
+                self.p2p.Irecv([target, nbytes, MPI.BYTE], peer, _DATA_TAG), "recv_from_worker"
+            )
+        if error:  # the whole message was drained, so the sender is free
+            raise CCLError(f"recv_from_worker: {error}")
+
+    def close(self) -> None:
+        if self.broken:
+            return  # a pending operation may still use the communicators
+        comms = {id(c): c for c in (self.group, self.p2p, self.world)}
+        for c in comms.values():
+            try:
+                c.Free()
+            except Exception:
+                pass

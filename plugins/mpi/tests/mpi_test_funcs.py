@@ -1,0 +1,84 @@
+"""Worker functions for the disco-mpi tests (imported on every worker)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import disco_core as disco
+from disco_core.worker import current
+
+
+def make(shape, dtype: str, seed: int, worker_id: int) -> np.ndarray:
+    """The array worker ``worker_id`` contributes (the controller recomputes it)."""
+    rng = np.random.default_rng(seed * 1000 + worker_id)
+    dt = dtype
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        dt = ml_dtypes.bfloat16
+    if dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if np.dtype(dt).kind in "iu":
+        return rng.integers(-50 if np.dtype(dt).kind == "i" else 0, 50, size=shape).astype(dt)
+    if np.dtype(dt).kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+    return rng.standard_normal(shape).astype(dt)
+
+
+@disco.register_func("mpi_test.make", override=True)
+def _make(shape, dtype, seed):
+    return make(tuple(shape), dtype, seed, current().worker_id)
+
+
+@disco.register_func("mpi_test.die_on", override=True)
+def _die_on(worker_id: int, delay: float = 0.2) -> None:
+    if current().worker_id == worker_id:
+        time.sleep(delay)
+        os._exit(7)
+
+
+@disco.register_func("mpi_test.ccl_name", override=True)
+def _ccl_name():
+    return current().ccl.name
+
+
+@disco.register_func("mpi_test.p2p", override=True)
+def _p2p(buf, out):
+    """Workers 2k and 2k+1 swap ``buf`` into ``out``."""
+    ccl = current().ccl
+    me = current().worker_id
+    peer = me ^ 1
+    if me % 2 == 0:
+        ccl.send(buf, peer)
+        ccl.recv(out, peer)
+    else:
+        ccl.recv(out, peer)
+        ccl.send(buf, peer)
+
+
+@disco.register_func("mpi_test.pipeline", override=True)
+def _pipeline(buf, out):
+    """Group 0 sends ``buf`` to the next group, which receives it into ``out``."""
+    ctx = current()
+    if ctx.group_id + 1 < ctx.num_groups:
+        disco.get_global_func("disco.send_to_next_group")(buf)
+    if ctx.group_id > 0:
+        disco.get_global_func("disco.recv_from_prev_group")(out)
+
+
+@disco.register_func("mpi_test.shape_by_worker", override=True)
+def _shape_by_worker(dtype):
+    return np.zeros((2 + (current().worker_id == 1),), dtype)
+
+
+@disco.register_func("mpi_test.bad_recv", override=True)
+def _bad_recv():
+    """Worker 0 sends 4 floats to worker 1, which expects 3: both drain, worker 1 raises."""
+    ctx = current()
+    if ctx.worker_id == 0:
+        ctx.ccl.send(np.ones(4, "float32"), 1)
+    elif ctx.worker_id == 1:
+        ctx.ccl.recv(np.empty(3, "float32"), 0)

@@ -1,0 +1,274 @@
+"""The ``mpi`` CCL over ProcessSession, with the MPI from PyPI (mpich + mpi4py).
+
+There is no shared CCL conformance kit in the core yet (``disco_core.testing.ccl_kit``),
+so these are the plugin's own checks: every collective, point-to-point and group
+mode, dtypes against NumPy, mismatched calls, and a worker dying mid-collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import pytest
+from mpi_test_funcs import make
+
+import disco_core as disco
+from disco_core.errors import CCLError, WorkerDiedError, WorkerError
+
+pytestmark = pytest.mark.timeout(120)
+
+UFUNC = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+SHAPES = [(2, 3)]
+
+
+def _session(n: int, groups: int = 1, **opts):
+    sess = disco.ProcessSession(n, num_groups=groups)
+    try:
+        sess.import_python_module("mpi_test_funcs")
+        sess.init_ccl("mpi", **opts)
+    except BaseException:
+        sess.shutdown()
+        raise
+    return sess
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (4, 1), (4, 2)], ids=["2w", "4w", "4w2g"])
+def sess(request):
+    n, g = request.param
+    s = _session(n, g)
+    yield s
+    s.shutdown()
+
+
+def _members(sess, w, in_group):
+    if not in_group:
+        return list(range(sess.num_workers))
+    size = sess.num_workers // sess.num_groups
+    start = w // size * size
+    return list(range(start, start + size))
+
+
+def _dt(name):
+    if name == "bfloat16":
+        ml = pytest.importorskip("ml_dtypes")
+        return np.dtype(ml.bfloat16)
+    return np.dtype(name)
+
+
+def _reduce(xs, op, dt):
+    ufunc = UFUNC["sum" if op == "avg" else op]
+    acc = xs[0].copy()
+    for x in xs[1:]:
+        ufunc(acc, x, out=acc)
+    if op == "avg":
+        np.true_divide(acc, len(xs), out=acc, casting="unsafe")
+    return acc
+
+
+DTYPES = [
+    "float32",
+    "float64",
+    "int32",
+    "int64",
+    "uint8",
+    "int8",
+    "float16",
+    "bool",
+    "complex64",
+    "bfloat16",
+]
+
+
+_FLOATING = ("float32", "float64", "float16", "complex64", "bfloat16")
+# Every (dtype, op) that is defined: avg needs a floating dtype (integers are an error,
+# tested with the mismatches), and complex numbers have no order for min/max.
+ALLREDUCE_CASES = [
+    (d, o)
+    for o in ("sum", "prod", "min", "max", "avg")
+    for d in DTYPES
+    if not (o == "avg" and d not in _FLOATING)
+    and not (d.startswith("complex") and o in ("min", "max"))
+]
+
+
+@pytest.mark.parametrize("in_group", [True, False])
+@pytest.mark.parametrize("dtype,op", ALLREDUCE_CASES)
+def test_allreduce(sess, dtype, op, in_group):
+    dt = _dt(dtype)
+    seed = hash((dtype, op, in_group)) % 1000
+    shape = (2, 3)
+    src = sess.call_packed("mpi_test.make", shape, dtype, seed)
+    dst = sess.empty(shape, dt)
+    sess.allreduce(src, dst, op=op, in_group=in_group)
+    for w in range(sess.num_workers):
+        xs = [make(shape, dtype, seed, m) for m in _members(sess, w, in_group)]
+        want = _reduce(xs, op, dt)
+        got = dst.debug_get_from_remote(w)
+        assert got.dtype == dt
+        floating = dt.kind in "fc" or dtype == "bfloat16"
+        if floating and len(xs) > 2 and op in ("sum", "prod", "avg"):
+            tol = {2: 5e-2}.get(dt.itemsize, 1e-5)
+            np.testing.assert_allclose(
+                got.astype(np.complex128), want.astype(np.complex128), rtol=tol, atol=tol
+            )
+        else:
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("in_group", [True, False])
+def test_allgather_broadcast_scatter_gather(sess, in_group):
+    n = sess.num_workers
+    src = sess.call_packed("mpi_test.make", (3,), "float64", 5)
+    m = len(_members(sess, 0, in_group))
+    dst = sess.empty((m * 3,), "float64")
+    sess.allgather(src, dst, in_group=in_group)
+    for w in range(n):
+        want = np.concatenate([make((3,), "float64", 5, k) for k in _members(sess, w, in_group)])
+        np.testing.assert_array_equal(dst.debug_get_from_remote(w), want)
+
+    b = sess.empty((3,), "float64")
+    sess.broadcast_from_worker0(src, b, in_group=in_group)
+    for w in range(n):
+        root = _members(sess, w, in_group)[0]
+        np.testing.assert_array_equal(b.debug_get_from_remote(w), make((3,), "float64", 5, root))
+
+    big = sess.call_packed("mpi_test.make", (m, 2), "int32", 9)
+    piece = sess.empty((2,), "int32")
+    sess.scatter_from_worker0(big, piece, in_group=in_group)
+    for w in range(n):
+        members = _members(sess, w, in_group)
+        full = make((m, 2), "int32", 9, members[0])
+        np.testing.assert_array_equal(piece.debug_get_from_remote(w), full[members.index(w)])
+
+    gathered = sess.empty((m * 3,), "float64", worker0_only=True, in_group=in_group)
+    sess.gather_to_worker0(src, gathered, in_group=in_group)
+    roots = {_members(sess, w, in_group)[0] for w in range(n)}
+    for r in roots:
+        want = np.concatenate([make((3,), "float64", 5, k) for k in _members(sess, r, in_group)])
+        np.testing.assert_array_equal(gathered.debug_get_from_remote(r), want)
+
+
+def test_session_broadcast_and_scatter(sess):
+    n = sess.num_workers
+    host = np.arange(n * 4, dtype="float32").reshape(n, 4)
+    d = sess.broadcast(host)
+    s = sess.scatter(host)
+    for w in range(n):
+        np.testing.assert_array_equal(d.debug_get_from_remote(w), host)
+        np.testing.assert_array_equal(s.debug_get_from_remote(w), host[w])
+
+
+def test_large_allreduce(sess):
+    x = sess.broadcast(np.ones(3 << 20, dtype="float32"))  # 12 MiB
+    y = sess.empty((3 << 20,), "float32")
+    sess.allreduce(x, y, "sum", in_group=False)
+    got = y.debug_get_from_remote(sess.num_workers - 1)
+    assert got.shape == (3 << 20,) and np.all(got == sess.num_workers)
+
+
+def test_point_to_point(sess):
+    n = sess.num_workers
+    buf = sess.call_packed("mpi_test.make", (4,), "int64", 3)
+    out = sess.empty((4,), "int64")
+    sess.call_packed("mpi_test.p2p", buf, out)
+    for w in range(n):
+        np.testing.assert_array_equal(out.debug_get_from_remote(w), make((4,), "int64", 3, w ^ 1))
+
+
+def test_send_to_next_group():
+    with _session(4, 2) as sess:
+        buf = sess.call_packed("mpi_test.make", (5,), "float32", 4)
+        out = sess.empty((5,), "float32")
+        sess.call_packed("mpi_test.pipeline", buf, out)
+        for w in (2, 3):
+            np.testing.assert_array_equal(
+                out.debug_get_from_remote(w), make((5,), "float32", 4, w - 2)
+            )
+
+
+def test_ordered_bit_identical():
+    with _session(4, ordered=True) as sess:
+        src = sess.call_packed("mpi_test.make", (1000,), "float32", 11)
+        dst = sess.empty((1000,), "float32")
+        sess.allreduce(src, dst, "sum", in_group=False)
+        xs = [make((1000,), "float32", 11, w) for w in range(4)]
+        want = functools.reduce(lambda a, b: a + b, xs)
+        for w in range(4):
+            assert dst.debug_get_from_remote(w).tobytes() == want.tobytes()
+
+
+def test_two_workers_bit_identical():
+    with _session(2) as sess:
+        _two_workers_bit_identical(sess)
+
+
+def _two_workers_bit_identical(sess):
+    src = sess.call_packed("mpi_test.make", (1000,), "float32", 12)
+    dst = sess.empty((1000,), "float32")
+    sess.allreduce(src, dst, "sum")
+    want = make((1000,), "float32", 12, 0) + make((1000,), "float32", 12, 1)
+    assert dst.debug_get_from_remote(1).tobytes() == want.tobytes()
+
+
+def test_mismatch_fails_everywhere_and_session_survives(sess):
+    n = sess.num_workers
+    src = sess.call_packed("mpi_test.shape_by_worker", "float32")
+    dst = sess.call_packed("mpi_test.shape_by_worker", "float32")
+    sess.allreduce(src, dst, "sum", in_group=False)
+    with pytest.raises(WorkerError) as info:
+        sess.sync_worker_0()
+    err = info.value
+    ids = {err.worker_id, *(e.worker_id for e in err.others)}
+    assert ids == set(range(n))
+    assert "differ" in str(err) and err.exc_type == "CCLError"
+    # still usable
+    x = sess.broadcast(np.ones(3, "float32"))
+    y = sess.empty((3,), "float32")
+    sess.allreduce(x, y, "max")
+    np.testing.assert_array_equal(y.debug_get_from_remote(n - 1), np.ones(3))
+
+
+def test_missing_register_and_bad_recv(sess):
+    y = sess.empty((3,), "float32")
+    sess.allgather(sess.empty((3,), "float32"), y)  # dst too small for n x src
+    with pytest.raises(WorkerError, match="must hold"):
+        sess.sync_worker_0()
+    r = sess.call_packed("mpi_test.bad_recv")
+    with pytest.raises(WorkerError, match="receive buffer"):
+        r.debug_get_from_remote(1)
+    sess.call_packed("disco.barrier", False)
+    sess.sync_worker_0()
+
+
+def test_threaded_session_refused():
+    with disco.ThreadedSession(2) as sess:
+        with pytest.raises(CCLError, match="one process per worker"):
+            sess.init_ccl("mpi")
+
+
+def test_unknown_option():
+    with disco.ProcessSession(2) as sess:
+        with pytest.raises(TypeError, match="unknown options"):
+            sess.init_ccl("mpi", bogus=1)
+
+
+@pytest.mark.timeout(60)
+def test_worker_dies_during_collective():
+    sess = _session(4)
+    try:
+        x = sess.broadcast(np.ones(1 << 16, "float32"))
+        y = sess.empty((1 << 16,), "float32")
+        sess.call_packed("mpi_test.die_on", 2, 0.3)
+        t0 = time.monotonic()
+        sess.allreduce(x, y, "sum")
+        with pytest.raises(WorkerDiedError) as info:
+            sess.sync_worker_0()
+            y.debug_get_from_remote(0)
+        assert 2 in info.value.worker_ids
+        assert time.monotonic() - t0 < 15
+    finally:
+        t1 = time.monotonic()
+        sess.shutdown()
+        assert time.monotonic() - t1 < 15

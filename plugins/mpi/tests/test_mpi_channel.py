@@ -1,0 +1,70 @@
+"""The ``mpi`` channel under ``mpiexec -n 3``, and the ``disco-mpi`` command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import disco_mpi
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "channel_script.py")
+
+
+def _run(argv, **env):
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, **env},
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_channel_under_mpiexec():
+    exe = disco_mpi.launcher()
+    assert exe, "mpiexec comes with the mpich wheel"
+    r = _run([exe, "-n", "3", sys.executable, SCRIPT])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("MPI CHANNEL OK 3") == 1  # rank 0 only goes past the session
+
+
+@pytest.mark.timeout(120)
+def test_disco_mpi_run_with_groups():
+    r = _run([sys.executable, "-m", "disco_mpi", "run", "-n", "4", SCRIPT], GROUPS="2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "MPI CHANNEL OK 4" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_disco_mpi_run_dry_run_and_info():
+    r = _run([sys.executable, "-m", "disco_mpi", "run", "-n", "2", "--dry-run", "x.py", "a"])
+    assert r.returncode == 0
+    assert " -n 2 " in r.stdout and r.stdout.strip().endswith("x.py a")
+    r = _run([sys.executable, "-m", "disco_mpi", "info"])
+    assert r.returncode == 0 and "MPICH" in r.stdout + r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_channel_size_mismatch():
+    code = (
+        "import disco_core as disco\n"
+        "try:\n"
+        "    disco.Session.create('mpi', num_workers=3)\n"
+        "except disco.DiscoError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    r = _run([disco_mpi.launcher(), "-n", "1", sys.executable, "-c", code])
+    assert "REFUSED" in r.stdout and "mpiexec -n 3" in r.stdout, r.stdout + r.stderr
+
+
+def test_plugin_registered():
+    from disco_core import plugins
+
+    assert plugins.lookup("ccl", "mpi") is disco_mpi.MPICCL
+    assert plugins.lookup("channel", "mpi") is disco_mpi.MPIChannel
