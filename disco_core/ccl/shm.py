@@ -35,7 +35,7 @@ from ..errors import CCLError, CCLTimeoutError
 from . import _futex, validate
 from .base import CCL, Rendezvous
 
-__all__ = ["ShmCCL", "ShmRendezvous", "Layout"]
+__all__ = ["ShmCCL", "ShmRendezvous", "Layout", "abort_segment"]
 
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add}
 _LINE = 64
@@ -79,6 +79,29 @@ class Layout:
         return self.mbox_base + (sender * self.num_workers + receiver) * self.mbox_stride
 
 
+def abort_segment(segment: mmap.mmap, layout: Layout, reason: str, timed_out: bool = False) -> None:
+    """Mark the segment aborted (every member's next wait or collective fails) and wake all.
+
+    ``timed_out`` makes the members fail with :class:`CCLTimeoutError` rather than
+    :class:`CCLError`.
+    """
+    words = memoryview(segment).cast("i")
+    try:
+        if words[0]:
+            return  # the first reason stays
+        text = reason.encode()[: _HEADER - _ABORT_TEXT - 1]
+        segment[_ABORT_TEXT : _ABORT_TEXT + len(text) + 1] = text + b"\0"
+        words[0] = 2 if timed_out else 1
+        bells = [ctl for ctl, _, _ in layout.comm_offsets]
+        n = layout.num_workers
+        bells += [layout.mailbox(s, r) for s in range(n) for r in range(n)]
+        for bell in bells:
+            words[bell // 4] = words[bell // 4] + 1
+            _futex.wake(_futex.address_of(segment, bell))
+    finally:
+        words.release()
+
+
 class ShmRendezvous(Rendezvous):
     """The controller's half: creates the segment, aborts waits, frees it at shutdown."""
 
@@ -90,22 +113,8 @@ class ShmRendezvous(Rendezvous):
         super().__init__({"pid": os.getpid(), "fd": self.fd, "layout": layout, **options})
 
     def abort(self, reason: str) -> None:
-        if self.map.closed:
-            return
-        text = reason.encode()[: _HEADER - _ABORT_TEXT - 1]
-        self.map[_ABORT_TEXT : _ABORT_TEXT + len(text) + 1] = text + b"\0"
-        words = memoryview(self.map).cast("i")
-        words[0] = 1
-        for ctl, _, _ in self.layout.comm_offsets:
-            words[ctl // 4] = words[ctl // 4] + 1
-            _futex.wake(_futex.address_of(self.map, ctl))
-        n = self.layout.num_workers
-        for s in range(n):
-            for r in range(n):
-                bell = self.layout.mailbox(s, r)
-                words[bell // 4] = words[bell // 4] + 1
-                _futex.wake(_futex.address_of(self.map, bell))
-        words.release()
+        if not self.map.closed:
+            abort_segment(self.map, self.layout, reason)
 
     def close(self) -> None:
         try:
@@ -230,7 +239,8 @@ class ShmCCL(CCL):
                 bytes(self.map[_ABORT_TEXT:_HEADER]).split(b"\0", 1)[0].decode(errors="replace")
             )
             self.broken = reason or "aborted"
-            raise CCLError(f"{what} aborted: {self.broken}")
+            error = CCLTimeoutError if self.i[0] == 2 else CCLError
+            raise error(f"{what} aborted: {self.broken}")
 
     def _wait(self, ready, bell: int, addr: int, what: str, waiting_for) -> None:
         """Wait until ``ready()``; sleep on the futex at ``addr`` between checks."""
@@ -252,10 +262,15 @@ class ShmCCL(CCL):
             self._check_abort(what)
             now = time.monotonic()
             if now > deadline:
-                self.broken = f"{what} timed out"
+                # Our arrival is already counted, so the peers could never tell this
+                # collective from the next one: the CCL is done for, for everyone.
+                late = waiting_for()
+                self.broken = f"{what} on worker {self._me} timed out waiting for worker(s) {late}"
+                abort_segment(self.map, self.layout, self.broken, timed_out=True)
                 raise CCLTimeoutError(
-                    f"{what}: waited {self.timeout:.0f} s for worker(s) {waiting_for()} "
-                    "(raise it with init_ccl('shm', timeout=...) or DISCO_CCL_TIMEOUT)"
+                    f"{what}: waited {self.timeout:.0f} s for worker(s) {late} "
+                    "(raise it with init_ccl('shm', timeout=...) or DISCO_CCL_TIMEOUT); "
+                    "the shm CCL of this session is unusable now"
                 )
             _futex.wait(addr, seen, min(0.05, deadline - now))
 
@@ -309,6 +324,8 @@ class ShmCCL(CCL):
             self._checked.add(mine)
 
     def _comm(self, in_group: bool) -> _Comm:
+        if self.i[0] and not self.broken:
+            self._check_abort("collective")
         if self.broken:
             raise CCLError(
                 f"the shm CCL is unusable after an earlier failure ({self.broken}); start a new session"
@@ -572,16 +589,7 @@ class ShmCCL(CCL):
 
         take()
         theirs = validate.unpack(self.map[head : head + validate.DESC_BYTES])
-        error = ""
-        if theirs.status:
-            error = f"worker {peer} failed to send: {theirs.error}"
-        elif mine.status:
-            error = mine.error
-        elif theirs.src[0] != mine.dst[0] or theirs.src[2] != mine.dst[2]:
-            error = (
-                f"worker {peer} sent {theirs.src[0]}{list(theirs.src[1])} but the receive buffer is "
-                f"{mine.dst[0]}{list(mine.dst[1])}"
-            )
+        error = validate.check_p2p(peer, theirs, mine)
         total = 0 if theirs.status else theirs.src[2]
         cap = self.layout.mbox_bytes
         off, first = 0, True

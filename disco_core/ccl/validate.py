@@ -20,7 +20,17 @@ import numpy as np
 from ..errors import CCLError
 from ..worker import MissingValue
 
-__all__ = ["Desc", "describe", "pack", "unpack", "check", "flat_bytes", "DESC_BYTES", "MAX_NDIM"]
+__all__ = [
+    "Desc",
+    "describe",
+    "pack",
+    "unpack",
+    "check",
+    "check_p2p",
+    "flat_bytes",
+    "DESC_BYTES",
+    "MAX_NDIM",
+]
 
 MAX_NDIM = 8
 _FMT = struct.Struct("<ii q 32s q i 16s 8q q i 16s 8q q 120s")
@@ -212,6 +222,25 @@ def check(op: str, descs: Sequence[Desc], members: Sequence[int]) -> None:
         )
         return
     raise CCLError(f"unknown collective {op!r}")
+
+
+def check_p2p(peer: int, theirs: Desc, mine: Desc) -> str:
+    """Why a point-to-point message cannot be received (or ``""``).
+
+    ``theirs`` is the descriptor the sender put in front of the message (its ``src``),
+    ``mine`` the receiver's (its ``dst``). A receiver that gets a non-empty answer
+    still takes the message off the wire before it raises, so the sender is freed.
+    """
+    if theirs.status:
+        return f"worker {peer} failed to send: {theirs.error}"
+    if mine.status:
+        return mine.error
+    if theirs.src[0] != mine.dst[0] or theirs.src[2] != mine.dst[2]:
+        return (
+            f"worker {peer} sent {theirs.src[0]}{list(theirs.src[1])} but the receive buffer is "
+            f"{mine.dst[0]}{list(mine.dst[1])}"
+        )
+    return ""
 
 
 def _dtype(name: str) -> np.dtype:

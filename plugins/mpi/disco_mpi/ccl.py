@@ -490,16 +490,7 @@ class MPICCL(CCL):
         head = np.zeros(validate.DESC_BYTES, np.uint8)
         self._wait(self.p2p.Irecv([head, MPI.BYTE], peer, _DESC_TAG), "recv_from_worker")
         theirs = validate.unpack(head.tobytes())
-        error = ""
-        if theirs.status:
-            error = f"worker {peer} failed to send: {theirs.error}"
-        elif mine.status:
-            error = mine.error
-        elif theirs.src[0] != mine.dst[0] or theirs.src[2] != mine.dst[2]:
-            error = (
-                f"worker {peer} sent {theirs.src[0]}{list(theirs.src[1])} but the receive buffer "
-                f"is {mine.dst[0]}{list(mine.dst[1])}"
-            )
+        error = validate.check_p2p(peer, theirs, mine)
         nbytes = 0 if theirs.status else theirs.src[2]
         if nbytes:
             target = np.empty(nbytes, np.uint8) if error else buf

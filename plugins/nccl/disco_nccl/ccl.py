@@ -291,14 +291,13 @@ class NCCLCCL(CCL):
         head = self.cupy.empty(validate.DESC_BYTES, np.uint8)
         comm.recv(head.data.ptr, validate.DESC_BYTES, _DTYPES["uint8"], peer, self._stream)
         theirs = validate.unpack(head.get().tobytes())
+        gpu_err = self._gpu_array(buf, "buf")
+        err = validate.check_p2p(peer, theirs, validate.describe("p2p", None, buf, error=gpu_err))
         if theirs.status:
-            raise CCLError(f"recv_from_worker: worker {peer} failed to send: {theirs.error}")
-        dtype, shape, nbytes = theirs.src
-        err = self._gpu_array(buf, "buf")
-        if not err and (buf.dtype.name != dtype or buf.nbytes != nbytes):
-            err = f"worker {peer} sent {dtype}{list(shape)} but the receive buffer is {buf.dtype.name}{list(buf.shape)}"
+            raise CCLError(f"recv_from_worker: {err}")  # nothing follows the header
         target = buf
         if err:  # still take the message off the wire, so the sender is not left hanging
+            nbytes = theirs.src[2]
             target = self.cupy.empty(nbytes, np.uint8)
             comm.recv(target.data.ptr, nbytes, _DTYPES["uint8"], peer, self._stream)
             raise CCLError(f"recv_from_worker: {err}")

@@ -11,13 +11,13 @@ import types
 
 import numpy as np
 import pytest
-from disco_nccl import backend, ccl
-from disco_nccl.ccl import NCCLCCL, check_device_ids, nccl_dtype, reduce_op
 
 import disco_core as disco
 from disco_core import plugins
 from disco_core.errors import CCLError
 from disco_core.worker import WorkerContext
+from disco_nccl import backend, ccl
+from disco_nccl.ccl import NCCLCCL, check_device_ids, nccl_dtype, reduce_op
 
 
 def _has_cupy() -> bool:
