@@ -1,0 +1,165 @@
+"""The ``disco-rpc`` command: ``server``, ``stdio``, ``upload``, ``download``, ``ls``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from . import wire
+
+
+def _tls_server(cert: str | None, keyfile: str | None):
+    if not cert:
+        return None
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, keyfile)
+    return ctx
+
+
+def _tls_client(cafile: str | None, insecure: bool):
+    if not cafile and not insecure:
+        return None
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=cafile)
+    if insecure:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class _Bar:
+    """A progress bar on stderr."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        width = 30
+        fill = int(frac * width)
+        rate = done / max(time.perf_counter() - self.t0, 1e-9) / 1e6
+        sys.stderr.write(
+            f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {frac:6.1%} "
+            f"{done / 1e6:.1f}/{total / 1e6:.1f} MB {rate:.0f} MB/s"
+        )
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="disco-rpc", description="Disco RPC server and tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("server", help="run an RPC server in the foreground")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=9091)
+    s.add_argument("--port-end", type=int, default=9199)
+    s.add_argument("--key", default="")
+    s.add_argument("--load-library", default=None, help="comma-separated .py/.so files")
+    s.add_argument("--no-fork", action="store_true")
+    s.add_argument("--timeout", type=float, default=None, help="longest session, seconds")
+    s.add_argument("--work-dir", default=None)
+    s.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES)
+    s.add_argument("--tls-cert", default=None)
+    s.add_argument("--tls-key", default=None)
+    s.add_argument("--allow-insecure-bind", action="store_true")
+    s.add_argument("--silent", action="store_true")
+    s.epilog = "The token is read from $DISCO_TOKEN."
+
+    st = sub.add_parser("stdio", help="serve one session on stdin/stdout (for PopenSession)")
+    st.add_argument("--load-library", default=None)
+
+    for name in ("upload", "download", "ls"):
+        c = sub.add_parser(name, help=f"{name} through a server's session")
+        c.add_argument("--host", default="127.0.0.1")
+        c.add_argument("--port", type=int, default=9091)
+        c.add_argument("--key", default="")
+        c.add_argument("--tls-ca", default=None)
+        c.add_argument("--tls-insecure", action="store_true")
+        if name == "upload":
+            c.add_argument("file")
+            c.add_argument("target", nargs="?")
+        elif name == "download":
+            c.add_argument("path")
+            c.add_argument("out")
+        else:
+            c.add_argument("path", nargs="?", default=".")
+
+    args = p.parse_args(argv)
+    if args.cmd == "server":
+        return _server(args)
+    if args.cmd == "stdio":
+        from .server import serve_stdio
+
+        serve_stdio(args.load_library)
+        return 0
+    from .client import connect
+
+    ctx = _tls_client(args.tls_ca, args.tls_insecure)
+    with connect(args.host, args.port, args.key, ssl_context=ctx) as sess:
+        if args.cmd == "upload":
+            sess.upload(args.file, args.target, progress=_Bar(f"upload {args.file}"))
+        elif args.cmd == "download":
+            sess.download(args.path, target=args.out, progress=_Bar(f"download {args.path}"))
+        else:
+            print("\n".join(sess.listdir(args.path)))
+    return 0
+
+
+def _server(args) -> int:
+    from . import auth
+    from .errors import RPCError
+    from .server import ServerConfig, bind_listener, is_loopback, load_libraries, serve_forever
+
+    logging.basicConfig(
+        level=logging.ERROR if args.silent else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    token = auth.resolve_token(None)
+    ctx = _tls_server(args.tls_cert, args.tls_key)
+    if (
+        not is_loopback(args.host)
+        and token is None
+        and ctx is None
+        and not args.allow_insecure_bind
+    ):
+        print(
+            f"disco-rpc: refusing to listen on {args.host} without a token ($DISCO_TOKEN) or "
+            "TLS (--tls-cert); pass --allow-insecure-bind on a trusted network",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        sock = bind_listener(args.host, args.port, args.port_end)
+    except RPCError as exc:
+        print(f"disco-rpc: {exc}", file=sys.stderr)
+        return 1
+    cfg = ServerConfig(
+        key=args.key,
+        token=token,
+        ssl_context=ctx,
+        work_root=os.path.abspath(args.work_dir) if args.work_dir else "",
+        max_message_bytes=args.max_message_bytes,
+        timeout=args.timeout,
+        no_fork=args.no_fork,
+        libs=load_libraries(args.load_library),
+    )
+    host, port = sock.getsockname()[:2]
+    print(f"disco-rpc server listening on {host}:{port}", flush=True)
+    try:
+        serve_forever(sock, cfg)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

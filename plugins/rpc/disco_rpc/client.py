@@ -1,0 +1,687 @@
+"""The client side: sessions, remote functions, modules, devices and tensors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from disco_core.device import Device, as_dtype, as_shape, to_host
+
+from . import auth, handler, wire
+from .errors import FrameTooLarge, ProtocolError, RPCError, RPCSessionTimeoutError
+from .handler import (
+    OP_CALL,
+    OP_DEV_EXIST,
+    OP_DEV_SYNC,
+    OP_DOWNLOAD,
+    OP_EMPTY,
+    OP_GET_FUNC,
+    OP_INIT,
+    OP_LINK,
+    OP_LISTDIR,
+    OP_LOAD_MODULE,
+    OP_MOD_FUNC,
+    OP_NAMES,
+    OP_PING,
+    OP_REMOVE,
+    OP_SYSTEM_LIB,
+    OP_TENSOR,
+    OP_TENSOR_GET,
+    OP_TENSOR_SET,
+    OP_UPLOAD,
+    SessionHandler,
+)
+from .wire import ERROR, REPLY, REQUEST, FileSource, HandleRef, Pending
+
+__all__ = [
+    "RPCSession",
+    "LocalSession",
+    "PopenSession",
+    "RemoteFunction",
+    "RemoteModule",
+    "RemoteTensor",
+    "RemoteDevice",
+    "RemoteObject",
+    "connect",
+    "tensor",
+    "empty",
+]
+
+logger = logging.getLogger("disco_rpc.client")
+Progress = Callable[[int, int], Any]
+_PLAIN = (int, float, str, bool, bytes, type(None), complex)
+
+
+# --------------------------------------------------------------------------- remote objects
+class RemoteObject:
+    """An object that lives on the server; freed there when the last local reference goes."""
+
+    __slots__ = ("_rpc_sess", "_rpc_ref", "__weakref__")
+
+    def __init__(self, sess: RPCSession, ref: HandleRef) -> None:
+        self._rpc_sess = sess
+        self._rpc_ref = HandleRef(ref.kind, ref.hid)
+
+    def __del__(self) -> None:
+        sess = getattr(self, "_rpc_sess", None)
+        if sess is not None:
+            sess._frees.append(self._rpc_ref.hid)
+
+    def __repr__(self) -> str:
+        return f"<remote object #{self._rpc_ref.hid}>"
+
+
+class RemoteFunction(RemoteObject):
+    """A function on the server; calling it runs it there and returns its result."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, sess: RPCSession, ref: HandleRef, name: str = "") -> None:
+        super().__init__(sess, ref)
+        self.name = name or str(ref.info or "")
+
+    def __call__(self, *args: Any) -> Any:
+        return self._rpc_sess._request(OP_CALL, self, args)
+
+    def __repr__(self) -> str:
+        return f"<RemoteFunction {self.name}>"
+
+
+class RemoteModule(RemoteObject):
+    """A module loaded on the server; ``module["fn"]`` is a :class:`RemoteFunction`."""
+
+    __slots__ = ("type_key",)
+
+    def __init__(self, sess: RPCSession, ref: HandleRef) -> None:
+        super().__init__(sess, ref)
+        self.type_key = str(ref.info or "")
+
+    def get_function(self, name: str, restype: str | None = None) -> RemoteFunction:
+        """Look up a function; ``restype`` sets a C function's result type (shared libraries)."""
+        fn = self._rpc_sess._request(OP_MOD_FUNC, self, name, restype)
+        if isinstance(fn, RemoteFunction):
+            fn.name = name
+        return fn
+
+    def __getitem__(self, name: str) -> RemoteFunction:
+        return self.get_function(name)
+
+    def time_evaluator(self, func_name: str, dev: Any, number: int = 10, repeat: int = 1, min_repeat_ms: int = 0, **kwargs: Any):  # fmt: skip
+        raise NotImplementedError("time_evaluator arrives with the tracker/timing work (issue 8)")
+
+    def __repr__(self) -> str:
+        return f"<RemoteModule {self.type_key} #{self._rpc_ref.hid}>"
+
+
+class RemoteDevice(Device):
+    """A device of the server (``sess.cpu(0)``); arrays made on it live there."""
+
+    __slots__ = ("_rpc_sess",)
+
+    def __init__(self, sess: RPCSession, device_type: Any, device_id: int | None = None) -> None:
+        super().__init__(device_type, device_id)
+        self._rpc_sess = sess
+
+    def sync(self) -> None:
+        """Wait until the remote device has finished its queued work."""
+        self._rpc_sess._request(OP_DEV_SYNC, Device(self.device_type, self.device_id))
+
+    @property
+    def exist(self) -> bool:
+        """Whether the server has this device."""
+        return bool(self._rpc_sess._request(OP_DEV_EXIST, Device(self.device_type, self.device_id)))
+
+    def __repr__(self) -> str:
+        return f"remote[{self._rpc_sess._label}]:{self.device_type}:{self.device_id}"
+
+
+class RemoteTensor(RemoteObject):
+    """An array that lives on a remote device; pass it to remote functions by reference."""
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, sess: RPCSession, ref: HandleRef) -> None:
+        super().__init__(sess, ref)
+        shape, dtype, dev = ref.info
+        self.shape = tuple(shape)
+        self.dtype = str(dtype)
+        self.device = RemoteDevice(sess, dev.device_type, dev.device_id)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def numpy(self) -> np.ndarray:
+        """Copy the contents back into a new NumPy array."""
+        return self._rpc_sess._request(OP_TENSOR_GET, self)
+
+    asnumpy = numpy
+
+    def copyfrom(self, source: Any) -> RemoteTensor:
+        """Overwrite the contents with ``source`` (an array of the same size and dtype)."""
+        arr = np.asarray(to_host(source))
+        if arr.dtype != as_dtype(self.dtype):
+            arr = arr.astype(self.dtype)
+        self._rpc_sess._request(OP_TENSOR_SET, self, arr)
+        return self
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"<RemoteTensor shape={self.shape} dtype={self.dtype} device={self.device!r}>"
+
+
+# --------------------------------------------------------------------------- sessions
+class RPCSession:
+    """A session with an RPC server; made by :func:`connect`, :class:`LocalSession`, ...
+
+    Every member follows ``tvm.rpc.RPCSession``. A session is a context manager;
+    :meth:`close` ends it (the server then deletes its work folder).
+    """
+
+    _label = "rpc"
+
+    def __init__(self, conn: wire.Conn | None, session_timeout: float = 0, label: str = "rpc", enable_logging: bool = False) -> None:  # fmt: skip
+        self._conn = conn
+        self._lock = threading.RLock()
+        self._frees: list[int] = []
+        self._closed = False
+        self._label = label
+        self._timeout = float(session_timeout or 0)
+        self._start = time.monotonic()
+        self._logging = enable_logging
+        self._funcs: dict[str, RemoteFunction] = {}
+        self.info: dict = {}
+
+    # -- plumbing ---------------------------------------------------------------
+    def _wrap(self, ref: HandleRef) -> Any:
+        kind = ref.kind
+        if kind == HandleRef.TENSOR:
+            return RemoteTensor(self, ref)
+        if kind == HandleRef.FUNC:
+            return RemoteFunction(self, ref)
+        if kind == HandleRef.MODULE:
+            return RemoteModule(self, ref)
+        return RemoteObject(self, ref)
+
+    def _request(self, op: int, *args: Any, progress: Progress | None = None, sink: Any = None) -> Any:  # fmt: skip
+        if self._closed:
+            raise RPCError(f"the RPC session {self._label} is closed")
+        with self._lock:
+            if self._timeout:
+                left = self._timeout - (time.monotonic() - self._start)
+                if left <= 0:
+                    self._fail(op, TimeoutError("deadline passed"))
+                self._conn.t.settimeout(left + 0.5)
+            frees = self._frees
+            if frees:
+                self._frees = []
+            t0 = time.perf_counter() if self._logging else 0.0
+            conn = self._conn
+            try:
+                conn.send(REQUEST, op, (tuple(frees), args), progress=progress)
+                kind, _op, value = conn.recv(
+                    on_handle=self._wrap, defer=op in (OP_DOWNLOAD, OP_LINK)
+                )
+                if type(value) is Pending:
+                    value = conn.read_pending(value, sink=sink, progress=progress)
+                conn.finish()
+            except (FrameTooLarge, ProtocolError) as exc:
+                self._fail(op, exc)
+            except (EOFError, OSError) as exc:
+                self._fail(op, exc)
+            if self._logging:
+                logger.info(
+                    "%s %s: %.1f us", self._label, OP_NAMES.get(op, op),
+                    (time.perf_counter() - t0) * 1e6,
+                )  # fmt: skip
+        if kind == ERROR:
+            raise _remote_error(value)
+        if kind != REPLY:
+            self._fail(op, ProtocolError(f"unexpected frame kind {kind}"))
+        return value
+
+    def _fail(self, op: int, exc: BaseException):
+        elapsed = time.monotonic() - self._start
+        self._shutdown_transport()
+        what = OP_NAMES.get(op, str(op))
+        if self._timeout and elapsed >= self._timeout * 0.95:
+            raise RPCSessionTimeoutError(
+                f"RPC session timed out: it ran {elapsed:.2f} s, past its session_timeout of "
+                f"{self._timeout:g} s, and the server ended it (during {what}); "
+                "connect again with a larger session_timeout"
+            ) from None
+        raise RPCError(
+            f"lost the connection to the RPC server {self._label} during {what}: "
+            f"{type(exc).__name__}: {exc} (the server process died or dropped the session)"
+        ) from exc
+
+    def _shutdown_transport(self) -> None:
+        self._closed = True
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+
+    def _init(self, session_timeout: float, constructor_args: Any) -> None:
+        args = list(constructor_args) if constructor_args else []
+        self.info = self._request(OP_INIT, float(session_timeout or 0), args) or {}
+
+    def close(self) -> None:
+        """End the session; the server deletes its work folder. A second call does nothing."""
+        if not self._closed:
+            self._shutdown_transport()
+
+    def __enter__(self) -> RPCSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} {self._label} ({state})>"
+
+    # -- TVM's members ------------------------------------------------------------
+    def system_lib(self) -> RemoteModule:
+        """The server's system library: its global functions and loaded libraries."""
+        return self._request(handler.OP_SYSTEM_LIB)
+
+    def get_function(self, name: str) -> RemoteFunction:
+        """A global function of the server (``disco_core.register_func`` there)."""
+        fn = self._funcs.get(name)
+        if fn is None:
+            fn = self._request(OP_GET_FUNC, name)
+            fn.name = name
+            self._funcs[name] = fn
+        return fn
+
+    def device(self, dev_type: Any, dev_id: int = 0) -> RemoteDevice:
+        """A device of the server, e.g. ``sess.device("cuda", 0)`` or ``sess.device(2, 0)``."""
+        return RemoteDevice(self, dev_type, dev_id)
+
+    def upload(self, data: Any, target: str | None = None, *, progress: Progress | None = None) -> None:  # fmt: skip
+        """Copy a local file (a path) or ``bytes`` into the session's work folder.
+
+        Files are streamed in chunks; ``progress(done_bytes, total_bytes)`` is called
+        as they go.
+        """
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            if not target:
+                raise ValueError("upload(bytes) needs target= (the remote file name)")
+            self._request(OP_UPLOAD, target, data, progress=progress)
+            return
+        path = os.fspath(data)
+        if not target:
+            target = os.path.basename(path)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self._request(OP_UPLOAD, target, FileSource(f, size), progress=progress)
+
+    def download(self, path: str, *, target: str | None = None, progress: Progress | None = None) -> Any:  # fmt: skip
+        """Return the contents of a remote file, or stream them into the local file ``target``.
+
+        The contents come back as a ``memoryview`` of bytes (``bytes(data)`` copies them);
+        ``progress(done_bytes, total_bytes)`` is called as they arrive.
+        """
+        if target is None:
+            return self._request(OP_DOWNLOAD, path, progress=progress)
+        with open(target, "wb") as f:
+            self._request(OP_DOWNLOAD, path, progress=progress, sink=f)
+        return target
+
+    def remove(self, path: str) -> None:
+        """Remove a remote file or folder (inside the work folder)."""
+        self._request(OP_REMOVE, path)
+
+    def listdir(self, path: str = ".") -> list[str]:
+        """The names in a remote folder of the work folder, sorted."""
+        return self._request(OP_LISTDIR, path)
+
+    def load_module(self, path: str, device: Any = None) -> RemoteModule:
+        """Load an uploaded module: ``.py`` through the core's loaders, ``.so`` through ctypes,
+        ``.tar`` of object files linked first."""
+        dev = Device(device.device_type, device.device_id) if device is not None else None
+        return self._request(OP_LOAD_MODULE, path, dev)
+
+    def download_linked_module(self, path: str) -> memoryview:
+        """Link an uploaded ``.tar`` of object files with the server's ``cc``; return the ``.so``."""
+        return self._request(OP_LINK, path)
+
+    def ping(self) -> None:
+        """One empty round trip."""
+        self._request(OP_PING)
+
+    def cpu(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("cpu", dev_id)
+
+    def cuda(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("cuda", dev_id)
+
+    def cl(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("opencl", dev_id)
+
+    def vulkan(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("vulkan", dev_id)
+
+    def metal(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("metal", dev_id)
+
+    def rocm(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("rocm", dev_id)
+
+    def ext_dev(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("ext_dev", dev_id)
+
+    def hexagon(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("hexagon", dev_id)
+
+    def webgpu(self, dev_id: int = 0) -> RemoteDevice:
+        return self.device("webgpu", dev_id)
+
+
+def _remote_error(value: Any) -> RPCError:
+    try:
+        exc_type, message, tb = value
+    except (TypeError, ValueError):
+        return RPCError(f"malformed error reply from the server: {value!r}")
+    if exc_type in ("TimeoutError", "disco_rpc.errors.RPCSessionTimeoutError"):
+        return RPCSessionTimeoutError(str(message), str(exc_type), str(tb))
+    return RPCError(str(message), str(exc_type), str(tb))
+
+
+class LocalSession(RPCSession):
+    """The RPC interface over this very process: no server, same behaviour.
+
+    Values cross as they would over a wire (arrays are copied), so code written
+    against a remote session runs unchanged.
+    """
+
+    def __init__(self, work_dir: str | None = None) -> None:
+        super().__init__(None, label="local")
+        self._handler = SessionHandler(work_dir)
+        self.info = {"pid": os.getpid(), "local": True, "work_dir": self._handler.work}
+
+    def _to_server(self, v: Any) -> Any:
+        t = type(v)
+        if t in _PLAIN:
+            return v
+        ref = getattr(v, "_rpc_ref", None)
+        if ref is not None:
+            if v._rpc_sess is not self:
+                raise ValueError("a remote object of another session was passed to this one")
+            return self._handler.resolve(ref)
+        if t is tuple or t is list:
+            return t(self._to_server(x) for x in v)
+        if t is dict:
+            return {self._to_server(k): self._to_server(x) for k, x in v.items()}
+        if isinstance(v, np.ndarray):
+            return v.copy()
+        if isinstance(v, Device):
+            return Device(v.device_type, v.device_id)
+        if isinstance(v, (bytearray, memoryview)):
+            return bytearray(v)
+        if isinstance(v, FileSource):
+            return v
+        wire.encode(v)  # the same TypeError a wire would give
+        return v
+
+    def _to_client(self, v: Any) -> Any:
+        t = type(v)
+        if t in _PLAIN:
+            return v
+        if t is tuple or t is list:
+            return t(self._to_client(x) for x in v)
+        if t is dict:
+            return {k: self._to_client(x) for k, x in v.items()}
+        if isinstance(v, FileSource):
+            with v.file:
+                return memoryview(v.file.read())
+        ref = self._handler.export(v)
+        return self._wrap(ref) if ref is not None else v
+
+    def _request(self, op: int, *args: Any, progress: Progress | None = None, sink: Any = None) -> Any:  # fmt: skip
+        if self._closed:
+            raise RPCError("the local RPC session is closed")
+        h = self._handler
+        with self._lock:
+            frees = self._frees
+            if frees:
+                self._frees = []
+                h.free(frees)
+            sargs = self._to_server(args)
+            try:
+                if op == OP_CALL:
+                    result = sargs[0](*sargs[1])
+                elif op == OP_UPLOAD:
+                    result = h.op_upload(*sargs, progress=progress)
+                elif op in (OP_DOWNLOAD, OP_LINK):
+                    src = h.op_download(*sargs) if op == OP_DOWNLOAD else h.op_link(*sargs)
+                    with src.file:
+                        if sink is not None:
+                            import shutil
+
+                            shutil.copyfileobj(src.file, sink)
+                            return None
+                        data = memoryview(src.file.read())
+                    if progress is not None:
+                        progress(len(data), len(data))
+                    return data
+                elif op == OP_TENSOR_GET:
+                    return np.array(h.op_tensor_get(*sargs), copy=True)
+                elif op == OP_INIT:
+                    return {}
+                else:
+                    result = h.ops[op](*sargs)
+                return self._to_client(result)
+            except Exception as exc:
+                raise _remote_error(handler.error_value(exc)) from None
+
+    def _shutdown_transport(self) -> None:
+        self._closed = True
+        self._handler.close()
+
+
+class PopenSession(RPCSession):
+    """A server started as a child process and spoken to over its stdin/stdout pipes.
+
+    Parameters
+    ----------
+    binary : str, bytes or list of str
+        A path to an executable or to a Python file (run with this interpreter), the
+        bytes of an executable, or a full argument list. The program must serve the
+        protocol on its standard input and output, e.g. by calling
+        :func:`disco_rpc.serve_stdio` (``python -m disco_rpc stdio`` does).
+    """
+
+    def __init__(self, binary: Any, *, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, startup_timeout: float = 60.0) -> None:  # fmt: skip
+        self._tmpdir = None
+        if isinstance(binary, (list, tuple)):
+            argv = [os.fspath(a) for a in binary]
+        elif isinstance(binary, (bytes, bytearray)):
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="disco-rpc-popen-")
+            path = os.path.join(self._tmpdir.name, "server.bin")
+            with open(path, "wb") as f:
+                f.write(binary)
+            os.chmod(path, stat.S_IRUSR | stat.S_IXUSR)
+            argv = [path]
+        else:
+            path = os.path.abspath(os.fspath(binary))
+            if not os.path.isfile(path):
+                raise RPCError(f"{path} does not exist")
+            if path.endswith(".py"):
+                argv = [sys.executable, path]
+            elif not os.access(path, os.X_OK):
+                raise RPCError(f"{path} is not executable")
+            else:
+                argv = [path]
+        self._proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+        )
+        transport = wire.PipeTransport(self._proc.stdout.fileno(), self._proc.stdin.fileno())
+        self._fds = (transport.rfd, transport.wfd)
+        wire.CLOSE_IN_CHILD.update(self._fds)
+        conn = wire.Conn(transport, max_message_bytes)
+        super().__init__(conn, label=f"popen:{os.path.basename(argv[0])}")
+        try:
+            transport.settimeout(startup_timeout)
+            auth.client_handshake(conn, "", None)
+            self._init(0, None)
+            transport.settimeout(None)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, RPCError):
+                raise
+            raise RPCError(f"the server {argv!r} did not start: {exc}") from exc
+
+    def _fail(self, op: int, exc: BaseException):
+        code = self._proc.poll()
+        if code is not None and not self._closed:
+            self._shutdown_transport()
+            raise RPCError(
+                f"the RPC server process {self._label} exited with code {code} during "
+                f"{OP_NAMES.get(op, op)}"
+            ) from exc
+        return super()._fail(op, exc)
+
+    def _shutdown_transport(self) -> None:
+        self._closed = True
+        proc = getattr(self, "_proc", None)
+        if proc is None:
+            return
+        wire.CLOSE_IN_CHILD.difference_update(self._fds)
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+
+
+def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0) -> wire.Conn:  # fmt: skip
+    """Connect and authenticate; return the framed connection (no session yet)."""
+    try:
+        sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
+    except OSError as exc:
+        raise RPCError(f"cannot connect to the RPC server at {url}:{port}: {exc}") from exc
+    try:
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(
+                sock, server_hostname=url if ssl_context.check_hostname else None
+            )
+            transport: Any = wire.SSLTransport(sock)
+        else:
+            transport = wire.SocketTransport(sock)
+        conn = wire.Conn(transport, max_message_bytes)
+        auth.client_handshake(conn, key, auth.resolve_token(token))
+    except BaseException as exc:
+        sock.close()
+        if isinstance(exc, RPCError):
+            raise
+        if isinstance(exc, (OSError, EOFError)):
+            raise RPCError(f"handshake with {url}:{port} failed: {exc}") from exc
+        raise
+    sock.settimeout(None)
+    return conn
+
+
+def connect(url: str, port: int, key: str = "", session_timeout: float = 0, session_constructor_args: list | None = None, enable_logging: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0) -> RPCSession:  # fmt: skip
+    """Connect to an RPC server, as ``tvm.rpc.connect``.
+
+    Parameters
+    ----------
+    url, port : str, int
+        The server's address.
+    key : str
+        Must match the server's key (a server without a key accepts any).
+    session_timeout : float
+        Seconds after which the server ends the session (0: never); a call running
+        then raises :class:`RPCSessionTimeoutError`.
+    session_constructor_args : list, optional
+        ``["rpc.Connect", host, port, key]`` makes the server relay this session to
+        another server (chains nest); ``["rpc.LocalSession"]`` is the default.
+    enable_logging : bool
+        Log every request and its duration on the ``disco_rpc.client`` logger.
+    token : str or bytes, optional
+        The shared secret for the HMAC challenge-response (default ``$DISCO_TOKEN``).
+    ssl_context : ssl.SSLContext, optional
+        Speak TLS (a client context, e.g. ``ssl.create_default_context(cafile=...)``).
+    """
+    conn = open_conn(
+        url,
+        port,
+        key,
+        token=token,
+        ssl_context=ssl_context,
+        max_message_bytes=max_message_bytes,
+        connect_timeout=connect_timeout,
+    )
+    sess = RPCSession(conn, session_timeout, f"{url}:{port}", enable_logging)
+    try:
+        sess._init(session_timeout, session_constructor_args)
+    except BaseException:
+        sess.close()
+        raise
+    return sess
+
+
+# --------------------------------------------------------------------------- arrays
+def _remote_dev(device: Any) -> RemoteDevice:
+    if not isinstance(device, RemoteDevice):
+        raise TypeError(
+            f"device must be a remote device (sess.cpu(0), sess.cuda(0), ...), got {device!r}"
+        )
+    return device
+
+
+def tensor(arr: Any, device: RemoteDevice) -> RemoteTensor:
+    """Copy a host array to a remote device (like ``tvm.runtime.tensor``)."""
+    dev = _remote_dev(device)
+    host = np.asarray(to_host(arr))
+    as_dtype(host.dtype)
+    return dev._rpc_sess._request(OP_TENSOR, host, Device(dev.device_type, dev.device_id))
+
+
+def empty(shape: Any, dtype: Any = "float32", device: RemoteDevice = None) -> RemoteTensor:
+    """An uninitialised array on a remote device."""
+    dev = _remote_dev(device)
+    return dev._rpc_sess._request(
+        OP_EMPTY, as_shape(shape), as_dtype(dtype), Device(dev.device_type, dev.device_id)
+    )
+
+
+_ = (OP_PING, OP_LISTDIR, OP_REMOVE, OP_LOAD_MODULE, OP_SYSTEM_LIB, OP_INIT, OP_DEV_SYNC)

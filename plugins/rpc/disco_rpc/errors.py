@@ -1,0 +1,40 @@
+"""Exception types of disco-rpc."""
+
+from __future__ import annotations
+
+from disco_core.errors import DiscoError
+
+__all__ = ["RPCError", "RPCSessionTimeoutError", "RPCAuthError", "ProtocolError", "FrameTooLarge"]
+
+
+class RPCError(DiscoError):
+    """An RPC call failed: a remote exception, a lost connection, a refused session.
+
+    For a remote exception, ``exc_type`` is the remote exception's type name and
+    ``remote_traceback`` its formatted traceback; the message names both.
+    """
+
+    def __init__(self, message: str, exc_type: str = "", remote_traceback: str = "") -> None:
+        self.exc_type = exc_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        text = f"remote {exc_type}: {message}" if exc_type else message
+        if remote_traceback:
+            text += f"\n--- remote traceback ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+
+class RPCSessionTimeoutError(RPCError, TimeoutError):
+    """The session ran longer than its ``session_timeout`` and the server ended it."""
+
+
+class RPCAuthError(RPCError):
+    """The handshake failed: wrong or missing token, key mismatch, not an RPC server."""
+
+
+class ProtocolError(ValueError):
+    """A malformed frame (bad tag, truncated field, bad length)."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame declared a size beyond ``max_message_bytes``."""

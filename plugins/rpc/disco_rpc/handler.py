@@ -1,0 +1,440 @@
+"""The server side of one session: its objects, its work folder, its operations.
+
+A :class:`SessionHandler` is driven either by :func:`serve_conn` (frames over a
+socket or pipes) or directly, in process, by :class:`~disco_rpc.client.LocalSession`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import traceback
+from typing import Any
+
+import numpy as np
+
+from disco_core import registry
+from disco_core.device import Device, as_device, as_dtype, as_shape, to_host
+from disco_core.device import empty as dev_empty
+
+from . import wire
+from .errors import FrameTooLarge, ProtocolError
+from .wire import ERROR, REPLY, FileSource, HandleRef, Pending
+
+logger = logging.getLogger("disco_rpc")
+
+# operation codes
+(
+    OP_INIT,
+    OP_GET_FUNC,
+    OP_CALL,
+    OP_UPLOAD,
+    OP_DOWNLOAD,
+    OP_REMOVE,
+    OP_LISTDIR,
+    OP_LOAD_MODULE,
+    OP_MOD_FUNC,
+    OP_TENSOR,
+    OP_EMPTY,
+    OP_TENSOR_GET,
+    OP_TENSOR_SET,
+    OP_DEV_SYNC,
+    OP_DEV_EXIST,
+    OP_LINK,
+    OP_SYSTEM_LIB,
+    OP_PING,
+    OP_FREE,
+) = range(1, 20)
+
+OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}
+
+
+class SystemLib:
+    """The server's "system library": global functions, then symbols of loaded libraries."""
+
+    def __init__(self, libs: list) -> None:
+        self.libs = libs
+
+    def __getitem__(self, name: str) -> Any:
+        fn = registry.get_global_func(name, allow_missing=True)
+        if fn is not None:
+            return fn
+        from .ctypes_loader import CFunction
+
+        for lib in self.libs:
+            try:
+                return CFunction(getattr(lib, name), name)
+            except AttributeError:
+                continue
+        raise KeyError(registry.missing_message(name))
+
+
+def confine(root: str, path: Any) -> str:
+    """``path`` inside ``root``; absolute paths, ``..`` and escaping links are refused."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"a remote path must be a str, got {type(path).__name__}")
+    if "\0" in path:
+        raise PermissionError("a remote path must not contain NUL characters")
+    if os.path.isabs(path) or path.startswith("~"):
+        raise PermissionError(
+            f"remote path {path!r} is absolute: paths are relative to the session's work folder"
+        )
+    parts = path.replace("\\", "/").split("/")
+    if ".." in parts:
+        raise PermissionError(f"remote path {path!r} leaves the session's work folder ('..')")
+    full = os.path.join(root, path)
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(full)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise PermissionError(f"remote path {path!r} leaves the session's work folder")
+    return full
+
+
+class SessionHandler:
+    """One session's objects and work folder; every ``op_*`` method is one operation."""
+
+    def __init__(self, work_root: str | None = None, libs: list | None = None) -> None:
+        if work_root is not None:
+            os.makedirs(work_root, exist_ok=True)
+        self.work = tempfile.mkdtemp(prefix="disco-rpc-session-", dir=work_root)
+        self.objects: dict[int, Any] = {}
+        self.next_id = 1
+        self.libs = libs if libs is not None else []
+        self.closed = False
+        self.ops = {
+            OP_GET_FUNC: self.op_get_func,
+            OP_CALL: self.op_call,
+            OP_REMOVE: self.op_remove,
+            OP_LISTDIR: self.op_listdir,
+            OP_LOAD_MODULE: self.op_load_module,
+            OP_MOD_FUNC: self.op_mod_func,
+            OP_TENSOR: self.op_tensor,
+            OP_EMPTY: self.op_empty,
+            OP_TENSOR_GET: self.op_tensor_get,
+            OP_TENSOR_SET: self.op_tensor_set,
+            OP_DEV_SYNC: self.op_dev_sync,
+            OP_DEV_EXIST: self.op_dev_exist,
+            OP_LINK: self.op_link,
+            OP_SYSTEM_LIB: self.op_system_lib,
+            OP_PING: lambda: None,
+            OP_FREE: lambda *ids: None,
+        }
+
+    # -- objects ----------------------------------------------------------------
+    def export(self, obj: Any) -> HandleRef | None:
+        """Keep ``obj`` on the server; return the handle that names it."""
+        if type(obj) is Device or isinstance(obj, (np.dtype, np.generic)):
+            return None
+        mod = type(obj).__module__.split(".")[0]
+        if isinstance(obj, np.ndarray) or mod == "cupy":
+            kind = HandleRef.TENSOR
+            info = self._tensor_info(obj)
+        elif callable(obj) and not hasattr(obj, "__getitem__"):
+            kind, info = HandleRef.FUNC, getattr(obj, "__name__", type(obj).__name__)
+        elif hasattr(obj, "__getitem__") and not isinstance(obj, (dict, list, tuple)):
+            kind, info = HandleRef.MODULE, type(obj).__name__
+        elif isinstance(obj, (dict, list, tuple, str, bytes, bytearray, int, float, bool)):
+            return None
+        else:
+            kind, info = HandleRef.OBJECT, f"{type(obj).__module__}.{type(obj).__qualname__}"
+        hid = self.next_id
+        self.next_id += 1
+        self.objects[hid] = obj
+        return HandleRef(kind, hid, info)
+
+    @staticmethod
+    def _tensor_info(arr: Any) -> tuple:
+        dev = Device("cpu", 0)
+        if not isinstance(arr, np.ndarray):  # CuPy
+            dev = Device("cuda", int(arr.device.id))
+        return (tuple(int(d) for d in arr.shape), arr.dtype.name, dev)
+
+    def resolve(self, ref: HandleRef) -> Any:
+        try:
+            return self.objects[ref.hid]
+        except KeyError:
+            raise ProtocolError(
+                f"unknown remote object {ref.hid} (freed, or from another session)"
+            ) from None
+
+    def free(self, ids) -> None:
+        for hid in ids:
+            self.objects.pop(hid, None)
+
+    def get(self, hid: int, kind: str) -> Any:
+        try:
+            return self.objects[hid]
+        except KeyError:
+            raise ValueError(
+                f"unknown remote {kind} {hid} (freed, or from another session)"
+            ) from None
+
+    # -- operations ---------------------------------------------------------------
+    def op_get_func(self, name: str) -> Any:
+        fn = registry.get_global_func(name, allow_missing=True)
+        if fn is None:
+            raise ValueError(registry.missing_message(name))
+        return fn
+
+    def op_call(self, func: Any, args: tuple) -> Any:
+        if isinstance(func, int):
+            func = self.get(func, "function")
+        return func(*args)
+
+    def op_system_lib(self) -> Any:
+        return SystemLib(self.libs)
+
+    def path(self, path: Any) -> str:
+        return confine(self.work, path)
+
+    def op_upload(self, target: str, data: Any, conn=None, progress=None) -> None:
+        full = self.path(target)
+        if os.path.isdir(full):
+            raise IsADirectoryError(f"remote path {target!r} is a folder")
+        os.makedirs(os.path.dirname(full) or self.work, exist_ok=True)
+        tmp = full + ".part"
+        with open(tmp, "wb") as f:
+            if isinstance(data, Pending):
+                conn.read_pending(data, sink=f)
+            elif isinstance(data, FileSource):
+                done = 0
+                while chunk := data.file.read(wire.CHUNK):
+                    f.write(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, data.size)
+            else:
+                f.write(data)
+        os.replace(tmp, full)
+
+    def op_download(self, path: str) -> Any:
+        full = self.path(path)
+        if os.path.isdir(full):
+            raise IsADirectoryError(f"remote path {path!r} is a folder")
+        f = open(full, "rb")  # closed by the caller once sent
+        return FileSource(f, os.fstat(f.fileno()).st_size)
+
+    def op_remove(self, path: str) -> None:
+        full = self.path(path)
+        if os.path.realpath(full) == os.path.realpath(self.work):
+            raise PermissionError("cannot remove the session's work folder itself")
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        else:
+            os.remove(full)
+
+    def op_listdir(self, path: str = ".") -> list:
+        full = self.path(path or ".")
+        return sorted(n for n in os.listdir(full) if not n.endswith(".part"))
+
+    def op_load_module(self, path: str, device: Any = None) -> Any:
+        full = self.path(path)
+        if not os.path.exists(full):
+            raise FileNotFoundError(
+                f"no file {path!r} in the session's work folder; upload it first"
+            )
+        suffix = os.path.splitext(full)[1]
+        if suffix == ".tar":
+            full = self._link(full)
+            suffix = ".so"
+        from .ctypes_loader import load_so
+
+        try:
+            from disco_core.plugins import lookup
+
+            loader = lookup("loader", suffix)
+        except Exception:
+            if suffix in (".so", ".dylib", ".dll"):
+                loader = load_so
+            else:
+                raise
+        return loader(full, as_device(device))
+
+    def op_mod_func(self, module: Any, name: str, restype: Any = None) -> Any:
+        if restype is not None:
+            from .ctypes_loader import CtypesModule
+
+            if not isinstance(module, CtypesModule):
+                raise TypeError("restype= applies to functions of shared libraries only")
+            return module.get_function(name, restype)
+        try:
+            return module[name]
+        except (KeyError, TypeError):
+            fn = getattr(module, name, None)
+            if fn is None or not callable(fn):
+                raise
+            return fn
+
+    def op_tensor(self, arr: np.ndarray, device: Any = None) -> Any:
+        dev = as_device(device) or Device("cpu", 0)
+        if dev.device_type == "cpu":
+            return np.array(arr, copy=True) if not arr.flags.writeable else arr
+        out = dev_empty(arr.shape, arr.dtype, dev)
+        out.set(arr)
+        return out
+
+    def op_empty(self, shape: Any, dtype: Any, device: Any = None) -> Any:
+        return dev_empty(as_shape(shape), as_dtype(dtype), as_device(device))
+
+    def op_tensor_get(self, tensor: Any) -> np.ndarray:
+        return to_host(tensor)
+
+    def op_tensor_set(self, tensor: Any, arr: np.ndarray) -> None:
+        if tuple(arr.shape) != tuple(tensor.shape) or arr.dtype != tensor.dtype:
+            if arr.size != tensor.size or arr.dtype != tensor.dtype:
+                raise ValueError(
+                    f"copyfrom: source {arr.dtype}{list(arr.shape)} does not match the remote "
+                    f"tensor {tensor.dtype}{list(tensor.shape)}"
+                )
+            arr = arr.reshape(tensor.shape)
+        if isinstance(tensor, np.ndarray):
+            np.copyto(tensor, arr)
+        else:
+            tensor.set(arr)
+
+    def op_dev_sync(self, device: Any) -> None:
+        dev = as_device(device)
+        if dev is not None and dev.is_gpu:
+            import cupy
+
+            with cupy.cuda.Device(dev.device_id):
+                cupy.cuda.Device(dev.device_id).synchronize()
+
+    def op_dev_exist(self, device: Any) -> bool:
+        dev = as_device(device)
+        if dev is None or dev.device_type == "cpu":
+            return True
+        if dev.is_gpu:
+            try:
+                import cupy
+
+                return dev.device_id < cupy.cuda.runtime.getDeviceCount()
+            except Exception:
+                return False
+        return False
+
+    def op_link(self, path: str) -> Any:
+        so = self._link(self.path(path))
+        f = open(so, "rb")
+        return FileSource(f, os.fstat(f.fileno()).st_size)
+
+    def _link(self, tar_path: str) -> str:
+        out_dir = tempfile.mkdtemp(prefix="link-", dir=self.work)
+        with tarfile.open(tar_path) as tar:
+            members = []
+            for m in tar.getmembers():
+                if not m.isfile():
+                    continue
+                name = os.path.basename(m.name)
+                if not name or name.startswith("."):
+                    continue
+                m.name = name
+                members.append(m)
+            objs = [m.name for m in members if m.name.endswith((".o", ".obj", ".a"))]
+            if not objs:
+                raise ValueError(f"{os.path.basename(tar_path)} holds no object files (.o)")
+            for m in members:
+                src = tar.extractfile(m)
+                with open(os.path.join(out_dir, m.name), "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+        cc = os.environ.get("CC", "cc")
+        so = os.path.join(out_dir, os.path.splitext(os.path.basename(tar_path))[0] + ".so")
+        cmd = [cc, "-shared", "-fPIC", "-o", so, *(os.path.join(out_dir, o) for o in objs)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"linking with {cc} failed:\n{proc.stdout}{proc.stderr}")
+        return so
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.objects.clear()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- serving
+def error_value(exc: BaseException) -> tuple:
+    t = type(exc)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    tb = "".join(traceback.format_exception(t, exc, exc.__traceback__))
+    return (name, str(exc), tb)
+
+
+def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
+    """Answer requests on ``conn`` until the peer leaves. Errors go back as ERROR frames."""
+    resolve = handler.resolve
+    ops = handler.ops
+    while True:
+        try:
+            _kind, op, payload = conn.recv(on_handle=resolve, defer=op_defers)
+        except EOFError:
+            return
+        except FrameTooLarge as exc:
+            _try_send_error(conn, 0, exc)
+            return
+        except ProtocolError as exc:
+            if conn.pending:
+                return
+            _try_send_error(conn, 0, exc)
+            continue
+        except (OSError, TimeoutError):
+            return
+        src = None
+        try:
+            frees, args = payload
+            if frees:
+                handler.free(frees)
+            if op == OP_CALL:
+                result = args[0](*args[1])
+            elif op == OP_UPLOAD:
+                result = handler.op_upload(*args, conn=conn)
+            elif op == OP_DOWNLOAD:
+                result = src = handler.op_download(*args)
+            elif op == OP_LINK:
+                result = src = handler.op_link(*args)
+            else:
+                fn = ops.get(op)
+                if fn is None:
+                    raise ProtocolError(f"unknown operation {op}")
+                result = fn(*args)
+            if op == OP_TENSOR_GET:
+                meta, bufs = wire.encode(result)
+            else:
+                meta, bufs = wire.encode(result, handler.export)
+        except Exception as exc:
+            try:
+                conn.finish()
+            except (EOFError, OSError):
+                return
+            if src is not None:
+                src.file.close()
+            if not _try_send_error(conn, op, exc):
+                return
+            continue
+        try:
+            conn.finish()
+            conn.send_encoded(REPLY, op, meta, bufs)
+        except (EOFError, OSError):
+            return
+        finally:
+            if src is not None:
+                src.file.close()
+
+
+def op_defers(op: int) -> bool:
+    return op == OP_UPLOAD
+
+
+def _try_send_error(conn: wire.Conn, op: int, exc: BaseException) -> bool:
+    try:
+        conn.send(ERROR, op, error_value(exc))
+        return True
+    except (OSError, EOFError):
+        return False

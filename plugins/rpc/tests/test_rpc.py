@@ -1,0 +1,562 @@
+"""disco-rpc over real servers on 127.0.0.1, LocalSession and PopenSession."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+import disco_rpc as rpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# Registered before any server forks, so every server process knows them.
+@disco.register_func("rpctest.add", override=True)
+def _add(a, b):
+    return a + b
+
+
+@disco.register_func("rpctest.echo", override=True)
+def _echo(*args):
+    return args
+
+
+@disco.register_func("rpctest.inplace_add", override=True)
+def _inplace_add(x, v):
+    x += v
+
+
+@disco.register_func("rpctest.make_array", override=True)
+def _make_array(n):
+    return np.arange(n, dtype="int32")
+
+
+@disco.register_func("rpctest.raise", override=True)
+def _raise(msg):
+    raise KeyError(msg)
+
+
+@disco.register_func("rpctest.sleep", override=True)
+def _sleep(t):
+    time.sleep(t)
+    return t
+
+
+@disco.register_func("rpctest.pid", override=True)
+def _pid():
+    return os.getpid()
+
+
+@disco.register_func("rpctest.die", override=True)
+def _die(code):
+    os._exit(code)
+
+
+@disco.register_func("rpctest.types", override=True)
+def _types(dev, dt):
+    return (type(dev).__name__, str(dev), str(dt))
+
+
+POPEN_SERVER = textwrap.dedent(
+    """
+    import numpy as np
+    import os, time
+    import disco_core as disco
+    import disco_rpc
+
+    disco.register_func("rpctest.add", lambda a, b: a + b)
+    disco.register_func("rpctest.echo", lambda *a: a)
+    def inplace(x, v):
+        x += v
+    disco.register_func("rpctest.inplace_add", inplace)
+    disco.register_func("rpctest.make_array", lambda n: np.arange(n, dtype="int32"))
+    def _raise(msg):
+        raise KeyError(msg)
+    disco.register_func("rpctest.raise", _raise)
+    disco.register_func("rpctest.pid", os.getpid)
+    disco.register_func("rpctest.die", os._exit)
+    disco.register_func("rpctest.types", lambda d, t: (type(d).__name__, str(d), str(t)))
+    def noisy():
+        print("this goes to stderr, not into the protocol")
+        return 7
+    disco.register_func("rpctest.noisy", noisy)
+    disco_rpc.serve_stdio()
+    """
+)
+
+PY_MODULE = textwrap.dedent(
+    """
+    import numpy as np
+
+    def scale(x, k):
+        x *= k
+        return float(x.sum())
+
+    def hello(name):
+        return "hello " + name
+    """
+)
+
+C_SOURCE = textwrap.dedent(
+    """
+    #include <stdint.h>
+    int64_t add_i64(int64_t a, int64_t b) { return a + b; }
+    double axpy(double a, double *x, double *y, int64_t n) {
+        double s = 0;
+        for (int64_t i = 0; i < n; ++i) { y[i] = a * x[i] + y[i]; s += y[i]; }
+        return s;
+    }
+    int answer(void) { return 42; }
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = rpc.Server(port=9400, port_end=9500)
+    yield srv
+    srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def popen_script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("popen") / "server.py"
+    path.write_text(POPEN_SERVER)
+    return str(path)
+
+
+@pytest.fixture(params=["server", "no_fork", "local", "popen"])
+def sess(request, server, popen_script):
+    if request.param == "server":
+        s = rpc.connect("127.0.0.1", server.port)
+    elif request.param == "no_fork":
+        srv = rpc.Server(port=9500, port_end=9600, no_fork=True)
+        request.addfinalizer(srv.terminate)
+        s = rpc.connect("127.0.0.1", srv.port)
+    elif request.param == "local":
+        s = rpc.LocalSession()
+    else:
+        s = rpc.PopenSession(popen_script)
+    yield s
+    s.close()
+
+
+def _cc():
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+@pytest.fixture(scope="module")
+def c_objects(tmp_path_factory):
+    if not _cc():
+        pytest.skip("no C compiler (cc) to build the shared library")
+    d = tmp_path_factory.mktemp("c")
+    (d / "lib.c").write_text(C_SOURCE)
+    subprocess.run([_cc(), "-c", "-fPIC", "-O2", "-o", d / "lib.o", d / "lib.c"], check=True)
+    subprocess.run([_cc(), "-shared", "-o", d / "lib.so", d / "lib.o"], check=True)
+    with tarfile.open(d / "lib.tar", "w") as tar:
+        tar.add(d / "lib.o", arcname="lib.o")
+    return d
+
+
+# --------------------------------------------------------------------------- calls
+def test_call_values(sess):
+    add = sess.get_function("rpctest.add")
+    assert add(1, 2) == 3
+    assert add("a", "b") == "ab"
+    assert add(1.5, 2) == 3.5
+    assert add((1,), (2, 3)) == (1, 2, 3)
+    assert add(2**80, 1) == 2**80 + 1
+    echo = sess.get_function("rpctest.echo")
+    payload = (None, True, False, -7, 2.5, 1 + 2j, "ü", b"\x00\x01", [1, [2]], {"k": (1, 2)})
+    assert echo(*payload) == payload
+    big = bytes(range(256)) * 1000
+    assert bytes(echo(big)[0]) == big
+
+
+def test_types_devices_dtypes(sess):
+    f = sess.get_function("rpctest.types")
+    name, text, dt = f(sess.cuda(1), np.dtype("float16"))
+    assert (name, text, dt) == ("Device", "cuda:1", "float16")
+
+
+def test_remote_exception(sess):
+    f = sess.get_function("rpctest.raise")
+    with pytest.raises(rpc.RPCError) as info:
+        f("boom")
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert err.exc_type == "KeyError"
+    assert "boom" in str(err) and "KeyError" in str(err)
+    assert "Traceback" in err.remote_traceback and "_raise" in err.remote_traceback
+    assert sess.get_function("rpctest.add")(1, 1) == 2  # still usable
+
+
+def test_missing_function(sess):
+    with pytest.raises(rpc.RPCError, match="not registered.*rpctest.add"):
+        sess.get_function("rpctest.addd")
+
+
+def test_unsendable_argument(sess):
+    with pytest.raises(TypeError, match="cannot send"):
+        sess.get_function("rpctest.echo")(object())
+
+
+# --------------------------------------------------------------------------- arrays
+def test_tensor_roundtrip(sess):
+    dev = sess.cpu(0)
+    host = np.arange(12, dtype="float32").reshape(3, 4)
+    x = rpc.tensor(host, device=dev)
+    assert isinstance(x, rpc.RemoteTensor)
+    assert x.shape == (3, 4) and x.dtype == "float32"
+    assert x.device == dev and isinstance(x.device, rpc.RemoteDevice)
+    np.testing.assert_array_equal(x.numpy(), host)
+    x.copyfrom(np.ones((3, 4), "float32"))
+    np.testing.assert_array_equal(x.numpy(), np.ones((3, 4)))
+    sess.get_function("rpctest.inplace_add")(x, 2)  # by reference, written in place
+    np.testing.assert_array_equal(x.numpy(), np.full((3, 4), 3.0))
+    dev.sync()
+    assert dev.exist
+    with pytest.raises(rpc.RPCError, match="does not match"):
+        x.copyfrom(np.ones(5, "float32"))
+
+
+def test_empty_and_returned_arrays(sess):
+    dev = sess.cpu(0)
+    e = rpc.empty((2, 5), "int64", device=dev)
+    assert e.shape == (2, 5) and e.dtype == "int64"
+    e.copyfrom(np.arange(10).reshape(2, 5))
+    np.testing.assert_array_equal(e.numpy(), np.arange(10).reshape(2, 5))
+    r = sess.get_function("rpctest.make_array")(6)
+    assert isinstance(r, rpc.RemoteTensor)
+    np.testing.assert_array_equal(r.numpy(), np.arange(6))
+    np.testing.assert_array_equal(np.asarray(r), np.arange(6))
+    with pytest.raises(TypeError, match="remote device"):
+        rpc.empty((2,), "float32", device=disco.Device("cpu", 0))
+
+
+def test_devices(sess):
+    for name, dev in [
+        ("cpu", sess.cpu(0)),
+        ("cuda", sess.cuda(1)),
+        ("opencl", sess.cl()),
+        ("vulkan", sess.vulkan()),
+        ("metal", sess.metal()),
+        ("rocm", sess.rocm()),
+        ("ext_dev", sess.ext_dev()),
+        ("hexagon", sess.hexagon()),
+        ("webgpu", sess.webgpu()),
+    ]:
+        assert dev.device_type == name
+    assert sess.device(2, 3) == disco.Device("cuda", 3)
+    assert not sess.metal().exist
+
+
+# --------------------------------------------------------------------------- files
+def test_files(sess, tmp_path):
+    src = tmp_path / "data.bin"
+    payload = os.urandom(3 << 20)
+    src.write_bytes(payload)
+    seen = []
+    sess.upload(str(src), progress=lambda done, total: seen.append((done, total)))
+    assert seen and seen[-1] == (len(payload), len(payload))
+    sess.upload(b"abc", "sub/dir/x.txt")
+    assert sess.listdir(".") == ["data.bin", "sub"]
+    assert sess.listdir("sub/dir") == ["x.txt"]
+    assert bytes(sess.download("data.bin")) == payload
+    out = tmp_path / "back.bin"
+    sess.download("data.bin", target=str(out))
+    assert out.read_bytes() == payload
+    sess.remove("data.bin")
+    sess.remove("sub")
+    assert sess.listdir(".") == []
+    with pytest.raises(ValueError, match="target"):
+        sess.upload(b"x")
+    with pytest.raises(rpc.RPCError, match="FileNotFoundError"):
+        sess.download("nope")
+
+
+@pytest.mark.parametrize(
+    "path", ["/etc/passwd", "../escape", "a/../../escape", "..", "~/x", "a/\0b"]
+)
+def test_path_escapes(sess, path):
+    for call in (
+        lambda: sess.download(path),
+        lambda: sess.upload(b"x", path),
+        lambda: sess.remove(path),
+        lambda: sess.listdir(path),
+        lambda: sess.load_module(path),
+    ):
+        with pytest.raises(rpc.RPCError, match="PermissionError"):
+            call()
+
+
+def test_work_folder_removed(server):
+    s = rpc.connect("127.0.0.1", server.port)
+    work = s.info["work_dir"]
+    s.upload(b"x", "f")
+    assert os.path.isdir(work)
+    s.close()
+    deadline = time.time() + 5
+    while os.path.exists(work) and time.time() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(work)
+    local = rpc.LocalSession()
+    work = local.info["work_dir"]
+    assert os.path.isdir(work)
+    local.close()
+    assert not os.path.exists(work)
+
+
+# --------------------------------------------------------------------------- modules
+def test_load_py_module(sess):
+    sess.upload(PY_MODULE.encode(), "mod.py")
+    mod = sess.load_module("mod.py")
+    assert isinstance(mod, rpc.RemoteModule)
+    assert mod["hello"]("rpc") == "hello rpc"
+    x = rpc.tensor(np.ones(4), device=sess.cpu())
+    assert mod["scale"](x, 3.0) == 12.0
+    np.testing.assert_array_equal(x.numpy(), np.full(4, 3.0))
+    with pytest.raises(rpc.RPCError, match="KeyError"):
+        mod["nope"]
+
+
+def test_load_so_module(sess, c_objects):
+    sess.upload(str(c_objects / "lib.so"))
+    mod = sess.load_module("lib.so")
+    assert mod["answer"]() == 42
+    assert mod.get_function("add_i64", restype="int64")(2**40, 5) == 2**40 + 5
+    x = rpc.tensor(np.arange(4, dtype="float64"), device=sess.cpu())
+    y = rpc.tensor(np.ones(4), device=sess.cpu())
+    total = mod.get_function("axpy", restype="double")(2.0, x, y, 4)
+    assert total == pytest.approx(16.0)
+    np.testing.assert_array_equal(y.numpy(), 2 * np.arange(4) + 1)
+
+
+def test_download_linked_module(sess, c_objects, tmp_path):
+    sess.upload(str(c_objects / "lib.tar"))
+    blob = sess.download_linked_module("lib.tar")
+    assert bytes(blob[:4]) == b"\x7fELF"
+    sess.upload(bytes(blob), "linked.so")
+    assert sess.load_module("linked.so")["answer"]() == 42
+    assert sess.load_module("lib.tar")["answer"]() == 42  # a tar is linked on load
+
+
+def test_system_lib(sess):
+    lib = sess.system_lib()
+    assert lib["rpctest.add"](2, 3) == 5
+
+
+# --------------------------------------------------------------------------- sessions
+def test_popen_argv_and_stdout_isolated(popen_script):
+    with rpc.PopenSession([sys.executable, popen_script]) as s:
+        assert s.get_function("rpctest.noisy")() == 7
+        assert s.get_function("rpctest.pid")() != os.getpid()
+    with rpc.PopenSession([sys.executable, "-m", "disco_rpc", "stdio"]) as s:
+        s.upload(b"1", "a")
+        assert s.listdir() == ["a"]
+
+
+def test_popen_bad_binary(tmp_path):
+    with pytest.raises(rpc.RPCError, match="does not exist"):
+        rpc.PopenSession(str(tmp_path / "missing"))
+    f = tmp_path / "notexec"
+    f.write_text("x")
+    with pytest.raises(rpc.RPCError, match="not executable"):
+        rpc.PopenSession(str(f))
+    with pytest.raises(rpc.RPCError):
+        rpc.PopenSession([sys.executable, "-c", "print('not a server')"])
+
+
+def test_popen_server_death(popen_script):
+    s = rpc.PopenSession(popen_script)
+    t0 = time.time()
+    with pytest.raises(rpc.RPCError, match="exited with code 3"):
+        s.get_function("rpctest.die")(3)
+    assert time.time() - t0 < 5
+    with pytest.raises(rpc.RPCError, match="closed"):
+        s.get_function("rpctest.add")
+
+
+def test_sessions_are_separate_processes(server):
+    a = rpc.connect("127.0.0.1", server.port)
+    b = rpc.connect("127.0.0.1", server.port)
+    pa, pb = a.get_function("rpctest.pid")(), b.get_function("rpctest.pid")()
+    assert pa != pb and os.getpid() not in (pa, pb)
+    a.close()
+    b.close()
+
+
+def test_concurrent_clients(server):
+    import threading
+
+    errors = []
+
+    def work(i):
+        try:
+            with rpc.connect("127.0.0.1", server.port) as s:
+                f = s.get_function("rpctest.add")
+                for k in range(200):
+                    assert f(i, k) == i + k
+        except Exception as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_chained_session(server):
+    inner = rpc.Server(port=9600, port_end=9700, key="inner")
+    try:
+        s = rpc.connect(
+            "127.0.0.1",
+            server.port,
+            session_constructor_args=["rpc.Connect", "127.0.0.1", inner.port, "inner"],
+        )
+        assert s.info["via"] == f"127.0.0.1:{inner.port}"
+        assert s.get_function("rpctest.add")(2, 2) == 4
+        x = rpc.tensor(np.arange(3.0), device=s.cpu())
+        np.testing.assert_array_equal(x.numpy(), np.arange(3.0))
+        s.close()
+        with pytest.raises(rpc.RPCError, match="key mismatch"):
+            rpc.connect(
+                "127.0.0.1",
+                server.port,
+                session_constructor_args=["rpc.Connect", "127.0.0.1", inner.port, "wrong"],
+            )
+        with pytest.raises(rpc.RPCError, match="unknown session constructor"):
+            rpc.connect("127.0.0.1", server.port, session_constructor_args=["rpc.Nope"])
+    finally:
+        inner.terminate()
+
+
+def test_enable_logging(server, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="disco_rpc.client"):
+        with rpc.connect("127.0.0.1", server.port, enable_logging=True) as s:
+            s.get_function("rpctest.add")(1, 2)
+    assert any("call" in r.getMessage() for r in caplog.records)
+
+
+def test_closed_session(server):
+    s = rpc.connect("127.0.0.1", server.port)
+    f = s.get_function("rpctest.add")
+    s.close()
+    s.close()
+    with pytest.raises(rpc.RPCError, match="closed"):
+        f(1, 2)
+
+
+# --------------------------------------------------------------------------- timeouts and death
+@pytest.mark.timeout(30)
+def test_session_timeout(server):
+    s = rpc.connect("127.0.0.1", server.port, session_timeout=1.0)
+    assert s.get_function("rpctest.add")(1, 2) == 3
+    t0 = time.time()
+    with pytest.raises(rpc.RPCSessionTimeoutError, match="session_timeout") as info:
+        s.get_function("rpctest.sleep")(10)
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, rpc.RPCError)
+    assert time.time() - t0 < 4
+    with pytest.raises(rpc.RPCError):
+        s.get_function("rpctest.add")(1, 2)
+
+
+@pytest.mark.timeout(30)
+def test_server_timeout_caps_sessions():
+    srv = rpc.Server(port=9700, port_end=9800, timeout=1.0)
+    try:
+        s = rpc.connect("127.0.0.1", srv.port)
+        with pytest.raises(rpc.RPCError):
+            s.get_function("rpctest.sleep")(10)
+    finally:
+        srv.terminate()
+
+
+@pytest.mark.timeout(30)
+def test_session_process_death(server):
+    s = rpc.connect("127.0.0.1", server.port)
+    t0 = time.time()
+    with pytest.raises(rpc.RPCError, match="lost the connection"):
+        s.get_function("rpctest.die")(1)
+    assert time.time() - t0 < 5
+    with rpc.connect("127.0.0.1", server.port) as s2:  # the server still serves
+        assert s2.get_function("rpctest.add")(1, 2) == 3
+
+
+@pytest.mark.timeout(30)
+def test_terminate_stops_everything():
+    srv = rpc.Server(port=9800, port_end=9900)
+    s = rpc.connect("127.0.0.1", srv.port)
+    pid = s.get_function("rpctest.pid")()
+    server_pid = srv.pid
+    srv.terminate()
+    srv.terminate()
+    with pytest.raises(rpc.RPCError):
+        s.get_function("rpctest.add")(1, 2)
+    deadline = time.time() + 5
+    alive = True
+    while alive and time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+            time.sleep(0.02)
+        except ProcessLookupError:
+            alive = False
+    assert not alive, "the session process outlived terminate()"
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
+    with pytest.raises(rpc.RPCError, match="cannot connect"):
+        rpc.connect("127.0.0.1", srv.port, connect_timeout=1)
+
+
+def test_port_range():
+    a = rpc.Server(port=9900, port_end=9910)
+    b = rpc.Server(port=a.port, port_end=9910)
+    try:
+        assert b.port > a.port
+    finally:
+        a.terminate()
+        b.terminate()
+
+
+# --------------------------------------------------------------------------- CLI
+@pytest.mark.timeout(60)
+def test_cli_server_and_upload(tmp_path):
+    exe = shutil.which("disco-rpc", path=os.path.dirname(sys.executable)) or "disco-rpc"
+    proc = subprocess.Popen(
+        [exe, "server", "--port", "9910", "--port-end", "9950"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "listening on" in line
+        port = int(line.rsplit(":", 1)[1])
+        f = tmp_path / "up.bin"
+        f.write_bytes(b"z" * 1000)
+        r = subprocess.run(
+            [exe, "upload", "--port", str(port), str(f)], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr
+        assert "100.0%" in r.stderr  # the progress bar
+        with rpc.connect("127.0.0.1", port) as s:
+            assert s.listdir() == []  # each session has its own work folder
+        r = subprocess.run(
+            [exe, "server", "--host", "0.0.0.0", "--port", "9951"], capture_output=True, text=True
+        )
+        assert r.returncode == 2 and "refusing" in r.stderr
+    finally:
+        proc.terminate()
+        proc.wait(10)
