@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
 # Installs the core and every plugin (with their test dependencies: MPI comes from
-# PyPI through disco-mpi) into ./.venv, then runs every test suite.
-set -euo pipefail
+# PyPI through disco-mpi) into ./.venv, then runs ruff and every test suite: the
+# core's (tests/) and each plugin's (plugins/<name>/tests, with that plugin's own
+# pytest settings). Extra arguments go to every pytest run, e.g. -x or -k shm.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+[ -x .venv/bin/python ] || "$PY" -m venv .venv || exit 1
 plugins=()
 for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p")
 done
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' "${plugins[@]}"
+pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+pip_install -e '.[test]' "${plugins[@]}" || exit 1
 # Interop tests (DLPack, the .pt2 loader, bfloat16): the CPU build of torch, pinned
 # so that pip never pulls a multi-GB CUDA build.
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 ml_dtypes
-.venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+pip_install torch==2.13.0 ml_dtypes || exit 1
+.venv/bin/ruff check . || exit 1
+
+status=0
+run() {  # run pytest in a folder; "no tests ran" (exit 5) only counts when filtering
+  (cd "$1" && "$OLDPWD/.venv/bin/python" -m pytest "${@:2}")
+  local rc=$?
+  if [ $rc -ne 0 ] && ! { [ $rc -eq 5 ] && [ $# -gt 1 ]; }; then status=1; fi
+}
+ROOT=$PWD
+run "$ROOT" "$@"
+for p in plugins/*/; do
+  [ -d "$p/tests" ] && run "$ROOT/$p" "$@"
+done
+[ $status -eq 0 ] && echo "all suites passed" || echo "some suite failed"
+exit $status
