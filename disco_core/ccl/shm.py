@@ -268,7 +268,7 @@ class ShmCCL(CCL):
                 self.broken = f"{what} on worker {self._me} timed out waiting for worker(s) {late}"
                 abort_segment(self.map, self.layout, self.broken, timed_out=True)
                 raise CCLTimeoutError(
-                    f"{what}: waited {self.timeout:.0f} s for worker(s) {late} "
+                    f"{what}: waited {self.timeout:g} s for worker(s) {late} "
                     "(raise it with init_ccl('shm', timeout=...) or DISCO_CCL_TIMEOUT); "
                     "the shm CCL of this session is unusable now"
                 )

@@ -68,7 +68,7 @@ def make_input(shape: Any, dtype: Any, seed: int, worker_id: int) -> np.ndarray:
         mag = 10.0 ** rng.uniform(-2.0, 1.0, count)
         sign = np.where(rng.random(count) < 0.5, -1.0, 1.0)
         flat = sign * mag
-    return np.ascontiguousarray(flat.astype(dt).reshape(shape))
+    return flat.astype(dt).reshape(shape).copy(order="C")
 
 
 def _is_root(in_group: bool) -> bool:
@@ -183,7 +183,7 @@ def fail_on(worker_id: int, shape: Any, dtype: str) -> np.ndarray:
 @_reg("reshaped")
 def reshaped(arr: Any, shape: Any) -> Any:
     """A new array with ``arr``'s data in another shape."""
-    return np.ascontiguousarray(np.asarray(arr).reshape(shape))
+    return np.asarray(arr).reshape(shape).copy(order="C")
 
 
 @_reg("barrier_times")
@@ -212,3 +212,17 @@ def die_or_call(victim: int, controller_pid: int, delay: float, name: str, *args
         time.sleep(delay)
         os._exit(23)
     return _call(name, *args)
+
+
+@_reg("strided")
+def strided(arr: Any) -> Any:
+    """Every other element of ``arr`` along axis 0: a view that is not contiguous."""
+    return arr[::2]
+
+
+@_reg("dlpack_only")
+def dlpack_only(arr: Any) -> Any:
+    """``arr`` behind an object that only has ``__dlpack__`` (as a torch tensor is seen)."""
+    from .funcs import DLPackOnly
+
+    return DLPackOnly(arr)

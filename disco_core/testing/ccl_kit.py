@@ -172,6 +172,17 @@ def _sync(sess: disco.Session) -> None:
         assert ref.debug_get_from_remote(w) == w
 
 
+def _default_ops(dtype: str) -> tuple[str, ...]:
+    if dtype == "bool":
+        return ("min", "max")  # logical and / or
+    if dtype in FLOAT_DTYPES:
+        return OPS
+    return ("sum", "prod", "min", "max")  # avg of integers is an error (tested apart)
+
+
+_ALLREDUCE_CASES = [(op, dt) for op in OPS for dt in DTYPES if op in _default_ops(dt)]
+
+
 def _divisors(n: int) -> list[int]:
     return [g for g in range(1, n + 1) if n % g == 0]
 
@@ -201,7 +212,8 @@ class CCLContract:
         )  # pragma: no cover
 
     @pytest.fixture(scope="class")
-    def _ccl_pool(self):
+    @classmethod
+    def _ccl_pool(cls):
         pool: dict[tuple, disco.Session] = {}
         yield pool
         for sess in pool.values():
@@ -261,12 +273,11 @@ class CCLContract:
             pytest.skip("bfloat16 needs ml_dtypes (pip install ml_dtypes)")
 
     def reduce_ops(self, dtype: str) -> tuple[str, ...]:
-        """The ops tested on ``dtype``: all on floats; no avg on integers; min/max on bool."""
-        if dtype == "bool":
-            return ("min", "max")
-        if dtype in FLOAT_DTYPES:
-            return OPS
-        return ("sum", "prod", "min", "max")
+        """The ops tested on ``dtype``: all on floats; no avg on integers; min/max on bool.
+
+        Override to leave out ops the CCL lacks (the others are skipped).
+        """
+        return _default_ops(dtype)
 
     def inputs(self, shape: Any, dtype: str, seed: int) -> list[np.ndarray]:
         return [make_input(shape, dtype, seed, w) for w in range(self.num_workers)]
@@ -293,10 +304,19 @@ class CCLContract:
         with pytest.raises(disco.WorkerError) as info:
             _sync(sess)
         took = time.monotonic() - t0
-        errors = [info.value, *info.value.others]
+        assert took < 30, f"the error took {took:.1f} s to surface"
+        return self.check_ccl_error(info.value, workers, pattern)
+
+    def check_ccl_error(
+        self, exc: disco.WorkerError, workers: Sequence[int], pattern: str = ""
+    ) -> list[disco.WorkerError]:
+        """``exc`` (and its ``others``) hold a CCL error of each of ``workers`` matching ``pattern``."""
+        errors = [exc, *exc.others]
         ccl = [e for e in errors if e.exc_type.rsplit(".", 1)[-1] in self.ccl_error_types]
         raised = {e.worker_id for e in ccl}
-        summary = "; ".join(f"worker {e.worker_id} {e.exc_type}: {e.remote_message}" for e in errors)
+        summary = "; ".join(
+            f"worker {e.worker_id} {e.exc_type}: {e.remote_message}" for e in errors
+        )
         assert set(workers) <= raised, (
             f"expected a CCL error on workers {sorted(workers)}, got: {summary}"
         )
@@ -306,7 +326,6 @@ class CCLContract:
                     f"worker {e.worker_id}'s error does not name the problem ({pattern!r}): "
                     f"{e.remote_message}"
                 )
-        assert took < 30, f"the error took {took:.1f} s to surface"
         return errors
 
     def assert_usable(self, sess: disco.Session, seed: int = 7) -> None:
@@ -322,8 +341,7 @@ class CCLContract:
                 self.check_allreduce(got, [xs[m] for m in members], "sum", "after the error")
 
     # ------------------------------------------------------------------ allreduce
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("op", OPS)
+    @pytest.mark.parametrize(("op", "dtype"), _ALLREDUCE_CASES)
     def test_allreduce(self, session, op, dtype):
         self.need_dtype(dtype)
         if op not in self.reduce_ops(dtype):
@@ -390,6 +408,68 @@ class CCLContract:
         sess.call_packed("disco.allreduce", src, kind, False, dst)  # TVM's argument order
         for w, got in _values(dst, range(self.num_workers)).items():
             self.check_allreduce(got, xs, op, f"ReduceKind {kind} worker {w}")
+
+    def test_zero_dim_arrays(self, session):
+        """0-d arrays: allreduce, broadcast, and allgather into a (n,) array."""
+        sess = session()
+        nw = self.num_workers
+        seed = _seed("0d")
+        xs = self.inputs((), "float64", seed)
+        src = sess.call_packed("ccl_kit.input", (), "float64", seed)
+        dst = sess.empty((), "float64")
+        gathered = sess.empty((nw,), "float64")
+        sess.allreduce(src, dst, "max", in_group=False)
+        for w, got in _values(dst, range(nw)).items():
+            assert_bits(got, reference_allreduce(xs, "max"), f"allreduce worker {w}")
+        sess.allgather(src, gathered, in_group=False)
+        for w, got in _values(gathered, range(nw)).items():
+            assert_bits(got, np.stack(xs), f"allgather worker {w}")
+        sess.broadcast_from_worker0(src, dst, in_group=False)
+        for w, got in _values(dst, range(nw)).items():
+            assert_bits(got, xs[0], f"broadcast worker {w}")
+
+    def test_dlpack_arrays(self, session):
+        """Registers holding objects known only through ``__dlpack__`` (torch tensors)."""
+        sess = session()
+        nw = self.num_workers
+        seed = _seed("dlpack")
+        xs = self.inputs((6,), "float32", seed)
+        plain = sess.call_packed("ccl_kit.input", (6,), "float32", seed)
+        out = sess.empty((6,), "float32")
+        sess.allreduce(
+            sess.call_packed("ccl_kit.dlpack_only", plain),
+            sess.call_packed("ccl_kit.dlpack_only", out),
+            "sum",
+            in_group=False,
+        )
+        for w, got in _values(out, range(nw)).items():
+            assert_bits(got, reference_allreduce(xs, "sum"), f"worker {w} (written in place)")
+
+    @pytest.mark.parametrize("which", ["src", "dst"])
+    def test_non_contiguous_arrays(self, session, which):
+        """A strided view: the right answer, or a CCLError on every member; never wrong data."""
+        sess = session()
+        nw = self.num_workers
+        seed = _seed("strided", which)
+        xs = self.inputs((10,), "int32", seed)
+        base = sess.call_packed("ccl_kit.input", (10,), "int32", seed)
+        if which == "src":
+            src, dst = sess.call_packed("ccl_kit.strided", base), sess.empty((5,), "int32")
+        else:
+            src = sess.call_packed("ccl_kit.input", (5,), "int32", seed)
+            xs = self.inputs((5,), "int32", seed)
+            holder = sess.empty((10,), "int32")
+            dst = sess.call_packed("ccl_kit.strided", holder)
+        sess.allreduce(src, dst, "sum", in_group=False)
+        try:
+            _sync(sess)
+        except disco.WorkerError as exc:  # refused: by every member, saying why
+            self.check_ccl_error(exc, range(nw), r"contiguous|strided")
+        else:
+            ref = reference_allreduce([x[::2] if which == "src" else x for x in xs], "sum")
+            for w, got in _values(dst, range(nw)).items():
+                assert_bits(np.ascontiguousarray(got), ref, f"worker {w}")
+        self.assert_usable(sess)
 
     # ------------------------------------------------------------------ data movement
     def _check_movement(
@@ -614,7 +694,9 @@ class CCLContract:
             out = sess.call_packed("ccl_kit.input", (11,), "float32", seed + 1)
             sess.call_packed("ccl_kit.pipeline", buf, out)
             for w, got in _values(out, range(nw)).items():
-                ref = make_input((11,), "float32", seed if w >= gs else seed + 1, w - gs if w >= gs else w)
+                ref = make_input(
+                    (11,), "float32", seed if w >= gs else seed + 1, w - gs if w >= gs else w
+                )
                 assert_bits(got, ref, f"groups={groups} worker {w}")
 
     # ------------------------------------------------------------------ barrier
@@ -693,8 +775,10 @@ class CCLContract:
         sess = session()
         nw = self.num_workers
         odd = nw - 1
-        other = (lambda shape: np.zeros((shape[0] + 1,), "float32")) if kind == "shape" else (
-            lambda shape: np.zeros(shape, "int32")
+        other = (
+            (lambda shape: np.zeros((shape[0] + 1,), "float32"))
+            if kind == "shape"
+            else (lambda shape: np.zeros(shape, "int32"))
         )
         src_shape = {"scatter": (nw * 3,)}.get(op, (3,))
         dst_shape = {"allgather": (nw * 3,), "gather": (nw * 3,)}.get(op, (3,))
@@ -715,7 +799,9 @@ class CCLContract:
             "gather": lambda: sess.gather_to_worker0(src, dst, in_group=False),
         }[op]
         fn()
-        pattern = r"shape|differ|match|hold|size|\[4\]" if kind == "shape" else r"dtype|int32|differ"
+        pattern = (
+            r"shape|differ|match|hold|size|\[4\]" if kind == "shape" else r"dtype|int32|differ"
+        )
         self.expect_ccl_error(sess, range(nw), pattern)
         self.assert_usable(sess)
 
@@ -751,6 +837,14 @@ class CCLContract:
         ops = ("sum",) * (nw - 1) + ("max",)
         sess.call_packed("ccl_kit.allreduce_per_worker_op", src, dst, ops, False)
         self.expect_ccl_error(sess, range(nw), r"mismatch|differ|max")
+        self.assert_usable(sess)
+
+    def test_not_an_array(self, session):
+        """A collective given something that is not an array: CCLError on every member."""
+        sess = session()
+        dst = sess.empty((4,), "float32")
+        sess.call_packed("disco.allreduce", 5, "sum", False, dst)
+        self.expect_ccl_error(sess, range(self.num_workers), r"array")
         self.assert_usable(sess)
 
     def test_scatter_not_divisible(self, session):
@@ -978,3 +1072,35 @@ class CCLContract:
         # The session (its control plane) still works.
         _sync(sess)
         assert sess.call_packed("ccl_kit.peer", "const", 5).debug_get_from_remote(nw - 1) == 5
+
+    @pytest.mark.timeout(60)
+    def test_collective_after_timeout_fails_everywhere(self, fresh_session):
+        """After one member timed out, the next collective fails on every member, promptly.
+
+        (It must not complete on the others against what the timed-out member left behind.)
+        """
+        if self.timeout_options is None:
+            pytest.skip("no timeout option for this CCL")
+        nw = self.num_workers
+        sess = fresh_session(nw, 1, **self.timeout_options)
+        sess.call_packed("ccl_kit.call_on", (nw - 1,), "barrier", False)
+        with pytest.raises(disco.WorkerError):
+            _sync(sess)
+        t0 = time.monotonic()
+        sess.call_packed("disco.barrier", False)
+        with pytest.raises(disco.WorkerError) as info:
+            _sync(sess)
+        self.check_ccl_error(info.value, range(nw))
+        assert time.monotonic() - t0 < 20
+
+    @pytest.mark.timeout(60)
+    def test_shutdown_while_waiting_in_a_collective(self, fresh_session):
+        """Workers stuck in a collective (default timeout) do not delay shutdown."""
+        nw = self.num_workers
+        sess = fresh_session()
+        sess.call_packed("ccl_kit.call_on", tuple(range(nw - 1)), "barrier", False)
+        sess.call_packed("ccl_kit.peer", "self")
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        sess.shutdown()
+        assert time.monotonic() - t0 < 10, "shutdown waited for the stuck collective"

@@ -1,0 +1,354 @@
+"""The ``shm`` CCL: the conformance kit on threaded and process sessions, plus its own rules.
+
+Its own rules: the segment is a memfd, so nothing is ever left in ``/dev/shm``
+(after shutdown, a worker's crash, or the controller's); ``init_ccl`` options are
+checked; sessions whose workers span machines are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import types
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+from disco_core.ccl.shm import ShmCCL
+from disco_core.testing.ccl_kit import CCLContract, assert_bits, make_input
+
+CCL_FUNCS = "disco_core.testing.ccl_funcs"
+
+
+# ---------------------------------------------------------------------------- helpers
+def _dev_shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:  # pragma: no cover - no /dev/shm on this system
+        return set()
+
+
+def _in_use(names: set[str]) -> set[str]:
+    """Those of ``/dev/shm/<name>`` that some live process maps or holds open."""
+    paths = {f"/dev/shm/{n}": n for n in names}
+    used: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(None, 5)[-1]
+                    if path.endswith(" (deleted)"):
+                        path = path[: -len(" (deleted)")]
+                    if path in paths:
+                        used.add(paths[path])
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target in paths:
+                    used.add(paths[target])
+        except OSError:
+            continue
+    return used
+
+
+def _leftovers(before: set[str]) -> set[str]:
+    """New entries of /dev/shm that nobody uses (other programs may create their own)."""
+    new = _dev_shm() - before
+    if not new:
+        return set()
+    new = {n for n in new if os.path.exists(f"/dev/shm/{n}")}
+    return new - _in_use(new)
+
+
+def _memfds(pid: int | str = "self") -> int:
+    """How many mappings and descriptors of ``pid`` point at a disco-shm memfd."""
+    count = 0
+    with open(f"/proc/{pid}/maps") as f:
+        count += sum("memfd:disco-shm" in line for line in f)
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += "memfd:disco-shm" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return count
+
+
+def _maker(session_cls):
+    def make(num_workers: int, num_groups: int = 1, **ccl_options) -> disco.Session:
+        sess = session_cls(num_workers, num_groups)
+        try:
+            sess.init_ccl("shm", **ccl_options)
+        except BaseException:
+            sess.shutdown()
+            raise
+        return sess
+
+    return make
+
+
+def _allreduce_ok(sess: disco.Session) -> None:
+    nw = sess.num_workers
+    src = sess.call_packed("ccl_kit.input", (6,), "float32", 5)
+    dst = sess.empty((6,), "float32")
+    sess.allreduce(src, dst, "sum", in_group=False)
+    xs = [make_input((6,), "float32", 5, w) for w in range(nw)]
+    ref = xs[0]
+    for x in xs[1:]:
+        ref = ref + x
+    for w in range(nw):
+        assert_bits(dst.debug_get_from_remote(w), ref, f"worker {w}")
+
+
+def _pids(sess: disco.Session) -> list[int]:
+    sess.import_python_module("disco_core.testing.funcs")
+    ref = sess.get_global_func("testing.pid")()
+    return [ref.debug_get_from_remote(w) for w in range(sess.num_workers)]
+
+
+# ---------------------------------------------------------------------------- leftovers
+@pytest.mark.timeout(60)
+def test_no_leftovers_after_shutdown():
+    before_shm, before_fds = _dev_shm(), _memfds()
+    sess = disco.ProcessSession(3)
+    sess.init_ccl("shm")
+    sess.import_python_module(CCL_FUNCS)
+    _allreduce_ok(sess)
+    pids = _pids(sess)
+    # The data plane is the memfd segment, mapped by the controller and every worker.
+    assert _memfds() > before_fds
+    for pid in pids[1:]:
+        assert _memfds(pid) > 0, f"worker process {pid} does not map the segment"
+    sess.shutdown()
+    assert _memfds() == before_fds, "the segment is still mapped or open after shutdown"
+    assert _leftovers(before_shm) == set()
+
+
+@pytest.mark.timeout(60)
+def test_no_leftovers_after_shutdown_threaded():
+    before_shm, before_fds = _dev_shm(), _memfds()
+    with disco.ThreadedSession(4, 2) as sess:
+        sess.init_ccl("shm", slot_bytes=4096)
+        sess.import_python_module(CCL_FUNCS)
+        _allreduce_ok(sess)
+        assert _memfds() > before_fds
+    assert _memfds() == before_fds, "the segment is still mapped or open after shutdown"
+    assert _leftovers(before_shm) == set()
+
+
+@pytest.mark.timeout(60)
+def test_no_leftovers_after_worker_crash(procs):
+    before_shm, before_fds = _dev_shm(), _memfds()
+    sess = disco.ProcessSession(3)
+    try:
+        sess.init_ccl("shm")
+        sess.import_python_module(CCL_FUNCS)
+        pids = _pids(sess)
+        src = sess.call_packed("ccl_kit.input", (64,), "float32", 1)
+        sess.call_packed(
+            "ccl_kit.die_or_call", 2, os.getpid(), 0.2, "allreduce", src, "sum", False, src
+        )
+        with pytest.raises(disco.WorkerDiedError):
+            sess.sync_worker_0()
+    finally:
+        sess.shutdown()
+    assert procs.wait_gone(pids[1:], 10) == []
+    assert _memfds() == before_fds
+    assert _leftovers(before_shm) == set()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("waiting", [False, True])
+def test_no_leftovers_after_controller_crash(python_run, procs, waiting):
+    """The controller is SIGKILLed (its workers possibly waiting in a collective)."""
+    before_shm = _dev_shm()
+    code = f"""
+import os, signal
+import disco_core as disco
+sess = disco.ProcessSession(3)
+sess.init_ccl("shm")
+sess.import_python_module("disco_core.testing.funcs")
+sess.import_python_module("{CCL_FUNCS}")
+pid = sess.get_global_func("testing.pid")()
+pids = [pid.debug_get_from_remote(w) for w in range(3)]
+a = sess.call_packed("ccl_kit.input", (16,), "float32", 1)
+sess.allreduce(a, a, "sum", in_group=False)
+a.debug_get_from_remote(2)
+if {waiting!r}:
+    sess.call_packed("ccl_kit.call_on", (1, 2), "barrier", False)  # never completes
+    sess.call_packed("testing.sleep", 0.3)
+    sess.sync_worker_0()
+print(" ".join(map(str, pids)), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    res = python_run(code, timeout=60)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    pids = [int(p) for p in res.stdout.split()]
+    assert len(pids) == 3
+    alive = procs.wait_gone(pids[1:], 10)
+    for pid in alive:  # do not leave them behind for the rest of the run
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert alive == [], "worker processes outlived their killed controller"
+    assert _leftovers(before_shm) == set()
+
+
+# ---------------------------------------------------------------------------- init_ccl rules
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", [disco.ThreadedSession, disco.ProcessSession])
+def test_init_ccl_twice_is_an_error(kind):
+    with kind(2) as sess:
+        sess.init_ccl("shm")
+        with pytest.raises(disco.CCLError, match="already"):
+            sess.init_ccl("shm")
+        sess.import_python_module(CCL_FUNCS)
+        _allreduce_ok(sess)
+
+
+@pytest.mark.timeout(60)
+def test_init_ccl_options_are_checked():
+    with disco.ThreadedSession(2) as sess:
+        with pytest.raises(TypeError, match="no_such_option"):
+            sess.init_ccl("shm", no_such_option=1)
+        with pytest.raises(TypeError, match="slotbytes"):
+            sess.init_ccl("shm", slotbytes=4096)
+        for bad in ({"slot_bytes": 100}, {"mailbox_bytes": 0}, {"timeout": 0}, {"timeout": -1}):
+            with pytest.raises(ValueError):
+                sess.init_ccl("shm", **bad)
+        # Nothing was initialised by the failed calls: a good one works.
+        sess.init_ccl("shm", timeout=30, slot_bytes=8192, mailbox_bytes=4096)
+        sess.import_python_module(CCL_FUNCS)
+        _allreduce_ok(sess)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_ccl_name():
+    with disco.ThreadedSession(2) as sess:
+        with pytest.raises(disco.PluginNotFoundError):
+            sess.init_ccl("no-such-ccl")
+        sess.init_ccl("shm")
+
+
+@pytest.mark.timeout(30)
+def test_multi_node_sessions_are_refused():
+    machines = types.SimpleNamespace(
+        num_workers=4, num_groups=1, num_nodes=2, kind="socket", shares_memory=False
+    )
+    with pytest.raises(disco.CCLError, match="one machine") as info:
+        ShmCCL.rendezvous(machines, ())
+    assert "mpi" in str(info.value)
+    no_sharing = types.SimpleNamespace(
+        num_workers=2, num_groups=1, num_nodes=1, kind="rpc", shares_memory=False
+    )
+    with pytest.raises(disco.CCLError):
+        ShmCCL.rendezvous(no_sharing, ())
+
+
+@pytest.mark.timeout(60)
+def test_unusable_after_a_timeout_says_so():
+    """After a timeout the shm CCL is broken on that worker, and says so clearly."""
+    with disco.ThreadedSession(2) as sess:
+        sess.init_ccl("shm", timeout=0.5)
+        sess.import_python_module(CCL_FUNCS)
+        sess.call_packed("ccl_kit.call_on", (1,), "barrier", False)
+        with pytest.raises(disco.WorkerError) as info:
+            sess.call_packed("ccl_kit.peer", "self").debug_get_from_remote(1)
+        assert info.value.exc_type == "CCLTimeoutError"
+        assert "timeout" in str(info.value)
+        sess.get_global_func("disco.barrier")(False)
+        with pytest.raises(disco.WorkerError, match="unusable|new session"):
+            sess.call_packed("ccl_kit.peer", "self").debug_get_from_remote(1)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_from_environment(monkeypatch):
+    """``DISCO_CCL_TIMEOUT`` sets the default collective timeout."""
+    monkeypatch.setenv("DISCO_CCL_TIMEOUT", "0.5")
+    with disco.ThreadedSession(2) as sess:
+        sess.init_ccl("shm")
+        sess.import_python_module(CCL_FUNCS)
+        t0 = time.monotonic()
+        sess.call_packed("ccl_kit.call_on", (0,), "barrier", False)
+        with pytest.raises(disco.WorkerError) as info:
+            sess.sync_worker_0()
+        assert info.value.exc_type == "CCLTimeoutError"
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(60)
+def test_bool_sum_and_prod_follow_numpy():
+    """On bool arrays NumPy's add is logical or and multiply logical and; shm does the same."""
+    with disco.ThreadedSession(3) as sess:
+        sess.init_ccl("shm")
+        sess.import_python_module(CCL_FUNCS)
+        xs = [make_input((9,), "bool", 11, w) for w in range(3)]
+        src = sess.call_packed("ccl_kit.input", (9,), "bool", 11)
+        dst = sess.empty((9,), "bool")
+        for op, ref in (("sum", xs[0] | xs[1] | xs[2]), ("prod", xs[0] & xs[1] & xs[2])):
+            sess.allreduce(src, dst, op, in_group=False)
+            for w in range(3):
+                assert_bits(dst.debug_get_from_remote(w), ref, f"{op} worker {w}")
+
+
+@pytest.mark.timeout(60)
+def test_large_allreduce_default_slots():
+    """A few MiB: several default-size (1 MiB) rounds, on processes."""
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm")
+        sess.import_python_module(CCL_FUNCS)
+        n = (3 << 20) // 4 + 5
+        src = sess.call_packed("ccl_kit.input", (n,), "float32", 2)
+        dst = sess.empty((n,), "float32")
+        sess.allreduce(src, dst, "sum", in_group=False)
+        ref = make_input((n,), "float32", 2, 0) + make_input((n,), "float32", 2, 1)
+        assert_bits(dst.debug_get_from_remote(1), ref, "worker 1")
+        out = np.empty(n, "float32")
+        sess.copy_from_worker_0(out, dst)
+        assert_bits(out, ref, "worker 0")
+
+
+# ---------------------------------------------------------------------------- the kit
+class ShmContract(CCLContract):
+    small_round_options = {"slot_bytes": 4096, "mailbox_bytes": 4096}
+    buffered_send_bytes = 1 << 20  # the default mailbox
+    timeout_options = {"timeout": 1}
+
+
+class TestShmThreaded4(ShmContract):
+    num_workers = 4
+    workers_are_processes = False
+
+    @pytest.fixture
+    def make_session(self):
+        return _maker(disco.ThreadedSession)
+
+
+class TestShmThreaded2(ShmContract):
+    num_workers = 2
+    workers_are_processes = False
+
+    @pytest.fixture
+    def make_session(self):
+        return _maker(disco.ThreadedSession)
+
+
+class TestShmProcess4(ShmContract):
+    num_workers = 4
+    workers_are_processes = True
+
+    @pytest.fixture
+    def make_session(self):
+        return _maker(disco.ProcessSession)
+
+
+class TestShmProcess2(ShmContract):
+    num_workers = 2
+    workers_are_processes = True
+
+    @pytest.fixture
+    def make_session(self):
+        return _maker(disco.ProcessSession)
