@@ -16,7 +16,7 @@ import numpy as np
 
 from . import plugins
 from .ccl.base import REDUCE_OPS
-from .device import as_array, as_device
+from .device import as_array, as_device, as_dtype, as_shape
 from .device import empty as _alloc
 from .errors import CCLError
 from .registry import register_func
@@ -91,7 +91,12 @@ def empty(shape, dtype, device=None, worker0_only: bool = False, in_group: bool 
     is_root = ctx.is_group_root if in_group else ctx.worker_id == 0
     if worker0_only and not is_root:
         return None
-    return _alloc(shape, dtype, as_device(device) or ctx.device)
+    dev = as_device(device) or ctx.device
+    if ctx.ccl is not None and dev.device_type == "cpu":
+        arr = ctx.ccl.alloc(as_shape(shape), as_dtype(dtype))
+        if arr is not None:
+            return arr
+    return _alloc(shape, dtype, dev)
 
 
 @_builtin("register_count")

@@ -131,6 +131,14 @@ class CCL(abc.ABC):
     def barrier(self, in_group: bool = False) -> None:
         """Wait until every member arrived."""
 
+    def alloc(self, shape: tuple[int, ...], dtype: Any) -> Any | None:
+        """An array for ``disco.empty`` that this CCL moves faster, or None (the default).
+
+        The ``shm`` CCL hands out large arrays from shared memory its peers map, so
+        collectives on them need no staging copies.
+        """
+        return None
+
     def synchronize(self) -> None:
         """Wait for this worker's queued device work (GPU streams); a no-op on the CPU.
 

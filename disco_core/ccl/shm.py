@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CCLError, CCLTimeoutError
-from . import _futex, validate
+from . import _arena, _futex, validate
 from .base import CCL, Rendezvous
 
 __all__ = ["ShmCCL", "ShmRendezvous", "Layout", "abort_segment"]
@@ -45,6 +45,9 @@ _DEFAULT_SLOT = 1 << 20
 _DEFAULT_MBOX = 1 << 20
 _DEFAULT_TIMEOUT = 300.0
 _SMALL = 64 << 10  # allreduce at most this large takes the one-round path
+_DIR_ENTRY = 32
+_ARENA_MIN = 256 << 10  # disco.empty puts arrays at least this large in the arena
+_CHUNK = 256 << 10  # bytes reduced at a time in place (stays in cache)
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -62,14 +65,18 @@ class Layout:
         if num_groups > 1:
             comms += [tuple(range(g * gsize, (g + 1) * gsize)) for g in range(num_groups)]
         self.comms = comms
-        off = _HEADER
+        self.dir_off = _HEADER  # per worker: its arena's (pid, fd, size)
+        off = _align(self.dir_off + num_workers * _DIR_ENTRY)
         self.comm_offsets = []
+        self.loc_offsets = []  # per comm: 2 x n x (src offset, dst offset) in arenas
         for members in comms:
             n = len(members)
             ctl = off
             desc = ctl + _LINE * (1 + n)
-            data = _align(desc + 2 * n * validate.DESC_BYTES)
+            loc = desc + 2 * n * validate.DESC_BYTES
+            data = _align(loc + 2 * n * 16)
             self.comm_offsets.append((ctl, desc, data))
+            self.loc_offsets.append(loc)
             off = data + 2 * n * slot_bytes
         self.mbox_base = off
         self.mbox_stride = _align(3 * _LINE + validate.DESC_BYTES + mbox_bytes)
@@ -140,6 +147,7 @@ class _Comm:
         self.bell_addr = ccl.base_addr + ctl
         self.arrive = [(ctl + _LINE * (1 + i)) // 8 for i in range(self.n)]
         self.desc_off = desc
+        self.loc = layout.loc_offsets[index] // 8
         self.data_off = data
         self.slot = layout.slot_bytes
         self.round = 0  # identical on every member: barriers so far
@@ -178,10 +186,11 @@ class ShmCCL(CCL):
             raise CCLError(
                 "the 'shm' CCL needs Linux futexes (Linux on x86-64, aarch64, ppc64le or s390x)"
             )
-        unknown = set(options) - {"timeout", "slot_bytes", "mailbox_bytes"}
+        unknown = set(options) - {"timeout", "slot_bytes", "mailbox_bytes", "arena_bytes"}
         if unknown:
             raise TypeError(f"init_ccl('shm'): unknown options {sorted(unknown)}")
         opts = {
+            "arena_bytes": options.get("arena_bytes"),
             "timeout": float(
                 options.get("timeout", os.environ.get("DISCO_CCL_TIMEOUT", _DEFAULT_TIMEOUT))
             ),
@@ -223,9 +232,42 @@ class ShmCCL(CCL):
             self._world_comm if len(self.layout.comms) == 1 else _Comm(self, 1 + ctx.group_id)
         )
         me = ctx.worker_id
+        self.arena = _arena.Arena(payload.get("arena_bytes"))
+        entry = (self.layout.dir_off + me * _DIR_ENTRY) // 8
+        self.q[entry : entry + 3] = memoryview(
+            np.array([os.getpid(), self.arena.fd, self.arena.size], np.int64).view(np.uint8)
+        ).cast("q")
+        self._peers: dict[int, np.ndarray] = {me: self.arena.bytes}
         self._sent = [0] * self.layout.num_workers  # per receiver: chunks posted to its mailbox
         self._recvd = [0] * self.layout.num_workers  # per sender: chunks consumed
         self._me = me
+
+    # ------------------------------------------------------------------ arenas
+    def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """Large arrays come from this worker's arena, where peers reach them in place."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < _ARENA_MIN or self.arena is None:
+            return None
+        return self.arena.empty(shape, dtype)
+
+    def _peer_arena(self, worker: int) -> np.ndarray:
+        arena = self._peers.get(worker)
+        if arena is None:
+            entry = (self.layout.dir_off + worker * _DIR_ENTRY) // 8
+            pid, fd, size = self.q[entry], self.q[entry + 1], self.q[entry + 2]
+            arena = self._peers[worker] = _arena.open_peer(pid, fd, size)
+        return arena
+
+    def _locate(self, comm: _Comm, src: Any, dst: Any) -> None:
+        """Publish where this member's src and dst live (arena offsets, or -1)."""
+        at = comm.loc + (comm.parity * comm.n + comm.rank) * 2
+        self.q[at] = self.arena.offset_of(src)
+        self.q[at + 1] = self.arena.offset_of(dst)
+
+    def _locations(self, comm: _Comm) -> list[tuple[int, int]]:
+        at = comm.loc + comm.parity * comm.n * 2
+        q = self.q
+        return [(q[at + 2 * k], q[at + 2 * k + 1]) for k in range(comm.n)]
 
     # ------------------------------------------------------------------ waiting
     def _ring(self, bell: int, addr: int) -> None:
@@ -344,7 +386,6 @@ class ShmCCL(CCL):
         name = f"allreduce:{op}"
         ufunc = _UFUNCS.get(op)
         n, rank = comm.n, comm.rank
-        first = True
         src_b = dst_b = None
         total = 0
         if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray) and not err:
@@ -369,34 +410,64 @@ class ShmCCL(CCL):
             if op == "avg":
                 np.true_divide(out, n, out=out, casting="unsafe")
             return
+        # Large (or invalid): agree on the call and on where every array lives first.
+        self._slots(comm)
+        self._locate(comm, src, dst)
+        self._exchange(comm, validate.describe(name, src, dst, error=err), name)
+        if total == 0:
+            return
+        locs = self._locations(comm)
+        if all(s >= 0 and d >= 0 for s, d in locs):
+            self._allreduce_in_place(comm, locs, total, src.dtype, ufunc, op)
+            return
+        # Staged: rounds of at most slot_bytes through the shared slots.
         chunk = comm.slot - comm.slot % itemsize
         off = 0
-        while first or off < total:
+        while off < total:
             slots = self._slots(comm)
             c = min(chunk, total - off)
-            if c > 0 and src_b is not None:
-                slots[rank, :c] = src_b[off : off + c]
-            if first:
-                self._exchange(comm, validate.describe(name, src, dst, error=err), name)
-                first = False
-            else:
-                self._barrier(comm, "allreduce")
-            if c > 0:
-                count = c // itemsize
-                lo = (count * rank // n) * itemsize
-                hi = (count * (rank + 1) // n) * itemsize
-                if hi > lo:
-                    acc = slots[0, lo:hi].view(src.dtype)
-                    for k in range(1, n):
-                        ufunc(acc, slots[k, lo:hi].view(src.dtype), out=acc)
-                    if op == "avg":
-                        np.true_divide(acc, n, out=acc, casting="unsafe")
+            slots[rank, :c] = src_b[off : off + c]
             self._barrier(comm, "allreduce")
-            if c > 0:
-                dst_b[off : off + c] = slots[0, :c]
+            count = c // itemsize
+            lo = (count * rank // n) * itemsize
+            hi = (count * (rank + 1) // n) * itemsize
+            if hi > lo:
+                acc = slots[0, lo:hi].view(src.dtype)
+                for k in range(1, n):
+                    ufunc(acc, slots[k, lo:hi].view(src.dtype), out=acc)
+                if op == "avg":
+                    np.true_divide(acc, n, out=acc, casting="unsafe")
+            self._barrier(comm, "allreduce")
+            dst_b[off : off + c] = slots[0, :c]
             off += c
-            if c <= 0:
-                break
+
+    def _allreduce_in_place(self, comm: _Comm, locs: list, total: int, dtype, ufunc, op) -> None:
+        """Every array is in an arena: member r reduces piece r of every src straight
+        into piece r of every dst (no staging copies), then all meet once more."""
+        n, rank = comm.n, comm.rank
+        srcs, dsts = [], []
+        for worker, (s_off, d_off) in zip(comm.members, locs):
+            arena = self._peer_arena(worker)
+            srcs.append(arena[s_off : s_off + total].view(dtype))
+            dsts.append(arena[d_off : d_off + total].view(dtype))
+        count = total // dtype.itemsize
+        lo, hi = count * rank // n, count * (rank + 1) // n
+        step = max(1, _CHUNK // dtype.itemsize)
+        tmp = np.empty(min(step, max(hi - lo, 1)), dtype)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            t = tmp[: b - a]
+            if n == 1:
+                t[...] = srcs[0][a:b]
+            else:
+                ufunc(srcs[0][a:b], srcs[1][a:b], out=t)
+                for k in range(2, n):
+                    ufunc(t, srcs[k][a:b], out=t)
+            if op == "avg":
+                np.true_divide(t, n, out=t, casting="unsafe")
+            for d in dsts:  # all reads of this piece are done: src may be dst
+                d[a:b] = t
+        self._barrier(comm, "allreduce")  # nobody returns while others still use its arrays
 
     def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
@@ -608,6 +679,8 @@ class ShmCCL(CCL):
             raise CCLError(f"recv_from_worker: {error}")
 
     def close(self) -> None:
+        self.arena.close()
+        self._peers.clear()
         self.q.release()
         self.i.release()
         self.buf = None

@@ -40,6 +40,13 @@ def echo(value: Any) -> Any:
     return value
 
 
+@_reg("in_ccl_memory")
+def in_ccl_memory(arr: Any) -> bool:
+    """Whether ``arr`` lives in memory the worker's CCL handed out (the shm arena)."""
+    arena = getattr(current().ccl, "arena", None)
+    return arena is not None and arena.offset_of(arr) >= 0
+
+
 @_reg("echo_args")
 def echo_args(*args: Any) -> tuple:
     """Return every argument as a tuple."""

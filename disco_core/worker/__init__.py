@@ -275,13 +275,13 @@ class Worker:
         self.send(("error", self._error(exc, where, tb)))
 
     def close(self) -> None:
+        self.regs.clear()  # first: arrays a CCL handed out are gone before it closes
         ccl, self.ctx.ccl = self.ctx.ccl, None
         if ccl is not None:
             try:
                 ccl.close()
             except Exception:  # shutting down: nothing to report to
                 pass
-        self.regs.clear()
 
 
 def _nothing() -> None:
