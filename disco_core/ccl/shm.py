@@ -48,6 +48,7 @@ _SMALL = 64 << 10  # allreduce at most this large takes the one-round path
 _DIR_ENTRY = 32
 _ARENA_MIN = 256 << 10  # disco.empty puts arrays at least this large in the arena
 _CHUNK = 256 << 10  # bytes reduced at a time in place (stays in cache)
+_HOT_SPIN = 20e-6  # seconds of polling without yielding the core
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -150,6 +151,7 @@ class _Comm:
         self.loc = layout.loc_offsets[index] // 8
         self.data_off = data
         self.slot = layout.slot_bytes
+        self.views: list | None = None  # the two parities' slots, made on first use
         self.round = 0  # identical on every member: barriers so far
         self.chunks = 0  # identical on every member: data rounds so far (buffer parity)
         self.parity = 0
@@ -226,6 +228,7 @@ class ShmCCL(CCL):
         self.base_addr = _futex.address_of(self.map, 0)
         self._stamp = 0
         self._checked: set[bytes] = set()  # descriptors of calls already found consistent
+        self._desc_cache: dict[tuple, bytes] = {}
         self.broken = ""
         self._world_comm = _Comm(self, 0)
         self._group_comm = (
@@ -289,8 +292,14 @@ class ShmCCL(CCL):
         if ready():
             return
         if self.spin:
+            # Poll hot for a few microseconds (a peer that is running arrives that
+            # soon), then keep polling but yield the core, then sleep on the futex.
             clock = time.perf_counter
-            until = clock() + self.spin
+            start = clock()
+            hot, until = start + _HOT_SPIN, start + self.spin
+            while clock() < hot:
+                if ready():
+                    return
             while clock() < until:
                 os.sched_yield()
                 if ready():
@@ -342,23 +351,40 @@ class ShmCCL(CCL):
         Rounds alternate between two buffers, so a member that runs ahead into the
         next round never overwrites data a slower member is still reading.
         """
-        comm.parity = comm.chunks % 2
+        comm.parity = parity = comm.chunks % 2
         comm.chunks += 1
-        start = comm.data_off + comm.parity * comm.n * comm.slot
-        return self.buf[start : start + comm.n * comm.slot].reshape(comm.n, comm.slot)
+        views = comm.views
+        if views is None:
+            size = comm.n * comm.slot
+            starts = (comm.data_off, comm.data_off + size)
+            views = comm.views = [self.buf[a : a + size].reshape(comm.n, comm.slot) for a in starts]
+        return views[parity]
 
-    def _exchange(self, comm: _Comm, desc: validate.Desc, op: str) -> None:
+    def _describe(self, op: str, src: Any, dst: Any, err: str = "") -> bytes:
+        """This member's packed descriptor; cached for plain arrays (the hot path)."""
+        if err or type(src) is not np.ndarray or type(dst) is not np.ndarray:
+            return validate.pack(validate.describe(op, src, dst, error=err))
+        flags = dst.flags
+        key = (op, src.dtype, src.shape, dst.dtype, dst.shape, flags.c_contiguous, flags.writeable)
+        packed = self._desc_cache.get(key)
+        if packed is None:
+            if len(self._desc_cache) > 256:
+                self._desc_cache.clear()
+            packed = self._desc_cache[key] = validate.pack(validate.describe(op, src, dst))
+        return packed
+
+    def _exchange(self, comm: _Comm, mine: bytes, op: str) -> None:
         """Publish this member's descriptor, end the round, check everyone's."""
         size = validate.DESC_BYTES
         start = comm.desc_off + comm.parity * comm.n * size
-        mine = validate.pack(desc)
         at = start + comm.rank * size
         self.map[at : at + size] = mine
         self._barrier(comm, op.split(":")[0])
-        raw = [self.map[start + k * size : start + (k + 1) * size] for k in range(comm.n)]
-        uniform = raw.count(mine) == comm.n
+        everyone = self.map[start : start + comm.n * size]
+        uniform = everyone == mine * comm.n
         if uniform and mine in self._checked:
             return  # the same call as one already checked, by every member alike
+        raw = [everyone[k * size : (k + 1) * size] for k in range(comm.n)]
         validate.check(op, [validate.unpack(r) for r in raw], comm.members)
         if uniform:
             if len(self._checked) > 256:
@@ -378,7 +404,7 @@ class ShmCCL(CCL):
     def barrier(self, in_group: bool = False) -> None:
         comm = self._comm(in_group)
         self._slots(comm)
-        self._exchange(comm, validate.describe("barrier", None, None), "barrier")
+        self._exchange(comm, self._describe("barrier", None, None), "barrier")
 
     def allreduce(self, src: Any, dst: Any, op: str, in_group: bool) -> None:
         comm = self._comm(in_group)
@@ -398,7 +424,7 @@ class ShmCCL(CCL):
             # in rank order, straight into its dst (no second barrier).
             slots = self._slots(comm)
             slots[rank, :total] = src_b
-            self._exchange(comm, validate.describe(name, src, dst), name)
+            self._exchange(comm, self._describe(name, src, dst), name)
             out = dst_b.view(src.dtype)
             parts = [slots[k, :total].view(src.dtype) for k in range(n)]
             if n == 1:
@@ -413,7 +439,7 @@ class ShmCCL(CCL):
         # Large (or invalid): agree on the call and on where every array lives first.
         self._slots(comm)
         self._locate(comm, src, dst)
-        self._exchange(comm, validate.describe(name, src, dst, error=err), name)
+        self._exchange(comm, self._describe(name, src, dst, err), name)
         if total == 0:
             return
         locs = self._locations(comm)
@@ -494,7 +520,7 @@ class ShmCCL(CCL):
             if c > 0:
                 slots[rank, :c] = src_b[off : off + c]
             if first:
-                self._exchange(comm, validate.describe(name, src, dst if receives else None), name)
+                self._exchange(comm, self._describe(name, src, dst if receives else None), name)
                 first = False
             else:
                 self._barrier(comm, name)
@@ -528,7 +554,7 @@ class ShmCCL(CCL):
                 slots[:c] = src_b[off : off + c]
             if first:
                 self._exchange(
-                    comm, validate.describe("broadcast", src if root else None, dst), "broadcast"
+                    comm, self._describe("broadcast", src if root else None, dst), "broadcast"
                 )
                 first = False
             else:
@@ -567,7 +593,7 @@ class ShmCCL(CCL):
                     slots[k, :c] = src_b[k * piece + off : k * piece + off + c]
             if first:
                 self._exchange(
-                    comm, validate.describe("scatter", src if root else None, dst), "scatter"
+                    comm, self._describe("scatter", src if root else None, dst), "scatter"
                 )
                 first = False
             else:
