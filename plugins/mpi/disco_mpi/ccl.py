@@ -70,6 +70,15 @@ __all__ = ["MPICCL", "MPIRendezvous"]
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add}
 _DEFAULT_TIMEOUT = 300.0
 _CONNECT_TIMEOUT = 60.0
+#: Waiting: spin on ``MPI_Test`` (as a blocking MPI call does: MPI moves data only
+#: while someone polls) for ``_SPIN_S`` plus ``_SPIN_PER_BYTE`` per byte moved (the
+#: time the transfer could take at 100 MB/s), then sleep between tests with pauses
+#: growing up to ``_MAX_PAUSE`` and never above ``elapsed / _PAUSE_DIVISOR``: a
+#: late peer then costs no busy CPU, and an abort is still noticed within ~1 ms.
+_SPIN_S = 0.01
+_SPIN_PER_BYTE = 1e-8
+_MAX_PAUSE = 0.001
+_PAUSE_DIVISOR = 64
 _DESC_TAG = 11
 _DATA_TAG = 12
 _UNRECOVERABLE = (
@@ -147,6 +156,20 @@ class _UserOps:
             # Declared non-commutative: MPI then keeps the operands in rank order.
             op = self.ops[key] = self.MPI.Op.Create(apply, commute=False)
         return op
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _overlap(src: np.ndarray, dst: np.ndarray) -> int:
+    """0: disjoint buffers; 1: the very same buffer (in place); 2: partly overlapping."""
+    if src is dst:
+        return 1
+    if not np.may_share_memory(src, dst):
+        return 0
+    same = _address(src) == _address(dst) and src.nbytes == dst.nbytes
+    return 1 if same and dst.flags.c_contiguous else 2
 
 
 class MPICCL(CCL):
@@ -247,12 +270,16 @@ class MPICCL(CCL):
         self.user_ops = _USER_OPS
         self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
         self._bool_ops = {"sum": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND, "max": MPI.LOR}
-        self._desc_out = np.zeros(validate.DESC_BYTES, np.uint8)
-        self._desc_in = {
-            id(c): np.zeros(c.Get_size() * validate.DESC_BYTES, np.uint8)
-            for c in (self.world, self.group)
-        }
-        self._checked: set[bytes] = set()
+        # Descriptor exchange buffers, per communicator: (size, out, in, out spec, in spec).
+        self._xch: dict[int, tuple] = {}
+        for c in (self.world, self.group):
+            size = c.Get_size()
+            out = bytearray(validate.DESC_BYTES)
+            inbuf = bytearray(size * validate.DESC_BYTES)
+            self._xch[id(c)] = (size, out, inbuf, [out, MPI.BYTE], [inbuf, MPI.BYTE])
+        self._desc_cache: dict[tuple, bytes] = {}  # packed descriptors of plain arrays
+        self._checked: set[bytes] = set()  # descriptors of calls already found consistent
+        self._plans: dict[tuple, tuple[Any, str]] = {}  # (dtype, op) -> _plan()
 
     # ------------------------------------------------------------------ joining
     def _join(self, ports: Sequence[str], timeout: float) -> Any:
@@ -306,25 +333,40 @@ class MPICCL(CCL):
         return comm
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, req: Any, what: str) -> None:
-        """Complete ``req`` (an MPI request, or a list of them) by polling."""
-        MPI = self.MPI
-        test = MPI.Request.Testall if isinstance(req, list) else req.Test
-        args = (req,) if isinstance(req, list) else ()
-        for _ in range(2000):
-            if test(*args):
+    def _wait(self, req: Any, what: str, nbytes: int = 0) -> None:
+        """Complete ``req`` (an MPI request, or a list of them) by polling ``MPI_Test``.
+
+        Spins first, as a blocking MPI call would (``_SPIN_S``, longer for large
+        transfers: ``nbytes``); then sleeps between tests with growing pauses, so a
+        peer that is late costs no busy CPU, while a dead peer or an abort is still
+        noticed within about a millisecond.
+        """
+        if type(req) is list:
+            reqs, testall = req, self.MPI.Request.Testall
+
+            def test() -> bool:
+                return testall(reqs)
+
+        else:
+            test = req.Test
+        for _ in range(200):
+            if test():
                 return
-        deadline = time.monotonic() + self.timeout
-        slow = time.monotonic() + 0.5
+        monotonic = time.monotonic
+        start = monotonic()
+        deadline = start + self.timeout
+        spin_until = start + _SPIN_S + nbytes * _SPIN_PER_BYTE
+        pause = 0.0
+        token = self.token
         while True:
-            for _ in range(200):
-                if test(*args):
+            for _ in range(100):
+                if test():
                     return
-            reason = _ABORTS.get(self.token)
+            now = monotonic()
+            reason = _ABORTS.get(token)
             if reason:
                 self.broken = reason
                 raise CCLError(f"{what} aborted: {reason}; {_UNRECOVERABLE}")
-            now = time.monotonic()
             if now > deadline:
                 self.broken = f"{what} timed out"
                 raise CCLTimeoutError(
@@ -332,27 +374,46 @@ class MPICCL(CCL):
                     f"(raise it with init_ccl('mpi', timeout=...) or DISCO_CCL_TIMEOUT); "
                     f"{_UNRECOVERABLE}"
                 )
-            if now > slow:
-                time.sleep(0.0005)
+            if now > spin_until:
+                pause = min(pause * 1.5 + 2e-5, _MAX_PAUSE, (now - start) / _PAUSE_DIVISOR)
+                time.sleep(pause)
 
     def _comm(self, in_group: bool) -> Any:
         if self.broken:
             raise CCLError(f"the mpi CCL is unusable after an earlier failure ({self.broken})")
         return self.group if in_group else self.world
 
-    def _exchange(self, comm: Any, desc: validate.Desc, op: str) -> None:
+    def _describe(self, op: str, src: Any, dst: Any, err: str = "") -> bytes:
+        """This member's packed descriptor; cached for plain arrays (the hot path)."""
+        if (
+            err
+            or (src is not None and type(src) is not np.ndarray)
+            or (dst is not None and type(dst) is not np.ndarray)
+        ):
+            return validate.pack(validate.describe(op, src, dst, error=err))
+        if dst is None:
+            dkey = None
+        else:
+            flags = dst.flags
+            dkey = (dst.dtype, dst.shape, flags.c_contiguous, flags.writeable)
+        key = (op, None if src is None else (src.dtype, src.shape), dkey)
+        packed = self._desc_cache.get(key)
+        if packed is None:
+            if len(self._desc_cache) > 256:
+                self._desc_cache.clear()
+            packed = self._desc_cache[key] = validate.pack(validate.describe(op, src, dst))
+        return packed
+
+    def _exchange(self, comm: Any, mine: bytes, op: str) -> None:
         """Allgather everyone's descriptor and run the same check on every member."""
-        mine = validate.pack(desc)
-        out = self._desc_out
-        out[:] = np.frombuffer(mine, np.uint8)
-        inbuf = self._desc_in[id(comm)]
-        self._wait(comm.Iallgather([out, self.MPI.BYTE], [inbuf, self.MPI.BYTE]), op)
-        size = validate.DESC_BYTES
-        n = comm.Get_size()
-        raw = [inbuf[k * size : (k + 1) * size].tobytes() for k in range(n)]
-        uniform = raw.count(mine) == n
+        n, out, inbuf, sspec, rspec = self._xch[id(comm)]
+        out[:] = mine
+        self._wait(comm.Iallgather(sspec, rspec), op)
+        uniform = inbuf == mine * n
         if uniform and mine in self._checked:
-            return
+            return  # the same call as one already checked, by every member alike
+        size = validate.DESC_BYTES
+        raw = [bytes(inbuf[k * size : (k + 1) * size]) for k in range(n)]
         start = self._me - comm.Get_rank()
         validate.check(op, [validate.unpack(r) for r in raw], range(start, start + n))
         if uniform:
@@ -363,7 +424,7 @@ class MPICCL(CCL):
     # ------------------------------------------------------------------ collectives
     def barrier(self, in_group: bool = False) -> None:
         comm = self._comm(in_group)
-        self._exchange(comm, validate.describe("barrier", None, None), "barrier")
+        self._exchange(comm, self._describe("barrier", None, None), "barrier")
 
     def _reduction(self, dt: np.dtype, op: str) -> tuple[Any, Any]:
         """The MPI datatype and operation that reduce ``dt`` with ``op``."""
@@ -375,35 +436,46 @@ class MPICCL(CCL):
             return mtype, table["sum" if op == "avg" else op]
         return self.user_ops.datatype(dt.itemsize), self.user_ops.op(dt, op)
 
+    def _plan(self, dt: np.dtype, op: str) -> tuple[Any, str]:
+        """How to reduce ``dt`` with ``op``: (MPI datatype and op, or None to fold in
+        rank order; an error), cached (``dtype.name`` alone costs microseconds)."""
+        key = (dt, op)
+        plan = self._plans.get(key)
+        if plan is None:
+            floating = dt.kind in "fc" or dt.name == "bfloat16"
+            if self.ordered and op in ("sum", "prod", "avg") and floating:
+                plan = (None, "")
+            else:
+                try:
+                    plan = (self._reduction(dt, op), "")
+                except Exception as exc:  # every member learns it in the exchange
+                    plan = (None, f"cannot reduce {dt.name} with MPI: {type(exc).__name__}: {exc}")
+            self._plans[key] = plan
+        return plan
+
     def allreduce(self, src: Any, dst: Any, op: str, in_group: bool) -> None:
         comm = self._comm(in_group)
         err = "" if op in _UFUNCS else f"unknown op {op!r}"
         name = f"allreduce:{op}"
         n = comm.Get_size()
-        ordered = self.ordered and op in ("sum", "prod", "avg")
-        reduction = None
+        reduction = None  # None: ordered (gather everything, fold in rank order)
         if not err and isinstance(src, np.ndarray) and n > 1:
-            dt = src.dtype
-            floating = dt.kind in "fc" or dt.name == "bfloat16"
-            ordered = ordered and floating
-            if not ordered:
-                try:
-                    reduction = self._reduction(dt, op)
-                except Exception as exc:  # every member learns it in the exchange
-                    err = f"cannot reduce {dt.name} with MPI: {type(exc).__name__}: {exc}"
-        self._exchange(comm, validate.describe(name, src, dst, error=err), name)
+            reduction, err = self._plan(src.dtype, op)
+        self._exchange(comm, self._describe(name, src, dst, err), name)
         src = np.ascontiguousarray(src)
         if src.size == 0:
             return
         MPI = self.MPI
+        same = _overlap(src, dst)
         if n == 1:
-            if src.ctypes.data != dst.ctypes.data:
+            if same != 1:
                 np.copyto(dst, src)
         elif reduction is None:  # ordered: gather everything, fold in rank order
             parts = np.empty((n, *src.shape), src.dtype)
             self._wait(
                 comm.Iallgather([src, src.nbytes, MPI.BYTE], [parts, src.nbytes, MPI.BYTE]),
                 "allreduce",
+                parts.nbytes,
             )
             ufunc = _UFUNCS[op]
             acc = parts[0]
@@ -412,50 +484,84 @@ class MPICCL(CCL):
             np.copyto(dst, acc)
         else:
             mtype, mop = reduction
-            sbuf = MPI.IN_PLACE if src.ctypes.data == dst.ctypes.data else [src, src.size, mtype]
-            self._wait(comm.Iallreduce(sbuf, [dst, dst.size, mtype], mop), "allreduce")
+            if same == 1:
+                sbuf = MPI.IN_PLACE  # src is dst: no copy, and MPI forbids aliased buffers
+            else:
+                sbuf = [src.copy() if same else src, src.size, mtype]
+            req = comm.Iallreduce(sbuf, [dst, dst.size, mtype], mop)
+            self._wait(req, "allreduce", dst.nbytes)
         if op == "avg":
             np.true_divide(dst, n, out=dst, casting="unsafe")
 
     def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
-        self._exchange(comm, validate.describe("allgather", src, dst), "allgather")
+        self._exchange(comm, self._describe("allgather", src, dst), "allgather")
         src = np.ascontiguousarray(src)
         B = self.MPI.BYTE
-        self._wait(comm.Iallgather([src, src.nbytes, B], [dst, src.nbytes, B]), "allgather")
+        nbytes = src.nbytes
+        sbuf: Any = [src, nbytes, B]
+        if nbytes and np.may_share_memory(src, dst):
+            if _address(src) == _address(dst) + comm.Get_rank() * nbytes:
+                sbuf = self.MPI.IN_PLACE  # src is this member's own slot of dst
+            else:
+                sbuf = [src.copy(), nbytes, B]
+        self._wait(comm.Iallgather(sbuf, [dst, nbytes, B]), "allgather", dst.nbytes)
 
     def gather(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         root = comm.Get_rank() == 0
-        self._exchange(comm, validate.describe("gather", src, dst if root else None), "gather")
+        self._exchange(comm, self._describe("gather", src, dst if root else None), "gather")
         src = np.ascontiguousarray(src)
         B = self.MPI.BYTE
-        rbuf = [dst, src.nbytes, B] if root else None
-        self._wait(comm.Igather([src, src.nbytes, B], rbuf, root=0), "gather")
+        nbytes = src.nbytes
+        sbuf: Any = [src, nbytes, B]
+        rbuf = None
+        if root:
+            rbuf = [dst, nbytes, B]
+            if nbytes and np.may_share_memory(src, dst):
+                same = _address(src) == _address(dst)  # the root's slot is the first
+                sbuf = self.MPI.IN_PLACE if same else [src.copy(), nbytes, B]
+        self._wait(comm.Igather(sbuf, rbuf, root=0), "gather", nbytes * comm.Get_size())
 
     def broadcast(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         root = comm.Get_rank() == 0
-        self._exchange(
-            comm, validate.describe("broadcast", src if root else None, dst), "broadcast"
-        )
+        self._exchange(comm, self._describe("broadcast", src if root else None, dst), "broadcast")
         B = self.MPI.BYTE
         if root:
             src = np.ascontiguousarray(src)
-            req = comm.Ibcast([src, src.nbytes, B], root=0)
-            if src.ctypes.data != dst.ctypes.data:  # overlaps with the transfer
+            same = _overlap(src, dst)
+            if same == 1:  # in place: nothing to copy
+                self._wait(comm.Ibcast([dst, dst.nbytes, B], root=0), "broadcast", dst.nbytes)
+                return
+            if same:  # partly overlapping: copy first, then send from dst
                 np.copyto(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
-            self._wait(req, "broadcast")
+                self._wait(comm.Ibcast([dst, dst.nbytes, B], root=0), "broadcast", dst.nbytes)
+                return
+            req = comm.Ibcast([src, src.nbytes, B], root=0)
+            # The copy overlaps with the transfer (the receivers pull the data).
+            np.copyto(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
+            self._wait(req, "broadcast", dst.nbytes)
         else:
-            self._wait(comm.Ibcast([dst, dst.nbytes, B], root=0), "broadcast")
+            self._wait(comm.Ibcast([dst, dst.nbytes, B], root=0), "broadcast", dst.nbytes)
 
     def scatter(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         root = comm.Get_rank() == 0
-        self._exchange(comm, validate.describe("scatter", src if root else None, dst), "scatter")
+        self._exchange(comm, self._describe("scatter", src if root else None, dst), "scatter")
         B = self.MPI.BYTE
-        sbuf = [np.ascontiguousarray(src), dst.nbytes, B] if root else None
-        self._wait(comm.Iscatter(sbuf, [dst, dst.nbytes, B], root=0), "scatter")
+        nbytes = dst.nbytes
+        rbuf: Any = [dst, nbytes, B]
+        sbuf = None
+        if root:
+            src = np.ascontiguousarray(src)
+            sbuf = [src, nbytes, B]
+            if nbytes and np.may_share_memory(src, dst):
+                if _address(src) == _address(dst):  # dst is the root's own (first) slot
+                    rbuf = self.MPI.IN_PLACE
+                else:
+                    sbuf = [src.copy(), nbytes, B]
+        self._wait(comm.Iscatter(sbuf, rbuf, root=0), "scatter", nbytes * comm.Get_size())
 
     # ------------------------------------------------------------------ point to point
     def _check_peer(self, peer: Any, what: str) -> int:
@@ -480,7 +586,7 @@ class MPICCL(CCL):
         data = np.ascontiguousarray(buf)
         if data.nbytes:
             reqs.append(self.p2p.Isend([data, data.nbytes, self.MPI.BYTE], peer, _DATA_TAG))
-        self._wait(reqs, "send_to_worker")
+        self._wait(reqs, "send_to_worker", data.nbytes)
 
     def recv(self, buf: Any, peer: int) -> None:
         self._comm(False)
@@ -495,7 +601,9 @@ class MPICCL(CCL):
         if nbytes:
             target = np.empty(nbytes, np.uint8) if error else buf
             self._wait(
-                self.p2p.Irecv([target, nbytes, MPI.BYTE], peer, _DATA_TAG), "recv_from_worker"
+                self.p2p.Irecv([target, nbytes, MPI.BYTE], peer, _DATA_TAG),
+                "recv_from_worker",
+                nbytes,
             )
         if error:  # the whole message was drained, so the sender is free
             raise CCLError(f"recv_from_worker: {error}")

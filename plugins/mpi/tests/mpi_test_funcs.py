@@ -82,3 +82,50 @@ def _bad_recv():
         ctx.ccl.send(np.ones(4, "float32"), 1)
     elif ctx.worker_id == 1:
         ctx.ccl.recv(np.empty(3, "float32"), 0)
+
+
+def aliased_input(worker_id: int, n: int = 8) -> np.ndarray:
+    return np.arange(n, dtype="float64") * 10 + worker_id
+
+
+@disco.register_func("mpi_test.aliased", override=True)
+def _aliased(in_group: bool) -> dict:
+    """In-place and overlapping src/dst through the CCL (MPI forbids aliased buffers)."""
+    ctx = current()
+    ccl = ctx.ccl
+    comm = ccl.group if in_group else ccl.world
+    n, r, me = comm.Get_size(), comm.Get_rank(), ctx.worker_id
+    out = {}
+    x = aliased_input(me, 6)
+    ccl.allreduce(x, x, "sum", in_group)  # src is dst
+    out["allreduce_same"] = x
+    b = aliased_input(me)
+    ccl.allreduce(b[0:6], b[2:8], "max", in_group)  # partly overlapping
+    out["allreduce_overlap"] = b[2:8].copy()
+    g = np.zeros(n * 3)
+    g[r * 3 : r * 3 + 3] = aliased_input(me, 3)
+    ccl.allgather(g[r * 3 : r * 3 + 3], g, in_group)  # src is this member's slot
+    out["allgather_slot"] = g
+    h = np.zeros(n * 3)
+    h[0:3] = aliased_input(me, 3)
+    ccl.allgather(h[0:3], h, in_group)  # src is slot 0: in place only on rank 0
+    out["allgather_first"] = h
+    c = aliased_input(me)
+    ccl.broadcast(c[0:6], c[2:8], in_group)  # the root's src and dst overlap
+    out["broadcast_overlap"] = c[2:8].copy()
+    d = np.zeros(n * 3)
+    d[0:3] = aliased_input(me, 3)
+    if r == 0:
+        ccl.gather(d[0:3], d, in_group)  # the root's src is its own slot
+        out["gather_root_slot"] = d
+    else:
+        ccl.gather(d[0:3], None, in_group)
+    s = np.repeat(np.arange(n, dtype="float64"), 3) + 100 * me
+    if r == 0:
+        ccl.scatter(s, s[0:3], in_group)  # the root's dst is its own slot
+        out["scatter_root_slot"] = s[0:3].copy()
+    else:
+        t = np.zeros(3)
+        ccl.scatter(None, t, in_group)
+        out["scatter_root_slot"] = t
+    return out

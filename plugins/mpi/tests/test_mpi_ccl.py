@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from mpi_test_funcs import make
+from mpi_test_funcs import aliased_input, make
 
 import disco_core as disco
 from disco_core.errors import CCLError, WorkerDiedError, WorkerError
@@ -166,6 +166,29 @@ def test_large_allreduce(sess):
     sess.allreduce(x, y, "sum", in_group=False)
     got = y.debug_get_from_remote(sess.num_workers - 1)
     assert got.shape == (3 << 20,) and np.all(got == sess.num_workers)
+
+
+@pytest.mark.parametrize("in_group", [True, False])
+def test_in_place_and_overlapping_buffers(sess, in_group):
+    res = sess.call_packed("mpi_test.aliased", in_group)
+    for w in range(sess.num_workers):
+        got = res.debug_get_from_remote(w)
+        members = _members(sess, w, in_group)
+        root = members[0]
+        np.testing.assert_array_equal(
+            got["allreduce_same"], sum(aliased_input(m, 6) for m in members)
+        )
+        np.testing.assert_array_equal(
+            got["allreduce_overlap"], np.max([aliased_input(m)[0:6] for m in members], axis=0)
+        )
+        slots = np.concatenate([aliased_input(m, 3) for m in members])
+        np.testing.assert_array_equal(got["allgather_slot"], slots)
+        np.testing.assert_array_equal(got["allgather_first"], slots)
+        np.testing.assert_array_equal(got["broadcast_overlap"], aliased_input(root)[0:6])
+        if w == root:
+            np.testing.assert_array_equal(got["gather_root_slot"], slots)
+        index = members.index(w)
+        np.testing.assert_array_equal(got["scatter_root_slot"], np.full(3, index + 100.0 * root))
 
 
 def test_point_to_point(sess):
