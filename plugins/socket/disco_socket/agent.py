@@ -2,14 +2,20 @@
 
 It connects to the controller (retrying while the controller is not up yet),
 authenticates both ways, starts its N workers as child processes (the core's
-``python -m disco_core.worker``, through :class:`ProcessWorkerLink`) and then only
-relays: command frames from the socket to the workers' pipes, reply frames from
-the pipes to the socket, as bytes, never unpickled. It exits, and its workers with
-it, when the session shuts down or the controller disappears.
+``python -m disco_core.worker``) and then only relays command frames from the
+socket to the workers' pipes, as bytes, never unpickled.
+
+Replies: without TLS, the agent opens one authenticated reply connection per
+worker and hands it to the worker as its ``--reply-fd``, so the worker writes its
+replies straight to the controller (no pipe, no relay). With TLS (a worker cannot
+speak TLS on a raw file descriptor), replies go through a pipe and the agent
+relays them over its TLS connection. It exits, and its workers with it, when the
+session shuts down or the controller disappears.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -22,16 +28,19 @@ import signal
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from typing import Any
 
-from disco_core.channels.process import ProcessWorkerLink, worker_env
+from disco_core.channels.process import describe_exit, worker_env
 
 from . import wire
 from .wire import (
     ALL,
+    DATA_MAGIC,
     HELLO,
     K_BYE,
     K_DIED,
@@ -157,7 +166,118 @@ def handshake(sock: socket.socket, token: bytes, workers: int) -> dict:
     ids = welcome.get("worker_ids")
     if not isinstance(ids, list) or len(ids) != workers or not all(isinstance(i, int) for i in ids):
         raise HandshakeError("malformed welcome")
+    welcome["data_key"] = wire.data_key(token, nonce_node, nonce_ctrl)
     return welcome
+
+
+def open_reply_connection(
+    host: str, port: int, key: bytes, node_id: int, gid: int, timeout: float = 30.0
+) -> socket.socket:
+    """Open and authenticate worker ``gid``'s reply connection (see :mod:`disco_socket.wire`)."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        wire.tune_socket(sock)
+        nonce_node = wire.new_nonce()
+        data = json.dumps({"node_id": node_id, "worker": gid, "nonce": nonce_node}).encode()
+        sock.sendall(HELLO.pack(DATA_MAGIC, PROTOCOL_VERSION) + wire.U32.pack(len(data)) + data)
+        challenge = wire.recv_json(sock)
+        if "error" in challenge:
+            raise HandshakeError(str(challenge["error"]))
+        nonce_ctrl = challenge.get("nonce")
+        if not isinstance(nonce_ctrl, str) or not 32 <= len(nonce_ctrl) <= 128:
+            raise HandshakeError("malformed reply-connection challenge")
+        wire.send_json(sock, {"proof": wire.proof(key, f"data-node/{gid}", nonce_node, nonce_ctrl)})
+        answer = wire.recv_json(sock)
+        if "error" in answer:
+            raise HandshakeError(str(answer["error"]))
+        expected = wire.proof(key, f"data-controller/{gid}", nonce_node, nonce_ctrl)
+        if not wire.check_proof(expected, answer.get("proof")):
+            raise HandshakeError("the controller failed to authenticate a reply connection")
+        sock.settimeout(None)  # blocking: the worker writes to it with os.write
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+def _pipe() -> tuple[int, int]:
+    r, w = os.pipe()
+    try:  # bigger pipes move large arrays in fewer wake-ups
+        fcntl.fcntl(w, _F_SETPIPE_SZ, 1 << 20)
+    except OSError:
+        pass
+    return r, w
+
+
+class WorkerProc:
+    """One local worker process: a command pipe, and replies to ``reply_sock`` or a pipe.
+
+    With ``reply_sock`` (a reply connection) the worker writes its replies to the
+    controller itself; the agent keeps no copy of the socket and watches the worker
+    through a pipe whose write end only the worker holds (end of file: it exited).
+    Without, replies come up the pipe ``reply_r`` for the agent to relay.
+    """
+
+    def __init__(
+        self,
+        gid: int,
+        num_workers: int,
+        num_groups: int,
+        entrypoint: str,
+        env: dict,
+        reply_sock: socket.socket | None = None,
+    ) -> None:
+        self.gid = gid
+        cmd_r, self.cmd_w = _pipe()
+        self.reply_r: int | None = None
+        if reply_sock is None:
+            self.reply_r, reply_w = _pipe()
+            self.watch_r = self.reply_r
+            keep: tuple[int, ...] = ()
+        else:
+            reply_w = reply_sock.fileno()
+            self.watch_r, life_w = os.pipe()
+            keep = (life_w,)
+        argv = [
+            sys.executable, "-m", entrypoint,
+            "--worker-id", str(gid), "--num-workers", str(num_workers),
+            "--num-groups", str(num_groups), "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w),
+        ]  # fmt: skip
+        try:
+            self.proc = subprocess.Popen(
+                argv, pass_fds=(cmd_r, reply_w, *keep), env=env, stdin=subprocess.DEVNULL
+            )
+        finally:
+            os.close(cmd_r)
+            if reply_sock is None:
+                os.close(reply_w)
+            else:
+                reply_sock.close()  # the worker's now: its exit closes the connection
+            for fd in keep:
+                os.close(fd)
+
+    def exit_reason(self, wait: float = 0.0) -> str | None:
+        try:
+            code = self.proc.wait(wait) if wait else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            return None
+        return f"worker {self.gid} (pid {self.proc.pid}) {describe_exit(code)}"
+
+    def close(self, deadline: float) -> None:
+        try:
+            os.close(self.cmd_w)  # EOF: an idle worker exits even without the command
+        except OSError:
+            pass
+        try:
+            self.proc.wait(max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 _CAN_SPLICE = hasattr(os, "splice")
@@ -242,10 +362,29 @@ class _ReplyRelay:
             self.buf += chunk
 
 
+class _ExitWatch:
+    """Watches a worker that writes its replies itself: end of file when it exits."""
+
+    sending = False
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def pump(self) -> None:
+        if not os.read(self.fd, 4096):
+            raise EOFError("worker exited")
+
+
 class Agent:
     """Relays one node's traffic (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, welcome: dict, peer: str) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        welcome: dict,
+        peer: str,
+        reply_socks: dict[int, socket.socket] | None = None,
+    ) -> None:
         self.sock = sock
         self.peer = peer
         self.node_id = int(welcome["node_id"])
@@ -265,9 +404,18 @@ class Agent:
         if not re.fullmatch(r"[A-Za-z_][\w.]*", entrypoint):
             raise HandshakeError(f"bad worker entry point {entrypoint!r}")
         nw, ng = int(welcome["num_workers"]), int(welcome["num_groups"])
-        self.links: list[ProcessWorkerLink] = []
-        for gid in self.ids:
-            self.links.append(ProcessWorkerLink(gid, nw, ng, entrypoint, env))
+        socks = dict(reply_socks or {})
+        self.links: list[WorkerProc] = []
+        try:
+            for gid in self.ids:
+                self.links.append(WorkerProc(gid, nw, ng, entrypoint, env, socks.pop(gid, None)))
+        except BaseException:
+            for s in socks.values():
+                s.close()
+            for link in self.links:
+                link.proc.kill()
+                link.close(time.monotonic() + 1)
+            raise
         self.queues = [queue.SimpleQueue() for _ in self.links]
         self.writers = [
             threading.Thread(target=self._write_loop, args=(i,), daemon=True, name=f"to-{gid}")
@@ -313,8 +461,11 @@ class Agent:
         relays = {}
         splice = _CAN_SPLICE and not isinstance(self.sock, ssl.SSLSocket)
         for i, link in enumerate(self.links):
-            relays[link.reply_r] = _ReplyRelay(link.reply_r, self.ids[i], self, splice)
-            sel.register(link.reply_r, selectors.EVENT_READ, i)
+            if link.reply_r is None:
+                relays[link.watch_r] = _ExitWatch(link.watch_r)
+            else:
+                relays[link.watch_r] = _ReplyRelay(link.reply_r, self.ids[i], self, splice)
+            sel.register(link.watch_r, selectors.EVENT_READ, i)
         while relays:
             for key, _ in sel.select():
                 relay = relays[key.fd]
@@ -502,12 +653,27 @@ def run_agent(
             raise AgentError(
                 f"the controller at {host}:{port} refused this node: {exc}", EXIT_REFUSED
             ) from None
+        reply_socks: dict[int, socket.socket] = {}
+        if welcome.get("direct") and ssl_context is None:
+            try:
+                for gid in welcome["worker_ids"]:
+                    reply_socks[gid] = open_reply_connection(
+                        host, port, welcome["data_key"], int(welcome["node_id"]), gid
+                    )
+            except (HandshakeError, OSError, ValueError) as exc:
+                for s in [sock, *reply_socks.values()]:
+                    s.close()
+                raise AgentError(
+                    f"the controller at {host}:{port} refused a reply connection: {exc}",
+                    EXIT_REFUSED,
+                ) from None
         sock.settimeout(None)
         log.info(
-            "disco-socket: joined %s:%d as node %s (workers %s)",
+            "disco-socket: joined %s:%d as node %s (workers %s%s)",
             host, port, welcome["node_id"], welcome["worker_ids"],
+            ", direct replies" if reply_socks else "",
         )  # fmt: skip
-        agent = Agent(sock, welcome, f"{host}:{port}")
+        agent = Agent(sock, welcome, f"{host}:{port}", reply_socks)
     except AgentError as exc:
         log.error("disco-socket: %s", exc)
         return exc.code

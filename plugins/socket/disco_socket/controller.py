@@ -33,6 +33,7 @@ from disco_core.protocol import decode, frame_head
 from . import wire
 from .wire import (
     ALL,
+    DATA_MAGIC,
     HELLO,
     K_BYE,
     K_DIED,
@@ -66,9 +67,13 @@ def _span(ids: Sequence[int]) -> str:
 class NodeLink(WorkerLink):
     """The controller's connection to one remote node and, through it, to its workers.
 
-    One reader thread per node receives the replies (tagged with their global worker
-    id) straight into their arrays' memory and hands them to the :class:`ReplyHub`;
-    a closed connection marks every worker of the node dead at once.
+    One reader thread per node receives what the agent sends (relayed replies
+    tagged with their global worker id, death reports, module-file answers) and
+    hands replies to the :class:`ReplyHub`; a closed connection marks every worker
+    of the node dead at once. With reply connections (``data``: global worker id
+    -> socket), each worker's replies arrive on its own connection, written there
+    by the worker itself, and one more thread per worker receives them straight
+    into their arrays' memory.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class NodeLink(WorkerLink):
         worker_ids: Sequence[int],
         hub: ReplyHub,
         info: dict,
+        data: dict[int, socket.socket] | None = None,
     ) -> None:
         self.node_id = node_id
         self.sock = sock
@@ -97,7 +103,16 @@ class NodeLink(WorkerLink):
         self.reader = threading.Thread(
             target=self._read_loop, name=f"disco-socket-node{node_id}", daemon=True
         )
+        self.data = dict(data or {})
+        self.data_readers = [
+            threading.Thread(
+                target=self._data_loop, args=(gid, conn), name=f"disco-socket-w{gid}", daemon=True
+            )
+            for gid, conn in self.data.items()
+        ]
         self.reader.start()
+        for t in self.data_readers:
+            t.start()
 
     def describe(self) -> str:
         return f"node {self.node_id} ({self.peer}, workers {_span(self.worker_ids)})"
@@ -219,6 +234,43 @@ class NodeLink(WorkerLink):
         return staged
 
     # ------------------------------------------------------------------ receiving
+    def _deliver(self, gid: int, header: bytes, buffers: list) -> None:
+        try:
+            msg = decode(header, buffers)
+        except Exception as exc:  # noqa: BLE001 - a reply this process cannot load
+            msg = (
+                "fail",
+                WorkerError(
+                    gid,
+                    type(exc).__name__,
+                    f"the worker's reply could not be unpickled on the controller: {exc}",
+                ),
+            )
+        self.hub.deliver(gid, msg)
+
+    def _data_loop(self, gid: int, conn: socket.socket) -> None:
+        """Replies of worker ``gid`` from its own (authenticated) reply connection."""
+        reader = StreamReader(conn)
+        hub = self.hub
+        try:
+            while True:
+                header, buffers, _ = reader.read_frame()
+                self._deliver(gid, header, buffers)
+        except (EOFError, OSError, ValueError, struct.error) as exc:
+            if hub.closing:
+                return
+            # The worker exited (its agent reports why) or the node went away (the
+            # node's connection says so): give those better reasons a moment.
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not hub.closing:
+                if gid in hub.dead or self.dead_reason is not None:
+                    break
+                time.sleep(0.02)
+            reason = self.dead_reason or (
+                f"worker {gid}'s reply connection closed ({exc}) (on {self.describe()})"
+            )
+            hub.mark_dead([gid], reason)
+
     def _read_loop(self) -> None:
         reader = StreamReader(self.sock)
         hub = self.hub
@@ -228,20 +280,9 @@ class NodeLink(WorkerLink):
                 kind, arg = reader.read_msg()
                 if kind == K_FRAME:
                     header, buffers, _ = reader.read_frame()
-                    if arg not in ids:
+                    if arg not in ids or arg in self.data:
                         raise EOFError(f"protocol error: a reply tagged worker {arg}")
-                    try:
-                        msg = decode(header, buffers)
-                    except Exception as exc:  # noqa: BLE001 - a reply this process cannot load
-                        msg = (
-                            "fail",
-                            WorkerError(
-                                arg,
-                                type(exc).__name__,
-                                f"the worker's reply could not be unpickled on the controller: {exc}",
-                            ),
-                        )
-                    hub.deliver(arg, msg)
+                    self._deliver(arg, header, buffers)
                 elif kind == K_DIED:
                     reason = reader.read_blob().decode(errors="replace")
                     if arg in ids and not hub.closing:
@@ -281,12 +322,40 @@ class NodeLink(WorkerLink):
             pass
         self.reader.join(1.0)
         self.sock.close()
+        self._close_data(max(0.1, deadline - time.monotonic()))
+
+    def _close_data(self, wait: float) -> None:
+        # The workers close their reply connections when they exit.
+        end = time.monotonic() + wait
+        for t in self.data_readers:
+            t.join(max(0.0, end - time.monotonic()))
+        for conn in self.data.values():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self.data_readers:
+            t.join(1.0)
+        for conn in self.data.values():
+            conn.close()
 
     def kill(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        for conn in [self.sock, *self.data.values()]:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _PendingNode:
+    """A node between its welcome and the arrival of all its reply connections."""
+
+    def __init__(self, key: bytes, ids: set[int], peer: str) -> None:
+        self.key = key
+        self.ids = ids
+        self.peer = peer
+        self.socks: dict[int, socket.socket] = {}
+        self.done = threading.Event()
 
 
 def _is_loopback(host: str) -> bool:
@@ -327,6 +396,11 @@ class SocketChannel(LinkChannel):
         Ship ``load_vm_module`` files to nodes that do not have them (default True).
     handshake_timeout : float
         Seconds one connection may take to authenticate.
+    direct_replies : bool
+        Without TLS (default True): every remote worker writes its replies to its
+        own authenticated connection to the controller, instead of through its
+        agent. With TLS, replies are always relayed over the node's TLS connection
+        (a worker writes plain bytes to its file descriptor; it cannot speak TLS).
     """
 
     kind = "socket"
@@ -345,6 +419,7 @@ class SocketChannel(LinkChannel):
         entrypoint: str = "disco_core.worker",
         ship_modules: bool = True,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        direct_replies: bool = True,
     ) -> None:
         for name, value in (
             ("num_nodes", num_nodes),
@@ -367,6 +442,9 @@ class SocketChannel(LinkChannel):
         self._token = wire.resolve_token(token)
         self._ssl = ssl_context
         self._handshake_timeout = float(handshake_timeout)
+        self._direct = bool(direct_replies) and ssl_context is None
+        #: node id -> its reply connections while it completes its handshake
+        self._pending: dict[int, _PendingNode] = {}
         self._free_ids = list(range(1, num_nodes))
         self._ids_lock = threading.Lock()
         self._joined: queue.SimpleQueue = queue.SimpleQueue()
@@ -473,8 +551,14 @@ class SocketChannel(LinkChannel):
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(conn, server_side=True)
             magic, version = HELLO.unpack(wire.recv_exact(conn, HELLO.size))
-            if magic != MAGIC:
+            if magic == DATA_MAGIC and self._direct and version == PROTOCOL_VERSION:
+                self._data_handshake(conn)
+                return
+            if magic not in (MAGIC, DATA_MAGIC):
                 raise HandshakeError("not a disco-socket node agent (bad magic bytes)")
+            if magic == DATA_MAGIC and version == PROTOCOL_VERSION:
+                wire.send_json(conn, {"error": "this session takes no reply connections"})
+                raise HandshakeError("a reply connection, but this session relays replies")
             if version != PROTOCOL_VERSION:
                 msg = (
                     f"protocol version mismatch: the controller speaks disco-socket protocol "
@@ -514,6 +598,14 @@ class SocketChannel(LinkChannel):
                 raise HandshakeError("the session already has all its nodes")
             first = node_id * self.per_node
             ids = list(range(first, first + self.per_node))
+            pending = None
+            if self._direct:
+                # Registered before the welcome: the node's reply connections follow it.
+                pending = _PendingNode(
+                    wire.data_key(self._token, nonce_node, nonce_ctrl), set(ids), peer
+                )
+                with self._ids_lock:
+                    self._pending[node_id] = pending
             wire.send_json(
                 conn,
                 {
@@ -525,8 +617,19 @@ class SocketChannel(LinkChannel):
                     "worker_ids": ids,
                     "entrypoint": self.entrypoint,
                     "sys_path": [p if p else os.getcwd() for p in sys.path],
+                    "direct": self._direct,
                 },
             )
+            data = None
+            if pending is not None:
+                if not pending.done.wait(self._handshake_timeout):
+                    raise HandshakeError(
+                        f"only {len(pending.socks)} of {len(ids)} reply connections arrived "
+                        f"within {self._handshake_timeout:g} s"
+                    )
+                with self._ids_lock:
+                    del self._pending[node_id]
+                    data = dict(pending.socks)
             conn.settimeout(None)
             info = {
                 "node_id": node_id,
@@ -535,12 +638,16 @@ class SocketChannel(LinkChannel):
                 "pid": hello.get("pid"),
                 "worker_ids": ids,
             }
-            link = NodeLink(node_id, conn, peer, ids, self.hub, info)
+            link = NodeLink(node_id, conn, peer, ids, self.hub, info, data)
             node_id = None
             log.info("disco-socket: %s joined (agent pid %s)", link.describe(), info["pid"])
             self._joined.put(link)
         except (HandshakeError, OSError, ValueError, struct.error) as exc:
             if node_id is not None:
+                with self._ids_lock:
+                    left = self._pending.pop(node_id, None)
+                for sock in left.socks.values() if left is not None else ():
+                    sock.close()
                 self._release_id(node_id)
             self.rejected.append(f"{peer}: {exc}")
             log.warning("disco-socket: rejected the connection from %s: %s", peer, exc)
@@ -548,6 +655,43 @@ class SocketChannel(LinkChannel):
                 conn.close()
             except OSError:
                 pass
+
+    def _data_handshake(self, conn: socket.socket) -> None:
+        """Authenticate a worker's reply connection (raises :class:`HandshakeError`).
+
+        Only JSON is read: the peer must name a node whose handshake is under way
+        and one of its workers not yet connected, and prove it knows that node's
+        :func:`~disco_socket.wire.data_key`; otherwise it is dropped.
+        """
+        hello = wire.recv_json(conn)
+        node_id, gid, nonce_node = hello.get("node_id"), hello.get("worker"), hello.get("nonce")
+        if not isinstance(nonce_node, str) or not 32 <= len(nonce_node) <= 128:
+            raise HandshakeError("malformed reply-connection hello (nonce)")
+        with self._ids_lock:
+            pending = self._pending.get(node_id) if isinstance(node_id, int) else None
+        if pending is None or gid not in pending.ids or gid in pending.socks:
+            wire.send_json(conn, {"error": "unexpected reply connection"})
+            raise HandshakeError(
+                f"an unexpected reply connection (node {node_id!r}, worker {gid!r})"
+            )
+        nonce_ctrl = wire.new_nonce()
+        wire.send_json(conn, {"nonce": nonce_ctrl})
+        auth = wire.recv_json(conn)
+        expected = wire.proof(pending.key, f"data-node/{gid}", nonce_node, nonce_ctrl)
+        if not wire.check_proof(expected, auth.get("proof")):
+            wire.send_json(conn, {"error": "authentication failed"})
+            raise HandshakeError("authentication failed on a reply connection (wrong proof)")
+        wire.send_json(
+            conn,
+            {"proof": wire.proof(pending.key, f"data-controller/{gid}", nonce_node, nonce_ctrl)},
+        )
+        conn.settimeout(None)
+        with self._ids_lock:
+            if gid in pending.socks or self._pending.get(node_id) is not pending:
+                raise HandshakeError(f"a second reply connection for worker {gid}")
+            pending.socks[gid] = conn
+            if len(pending.socks) == len(pending.ids):
+                pending.done.set()
 
     def _wait_ready(self) -> None:
         limit = max(start_timeout(), 1.0)

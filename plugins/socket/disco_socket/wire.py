@@ -11,6 +11,23 @@ A connection has two phases.
     controller -> node   JSON {"proof": HMAC(token, "controller" | ...), "node_id": k, ...}
                          or {"error": "authentication failed"}
 
+**Reply connections** (protocol 2, without TLS): right after its welcome, the node
+opens one more connection per worker to the same address, and the controller
+holds the node back until every one of them has authenticated::
+
+    node -> controller   DATA_MAGIC | u32 protocol version | JSON
+                         {"node_id": k, "worker": global id, "nonce": hex}
+    controller -> node   JSON {"nonce": hex}   or   {"error": ...}
+    node -> controller   JSON {"proof": HMAC(key, "data-node/<id>" | nonces)}
+    controller -> node   JSON {"proof": HMAC(key, "data-controller/<id>" | nonces)}
+
+``key`` = :func:`data_key` of the token and the node's handshake nonces, so a reply
+connection is bound to its node's authenticated session. The node then hands the
+socket to the worker as its ``--reply-fd``: the worker's reply frames (exactly as
+:mod:`disco_core.protocol` writes them) go straight to the controller, without
+the agent in between. With TLS there are no reply connections: replies are
+relayed over the node's TLS connection.
+
 Every JSON message is ``u32 length | UTF-8 JSON object`` of at most
 :data:`MAX_HANDSHAKE_BYTES`. Both sides prove they know the shared token; the token
 itself never travels. A peer that fails any step is dropped.
@@ -24,7 +41,8 @@ itself never travels. A peer that fails any step is dropped.
     :mod:`disco_core.protocol` writes it to a worker's pipe
     (``u64 header_len | u32 num_buffers | u32 flags | u64 lens... | header | buffers``).
 ``FRAME`` (node -> controller)
-    ``arg`` = the global id of the replying worker, then one frame.
+    ``arg`` = the global id of the replying worker, then one frame (only when the
+    node has no reply connections, i.e. with TLS or ``direct_replies=False``).
 ``DIED`` (node -> controller)
     ``arg`` = the global id of a worker that died, then ``u32 length | UTF-8 reason``.
 ``STAT`` / ``FILE`` (controller -> node), ``STAT`` (node -> controller)
@@ -48,6 +66,8 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "PROTOCOL_VERSION",
     "MAGIC",
@@ -58,11 +78,15 @@ __all__ = [
     "recv_json",
     "proof",
     "new_nonce",
+    "data_key",
+    "alloc",
     "resolve_token",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"DISCOSOK"
+#: First bytes of a reply connection (one per worker, after the node's handshake).
+DATA_MAGIC = b"DISCODAT"
 HELLO = struct.Struct("<8sI")
 MAX_HANDSHAKE_BYTES = 64 * 1024
 
@@ -97,6 +121,12 @@ def proof(token: bytes, role: str, nonce_node: str, nonce_ctrl: str) -> str:
     """HMAC-SHA256 proof that the ``role`` side knows ``token`` (bound to both nonces)."""
     msg = f"disco-socket/{PROTOCOL_VERSION}/{role}\0{nonce_node}\0{nonce_ctrl}".encode()
     return hmac.new(token, msg, hashlib.sha256).hexdigest()
+
+
+def data_key(token: bytes, nonce_node: str, nonce_ctrl: str) -> bytes:
+    """The key a node's reply connections authenticate with (bound to its handshake)."""
+    msg = f"disco-socket/{PROTOCOL_VERSION}/data-key\0{nonce_node}\0{nonce_ctrl}".encode()
+    return hmac.new(token, msg, hashlib.sha256).digest()
 
 
 def check_proof(expected: str, got: Any) -> bool:
@@ -194,8 +224,8 @@ class StreamReader:
     def read_msg(self) -> tuple[int, int]:
         return MSG.unpack(self.take(MSG.size))
 
-    def read_frame(self) -> tuple[bytes, list[bytearray], int]:
-        """One frame: ``(header, buffers, flags)``; buffers are fresh, writable memory."""
+    def read_frame(self) -> tuple[bytes, list[Any], int]:
+        """One frame: ``(header, buffers, flags)``; buffers are fresh memory (:func:`alloc`)."""
         hlen, nbuf, flags = FRAME_PREFIX.unpack(self.take(FRAME_PREFIX.size))
         lens = struct.unpack(f"<{nbuf}Q", self.take(8 * nbuf)) if nbuf else ()
         if hlen > MAX_FRAME_BYTES or sum(lens) > MAX_FRAME_BYTES or nbuf > 1 << 20:
@@ -203,7 +233,7 @@ class StreamReader:
         header = self.take(hlen)
         buffers = []
         for n in lens:
-            b = bytearray(n)
+            b = alloc(n)
             if n:
                 with memoryview(b) as view:
                     self.read_into(view)
@@ -215,6 +245,17 @@ class StreamReader:
         if n > limit:
             raise EOFError(f"message too large ({n} bytes)")
         return self.take(n)
+
+
+def alloc(n: int) -> Any:
+    """Writable memory for an ``n``-byte out-of-band buffer, left uninitialised.
+
+    ``bytearray(n)`` zero-fills with 4 KiB pages (about 30 ms for 64 MiB here,
+    longer than the transfer itself); numpy's allocator skips the fill and asks
+    for transparent huge pages, so the pages are faulted in cheaply by the
+    ``recv_into`` that fills them. Unpickled arrays use this memory as is.
+    """
+    return np.empty(n, np.uint8)
 
 
 def frame_head(header: bytes, buffers: Sequence[Any], flags: int) -> bytes:
