@@ -14,6 +14,7 @@
 """
 
 from .client import (
+    BenchmarkResult,
     LocalSession,
     PopenSession,
     RemoteDevice,
@@ -27,12 +28,16 @@ from .client import (
     tensor,
 )
 from .errors import RPCAuthError, RPCError, RPCSessionTimeoutError
+from .minrpc import with_minrpc
+from .proxy import Proxy
 from .server import Server, serve_stdio
+from .tracker import Tracker, TrackerSession, connect_tracker
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Server",
+    "BenchmarkResult",
     "connect",
     "RPCSession",
     "LocalSession",
@@ -45,6 +50,11 @@ __all__ = [
     "tensor",
     "empty",
     "serve_stdio",
+    "Tracker",
+    "Proxy",
+    "with_minrpc",
+    "TrackerSession",
+    "connect_tracker",
     "RPCError",
     "RPCSessionTimeoutError",
     "RPCAuthError",

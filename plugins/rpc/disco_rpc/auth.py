@@ -88,23 +88,45 @@ def client_handshake(conn, key: str, token: bytes | None) -> None:
         raise RPCAuthError("the server failed to prove it knows the token")
 
 
-def server_handshake(conn, key: str, token: bytes | None) -> bool:
+def read_hello(conn) -> tuple[int, bytes, bytes] | None:
+    """Read a client's hello: ``(version, key bytes, client nonce)``, or None if it is not one."""
+    magic, version, keylen = _HELLO.unpack(conn.read_exact(_HELLO.size))
+    if magic != MAGIC or keylen > MAX_KEY_BYTES:
+        return None
+    kb = bytes(conn.read_exact(keylen))
+    cnonce = bytes(conn.read_exact(32))
+    return version, kb, cnonce
+
+
+def pack_hello(version: int, kb: bytes, cnonce: bytes) -> bytes:
+    """The bytes of a hello (a proxy forwards the client's own hello to the server)."""
+    return _HELLO.pack(MAGIC, version, len(kb)) + kb + cnonce
+
+
+def server_handshake(conn, key: str, token: bytes | None, key_check=None, hello=None) -> bool:
     """Run the server side; return True when the client may proceed.
 
     Reads only fixed-size fields; a peer that is not a client, sends the wrong key
-    or fails authentication gets a status code and ``False``.
+    or fails authentication gets a status code and ``False``. ``key_check(key_bytes)``,
+    when given, decides instead of comparing with ``key``. The key the client
+    presented is left in ``conn.peer_key`` (str). ``hello`` is the result of
+    :func:`read_hello` when the caller has read it already.
     """
-    magic, version, keylen = _HELLO.unpack(conn.read_exact(_HELLO.size))
-    if magic != MAGIC or keylen > MAX_KEY_BYTES:
-        return False
-    kb = bytes(conn.read_exact(keylen))
-    cnonce = bytes(conn.read_exact(32))
+    if hello is None:
+        hello = read_hello(conn)
+        if hello is None:
+            return False
+    version, kb, cnonce = hello
     snonce = os.urandom(32)
     status = OK
     if version != VERSION:
         status = BAD_VERSION
+    elif key_check is not None:
+        if not key_check(kb):
+            status = KEY_MISMATCH
     elif key and kb != key.encode("utf-8"):
         status = KEY_MISMATCH
+    conn.peer_key = kb.decode("utf-8", "replace")
     conn.t.send_parts([_REPLY.pack(MAGIC, VERSION, status, 1 if token else 0, snonce)])
     if status != OK:
         return False

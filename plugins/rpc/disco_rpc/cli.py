@@ -1,4 +1,5 @@
-"""The ``disco-rpc`` command: ``server``, ``stdio``, ``upload``, ``download``, ``ls``."""
+"""The ``disco-rpc`` command: ``server``, ``tracker``, ``proxy``, ``query``, ``stdio``,
+``upload``, ``download``, ``ls``."""
 
 from __future__ import annotations
 
@@ -74,6 +75,31 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--silent", action="store_true")
     s.epilog = "The token is read from $DISCO_TOKEN."
 
+    t = sub.add_parser("tracker", help="run an RPC tracker in the foreground")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=9190)
+    t.add_argument("--port-end", type=int, default=9199)
+    t.add_argument("--tls-cert", default=None)
+    t.add_argument("--tls-key", default=None)
+    t.add_argument("--match-timeout", type=float, default=10.0)
+    t.add_argument("--allow-insecure-bind", action="store_true")
+    t.add_argument("--silent", action="store_true")
+    t.epilog = "The token is read from $DISCO_TOKEN."
+
+    q = sub.add_parser("query", help="print a tracker's servers and queues")
+    q.add_argument("--host", default="127.0.0.1")
+    q.add_argument("--port", type=int, default=9190)
+    q.add_argument("--tls-ca", default=None)
+    q.add_argument("--tls-insecure", action="store_true")
+
+    px = sub.add_parser("proxy", help="run an RPC proxy in the foreground")
+    px.add_argument("--host", default="127.0.0.1")
+    px.add_argument("--port", type=int, default=9090)
+    px.add_argument("--port-end", type=int, default=9199)
+    px.add_argument("--tracker", default=None, help="host:port of a tracker to register with")
+    px.add_argument("--allow-insecure-bind", action="store_true")
+    px.add_argument("--silent", action="store_true")
+
     st = sub.add_parser("stdio", help="serve one session on stdin/stdout (for PopenSession)")
     st.add_argument("--load-library", default=None)
 
@@ -93,9 +119,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             c.add_argument("path", nargs="?", default=".")
 
+    s.add_argument("--tracker", default=None, help="host:port of a tracker to register with")
+    s.add_argument("--custom-addr", default=None, help="the host the tracker tells clients")
+    s.add_argument("--through-proxy", action="store_true", help="--host/--port name a proxy")
+
     args = p.parse_args(argv)
     if args.cmd == "server":
+        if args.tracker or args.through_proxy:
+            return _managed_server(args)
         return _server(args)
+    if args.cmd in ("tracker", "proxy"):
+        return _tracker_or_proxy(args)
+    if args.cmd == "query":
+        from .tracker import connect_tracker
+
+        ctx = _tls_client(args.tls_ca, args.tls_insecure)
+        with connect_tracker(args.host, args.port, ssl_context=ctx) as ts:
+            print(ts.text_summary())
+        return 0
     if args.cmd == "stdio":
         from .server import serve_stdio
 
@@ -112,6 +153,91 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("\n".join(sess.listdir(args.path)))
     return 0
+
+
+def _hostport(text: str | None):
+    if not text:
+        return None
+    host, _, port = text.rpartition(":")
+    return (host or "127.0.0.1", int(port))
+
+
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+def _wait_forever(obj) -> int:
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while obj.pid is not None:
+            pid, _ = os.waitpid(obj.pid, os.WNOHANG)
+            if pid:
+                obj.pid = None
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        obj.terminate()
+    return 0
+
+
+def _tracker_or_proxy(args) -> int:
+    logging.basicConfig(
+        level=logging.ERROR if args.silent else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    from .errors import RPCError
+
+    try:
+        if args.cmd == "tracker":
+            from .tracker import Tracker
+
+            obj = Tracker(
+                args.host, args.port, args.port_end, args.silent,
+                ssl_context=_tls_server(args.tls_cert, args.tls_key),
+                match_timeout=args.match_timeout, allow_insecure_bind=args.allow_insecure_bind,
+            )  # fmt: skip
+        else:
+            from .proxy import Proxy
+
+            obj = Proxy(
+                args.host, args.port, args.port_end, tracker_addr=_hostport(args.tracker),
+                allow_insecure_bind=args.allow_insecure_bind,
+            )  # fmt: skip
+    except RPCError as exc:
+        print(f"disco-rpc: {exc}", file=sys.stderr)
+        return 1
+    print(f"disco-rpc {args.cmd} listening on {obj.host}:{obj.port}", flush=True)
+    return _wait_forever(obj)
+
+
+def _managed_server(args) -> int:
+    from .errors import RPCError
+    from .server import Server
+
+    logging.basicConfig(
+        level=logging.ERROR if args.silent else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        srv = Server(
+            args.host, args.port, args.port_end, is_proxy=args.through_proxy,
+            tracker_addr=_hostport(args.tracker), key=args.key,
+            load_library=args.load_library, custom_addr=args.custom_addr, no_fork=args.no_fork,
+            timeout=args.timeout, work_dir=args.work_dir,
+            max_message_bytes=args.max_message_bytes,
+            ssl_context=_tls_server(args.tls_cert, args.tls_key),
+            allow_insecure_bind=args.allow_insecure_bind,
+        )  # fmt: skip
+    except RPCError as exc:
+        print(f"disco-rpc: {exc}", file=sys.stderr)
+        return 1
+    print(f"disco-rpc server on {srv.host}:{srv.port}", flush=True)
+    return _wait_forever(srv)
 
 
 def _server(args) -> int:

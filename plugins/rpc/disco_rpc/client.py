@@ -45,6 +45,7 @@ from .handler import (
 from .wire import ERROR, REPLY, REQUEST, FileSource, HandleRef, Pending
 
 __all__ = [
+    "BenchmarkResult",
     "RPCSession",
     "LocalSession",
     "PopenSession",
@@ -117,11 +118,64 @@ class RemoteModule(RemoteObject):
     def __getitem__(self, name: str) -> RemoteFunction:
         return self.get_function(name)
 
-    def time_evaluator(self, func_name: str, dev: Any, number: int = 10, repeat: int = 1, min_repeat_ms: int = 0, **kwargs: Any):  # fmt: skip
-        raise NotImplementedError("time_evaluator arrives with the tracker/timing work (issue 8)")
+    def time_evaluator(self, func_name: str, dev: Any, number: int = 10, repeat: int = 1, min_repeat_ms: float = 0, limit_zero_time_iterations: int = 100, cooldown_interval_ms: float = 0, repeats_to_cooldown: int = 1, f_preproc: str = "", *, restype: str | None = None) -> Callable[..., BenchmarkResult]:  # fmt: skip
+        """A callable that runs ``func_name`` on the server and times it there, as TVM's.
+
+        ``evaluator(*args)`` calls the function once to warm up, then ``repeat``
+        times runs it ``number`` times in a row (more when a repeat lasts under
+        ``min_repeat_ms``), synchronising ``dev`` after each repeat, and returns a
+        :class:`BenchmarkResult` of the per-call seconds of each repeat. Arguments
+        are sent once; remote tensors are passed by reference. ``restype`` sets the
+        result type of a shared library's C function.
+        """
+        if f_preproc:
+            raise NotImplementedError("f_preproc is not supported by disco-rpc")
+        sess = self._rpc_sess
+        d = Device(dev.device_type, dev.device_id) if dev is not None else None
+        module = self
+
+        def evaluator(*args: Any) -> BenchmarkResult:
+            res = sess._request(
+                handler.OP_TIME_EVAL, module, func_name, d, int(number), int(repeat),
+                float(min_repeat_ms or 0), float(cooldown_interval_ms or 0),
+                int(repeats_to_cooldown or 1), restype, args,
+            )  # fmt: skip
+            return BenchmarkResult(res)
+
+        evaluator.__name__ = f"time_evaluator({func_name})"
+        return evaluator
 
     def __repr__(self) -> str:
         return f"<RemoteModule {self.type_key} #{self._rpc_ref.hid}>"
+
+
+class BenchmarkResult:
+    """Timing results (seconds per call, one per repeat), as ``tvm.runtime.BenchmarkResult``."""
+
+    def __init__(self, results: Any) -> None:
+        self.results = tuple(float(r) for r in results)
+        arr = np.asarray(self.results, dtype="float64")
+        self.mean = float(arr.mean()) if arr.size else float("nan")
+        self.median = float(np.median(arr)) if arr.size else float("nan")
+        self.min = float(arr.min()) if arr.size else float("nan")
+        self.max = float(arr.max()) if arr.size else float("nan")
+        self.std = float(arr.std()) if arr.size else float("nan")
+
+    def __repr__(self) -> str:
+        return (
+            f"BenchmarkResult(min={self.min:.6g}, mean={self.mean:.6g}, "
+            f"median={self.median:.6g}, max={self.max:.6g}, std={self.std:.6g}, "
+            f"{len(self.results)} repeats)"
+        )
+
+    def __str__(self) -> str:
+        ms = 1e3
+        return (
+            "Execution time summary:\n"
+            f" mean (ms)   median (ms)    max (ms)     min (ms)     std (ms)\n"
+            f" {self.mean * ms:9.4f}   {self.median * ms:9.4f}    {self.max * ms:9.4f}    "
+            f"{self.min * ms:9.4f}    {self.std * ms:9.4f}"
+        )
 
 
 class RemoteDevice(Device):
@@ -563,7 +617,10 @@ class PopenSession(RPCSession):
             raise RPCError(f"the server {argv!r} did not start: {exc}") from exc
 
     def _fail(self, op: int, exc: BaseException):
-        code = self._proc.poll()
+        try:  # a pipe that closed: the process is exiting, give it a moment to be reaped
+            code = self._proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
         if code is not None and not self._closed:
             self._shutdown_transport()
             raise RPCError(

@@ -48,7 +48,9 @@ logger = logging.getLogger("disco_rpc")
     OP_SYSTEM_LIB,
     OP_PING,
     OP_FREE,
-) = range(1, 20)
+    OP_TIME_EVAL,
+    OP_DISCO_WORKER,
+) = range(1, 22)
 
 OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}
 
@@ -124,6 +126,7 @@ class SessionHandler:
             OP_SYSTEM_LIB: self.op_system_lib,
             OP_PING: lambda: None,
             OP_FREE: lambda *ids: None,
+            OP_TIME_EVAL: self.op_time_eval,
         }
 
     # -- objects ----------------------------------------------------------------
@@ -271,6 +274,38 @@ class SessionHandler:
                 raise
             return fn
 
+    def op_time_eval(self, module: Any, name: str, device: Any, number: int, repeat: int, min_repeat_ms: float, cooldown_interval_ms: float, repeats_to_cooldown: int, restype: Any, args: tuple) -> list:  # fmt: skip
+        """Run ``module[name](*args)`` ``number`` times per repeat; return each repeat's mean (s)."""
+        import time
+
+        fn = self.op_mod_func(module, name, restype) if module is not None else self.op_get_func(name)  # fmt: skip
+        dev = as_device(device)
+        sync = (lambda: self.op_dev_sync(dev)) if dev is not None and dev.is_gpu else None
+        number, repeat = max(1, int(number)), max(1, int(repeat))
+        min_s = float(min_repeat_ms or 0) / 1e3
+        perf = time.perf_counter
+        fn(*args)  # warm-up, as TVM's evaluator does
+        if sync is not None:
+            sync()
+        results = []
+        for i in range(repeat):
+            while True:
+                t0 = perf()
+                for _ in range(number):
+                    fn(*args)
+                if sync is not None:
+                    sync()
+                elapsed = perf() - t0
+                if elapsed >= min_s:
+                    break
+                # too short to measure well: run more times, as TVM does
+                per = max(elapsed / number, 1e-9)
+                number = max(int(min_s / per) + 1, int(number * 1.618) + 1)
+            results.append(elapsed / number)
+            if cooldown_interval_ms and repeats_to_cooldown and (i + 1) % int(repeats_to_cooldown) == 0:  # fmt: skip
+                time.sleep(float(cooldown_interval_ms) / 1e3)
+        return results
+
     def op_tensor(self, arr: np.ndarray, device: Any = None) -> Any:
         dev = as_device(device) or Device("cpu", 0)
         if dev.device_type == "cpu":
@@ -399,6 +434,17 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
                 result = src = handler.op_download(*args)
             elif op == OP_LINK:
                 result = src = handler.op_link(*args)
+            elif op == OP_DISCO_WORKER:
+                if isinstance(conn.t, wire.SSLTransport) or not hasattr(conn.t, "sock"):
+                    raise ValueError(
+                        "a Disco worker needs a plain socket session (no TLS, no pipes)"
+                    )
+                conn.finish()
+                conn.send(REPLY, op, None)
+                from .channel import run_worker
+
+                run_worker(conn, *args)
+                return
             else:
                 fn = ops.get(op)
                 if fn is None:

@@ -18,16 +18,18 @@ import select
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import auth, wire
 from .errors import ProtocolError, RPCError
 from .handler import OP_INIT, SessionHandler, error_value, serve_conn
+from .tracker import T_END, T_START, TICKET_SEP, ticket_key
 from .wire import ERROR, REPLY
 
 __all__ = ["Server", "serve_stdio", "serve_forever", "ServerConfig"]
@@ -47,6 +49,14 @@ class ServerConfig:
     timeout: float | None = None
     no_fork: bool = False
     libs: list = field(default_factory=list)
+    #: the link to a tracker (listener side), when the server registered with one
+    registration: Any = None
+    #: tickets a session process may accept (a snapshot taken when it was forked)
+    tickets: frozenset = frozenset()
+    #: where a session reports the ticket it accepted (a pipe to the listener)
+    report_fd: int | None = None
+    #: behind a proxy: accept ``key`` and ``key@ticket`` (the proxy checked the ticket)
+    behind_proxy: bool = False
 
 
 def is_loopback(host: str) -> bool:
@@ -93,13 +103,20 @@ def run_session(sock: socket.socket, addr: Any, cfg: ServerConfig, forked: bool)
         sock.settimeout(HANDSHAKE_TIMEOUT)
         if cfg.ssl_context is not None:
             sock = cfg.ssl_context.wrap_socket(sock, server_side=True)
+        if isinstance(sock, ssl.SSLSocket):
             transport: Any = wire.SSLTransport(sock)
         else:
             transport = wire.SocketTransport(sock)
         conn = wire.Conn(transport, cfg.max_message_bytes)
-        if not auth.server_handshake(conn, cfg.key, cfg.token):
+        if not auth.server_handshake(conn, cfg.key, cfg.token, key_check=_key_check(cfg)):
             logger.warning("refused a client from %s (key, version or authentication)", addr)
             return
+        if cfg.registration is not None and cfg.report_fd is not None:
+            ticket = conn.peer_key.rpartition(TICKET_SEP)[2]
+            try:
+                os.write(cfg.report_fd, ticket.encode() + b"\n")
+            except OSError:
+                pass
         handler = SessionHandler(cfg.work_root or None, cfg.libs)
         timeout, inner = _init_session(conn, cfg, handler)
         if timeout is False:
@@ -121,6 +138,17 @@ def run_session(sock: socket.socket, addr: Any, cfg: ServerConfig, forked: bool)
             sock.close()
         except OSError:
             pass
+
+
+def _key_check(cfg: ServerConfig):
+    if cfg.registration is not None:
+        allowed = {ticket_key(cfg.key, t).encode() for t in cfg.tickets}
+        return allowed.__contains__
+    if cfg.behind_proxy and cfg.key:
+        key = cfg.key.encode()
+        prefix = key + TICKET_SEP.encode()
+        return lambda kb: kb == key or kb.startswith(prefix)
+    return None
 
 
 def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
@@ -222,6 +250,8 @@ def _start_watchdog(timeout: float, sock: socket.socket, handler: SessionHandler
 def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int | None = None) -> None:  # fmt: skip
     """Accept clients on ``listen_sock`` until SIGTERM/SIGINT or ``watch_fd`` closes."""
     children: set[int] = set()
+    reports: dict[int, list] = {}  # session report pipe -> [ticket or None]
+    reg = cfg.registration
 
     def _term(signum, frame):
         raise SystemExit(0)
@@ -232,9 +262,13 @@ def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int |
         cfg.work_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
         made_root = True
     listen_sock.setblocking(True)
-    watch = [listen_sock] + ([watch_fd] if watch_fd is not None else [])
     try:
         while True:
+            watch = [listen_sock, *reports] + ([watch_fd] if watch_fd is not None else [])
+            if reg is not None:
+                reg.reconnect_if_lost()
+                if reg.conn is not None:
+                    watch.append(reg.fileno())
             try:
                 ready, _, _ = select.select(watch, [], [], 1.0)
             except InterruptedError:
@@ -243,15 +277,26 @@ def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int |
             if watch_fd is not None and watch_fd in ready:
                 logger.info("the process that started this server is gone; exiting")
                 return
+            if reg is not None:
+                reg.poll()
+                for fd in [fd for fd in ready if fd in reports]:
+                    _read_report(fd, reports, reg)
             if listen_sock not in ready:
                 continue
             try:
                 sock, addr = listen_sock.accept()
             except OSError:
                 continue
+            wfd = None
+            scfg = cfg
+            if reg is not None:
+                reg.poll()
+                rfd, wfd = os.pipe()
+                reports[rfd] = [None]
+                scfg = replace(cfg, tickets=frozenset(reg.tickets), report_fd=wfd)
             if cfg.no_fork:
                 threading.Thread(
-                    target=run_session, args=(sock, addr, cfg, False), daemon=True
+                    target=_session_thread, args=(sock, addr, scfg, wfd), daemon=True
                 ).start()
                 continue
             pid = os.fork()
@@ -264,17 +309,49 @@ def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int |
                     listen_sock.close()
                     if watch_fd is not None:
                         os.close(watch_fd)
-                    run_session(sock, addr, cfg, True)
+                    for fd in reports:
+                        os.close(fd)
+                    if reg is not None and reg.conn is not None:
+                        reg.conn.t.sock.close()  # the listener's link, not this process's
+                    run_session(sock, addr, scfg, True)
                 except BaseException:
                     code = 1
                 finally:
                     os._exit(code)
             children.add(pid)
             sock.close()
+            if wfd is not None:
+                os.close(wfd)
     finally:
         _stop_children(children)
         if made_root:
             shutil.rmtree(cfg.work_root, ignore_errors=True)
+
+
+def _session_thread(sock, addr, cfg: ServerConfig, wfd: int | None) -> None:
+    try:
+        run_session(sock, addr, cfg, False)
+    finally:
+        if wfd is not None:
+            os.close(wfd)
+
+
+def _read_report(fd: int, reports: dict, reg: Any) -> None:
+    """A session said which ticket it accepted (a line), or ended (end of file)."""
+    try:
+        data = os.read(fd, 256)
+    except OSError:
+        data = b""
+    slot = reports[fd]
+    if data:
+        ticket = data.split(b"\n")[0].decode("ascii", "replace")
+        slot[0] = ticket
+        reg.report(T_START, ticket)
+        return
+    os.close(fd)
+    del reports[fd]
+    if slot[0] is not None:
+        reg.report(T_END, slot[0])
 
 
 def _reap(children: set[int]) -> None:
@@ -303,6 +380,49 @@ def _stop_children(children: set[int]) -> None:
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+
+
+def check_bind(host: str, token: bytes | None, ssl_context: Any, allow_insecure_bind: bool) -> None:
+    """Refuse a non-loopback address without token or TLS unless explicitly allowed."""
+    if not is_loopback(host) and token is None and ssl_context is None:
+        if not allow_insecure_bind:
+            raise RPCError(
+                f"refusing to listen on {host}: anyone who reaches it could run code here. "
+                "Give token= (or set DISCO_TOKEN) or ssl_context=, or pass "
+                "allow_insecure_bind=True if the network is trusted"
+            )
+        logger.warning("listening on %s without token or TLS", host)
+
+
+def stop_process(pid: int, grace: float = 3.0) -> None:
+    """SIGTERM ``pid`` (a process group leader we forked), then SIGKILL its group."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            break
+        time.sleep(0.005)
+    else:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        return
+    try:  # session processes left behind in the group
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) -> socket.socket:
@@ -336,8 +456,16 @@ class Server:
         ``token`` or an ``ssl_context`` unless ``allow_insecure_bind=True``.
     port, port_end : int
         The first free port in ``[port, port_end)`` is used (``server.port``).
-    is_proxy, tracker_addr, custom_addr :
-        Reserved for the proxy and tracker (not available yet).
+    is_proxy : bool
+        ``host:port`` name an RPC proxy (:class:`disco_rpc.Proxy`): the server connects
+        out to it (``proxy_token``/``proxy_ssl_context`` for that link) and serves the
+        clients the proxy pairs with it, one session at a time.
+    tracker_addr : (str, int), optional
+        Register with this tracker under ``key`` (``tracker_token``/``tracker_ssl_context``
+        for that link; the server's ``token`` by default). The server then serves only
+        clients holding a ticket from the tracker, and reports each session's end.
+    custom_addr : str, optional
+        The host the tracker gives clients (default ``host``).
     key : str
         Clients must present this key (an empty key accepts any).
     load_library : str or list of str
@@ -365,30 +493,16 @@ class Server:
         Allow a non-loopback address with neither token nor TLS.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False) -> None:  # fmt: skip
-        if is_proxy or tracker_addr is not None:
-            raise NotImplementedError(
-                "is_proxy and tracker_addr need the RPC proxy and tracker, which are not "
-                "available yet in disco-rpc"
-            )
+    def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False, tracker_token: Any = None, tracker_ssl_context: Any = None, proxy_token: Any = None, proxy_ssl_context: Any = None) -> None:  # fmt: skip
         self.host = host
         self.key = key
         self.custom_addr = custom_addr
         self.proc = None
         self.pid: int | None = None
+        self.is_proxy = is_proxy
         token_b = auth.resolve_token(token)
-        if not is_loopback(host) and token_b is None and ssl_context is None:
-            if not allow_insecure_bind:
-                raise RPCError(
-                    f"refusing to listen on {host}: anyone who reaches it could run code here. "
-                    "Give token= (or set DISCO_TOKEN) or ssl_context=, or pass "
-                    "allow_insecure_bind=True if the network is trusted"
-                )
-            logger.warning("listening on %s without token or TLS", host)
         if silent:
             logger.setLevel(logging.ERROR)
-        self._sock = bind_listener(host, port, port_end, reuse_addr)
-        self.port = self._sock.getsockname()[1]
         cfg = ServerConfig(
             key=key,
             token=token_b,
@@ -397,7 +511,34 @@ class Server:
             max_message_bytes=int(max_message_bytes),
             timeout=timeout,
             no_fork=no_fork,
+            behind_proxy=is_proxy,
         )
+        tracker_token = token if tracker_token is None else tracker_token
+        self._sock = None
+        reg = None
+        if is_proxy:
+            # host/port name the proxy; this server connects out to it
+            self.port = int(port)
+            if tracker_addr is not None:
+                logger.info("tracker_addr is ignored behind a proxy: give it to the Proxy")
+        else:
+            check_bind(host, token_b, ssl_context, allow_insecure_bind)
+            self._sock = bind_listener(host, port, port_end, reuse_addr)
+            self.port = self._sock.getsockname()[1]
+            if tracker_addr is not None:
+                from .tracker import Registration
+
+                if not key:
+                    raise ValueError("a server that registers with a tracker needs a key")
+                reg = Registration(
+                    tracker_addr,
+                    key,
+                    (custom_addr or host, self.port),
+                    token=tracker_token,
+                    ssl_context=tracker_ssl_context,
+                )
+                cfg.registration = reg
+        proxy_args = (host, int(port), key, proxy_token if proxy_token is not None else token, proxy_ssl_context)  # fmt: skip
         rfd, wfd = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -412,7 +553,12 @@ class Server:
                 cfg.libs = load_libraries(load_library)
                 if server_init_callback is not None:
                     server_init_callback()
-                serve_forever(self._sock, cfg, watch_fd=rfd)
+                if is_proxy:
+                    from .proxy import serve_via_proxy
+
+                    serve_via_proxy(cfg, *proxy_args, watch_fd=rfd)
+                else:
+                    serve_forever(self._sock, cfg, watch_fd=rfd)
             except SystemExit:
                 pass
             except BaseException:
@@ -425,7 +571,10 @@ class Server:
         os.close(rfd)
         self._watch = wfd
         self.pid = pid
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
+        if reg is not None and reg.conn is not None:
+            reg.conn.t.sock.close()  # the server process holds the link now
 
     @property
     def addr(self) -> tuple[str, int]:
@@ -436,28 +585,7 @@ class Server:
         pid, self.pid = self.pid, None
         if pid is None:
             return
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if done:
-                break
-            time.sleep(0.005)
-        else:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+        stop_process(pid)
         try:
             os.close(self._watch)
         except OSError:

@@ -22,6 +22,7 @@ import os
 import select
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,9 @@ MAX_DEPTH = 64
 MAX_BUFFERS = 1 << 16
 #: Chunk size for progress reporting and file streaming.
 CHUNK = 8 << 20
+#: Microseconds a reader polls a socket without blocking before it sleeps in ``recv``
+#: (``$DISCO_RPC_SPIN_US``; 0 turns polling off). See README, "Speed".
+SPIN_US = float(os.environ.get("DISCO_RPC_SPIN_US", "50") or 0)
 
 #: File descriptors that processes forked by disco-rpc close at once (the pipes of
 #: PopenSessions, so that a forked server does not keep them open).
@@ -103,6 +107,9 @@ _TI = struct.Struct("<BI")
 _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_perf = time.perf_counter
+_yield = getattr(os, "sched_yield", lambda: None)
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
 class HandleRef:
@@ -420,6 +427,23 @@ class SocketTransport:
         except OSError:
             pass
         self.recv_into = sock.recv_into
+        self.spin = SPIN_US * 1e-6
+
+    def recv_head_into(self, view) -> int:
+        """``recv_into`` that first polls without blocking for up to ``SPIN_US``."""
+        spin = self.spin
+        sock = self.sock
+        if spin > 0 and sock.gettimeout() is None:
+            recv_into = sock.recv_into
+            deadline = _perf() + spin
+            while True:
+                try:
+                    return recv_into(view, 0, _DONTWAIT)
+                except BlockingIOError:
+                    if _perf() > deadline:
+                        break
+                    _yield()
+        return sock.recv_into(view)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -454,6 +478,9 @@ class SocketTransport:
 
 class SSLTransport(SocketTransport):
     """A TLS socket (``sendmsg`` and ``sendfile`` are not available through TLS)."""
+
+    def recv_head_into(self, view) -> int:
+        return self.sock.recv_into(view)
 
     def send_parts(self, parts: list) -> None:
         for p in parts:
@@ -544,8 +571,12 @@ class Conn:
             self.buf[: self.end - self.start] = self.buf[self.start : self.end]
             self.end -= self.start
             self.start = 0
+        recv = getattr(self.t, "recv_head_into", self.t.recv_into)
         while self.end < n:
-            self.end += self._recv(self.view[self.end :])
+            k = recv(self.view[self.end :])
+            if not k:
+                raise EOFError("the peer closed the connection")
+            self.end += k
         self.start = n
         return self.buf[:n]
 

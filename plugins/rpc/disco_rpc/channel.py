@@ -1,0 +1,332 @@
+"""The ``"rpc"`` Disco channel: a Disco session whose workers run on RPC servers.
+
+``disco_core.Session.create("rpc", servers=[(host, port), ...])`` (or
+``tracker=(host, port), key=...``) opens one RPC session per remote worker,
+authenticated as any RPC session (``token=``), and turns each into a Disco
+worker: the server's session process runs the core's worker loop on the
+session's socket, speaking the core's frame format. Worker 0 stays in the
+controller's process, as in every Disco session. The pool of machines behind a
+tracker serves RPC users and Disco sessions alike; a worker's server goes back
+to the pool when the Disco session ends.
+
+The core's frames are pickles: they are only exchanged after the RPC handshake
+authenticated the peer (which may run code on the server anyway). TLS is not
+supported on this channel (the core's frame reader uses the raw socket).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from disco_core.channels.base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
+from disco_core.errors import DiscoError, WorkerDiedError
+from disco_core.protocol import (
+    FLAG_BATCH,
+    FrameReader,
+    decode,
+    encode,
+    frame_head,
+    write_all,
+    write_frame,
+)
+
+from . import wire
+
+__all__ = ["RPCChannel", "RPCWorkerLink", "run_worker"]
+
+_OUTBOX_BYTES = 1 << 16
+
+
+def _start_timeout() -> float:
+    return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
+
+
+# --------------------------------------------------------------------------- server side
+def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: int, sys_path: Any = ()) -> None:  # fmt: skip
+    """Run the core's worker loop on the session's socket until shutdown or end of file."""
+    from disco_core.worker import Worker
+
+    for p in reversed(list(sys_path or ())):
+        if isinstance(p, str) and p and os.path.isdir(p) and p not in sys.path:
+            sys.path.insert(0, p)
+    sock = conn.t.sock
+    sock.settimeout(None)
+    fd = sock.fileno()
+    lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        frame = encode(msg)
+        with lock:
+            write_frame(fd, frame)
+
+    worker = Worker(int(worker_id), int(num_workers), int(num_groups), send)
+    reader = FrameReader(fd)
+    if conn.buffered():  # bytes already read past the last RPC frame
+        reader.buf += bytes(conn.view[conn.start : conn.end])
+        conn.start = conn.end
+    send(("ready", os.getpid()))
+
+    def commands():
+        while True:
+            header, buffers, flags = reader.read()
+            if flags & FLAG_BATCH:
+                yield from decode(header, buffers)
+            else:
+                yield decode(header, buffers)
+
+    try:
+        worker.run(commands().__next__)
+    except (EOFError, OSError):
+        worker.close()  # the controller is gone
+
+
+# --------------------------------------------------------------------------- controller side
+class RPCWorkerLink(WorkerLink):
+    """One worker in an RPC server's session process, behind the session's socket."""
+
+    def __init__(self, worker_id: int, sess: Any, host: str) -> None:
+        self.worker_ids = (worker_id,)
+        self.sess = sess
+        self.host = host
+        self.sock: socket.socket = sess._conn.t.sock
+        self.sock.settimeout(None)  # blocking: the frame reader uses os.read on the fd
+        self.fd = self.sock.fileno()
+        self.reader = FrameReader(self.fd)
+        conn = sess._conn
+        if conn.buffered():  # the worker's first frames may have come in with the RPC reply
+            self.reader.buf += bytes(conn.view[conn.start : conn.end])
+            conn.start = conn.end
+        self.lock = threading.Lock()
+        self.dead_reason: str | None = None
+        self.outbox: list[bytes] = []
+        self.outbox_bytes = 0
+        self.pid: int | None = None
+        self.eof = threading.Event()
+
+    def send(self, out: Outgoing) -> None:
+        frame = out.frame
+        head = frame_head(frame, out.flags)
+        try:
+            with self.lock:
+                if frame[1]:
+                    self._flush_locked()
+                    write_all(self.fd, head)
+                    for m in frame[1]:
+                        write_all(self.fd, m)
+                else:
+                    self.outbox.append(head)
+                    self.outbox_bytes += len(head)
+                    if self.outbox_bytes >= _OUTBOX_BYTES:
+                        self._flush_locked()
+        except OSError as exc:
+            raise self._died(exc) from None
+
+    @property
+    def buffered(self) -> bool:
+        return bool(self.outbox)
+
+    def flush(self) -> None:
+        try:
+            with self.lock:
+                self._flush_locked()
+        except OSError as exc:
+            raise self._died(exc) from None
+
+    def _flush_locked(self) -> None:
+        if self.outbox:
+            data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
+            self.outbox.clear()
+            self.outbox_bytes = 0
+            write_all(self.fd, data)
+
+    def _died(self, exc: OSError) -> WorkerDiedError:
+        reason = (
+            self.dead_reason
+            or f"worker {self.worker_ids[0]} on {self.host}: connection broke ({exc})"
+        )
+        return WorkerDiedError(self.worker_ids, reason)
+
+    def poll(self) -> str | None:
+        return self.dead_reason
+
+    def close(self, deadline: float) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)  # end of file: an idle worker exits
+        except OSError:
+            pass
+        if not self.eof.wait(max(0.0, deadline - time.monotonic())):
+            if self.pid and _loopback(self.host):  # a laggard on this machine: end it
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self.sess.close()
+
+
+class _ReplyReader(threading.Thread):
+    """Drains every worker's socket into the hub; end of file means the worker is gone."""
+
+    def __init__(self, links: list[RPCWorkerLink], hub: ReplyHub) -> None:
+        super().__init__(name="disco-rpc-replies", daemon=True)
+        self.hub = hub
+        self.selector = selectors.DefaultSelector()
+        for link in links:
+            self.selector.register(link.fd, selectors.EVENT_READ, link)
+        self.remaining = len(links)
+
+    def run(self) -> None:
+        # Frames that arrived together with the RPC reply are parsed before any select.
+        for key in list(self.selector.get_map().values()):
+            if key.data.reader.has_buffered():
+                self._drain(key.data)
+        while self.remaining:
+            for key, _ in self.selector.select():
+                self._drain(key.data)
+        self.selector.close()
+
+    def _drain(self, link: RPCWorkerLink) -> None:
+        """Deliver every frame the socket has (at least one); end of file marks death."""
+        try:
+            while True:
+                header, buffers, _ = link.reader.read()
+                msg = decode(header, buffers)
+                if msg[0] == "ready":
+                    link.pid = msg[1]
+                self.hub.deliver(link.worker_ids[0], msg)
+                if not link.reader.has_buffered():
+                    break
+        except (EOFError, OSError) as exc:
+            self.selector.unregister(link.fd)
+            self.remaining -= 1
+            link.eof.set()
+            if not self.hub.closing:
+                reason = (
+                    f"worker {link.worker_ids[0]} (pid {link.pid} on {link.host}) "
+                    f"closed its connection: {exc}"
+                )
+                link.dead_reason = reason
+                self.hub.mark_dead(link.worker_ids, reason)
+
+
+def _loopback(host: str) -> bool:
+    from .server import is_loopback
+
+    return is_loopback(host)
+
+
+class RPCChannel(LinkChannel):
+    """Worker 0 in the controller; workers 1..N-1 in sessions of RPC servers.
+
+    Parameters
+    ----------
+    servers : list of (host, port), optional
+        The servers; worker ``i`` (1 <= i < N) runs on ``servers[(i - 1) % len(servers)]``,
+        each in a session process of its own.
+    tracker : (host, port), optional
+        Instead of ``servers``: ask this tracker for ``num_workers - 1`` servers of ``key``.
+    num_workers : int
+        Default ``len(servers) + 1``.
+    key, token : str
+        The servers' key (a tracker's key) and the shared secret (default ``$DISCO_TOKEN``).
+    priority, session_timeout :
+        Passed to the tracker's ``request``.
+    """
+
+    kind = "rpc"
+
+    def __init__(self, num_workers: int | None = None, num_groups: int = 1, servers: Any = None, tracker: Any = None, key: str = "", token: Any = None, priority: int = 1, session_timeout: float = 0, tracker_token: Any = None, connect_timeout: float = 10.0) -> None:  # fmt: skip
+        from .client import connect
+        from .handler import OP_DISCO_WORKER
+
+        if (servers is None) == (tracker is None):
+            raise DiscoError(
+                'the "rpc" channel needs servers=[(host, port), ...] or tracker=(host, port)'
+            )
+        if servers is not None:
+            servers = [(str(h), int(p)) for h, p in servers]
+            if not servers:
+                raise DiscoError('the "rpc" channel needs at least one server')
+            if num_workers is None:
+                num_workers = len(servers) + 1
+        elif num_workers is None:
+            raise DiscoError('the "rpc" channel with a tracker needs num_workers')
+        num_workers = int(num_workers)
+        super().__init__(num_workers, num_groups)
+        links: list[RPCWorkerLink] = []
+        sessions: list = []
+        tsess = None
+        try:
+            if tracker is not None:
+                from .tracker import connect_tracker
+
+                tsess = connect_tracker(
+                    tracker[0], int(tracker[1]),
+                    token=tracker_token if tracker_token is not None else token,
+                    server_token=token,
+                )  # fmt: skip
+            sys_path = [p if p else os.getcwd() for p in sys.path]
+            for w in range(1, num_workers):
+                if tsess is not None:
+                    sess = tsess.request(key, priority, session_timeout)
+                    host = sess._label.rsplit(":", 1)[0]
+                else:
+                    host, port = servers[(w - 1) % len(servers)]
+                    sess = connect(
+                        host,
+                        port,
+                        key,
+                        session_timeout,
+                        token=token,
+                        connect_timeout=connect_timeout,
+                    )
+                sessions.append(sess)
+                if sess._conn is None or isinstance(sess._conn.t, wire.SSLTransport):
+                    raise DiscoError('the "rpc" channel does not support TLS sessions')
+                sess._request(OP_DISCO_WORKER, w, num_workers, num_groups, sys_path)
+                links.append(RPCWorkerLink(w, sess, host))
+            hosts = {link.host for link in links}
+            if all(_loopback(h) for h in hosts):
+                self.num_nodes, self.shares_memory = 1, True
+            else:
+                self.num_nodes, self.shares_memory = len(hosts) + 1, False
+            self.reader = _ReplyReader(links, self.hub)
+            self.reader.start()
+            self.rpc_links = links
+            self._set_links([ThreadWorkerLink(0, num_workers, num_groups, self.hub), *links])
+            self._wait_ready(links)
+        except BaseException:
+            self.hub.closing = True
+            for s in sessions:
+                s.close()
+            raise
+        finally:
+            if tsess is not None:
+                tsess.close()
+
+    def _wait_ready(self, links: list[RPCWorkerLink]) -> None:
+        limit = _start_timeout()
+        deadline = time.monotonic() + limit
+
+        def poll() -> None:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"RPC workers did not start within {limit:.0f} s (DISCO_START_TIMEOUT)"
+                )
+
+        for link in links:
+            try:
+                self.hub.wait(link.worker_ids[0], poll, interval=0.05)
+            except WorkerDiedError as exc:
+                raise WorkerDiedError(exc.worker_ids, f"failed to start: {exc.reason}") from None
+
+    def close(self, timeout: float = 5.0) -> None:
+        super().close(timeout)
+        self.reader.join(timeout=1.0)

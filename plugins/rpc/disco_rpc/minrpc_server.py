@@ -1,0 +1,550 @@
+"""A minimal disco-rpc server over stdin/stdout, using the Python standard library only.
+
+This file is the ``__main__`` of the zipapps that :func:`disco_rpc.with_minrpc`
+writes: a device with nothing but Python runs it and a client drives it through
+:class:`disco_rpc.PopenSession`. It must import nothing outside the standard
+library (no NumPy, no disco_core, no disco_rpc).
+
+Supported: the handshake (token-free, as over pipes), ``get_function`` and calls
+of global functions registered by the packaged ``.py`` files (through a stand-in
+``disco_core.register_func`` when the real package is missing), ``system_lib()``
+(those functions and the symbols of packaged ``.so`` files), ``load_module`` of
+packaged or uploaded ``.py`` and ``.so`` files, ``upload``/``download``/
+``listdir``/``remove`` confined to a work folder, ``time_evaluator``, ``ping``,
+and values ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
+``bytes``, tuples, lists, dicts and remote handles. Not supported: arrays and
+remote tensors (they need NumPy: use the full server), devices other than the
+CPU, TLS, session constructors (``rpc.Connect``) and linking ``.tar`` files.
+"""
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import traceback
+import types
+
+MAGIC = b"DISCORPC"
+VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 30
+MAX_DEPTH = 64
+REQUEST, REPLY, ERROR = 1, 2, 3
+(
+    OP_INIT, OP_GET_FUNC, OP_CALL, OP_UPLOAD, OP_DOWNLOAD, OP_REMOVE, OP_LISTDIR,
+    OP_LOAD_MODULE, OP_MOD_FUNC, OP_TENSOR, OP_EMPTY, OP_TENSOR_GET, OP_TENSOR_SET,
+    OP_DEV_SYNC, OP_DEV_EXIST, OP_LINK, OP_SYSTEM_LIB, OP_PING, OP_FREE, OP_TIME_EVAL,
+) = range(1, 21)  # fmt: skip
+(
+    T_NONE, T_FALSE, T_TRUE, T_INT, T_BIGINT, T_FLOAT, T_COMPLEX, T_STR, T_BYTES, T_BUF,
+    T_TUPLE, T_LIST, T_DICT, T_ARRAY, T_HANDLE, T_DEVICE, T_DTYPE,
+) = range(17)  # fmt: skip
+FUNC, MODULE = 1, 2
+INLINE_BYTES = 1 << 14
+HEAD = struct.Struct("<BBHII")
+RESTYPES = {
+    "int": ctypes.c_int, "int32": ctypes.c_int32, "int64": ctypes.c_int64,
+    "uint64": ctypes.c_uint64, "float": ctypes.c_float, "float32": ctypes.c_float,
+    "double": ctypes.c_double, "float64": ctypes.c_double, "void": None,
+}  # fmt: skip
+
+REGISTRY = {}
+
+
+class Ref:
+    def __init__(self, kind, hid, info=None):
+        self.kind, self.hid, self.info = kind, hid, info
+
+
+class Device:
+    def __init__(self, code, dev_id):
+        self.code, self.dev_id = code, dev_id
+
+
+def _install_registry_stub():
+    """Give packaged files ``import disco_core; disco_core.register_func`` without the package."""
+    try:
+        import disco_core  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    mod = types.ModuleType("disco_core")
+
+    def register_func(name, func=None, override=False):
+        if func is None:
+            return lambda f: register_func(name, f, override)
+        if name in REGISTRY and not override:
+            raise KeyError(f"global function {name!r} is already registered")
+        REGISTRY[name] = func
+        return func
+
+    mod.register_func = register_func
+    mod.get_global_func = lambda name, allow_missing=False: (
+        REGISTRY.get(name) if allow_missing else REGISTRY[name]
+    )
+    mod.MINRPC = True
+    sys.modules["disco_core"] = mod
+
+
+def _lookup(name):
+    if name in REGISTRY:
+        return REGISTRY[name]
+    try:
+        from disco_core import registry
+
+        fn = registry.get_global_func(name, allow_missing=True)
+    except ImportError:
+        fn = None
+    if fn is None:
+        raise ValueError(f"global function {name!r} is not registered")
+    return fn
+
+
+# --------------------------------------------------------------------------- values
+def encode(v, out, bufs, export, depth=0):
+    t = type(v)
+    if v is None:
+        out.append(T_NONE)
+    elif t is bool:
+        out.append(T_TRUE if v else T_FALSE)
+    elif t is int:
+        if -(1 << 63) <= v < (1 << 63):
+            out += struct.pack("<Bq", T_INT, v)
+        else:
+            b = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+            out += struct.pack("<BI", T_BIGINT, len(b)) + b
+    elif t is float:
+        out += struct.pack("<Bd", T_FLOAT, v)
+    elif t is complex:
+        out += struct.pack("<Bdd", T_COMPLEX, v.real, v.imag)
+    elif t is str:
+        b = v.encode("utf-8", "surrogatepass")
+        out += struct.pack("<BI", T_STR, len(b)) + b
+    elif t in (bytes, bytearray, memoryview):
+        b = bytes(v)
+        if len(b) < INLINE_BYTES:
+            out += struct.pack("<BI", T_BYTES, len(b)) + b
+        else:
+            out += struct.pack("<BI", T_BUF, len(bufs))
+            bufs.append(b)
+    elif t in (tuple, list):
+        if depth >= MAX_DEPTH:
+            raise ValueError("value nested too deeply")
+        out += struct.pack("<BI", T_TUPLE if t is tuple else T_LIST, len(v))
+        for x in v:
+            encode(x, out, bufs, export, depth + 1)
+    elif t is dict:
+        out += struct.pack("<BI", T_DICT, len(v))
+        for k, x in v.items():
+            encode(k, out, bufs, export, depth + 1)
+            encode(x, out, bufs, export, depth + 1)
+    elif t is Device:
+        out += struct.pack("<BII", T_DEVICE, v.code, v.dev_id)
+    else:
+        ref = export(v)
+        out += struct.pack("<BBQ", T_HANDLE, ref.kind, ref.hid)
+        encode(ref.info, out, bufs, export, depth + 1)
+
+
+class Decoder:
+    def __init__(self, meta, bufs, resolve):
+        self.meta, self.pos, self.bufs, self.resolve = meta, 0, bufs, resolve
+
+    def take(self, n):
+        if n < 0 or self.pos + n > len(self.meta):
+            raise ValueError("truncated value in frame")
+        p = self.pos
+        self.pos += n
+        return self.meta[p : p + n]
+
+    def u32(self):
+        return struct.unpack("<I", self.take(4))[0]
+
+    def value(self, depth=0):
+        if depth > MAX_DEPTH:
+            raise ValueError("value nested too deeply")
+        tag = self.take(1)[0]
+        if tag == T_NONE:
+            return None
+        if tag in (T_FALSE, T_TRUE):
+            return tag == T_TRUE
+        if tag == T_INT:
+            return struct.unpack("<q", self.take(8))[0]
+        if tag == T_BIGINT:
+            return int.from_bytes(self.take(self.u32()), "little", signed=True)
+        if tag == T_FLOAT:
+            return struct.unpack("<d", self.take(8))[0]
+        if tag == T_COMPLEX:
+            return complex(*struct.unpack("<dd", self.take(16)))
+        if tag == T_STR:
+            return bytes(self.take(self.u32())).decode("utf-8", "surrogatepass")
+        if tag == T_BYTES:
+            return bytes(self.take(self.u32()))
+        if tag == T_BUF:
+            idx = self.u32()
+            if idx >= len(self.bufs):
+                raise ValueError(f"bad buffer index {idx}")
+            return self.bufs[idx]
+        if tag in (T_TUPLE, T_LIST):
+            n = self.u32()
+            if n > len(self.meta):
+                raise ValueError("container longer than its frame")
+            items = [self.value(depth + 1) for _ in range(n)]
+            return tuple(items) if tag == T_TUPLE else items
+        if tag == T_DICT:
+            n = self.u32()
+            if n > len(self.meta):
+                raise ValueError("container longer than its frame")
+            return {self.value(depth + 1): self.value(depth + 1) for _ in range(n)}
+        if tag == T_HANDLE:
+            _kind, hid = struct.unpack("<BQ", self.take(9))
+            self.value(depth + 1)
+            return self.resolve(hid)
+        if tag == T_DEVICE:
+            return Device(*struct.unpack("<II", self.take(8)))
+        if tag == T_ARRAY:
+            raise TypeError("arrays are not supported by the minimal server (it has no NumPy)")
+        if tag == T_DTYPE:
+            return bytes(self.take(self.u32())).decode("ascii")
+        raise ValueError(f"unknown value tag {tag}")
+
+
+# --------------------------------------------------------------------------- io
+class Pipe:
+    def __init__(self, rfd, wfd):
+        self.rfd, self.wfd = rfd, wfd
+
+    def read(self, n):
+        out = bytearray(n)
+        view = memoryview(out)
+        got = 0
+        while got < n:
+            k = os.readv(self.rfd, [view[got:]])
+            if not k:
+                raise EOFError("the client closed the pipe")
+            got += k
+        return out
+
+    def write(self, *parts):
+        for p in parts:
+            view = memoryview(p)
+            while len(view):
+                view = view[os.write(self.wfd, view) :]
+
+    def recv(self, resolve):
+        kind, op, _flags, meta_len, nbuf = HEAD.unpack(self.read(HEAD.size))
+        if nbuf > 1 << 16 or meta_len + 8 * nbuf > MAX_MESSAGE_BYTES:
+            raise EOFError("frame over the size limit")
+        lens = struct.unpack(f"<{nbuf}Q", self.read(8 * nbuf)) if nbuf else ()
+        if meta_len + sum(lens) > MAX_MESSAGE_BYTES:
+            raise EOFError("frame over the size limit")
+        meta = self.read(meta_len)
+        bufs = [self.read(n) for n in lens]
+        return op, Decoder(memoryview(meta), bufs, resolve)
+
+    def send(self, kind, op, value, export):
+        out, bufs = bytearray(), []
+        encode(value, out, bufs, export)
+        head = HEAD.pack(kind, op, 0, len(out), len(bufs))
+        head += b"".join(struct.pack("<Q", len(b)) for b in bufs)
+        self.write(head + out, *bufs)
+
+
+# --------------------------------------------------------------------------- modules
+class PyModule:
+    def __init__(self, mod):
+        self.mod = mod
+
+    def __getitem__(self, name):
+        fn = getattr(self.mod, name, None)
+        if fn is None or not callable(fn):
+            raise KeyError(f"module has no function {name!r}")
+        return fn
+
+
+class CFunction:
+    def __init__(self, cfunc, name, restype="int"):
+        if restype not in RESTYPES:
+            raise ValueError(f"unknown restype {restype!r}")
+        self.cfunc, self.__name__, self.restype = cfunc, name, RESTYPES[restype]
+
+    def __call__(self, *args):
+        self.cfunc.restype = self.restype
+        conv = []
+        for a in args:
+            if isinstance(a, bool):
+                conv.append(ctypes.c_int(int(a)))
+            elif isinstance(a, int):
+                conv.append(ctypes.c_int64(a))
+            elif isinstance(a, float):
+                conv.append(ctypes.c_double(a))
+            elif isinstance(a, str):
+                conv.append(ctypes.c_char_p(a.encode()))
+            elif isinstance(a, bytes):
+                conv.append(ctypes.c_char_p(a))
+            elif a is None:
+                conv.append(ctypes.c_void_p(None))
+            else:
+                raise TypeError(f"cannot pass a {type(a).__name__} to a C function")
+        return self.cfunc(*conv)
+
+
+class CModule:
+    def __init__(self, lib, path):
+        self.lib, self.path = lib, path
+
+    def get_function(self, name, restype="int"):
+        try:
+            return CFunction(getattr(self.lib, name), name, restype or "int")
+        except AttributeError:
+            raise KeyError(f"{os.path.basename(self.path)} has no symbol {name!r}") from None
+
+    def __getitem__(self, name):
+        return self.get_function(name)
+
+
+class SystemLib:
+    def __init__(self, libs):
+        self.libs = libs
+
+    def __getitem__(self, name):
+        if name in REGISTRY:
+            return REGISTRY[name]
+        for lib in self.libs:
+            try:
+                return CFunction(getattr(lib, name), name)
+            except AttributeError:
+                continue
+        return _lookup(name)
+
+
+LOADED = {}
+
+
+def load_file(path):
+    """Load a ``.py`` or ``.so`` file once; a second load returns the same module."""
+    key = os.path.realpath(path)
+    if key not in LOADED:
+        LOADED[key] = _load_file(path)
+    return LOADED[key]
+
+
+def _load_file(path):
+    if path.endswith(".py"):
+        name = "minrpc_mod_" + os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return PyModule(mod)
+    if path.endswith((".so", ".dylib", ".dll")):
+        return CModule(ctypes.CDLL(os.path.abspath(path)), path)
+    raise ValueError(f"the minimal server loads .py and .so files, not {os.path.basename(path)}")
+
+
+# --------------------------------------------------------------------------- the session
+class Session:
+    def __init__(self, build_dir):
+        self.work = tempfile.mkdtemp(prefix="disco-minrpc-")
+        self.build_dir = build_dir
+        self.objects = {}
+        self.next_id = 1
+        self.libs = []
+
+    def export(self, obj):
+        hid = self.next_id
+        self.next_id += 1
+        self.objects[hid] = obj
+        if callable(obj) and not hasattr(obj, "__getitem__"):
+            return Ref(FUNC, hid, getattr(obj, "__name__", "function"))
+        return Ref(MODULE, hid, type(obj).__name__)
+
+    def resolve(self, hid):
+        try:
+            return self.objects[hid]
+        except KeyError:
+            raise ValueError(f"unknown remote object {hid}") from None
+
+    def path(self, p):
+        if not isinstance(p, str) or os.path.isabs(p) or p.startswith("~") or "\0" in p:
+            raise PermissionError(f"remote path {p!r} must be relative to the work folder")
+        if ".." in p.replace("\\", "/").split("/"):
+            raise PermissionError(f"remote path {p!r} leaves the work folder")
+        full = os.path.realpath(os.path.join(self.work, p))
+        root = os.path.realpath(self.work)
+        if full != root and not full.startswith(root + os.sep):
+            raise PermissionError(f"remote path {p!r} leaves the work folder")
+        return full
+
+    def find(self, p):
+        full = self.path(p)
+        if not os.path.exists(full) and self.build_dir:
+            cand = os.path.join(self.build_dir, os.path.basename(p))
+            if os.path.exists(cand):
+                return cand
+        return full
+
+    def handle(self, op, args):
+        if op == OP_GET_FUNC:
+            return _lookup(args[0])
+        if op == OP_CALL:
+            fn = args[0] if not isinstance(args[0], int) else self.resolve(args[0])
+            return fn(*args[1])
+        if op == OP_SYSTEM_LIB:
+            return SystemLib(self.libs)
+        if op == OP_MOD_FUNC:
+            module, name, restype = args
+            if restype is not None:
+                return module.get_function(name, restype)
+            return module[name]
+        if op == OP_LOAD_MODULE:
+            full = self.find(args[0])
+            if not os.path.exists(full):
+                raise FileNotFoundError(f"no file {args[0]!r} in the build or the work folder")
+            return load_file(full)
+        if op == OP_UPLOAD:
+            target, data = args[0], args[1]
+            full = self.path(target)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                f.write(data)
+            return None
+        if op == OP_DOWNLOAD:
+            with open(self.find(args[0]), "rb") as f:
+                return f.read()
+        if op == OP_LISTDIR:
+            names = set(os.listdir(self.path(args[0] if args else ".")))
+            return sorted(names)
+        if op == OP_REMOVE:
+            full = self.path(args[0])
+            if os.path.isdir(full):
+                shutil.rmtree(full)
+            else:
+                os.remove(full)
+            return None
+        if op in (OP_PING, OP_FREE, OP_DEV_SYNC):
+            return None
+        if op == OP_DEV_EXIST:
+            return args[0].code == 1
+        if op == OP_TIME_EVAL:
+            return self.time_eval(*args)
+        if op in (OP_TENSOR, OP_EMPTY, OP_TENSOR_GET, OP_TENSOR_SET):
+            raise TypeError("remote tensors are not supported by the minimal server (no NumPy)")
+        raise ValueError(f"operation {op} is not supported by the minimal server")
+
+    def time_eval(
+        self, module, name, _dev, number, repeat, min_repeat_ms, cool_ms, cool_every, restype, args
+    ):
+        if module is None:
+            fn = _lookup(name)
+        elif restype is not None:
+            fn = module.get_function(name, restype)
+        else:
+            fn = module[name]
+        fn(*args)
+        number, results = max(1, number), []
+        for i in range(max(1, repeat)):
+            while True:
+                t0 = time.perf_counter()
+                for _ in range(number):
+                    fn(*args)
+                elapsed = time.perf_counter() - t0
+                if elapsed * 1e3 >= (min_repeat_ms or 0):
+                    break
+                number = max(
+                    int(min_repeat_ms / 1e3 / max(elapsed / number, 1e-9)) + 1,
+                    int(number * 1.618) + 1,
+                )
+            results.append(elapsed / number)
+            if cool_ms and cool_every and (i + 1) % cool_every == 0:
+                time.sleep(cool_ms / 1e3)
+        return results
+
+    def close(self):
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def error_value(exc):
+    t = type(exc)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    return (name, str(exc), "".join(traceback.format_exception(t, exc, exc.__traceback__)))
+
+
+def serve(build_dir=None):
+    rfd, wfd = os.dup(0), os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)  # what the functions print goes to stderr
+    pipe = Pipe(rfd, wfd)
+    _install_registry_stub()
+    sess = Session(build_dir)
+    if build_dir and os.path.isdir(build_dir):
+        sys.path.insert(0, build_dir)
+        for name in sorted(os.listdir(build_dir)):
+            full = os.path.join(build_dir, name)
+            if name.endswith(".py"):
+                load_file(full)
+            elif name.endswith((".so", ".dylib")):
+                sess.libs.append(
+                    ctypes.CDLL(os.path.abspath(full), mode=getattr(ctypes, "RTLD_GLOBAL", 0))
+                )
+    try:
+        magic, version, keylen = struct.unpack("<8sII", pipe.read(16))
+        if magic != MAGIC or keylen > 4096:
+            return
+        pipe.read(keylen + 32)
+        status = 0 if version == VERSION else 2
+        pipe.write(struct.pack("<8sIBB32s", MAGIC, VERSION, status, 0, os.urandom(32)))
+        if status:
+            return
+        while True:
+            try:
+                op, dec = pipe.recv(sess.resolve)
+            except EOFError:
+                return
+            try:
+                frees, args = dec.value()
+                for hid in frees or ():
+                    sess.objects.pop(hid, None)
+                if op == OP_INIT:
+                    if args[1]:
+                        raise ValueError(
+                            "session constructors are not supported by the minimal server"
+                        )
+                    result = {"pid": os.getpid(), "version": VERSION, "minrpc": True}
+                else:
+                    result = sess.handle(op, args)
+                pipe.send(REPLY, op, result, sess.export)
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
+                pipe.send(ERROR, op, error_value(exc), sess.export)
+    finally:
+        sess.close()
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    build_dir = None
+    if os.path.isfile(here):  # running from a zipapp: unpack its build folder
+        import zipfile
+
+        build_dir = tempfile.mkdtemp(prefix="disco-minrpc-build-")
+        with zipfile.ZipFile(here) as z:
+            for info in z.infolist():
+                if info.filename.startswith("build/") and not info.is_dir():
+                    name = os.path.basename(info.filename)
+                    if name:
+                        with z.open(info) as src, open(os.path.join(build_dir, name), "wb") as dst:
+                            shutil.copyfileobj(src, dst)
+    elif os.path.isdir(os.path.join(here, "build")):
+        build_dir = os.path.join(here, "build")
+    try:
+        serve(build_dir)
+    finally:
+        if build_dir and build_dir.startswith(tempfile.gettempdir()):
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,460 @@
+"""The RPC proxy: servers behind NAT connect out to it; clients reach them through it by key.
+
+A server started with ``Server(host=proxy_host, port=proxy_port, is_proxy=True,
+key=...)`` keeps one authenticated connection open to the proxy (the proxy's
+token, optional TLS) and waits. A client connects to the proxy exactly as to a
+server (``rpc.connect(proxy_host, proxy_port, key=...)``): the proxy reads the
+client's hello (fixed-size fields and a key of at most 4 KiB), picks an idle
+server registered under that key, tells it a client arrived, forwards the hello
+and then relays bytes both ways. Authentication between client and server stays
+end to end (the server's token); the proxy never decodes a client's frames.
+The server serves one session at a time, then connects out again.
+
+With ``tracker_addr``, the proxy registers each server behind it with the
+tracker under the proxy's address: a tracker's client is sent to the proxy with
+a ticket, the proxy checks the ticket and reports the session's start and end,
+so the server returns to the pool as with a direct registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import signal
+import socket
+import ssl
+import sys
+import threading
+import time
+from typing import Any
+
+from . import auth, wire
+from .errors import RPCError
+from .tracker import T_END, T_START, TICKET_SEP, Registration
+from .wire import REPLY, REQUEST
+
+__all__ = ["Proxy", "serve_proxy", "serve_via_proxy"]
+
+logger = logging.getLogger("disco_rpc.proxy")
+
+#: The handshake key a server behind the proxy presents to it.
+PROXY_SERVER_KEY = "disco-rpc/proxy-server"
+P_REGISTER, P_PAIRED, P_ACK = 1, 2, 3
+#: Frames between proxy and server are tiny.
+PROXY_MAX_MESSAGE_BYTES = 1 << 16
+#: Seconds a client waits for an idle server with its key.
+DEFAULT_WAIT = 10.0
+#: Seconds a server has to come back after a session before it leaves the tracker.
+REJOIN_GRACE = 5.0
+
+
+class _Backend:
+    """One server behind the proxy (stable across its reconnections)."""
+
+    def __init__(self, server_id: str, key: str) -> None:
+        self.server_id = server_id
+        self.key = key
+        self.conn: wire.Conn | None = None  # its idle connection, when idle
+        self.paired = False
+        self.in_session = False
+        self.reg: Registration | None = None
+        self.gone_since: float | None = None
+
+
+class _ProxyState:
+    def __init__(self, host: str, port: int, tracker_addr: Any, tracker_token: Any, tracker_ssl: Any) -> None:  # fmt: skip
+        self.cv = threading.Condition()
+        self.backends: dict[str, _Backend] = {}
+        self.addr = (host, port)
+        self.tracker_addr = tracker_addr
+        self.tracker_token = tracker_token
+        self.tracker_ssl = tracker_ssl
+
+    def idle(self, key: str, ticket: str | None) -> _Backend | None:
+        for b in self.backends.values():
+            if b.conn is None or b.paired or b.key != key:
+                continue
+            if ticket is not None:
+                if b.reg is None:
+                    continue
+                b.reg.poll()
+                if ticket not in b.reg.tickets:
+                    continue
+            elif b.reg is not None:
+                continue  # a tracker-managed server serves ticket holders only
+            return b
+        return None
+
+
+def _relay(a: Any, b: Any, a_buffered: bytes = b"", b_buffered: bytes = b"") -> None:
+    """Copy bytes both ways between two sockets until either side closes."""
+    socks = {a.fileno(): (a, b), b.fileno(): (b, a)}
+    if a_buffered:
+        b.sendall(a_buffered)
+    if b_buffered:
+        a.sendall(b_buffered)
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    try:
+        while True:
+            ready = [fd for fd, (s, _d) in socks.items() if isinstance(s, ssl.SSLSocket) and s.pending()]  # fmt: skip
+            if not ready:
+                ready, _, _ = select.select(list(socks), [], [])
+            for fd in ready:
+                src, dst = socks[fd]
+                n = src.recv_into(view)
+                if not n:
+                    return
+                dst.sendall(view[:n])
+    except OSError:
+        return
+    finally:
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def _handle(sock: socket.socket, addr: Any, state: _ProxyState, token: bytes | None, ssl_context: Any, wait: float) -> None:  # fmt: skip
+    try:
+        sock.settimeout(10.0)
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(sock, server_side=True)
+        transport: Any = (
+            wire.SSLTransport(sock)
+            if isinstance(sock, ssl.SSLSocket)
+            else wire.SocketTransport(sock)
+        )
+        conn = wire.Conn(transport, PROXY_MAX_MESSAGE_BYTES)
+        hello = auth.read_hello(conn)
+        if hello is None:
+            sock.close()
+            return
+        version, kb, cnonce = hello
+        if kb == PROXY_SERVER_KEY.encode():
+            _serve_backend(conn, sock, addr, hello, state, token)
+        else:
+            _serve_client(conn, sock, addr, auth.pack_hello(version, kb, cnonce), kb, state, wait)
+    except (OSError, EOFError, wire.ProtocolError, ValueError) as exc:
+        logger.debug("connection from %s ended: %s", addr, exc)
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+
+def _serve_backend(conn, sock, addr, hello, state: _ProxyState, token) -> None:
+    if not auth.server_handshake(conn, PROXY_SERVER_KEY, token, hello=hello):
+        logger.warning("refused a server from %s (proxy token)", addr)
+        sock.close()
+        return
+    _k, op, value = conn.recv()
+    if op != P_REGISTER:
+        sock.close()
+        return
+    key, server_id = str(value[0]), str(value[1])
+    with state.cv:
+        b = state.backends.get(server_id)
+        if b is None:
+            b = state.backends[server_id] = _Backend(server_id, key)
+        b.conn, b.paired, b.gone_since = conn, False, None
+        if state.tracker_addr is not None and b.reg is None:
+            try:
+                b.reg = Registration(
+                    state.tracker_addr, key, state.addr,
+                    token=state.tracker_token, ssl_context=state.tracker_ssl,
+                )  # fmt: skip
+            except (RPCError, OSError) as exc:
+                logger.warning("cannot register %r with the tracker: %s", key, exc)
+        conn.send(REPLY, P_REGISTER, None)
+        state.cv.notify_all()
+    logger.info("server %s (key %r) is behind the proxy", server_id, key)
+    sock.settimeout(None)
+    while True:  # idle: watch for its death until a client takes it
+        with state.cv:
+            if b.paired:
+                return  # the client's thread owns the connection now
+        r, _, _ = select.select([sock], [], [], 0.2)
+        if r:
+            with state.cv:
+                if b.paired:
+                    return
+                b.conn = None
+                b.gone_since = time.monotonic()
+                state.cv.notify_all()
+            logger.info("server %s (key %r) left the proxy", server_id, key)
+            sock.close()
+            return
+
+
+def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _ProxyState, wait: float) -> None:  # fmt: skip
+    text = kb.decode("utf-8", "replace")
+    key, sep, ticket = text.rpartition(TICKET_SEP)
+    if not sep:
+        key, ticket = text, None
+    deadline = time.monotonic() + wait
+    with state.cv:
+        while True:
+            b = state.idle(key, ticket)
+            if b is not None:
+                b.paired = True
+                b.in_session = True
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.warning("no server with key %r behind the proxy for %s", key, addr)
+                sock.close()
+                return
+            state.cv.wait(min(left, 0.2))
+    server_conn = b.conn
+    try:
+        server_conn.send(REQUEST, P_PAIRED, None)
+        server_conn.t.sock.settimeout(10.0)
+        _k, op, _v = server_conn.recv()
+        if op != P_ACK:
+            raise wire.ProtocolError("the server did not acknowledge the client")
+        server_conn.t.sock.settimeout(None)
+        sock.settimeout(None)
+        if ticket is not None and b.reg is not None:
+            b.reg.report(T_START, ticket)
+        rest = bytes(conn.view[conn.start : conn.end])
+        _relay(sock, server_conn.t.sock, hello_bytes + rest)
+    finally:
+        with state.cv:
+            b.in_session = False
+            if b.conn is server_conn:
+                b.conn = None
+                b.gone_since = time.monotonic()
+            state.cv.notify_all()
+        if ticket is not None and b.reg is not None:
+            b.reg.report(T_END, ticket)
+
+
+def _janitor(state: _ProxyState, stop: threading.Event) -> None:
+    """Drop tracker registrations of servers that left and did not come back."""
+    while not stop.wait(0.5):
+        with state.cv:
+            now = time.monotonic()
+            for sid, b in list(state.backends.items()):
+                if b.reg is not None:
+                    b.reg.poll()
+                    b.reg.reconnect_if_lost()
+                if b.conn is None and not b.in_session and b.gone_since is not None:
+                    if now - b.gone_since > REJOIN_GRACE:
+                        if b.reg is not None:
+                            b.reg.close()
+                        del state.backends[sid]
+
+
+def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes | None = None, ssl_context: Any = None, tracker_addr: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, watch_fd: int | None = None) -> None:  # fmt: skip
+    """Serve the proxy on ``listen_sock`` until ``watch_fd`` closes (or forever)."""
+    state = _ProxyState(host, port, tracker_addr, tracker_token, tracker_ssl_context)
+    stop = threading.Event()
+    threading.Thread(target=_janitor, args=(state, stop), daemon=True).start()
+    watch = [listen_sock] + ([watch_fd] if watch_fd is not None else [])
+    try:
+        while True:
+            try:
+                ready, _, _ = select.select(watch, [], [], 1.0)
+            except InterruptedError:
+                continue
+            if watch_fd is not None and watch_fd in ready:
+                return
+            if listen_sock in ready:
+                try:
+                    sock, addr = listen_sock.accept()
+                except OSError:
+                    continue
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(
+                    target=_handle, args=(sock, addr, state, token, ssl_context, wait), daemon=True
+                ).start()
+    finally:
+        stop.set()
+
+
+class Proxy:
+    """Start an RPC proxy in a separate process, as ``tvm.rpc.proxy.Proxy``.
+
+    Parameters
+    ----------
+    host : str
+        The address to bind (``127.0.0.1`` by default; another address needs a
+        token or TLS unless ``allow_insecure_bind``).
+    port, port_end : int
+        The first free port in ``[port, port_end)`` is used (``proxy.port``);
+        servers and clients both connect to it.
+    tracker_addr : (str, int), optional
+        Register the servers behind the proxy with this tracker.
+    token : str or bytes, optional
+        The secret servers must prove to register (default ``$DISCO_TOKEN``).
+        Clients are authenticated end to end by the servers themselves.
+    ssl_context : ssl.SSLContext, optional
+        Speak TLS with servers and clients (a server-side context).
+    tracker_token, tracker_ssl_context :
+        For the link to the tracker (the proxy's token by default).
+    wait : float
+        Seconds a client waits for an idle server with its key.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199, web_port: int = 0, timeout_client: float = 600, timeout_server: float = 600, tracker_addr: Any = None, index_page: Any = None, resource_files: Any = None, *, token: Any = None, ssl_context: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
+        from .server import bind_listener, check_bind
+
+        if web_port:
+            raise NotImplementedError("the web (WebSocket) port of TVM's proxy is not supported")
+        token_b = auth.resolve_token(token)
+        check_bind(host, token_b, ssl_context, allow_insecure_bind)
+        self.host = host
+        sock = bind_listener(host, port, port_end, reuse_addr)
+        self.port = sock.getsockname()[1]
+        tracker_token = token if tracker_token is None else tracker_token
+        rfd, wfd = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                os.close(wfd)
+                wire.close_inherited()
+                os.setpgid(0, 0)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+                serve_proxy(
+                    sock, host, self.port, token_b, ssl_context,
+                    tuple(tracker_addr) if tracker_addr else None,
+                    tracker_token, tracker_ssl_context, wait, rfd,
+                )  # fmt: skip
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(rfd)
+        sock.close()
+        self.pid: int | None = pid
+        self._watch = wfd
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def terminate(self) -> None:
+        """Stop the proxy; a second call does nothing."""
+        from .server import stop_process
+
+        pid, self.pid = self.pid, None
+        if pid is not None:
+            stop_process(pid)
+            try:
+                os.close(self._watch)
+            except OSError:
+                pass
+
+    def __enter__(self) -> Proxy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.terminate()
+
+    def __del__(self) -> None:
+        try:
+            self.terminate()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<disco_rpc.Proxy {self.host}:{self.port} pid={self.pid}>"
+
+
+# --------------------------------------------------------------------------- the server side
+def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_context: Any, watch_fd: int | None = None) -> None:  # fmt: skip
+    """Serve sessions through the proxy at ``host:port``, one at a time, until told to stop."""
+    from dataclasses import replace
+
+    from .client import open_conn
+    from .server import _set_pdeathsig, run_session
+
+    if not key:
+        raise ValueError("a server behind a proxy needs a key")
+    server_id = secrets.token_hex(8)
+    scfg = replace(cfg, ssl_context=None)  # TLS, if any, is the link to the proxy
+    backoff = 0.05
+
+    def parent_gone(timeout: float) -> bool:
+        if watch_fd is None:
+            time.sleep(timeout)
+            return False
+        r, _, _ = select.select([watch_fd], [], [], timeout)
+        return bool(r)
+
+    while True:
+        try:
+            conn = open_conn(
+                host, port, PROXY_SERVER_KEY, token=token, ssl_context=ssl_context,
+                max_message_bytes=PROXY_MAX_MESSAGE_BYTES, connect_timeout=5.0,
+            )  # fmt: skip
+            conn.send(REQUEST, P_REGISTER, (key, server_id))
+            conn.recv()
+        except (RPCError, OSError, EOFError, wire.ProtocolError) as exc:
+            logger.info("cannot reach the proxy at %s:%s: %s", host, port, exc)
+            if parent_gone(backoff):
+                return
+            backoff = min(backoff * 2, 2.0)
+            continue
+        backoff = 0.05
+        sock = conn.t.sock
+        watch = [sock] + ([watch_fd] if watch_fd is not None else [])
+        r, _, _ = select.select(watch, [], [])
+        if watch_fd is not None and watch_fd in r:
+            conn.close()
+            return
+        try:
+            _k, op, _v = conn.recv()
+            if op != P_PAIRED:
+                raise wire.ProtocolError(f"unexpected message {op} from the proxy")
+            conn.send(REPLY, P_ACK, None)
+        except (OSError, EOFError, wire.ProtocolError) as exc:
+            logger.info("lost the proxy: %s", exc)
+            conn.close()
+            continue
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _set_pdeathsig()
+                if watch_fd is not None:
+                    os.close(watch_fd)
+                run_session(sock, ("proxy", host, port), scfg, True)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        sock.close()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        while True:  # one session at a time, as TVM's proxied server
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            fds = [pidfd] if pidfd is not None else []
+            if watch_fd is not None:
+                fds.append(watch_fd)
+            r, _, _ = select.select(fds, [], [], 0.05)
+            if watch_fd is not None and watch_fd in r:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+                return
+        if pidfd is not None:
+            os.close(pidfd)

@@ -1,0 +1,111 @@
+"""The "rpc" Disco channel (issue 8): Disco sessions whose workers run on RPC servers."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+import disco_rpc as rpc
+from disco_core.testing import ChannelContract
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@disco.register_func("chan.fill_rank", override=True)
+def _fill_rank(x):
+    from disco_core.worker import current
+
+    x[...] = current().worker_id + 1
+    return None
+
+
+@pytest.fixture(scope="module")
+def servers():
+    made = [rpc.Server(port=9400, port_end=9500, token="disco-secret") for _ in range(2)]
+    yield made
+    for s in made:
+        s.terminate()
+
+
+def test_allreduce_over_two_rpc_servers(servers):
+    t0 = time.perf_counter()
+    sess = disco.Session.create("rpc", servers=[s.addr for s in servers], token="disco-secret")
+    try:
+        assert time.perf_counter() - t0 < 10
+        assert sess.num_workers == 3
+        ch = sess.channel
+        assert ch.kind == "rpc" and ch.num_nodes == 1 and ch.shares_memory  # loopback servers
+        sess.import_python_module("disco_core.testing.funcs")
+        pids = [sess.get_global_func("testing.pid")().debug_get_from_remote(w) for w in range(3)]
+        assert len(set(pids)) == 3
+        sess.init_ccl("shm")
+        x = sess.empty((1000,), "float32")
+        sess.get_global_func("chan.fill_rank")(x)
+        y = sess.empty((1000,), "float32")
+        sess.allreduce(x, y, "sum")
+        out = np.zeros(1000, "float32")
+        sess.copy_from_worker_0(out, y)
+        assert (out == 1 + 2 + 3).all()
+        for w in (1, 2):
+            assert (y.debug_get_from_remote(w) == 6).all()
+    finally:
+        sess.shutdown()
+
+
+def test_wrong_token_refused(servers):
+    with pytest.raises(rpc.RPCAuthError):
+        disco.Session.create("rpc", servers=[servers[0].addr], token="wrong")
+
+
+def test_bad_arguments():
+    with pytest.raises(disco.DiscoError, match="servers"):
+        disco.Session.create("rpc")
+
+
+def test_session_over_tracker_returns_servers_to_pool():
+    tr = rpc.Tracker(port=9600, port_end=9700)
+    made = [rpc.Server(port=9400, port_end=9500, tracker_addr=tr.addr, key="pool") for _ in range(2)]  # fmt: skip
+    ts = rpc.connect_tracker(*tr.addr)
+    try:
+        sess = disco.Session.create("rpc", tracker=tr.addr, key="pool", num_workers=3)
+        assert ts.summary()["queue_info"]["pool"]["free"] == 0
+        sess.import_python_module("disco_core.testing.funcs")
+        r = sess.get_global_func("testing.echo")(7)
+        assert [r.debug_get_from_remote(w) for w in range(3)] == [7, 7, 7]
+        sess.shutdown()
+        deadline = time.monotonic() + 10
+        while ts.summary()["queue_info"]["pool"]["free"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ts.summary()["queue_info"]["pool"]["free"] == 2
+        # the same pool serves plain RPC sessions
+        s = ts.request("pool")
+        assert s.get_function("chan.fill_rank") is not None
+        s.close()
+    finally:
+        ts.close()
+        for s in made:
+            s.terminate()
+        tr.terminate()
+
+
+class TestRPCChannelContract(ChannelContract):
+    """Worker i of the kit's sessions runs on server (i - 1) % 2, in a session process."""
+
+    workers_are_processes = True
+    death_timeout = 3.0
+
+    @pytest.fixture
+    def make_session(self, servers):
+        def make(num_workers, num_groups=1):
+            return disco.Session.create(
+                "rpc",
+                servers=[s.addr for s in servers],
+                num_workers=num_workers,
+                num_groups=num_groups,
+                token="disco-secret",
+            )
+
+        return make

@@ -1,0 +1,105 @@
+"""rpc.with_minrpc (issue 8): a build plus a stdlib-only server in one zipapp, via PopenSession."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import disco_rpc as rpc
+
+pytestmark = pytest.mark.timeout(60)
+
+KERNELS = textwrap.dedent(
+    """
+    import disco_core
+
+    @disco_core.register_func("mini.add")
+    def add(a, b):
+        return a + b
+
+    @disco_core.register_func("mini.echo")
+    def echo(*args):
+        return args
+
+    def greet(name):
+        print("printing goes to stderr")
+        return "hi " + name
+
+    def fail():
+        raise KeyError("nope")
+    """
+)
+
+
+def _bare_python():
+    """A Python without NumPy when there is one (a device with only the stdlib)."""
+    for cand in ("/usr/bin/python3", shutil.which("python3")):
+        if cand and os.path.exists(cand):
+            r = subprocess.run([cand, "-c", "import numpy"], capture_output=True)
+            if r.returncode != 0:
+                return cand
+    return sys.executable
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    d = tmp_path_factory.mktemp("build")
+    (d / "kernels.py").write_text(KERNELS)
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc:
+        (d / "c.c").write_text(
+            "#include <stdint.h>\nint64_t twice(int64_t x) { return 2 * x; }\n"
+            "double half(double x) { return x / 2; }\n"
+        )
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(d / "libk.so"), str(d / "c.c")], check=True)  # fmt: skip
+        (d / "c.c").unlink()
+    out = tmp_path_factory.mktemp("out") / "server.pyz"
+    path = rpc.with_minrpc(d, out, interpreter=_bare_python())
+    return path, bool(cc)
+
+
+def test_minrpc_package(package):
+    path, have_cc = package
+    assert os.access(path, os.X_OK)
+    with open(path, "rb") as f:
+        assert f.read(2) == b"#!"
+    sess = rpc.PopenSession(path)
+    try:
+        assert sess.info.get("minrpc") is True
+        assert sess.get_function("mini.add")(2, 3) == 5
+        assert sess.get_function("mini.echo")(None, True, 1.5, "s", b"b", [1, (2,)], {"k": 1j}, 1 << 70) == (None, True, 1.5, "s", b"b", [1, (2,)], {"k": 1j}, 1 << 70)  # fmt: skip
+        mod = sess.load_module("kernels.py")
+        assert mod["greet"]("you") == "hi you"
+        with pytest.raises(rpc.RPCError, match="KeyError"):
+            mod["fail"]()
+        res = mod.time_evaluator("greet", sess.cpu(0), number=5, repeat=3)("t")
+        assert len(res.results) == 3 and res.mean > 0
+        data = os.urandom(100_000)
+        sess.upload(data, "blob.bin")
+        assert bytes(sess.download("blob.bin")) == data
+        assert sess.listdir(".") == ["blob.bin"]
+        with pytest.raises(rpc.RPCError, match="PermissionError"):
+            sess.download("../etc/passwd")
+        sess.remove("blob.bin")
+        with pytest.raises(rpc.RPCError, match="not supported"):
+            rpc.tensor(np.zeros(3), device=sess.cpu(0))
+        if have_cc:
+            assert sess.system_lib()["twice"](21) == 42
+            lib = sess.load_module("libk.so")
+            assert lib.get_function("half", restype="double")(3.0) == 1.5
+    finally:
+        sess.close()
+
+
+def test_minrpc_server_is_stdlib_only():
+    from disco_rpc.minrpc import MINRPC_SERVER
+
+    src = open(MINRPC_SERVER).read()
+    for banned in ("import numpy", "from disco_rpc", "import disco_rpc", "from . "):
+        assert banned not in src
