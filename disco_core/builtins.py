@@ -51,6 +51,11 @@ def _ccl():
         raise CCLError(
             f"no CCL is initialised on worker {ctx.worker_id}; call session.init_ccl('shm') (or 'mpi', 'nccl') first"
         )
+    if ctx.ccl.poisoned:
+        raise CCLError(
+            f"the {ctx.ccl.name} CCL is unusable after an earlier failure ({ctx.ccl.poisoned}); "
+            "start a new session"
+        )
     return ctx.ccl
 
 
@@ -136,6 +141,14 @@ def init_ccl(name: str, payload: Any, device_ids: tuple, options: dict) -> None:
         raise CCLError(f"worker {ctx.worker_id} already has a CCL ({ctx.ccl.name})")
     cls = plugins.lookup("ccl", name)
     ctx.ccl = cls(ctx, payload, tuple(device_ids), **dict(options))
+
+
+@_builtin("ccl_poison")
+def ccl_poison(reason: str) -> None:
+    """Make this worker's CCL refuse every later operation (see :meth:`CCL.poison`)."""
+    ccl = current().ccl
+    if ccl is not None and not ccl.poisoned:
+        ccl.poison(str(reason))
 
 
 # ---------------------------------------------------------------------------- collectives

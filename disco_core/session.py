@@ -282,6 +282,7 @@ class Session:
                 errors.append(exc)
         errors += self._channel.take_errors()
         errors.sort(key=lambda e: e.worker_id)
+        self._poison_ccl_after_timeout(errors)
         first = errors[0]
         raise WorkerError(
             first.worker_id,
@@ -290,6 +291,23 @@ class Session:
             first.remote_traceback,
             errors[1:],
         )
+
+    def _poison_ccl_after_timeout(self, errors: list[WorkerError]) -> None:
+        """After a collective timed out anywhere, no worker's CCL may run another one.
+
+        The member that gave up left an operation behind that its peers could still
+        match (MPI, NCCL); so before the user sees the error, every worker is told,
+        in its command stream, to refuse every later operation (:meth:`CCL.poison`).
+        """
+        if self._state["ccl"] is None:
+            return
+        timed_out = [e for e in errors if e.exc_type.rsplit(".", 1)[-1] == "CCLTimeoutError"]
+        if timed_out:
+            e = timed_out[0]
+            reason = f"a collective timed out on worker {e.worker_id}"
+            self._send(
+                (P.CALL_PACKED, 0, self._get_cached_method("disco.ccl_poison").reg_id, (reason,))
+            )
 
     def _check_worker(self, worker_id: Any) -> int:
         if isinstance(worker_id, bool) or not isinstance(worker_id, (int, np.integer)):

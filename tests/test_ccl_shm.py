@@ -18,6 +18,7 @@ import pytest
 import disco_core as disco
 from disco_core.ccl.shm import ShmCCL
 from disco_core.testing.ccl_kit import CCLContract, assert_bits, make_input
+from disco_core.worker import current
 
 CCL_FUNCS = "disco_core.testing.ccl_funcs"
 
@@ -262,6 +263,37 @@ def test_unusable_after_a_timeout_says_so():
         sess.get_global_func("disco.barrier")(False)
         with pytest.raises(disco.WorkerError, match="unusable|new session"):
             sess.call_packed("ccl_kit.peer", "self").debug_get_from_remote(1)
+
+
+@disco.register_func("test_shm.poisoned", override=True)
+def _poisoned() -> str:
+    return current().ccl.poisoned
+
+
+@pytest.mark.timeout(60)
+def test_timeout_poisons_every_workers_ccl_before_it_is_reported():
+    """The session tells every worker's CCL (``CCL.poison``) before the user sees a timeout.
+
+    So no CCL, whatever it does itself, runs a later collective against an operation
+    that a timed-out member abandoned (MPI and NCCL would otherwise match it).
+    """
+    with disco.ThreadedSession(3) as sess:
+        sess.init_ccl("shm", timeout=0.5)
+        sess.import_python_module(CCL_FUNCS)
+        before = sess.call_packed("test_shm.poisoned")
+        assert [before.debug_get_from_remote(w) for w in range(3)] == ["", "", ""]
+        sess.call_packed("ccl_kit.call_on", (2,), "barrier", False)
+        with pytest.raises(disco.WorkerError) as info:
+            sess.call_packed("ccl_kit.peer", "self").debug_get_from_remote(2)
+        assert info.value.exc_type == "CCLTimeoutError"
+        after = sess.call_packed("test_shm.poisoned")
+        for w in range(3):
+            assert "timed out on worker 2" in after.debug_get_from_remote(w)
+        x = sess.empty((4,), "float32")
+        sess.allreduce(x, x, "sum")
+        with pytest.raises(disco.WorkerError, match="unusable after an earlier failure") as info:
+            sess.sync_worker_0()
+        assert {e.worker_id for e in [info.value, *info.value.others]} == {0, 1, 2}
 
 
 @pytest.mark.timeout(60)

@@ -19,7 +19,11 @@ The contract every implementation honours (``disco_core.testing.ccl_kit`` checks
   :class:`~disco_core.errors.CCLError` that names the problem; nobody waits forever;
 * an operation that waits longer than the CCL's timeout raises
   :class:`~disco_core.errors.CCLTimeoutError`; an aborted rendezvous (a dead peer)
-  makes waiting members raise promptly.
+  makes waiting members raise promptly;
+* after a timeout no operation completes any more: the session calls
+  :meth:`CCL.poison` on every worker before it reports the timeout to the user, so
+  no member can complete a later collective against what a timed-out member
+  abandoned.
 
 Argument conventions follow TVM's ``disco`` builtins: ``src`` and ``dst`` are
 arrays (NumPy on cpu), ``None`` where TVM passes an empty ``Optional``; the
@@ -78,6 +82,9 @@ class CCL(abc.ABC):
 
     #: The registered name (``"shm"``, ``"mpi"``, ...).
     name: ClassVar[str] = "?"
+
+    #: Why every operation is refused (set by :meth:`poison`); empty while usable.
+    poisoned: str = ""
 
     def __init__(
         self, ctx: WorkerContext, payload: Any, device_ids: Sequence[int] = (), **options: Any
@@ -144,6 +151,18 @@ class CCL(abc.ABC):
 
         Called when the controller synchronises with the worker (``sync_worker_0``).
         """
+
+    def poison(self, reason: str) -> None:
+        """Refuse every later operation: a member's operation failed beyond repair.
+
+        The session calls it on every worker (through the ``disco.ccl_poison``
+        builtin) when a worker reported a :class:`~disco_core.errors.CCLTimeoutError`,
+        before the user sees that error: a member that gave up left an operation
+        behind that its peers could otherwise still match. The built-in collectives
+        then raise :class:`~disco_core.errors.CCLError` naming ``reason``; a CCL that
+        keeps its own broken state may override this to set it too.
+        """
+        self.poisoned = reason
 
     def close(self) -> None:
         """Release this worker's resources (called once, at shutdown)."""

@@ -81,6 +81,8 @@ _MAX_PAUSE = 0.001
 _PAUSE_DIVISOR = 64
 _DESC_TAG = 11
 _DATA_TAG = 12
+_ALARM_TAG = 13
+_ALARM_BYTES = 512
 _UNRECOVERABLE = (
     "MPI cannot recover a communicator after a failed or abandoned operation: "
     "shut the session down and start a new one"
@@ -90,6 +92,11 @@ _USER_OPS: _UserOps | None = None
 
 #: Aborts of rendezvous made in this process, by token (read by worker 0's CCL).
 _ABORTS: dict[str, str] = {}
+
+#: Requests given up on (a timeout, an abort) and the CCLs that were broken at close,
+#: kept for the life of the process: MPI may still write into their buffers, which
+#: must therefore never be freed (a freed receive buffer is a segfault later).
+_ABANDONED: list[Any] = []
 
 
 class MPIRendezvous(Rendezvous):
@@ -259,6 +266,12 @@ class MPICCL(CCL):
             world = self._join(payload["ports"], connect_timeout)
         self.world = world
         self.p2p = world.Dup()
+        # A member that times out tells the others on this communicator: they must not
+        # complete their next collective against the operation it abandoned.
+        self.alarm = world.Dup()
+        self._alarm_in = bytearray(_ALARM_BYTES)
+        self._alarm_req = self.alarm.Irecv([self._alarm_in, MPI.BYTE], MPI.ANY_SOURCE, _ALARM_TAG)
+        self._alarm_out: list[Any] = []
         if ctx.num_groups > 1:
             self.group = world.Split(ctx.group_id, self._me)
         else:
@@ -366,9 +379,14 @@ class MPICCL(CCL):
             reason = _ABORTS.get(token)
             if reason:
                 self.broken = reason
+                _ABANDONED.append(req)
                 raise CCLError(f"{what} aborted: {reason}; {_UNRECOVERABLE}")
+            if self._alarmed():  # a member timed out: this collective has, for all
+                _ABANDONED.append(req)
+                raise CCLTimeoutError(f"{what}: {self.broken}; {_UNRECOVERABLE}")
             if now > deadline:
-                self.broken = f"{what} timed out"
+                _ABANDONED.append(req)
+                self._break(f"{what} timed out on worker {self._me} after {self.timeout:g} s")
                 raise CCLTimeoutError(
                     f"{what}: waited {self.timeout:.0f} s for the other workers "
                     f"(raise it with init_ccl('mpi', timeout=...) or DISCO_CCL_TIMEOUT); "
@@ -378,8 +396,50 @@ class MPICCL(CCL):
                 pause = min(pause * 1.5 + 2e-5, _MAX_PAUSE, (now - start) / _PAUSE_DIVISOR)
                 time.sleep(pause)
 
-    def _comm(self, in_group: bool) -> Any:
+    def _break(self, reason: str) -> None:
+        """Mark the CCL unusable here and tell every other member (see ``_alarmed``)."""
+        self.broken = reason
+        msg = reason.encode()[:_ALARM_BYTES]
+        for peer in range(self._n):
+            if peer != self._me:
+                try:
+                    self._alarm_out.append(self.alarm.Isend([msg, self.MPI.BYTE], peer, _ALARM_TAG))
+                except Exception:  # noqa: BLE001 - a dead peer; the others still hear it
+                    pass
+        self._push_alarm(0.1)
+
+    def _push_alarm(self, seconds: float) -> None:
+        """Drive the alarm's sends (MPI moves data only while this process calls MPI)."""
+        deadline = time.monotonic() + seconds
+        try:
+            while self._alarm_out and not self.MPI.Request.Testall(self._alarm_out):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.0002)
+            self._alarm_out.clear()
+        except Exception:  # noqa: BLE001 - a dead peer: nothing more to do
+            self._alarm_out.clear()
+
+    def poison(self, reason: str) -> None:
+        super().poison(reason)
+        if not self.broken:
+            self.broken = reason
+
+    def _alarmed(self) -> bool:
+        """True (and ``broken`` set) once another member has announced a failure."""
         if self.broken:
+            return True
+        status = self.MPI.Status()
+        if not self._alarm_req.Test(status):
+            return False
+        text = bytes(self._alarm_in[: status.Get_count(self.MPI.BYTE)]).decode(errors="replace")
+        self.broken = text or f"worker {status.Get_source()} failed"
+        return True
+
+    def _comm(self, in_group: bool) -> Any:
+        if self._alarm_out:
+            self._push_alarm(0.0)
+        if self._alarmed():
             raise CCLError(f"the mpi CCL is unusable after an earlier failure ({self.broken})")
         return self.group if in_group else self.world
 
@@ -409,6 +469,8 @@ class MPICCL(CCL):
         n, out, inbuf, sspec, rspec = self._xch[id(comm)]
         out[:] = mine
         self._wait(comm.Iallgather(sspec, rspec), op)
+        if self._alarmed():  # matched what a member that failed left behind
+            raise CCLError(f"{op} aborted: {self.broken}; {_UNRECOVERABLE}")
         uniform = inbuf == mine * n
         if uniform and mine in self._checked:
             return  # the same call as one already checked, by every member alike
@@ -610,8 +672,16 @@ class MPICCL(CCL):
 
     def close(self) -> None:
         if self.broken:
-            return  # a pending operation may still use the communicators
-        comms = {id(c): c for c in (self.group, self.p2p, self.world)}
+            # Pending operations may still use the communicators and write into this
+            # CCL's buffers (the alarm's receive, the descriptor exchange): keep it all.
+            _ABANDONED.append(self)
+            return
+        try:
+            self._alarm_req.Cancel()
+            self._alarm_req.Wait()
+        except Exception:
+            pass
+        comms = {id(c): c for c in (self.group, self.p2p, self.alarm, self.world)}
         for c in comms.values():
             try:
                 c.Free()

@@ -1,8 +1,9 @@
 """The ``mpi`` CCL over ProcessSession, with the MPI from PyPI (mpich + mpi4py).
 
-There is no shared CCL conformance kit in the core yet (``disco_core.testing.ccl_kit``),
-so these are the plugin's own checks: every collective, point-to-point and group
-mode, dtypes against NumPy, mismatched calls, and a worker dying mid-collective.
+The plugin's own checks beside the core's conformance kit (test_mpi_contract.py):
+MPI's own (unordered) reduction order against NumPy with a tolerance, more dtypes
+(complex), in-place and overlapping buffers, groups as sub-communicators, and a
+worker dying mid-collective.
 """
 
 from __future__ import annotations
