@@ -535,6 +535,60 @@ class PipeTransport:
                 pass
 
 
+# --------------------------------------------------------------------------- splicing
+_CAN_SPLICE = hasattr(os, "splice")
+_SPLICE_MIN = 1 << 20
+_PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = 1031
+
+
+def _real_fd(sink: Any) -> int | None:
+    """The file descriptor of ``sink`` when bytes may be spliced into it, else None."""
+    if not _CAN_SPLICE:
+        return None
+    try:
+        fd = sink.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return None
+    return fd if isinstance(fd, int) else None
+
+
+def _splice_to(sock: socket.socket, out_fd: int, size: int, progress: Any, total: int) -> None:
+    """Move ``size`` bytes from ``sock`` to ``out_fd`` inside the kernel (socket -> pipe -> file).
+
+    Received data is never copied through Python: reading into a buffer and writing
+    it out costs two copies and halves an upload's speed.
+    """
+    import fcntl
+
+    sfd = sock.fileno()
+    timeout = sock.gettimeout()
+    r, w = os.pipe()
+    try:
+        try:
+            fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_BYTES)
+        except OSError:
+            pass
+        left = size
+        while left:
+            try:
+                k = os.splice(sfd, w, min(left, _PIPE_BYTES))
+            except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+                if not select.select([sfd], [], [], timeout)[0]:
+                    raise TimeoutError("timed out receiving a transfer") from None
+                continue
+            if not k:
+                raise EOFError("the peer closed the connection in the middle of a transfer")
+            left -= k
+            while k:
+                k -= os.splice(r, out_fd, k)
+            if progress is not None:
+                progress(total - left, total)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 # --------------------------------------------------------------------------- connection
 class Conn:
     """Frames over a transport, with a read buffer and a bound on frame sizes."""
@@ -700,9 +754,20 @@ class Conn:
             pend.done = True
             self.pending.pop(0)
             return out
+        left = pend.size
+        out_fd = _real_fd(sink) if left >= _SPLICE_MIN and type(self.t) is SocketTransport else None
+        if out_fd is not None:
+            have = min(left, self.end - self.start)
+            if have:
+                sink.write(self.view[self.start : self.start + have])
+                self.start += have
+            sink.flush()
+            _splice_to(self.t.sock, out_fd, left - have, progress, pend.size)
+            pend.done = True
+            self.pending.pop(0)
+            return None
         chunk = bytearray(min(CHUNK, max(pend.size, 1)))
         view = memoryview(chunk)
-        left = pend.size
         while left:
             n = min(left, len(chunk))
             self.read_into(view[:n])

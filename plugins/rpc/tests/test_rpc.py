@@ -284,6 +284,19 @@ def test_files(sess, tmp_path):
         sess.download("nope")
 
 
+def test_large_transfers_to_files_with_a_session_timeout(server, tmp_path):
+    """Files stream socket -> file inside the kernel (splice), also on a socket with a timeout."""
+    payload = os.urandom(5 << 20)
+    with rpc.connect("127.0.0.1", server.port, session_timeout=60) as s:
+        s.upload(payload, "big.bin")
+        seen = []
+        out = tmp_path / "big.bin"
+        s.download("big.bin", target=str(out), progress=lambda d, t: seen.append((d, t)))
+        assert out.read_bytes() == payload
+        assert seen[-1] == (len(payload), len(payload))
+        assert bytes(s.download("big.bin")) == payload
+
+
 @pytest.mark.parametrize(
     "path", ["/etc/passwd", "../escape", "a/../../escape", "..", "~/x", "a/\0b"]
 )
