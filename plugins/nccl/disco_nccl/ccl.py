@@ -16,9 +16,10 @@ hanging in NCCL; ``init_ccl("nccl", validate=False)`` skips that exchange.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -87,6 +88,22 @@ def check_device_ids(
     if bad:
         raise CCLError(f"init_ccl: no GPU {bad} on this machine ({device_count} visible)")
     return ids
+
+
+def _on_gpu(method: Callable) -> Callable:
+    """Run ``method`` with this worker's GPU current.
+
+    CuPy's current device is per thread, and worker 0's commands run on its own
+    thread or on the controller's thread (whichever synchronises first); the
+    controller's thread keeps whatever device the user made current.
+    """
+
+    @functools.wraps(method)
+    def on_gpu(self: NCCLCCL, *args: Any) -> Any:
+        with self.cupy.cuda.Device(self.gpu):
+            return method(self, *args)
+
+    return on_gpu
 
 
 class NCCLRendezvous(Rendezvous):
@@ -201,6 +218,7 @@ class NCCLCCL(CCL):
         validate.check(op, descs, members)
 
     # ------------------------------------------------------------------ collectives
+    @_on_gpu
     def allreduce(self, src: Any, dst: Any, op: str, in_group: bool) -> None:
         comm = self._comm(in_group)
         self._agree(comm, f"allreduce:{op}", src, dst, self.members(in_group))
@@ -208,11 +226,13 @@ class NCCLCCL(CCL):
             src.data.ptr, dst.data.ptr, src.size, nccl_dtype(src.dtype), reduce_op(op), self._stream
         )
 
+    @_on_gpu
     def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         self._agree(comm, "allgather", src, dst, self.members(in_group))
         comm.allGather(src.data.ptr, dst.data.ptr, src.size, nccl_dtype(src.dtype), self._stream)
 
+    @_on_gpu
     def broadcast(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         root = self._rank(in_group) == 0
@@ -220,6 +240,7 @@ class NCCLCCL(CCL):
         send = src.data.ptr if root else dst.data.ptr
         comm.broadcast(send, dst.data.ptr, dst.size, nccl_dtype(dst.dtype), 0, self._stream)
 
+    @_on_gpu
     def scatter(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         rank, members = self._rank(in_group), self.members(in_group)
@@ -238,6 +259,7 @@ class NCCLCCL(CCL):
         if rank == 0:
             dst.reshape(-1)[...] = src.reshape(-1)[:count]
 
+    @_on_gpu
     def gather(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         rank, members = self._rank(in_group), self.members(in_group)
@@ -256,6 +278,7 @@ class NCCLCCL(CCL):
         if rank == 0:
             dst.reshape(-1)[:count] = src.reshape(-1)
 
+    @_on_gpu
     def barrier(self, in_group: bool = False) -> None:
         comm = self._comm(in_group)
         self._agree(comm, "barrier", None, None, self.members(in_group))
@@ -272,6 +295,7 @@ class NCCLCCL(CCL):
             raise CCLError(f"{what}: worker {peer} cannot send to or receive from itself")
         return int(peer)
 
+    @_on_gpu
     def send(self, buf: Any, peer: int) -> None:
         peer = self._peer(peer, "send_to_worker")
         comm = self._comm(False)
@@ -285,6 +309,7 @@ class NCCLCCL(CCL):
             raise CCLError(f"send_to_worker: {err}")
         comm.send(buf.data.ptr, buf.size, nccl_dtype(buf.dtype), peer, self._stream)
 
+    @_on_gpu
     def recv(self, buf: Any, peer: int) -> None:
         peer = self._peer(peer, "recv_from_worker")
         comm = self._comm(False)
@@ -307,6 +332,7 @@ class NCCLCCL(CCL):
     def _rank(self, in_group: bool) -> int:
         return self.ctx.local_rank if in_group else self.ctx.worker_id
 
+    @_on_gpu
     def synchronize(self) -> None:
         """Wait for the current stream; fail (and abort NCCL) when the session aborted."""
         stream = self.cupy.cuda.get_current_stream()

@@ -93,6 +93,19 @@ class FakeComm:
         self.destroyed += 1
 
 
+class _FakeDevice:
+    """Stands in for cupy.cuda.Device (no GPU involved)."""
+
+    def use(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
 def _fake_backend():
     counter = iter(range(1000))
     nccl = types.SimpleNamespace(
@@ -102,7 +115,7 @@ def _fake_backend():
         groupEnd=lambda: None,
         available=True,
     )
-    device = types.SimpleNamespace(use=lambda: None)
+    device = _FakeDevice()
     cupy = types.SimpleNamespace(
         cuda=types.SimpleNamespace(
             runtime=types.SimpleNamespace(getDeviceCount=lambda: 8),
