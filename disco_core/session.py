@@ -444,6 +444,11 @@ class Session:
         self._check_open()
         path = os.path.abspath(os.fspath(path))
         suffix = os.path.splitext(path)[1]
+        if not suffix:
+            raise ValueError(
+                f"load_vm_module: {path} has no file suffix; module loaders are chosen by "
+                f"suffix (installed: {', '.join(sorted(plugins.registered('loader')))})"
+            )
         plugins.lookup("loader", suffix)  # PluginNotFoundError here, not on the workers
         if not os.path.isfile(path):
             raise FileNotFoundError(f"load_vm_module: no such file: {path}")

@@ -370,6 +370,10 @@ class ChannelContract:
         odd.write_text("")
         with pytest.raises(disco.PluginNotFoundError):
             sess.load_vm_module(str(odd))
+        bare = tmp_path / "model"
+        bare.write_text("")
+        with pytest.raises(ValueError, match="no file suffix"):
+            sess.load_vm_module(str(bare))
         path = tmp_path / "disco_kit_module2.py"
         path.write_text(_PY_MODULE)
         mod = sess.load_vm_module(str(path))
