@@ -10,7 +10,13 @@ worker and hands it to the worker as its ``--reply-fd``, so the worker writes it
 replies straight to the controller (no pipe, no relay). With TLS (a worker cannot
 speak TLS on a raw file descriptor), replies go through a pipe and the agent
 relays them over its TLS connection. It exits, and its workers with it, when the
-session shuts down or the controller disappears.
+session shuts down, the controller disappears or falls silent (heartbeat), or
+the agent gets SIGINT, SIGTERM or SIGHUP.
+
+The workers' stderr goes through the agent (to its own stderr), which keeps the
+last bytes of each: a worker's death report carries them to the controller.
+Module files shipped here live in a cache folder locked by the agent; a folder
+whose lock is free belongs to an agent that died, and the next agent removes it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import shutil
 import signal
 import socket
 import ssl
+import stat
 import struct
 import subprocess
 import sys
@@ -46,6 +53,7 @@ from .wire import (
     K_DIED,
     K_FILE,
     K_FRAME,
+    K_PING,
     K_STAT,
     MAGIC,
     MSG,
@@ -54,7 +62,16 @@ from .wire import (
     StreamReader,
 )
 
-__all__ = ["run_agent", "AgentError", "EXIT_OK", "EXIT_LOST", "EXIT_REFUSED", "EXIT_NO_CONTROLLER"]
+__all__ = [
+    "run_agent",
+    "AgentError",
+    "EXIT_OK",
+    "EXIT_LOST",
+    "EXIT_REFUSED",
+    "EXIT_NO_CONTROLLER",
+    "EXIT_SIGNAL",
+    "remove_stale_caches",
+]
 
 log = logging.getLogger("disco_socket.agent")
 
@@ -63,12 +80,30 @@ EXIT_OK = 0  # the session shut down
 EXIT_LOST = 1  # the controller went away without shutting the session down
 EXIT_REFUSED = 2  # the handshake failed (version, token, worker count)
 EXIT_NO_CONTROLLER = 3  # no controller answered within --connect-timeout
+EXIT_SIGNAL = 128  # + the signal number: stopped by SIGINT (130), SIGTERM (143), SIGHUP (129)
+
+#: Bytes of a worker's stderr kept for its death report.
+STDERR_TAIL = 2048
+_CACHE_PREFIX = "disco-socket-node"
+_CACHE_LOCK = ".owner.lock"
 
 
 class AgentError(Exception):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
+
+
+class _Interrupted(BaseException):
+    """Raised in the main thread by SIGINT/SIGTERM/SIGHUP (not an ``Exception``: nothing swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 def _writev_all(fd: int, parts: list) -> None:
@@ -111,14 +146,18 @@ def connect(
             sock = socket.create_connection((host, port), timeout=max(1.0, retry_interval * 4))
             break
         except OSError as exc:
+            why = _connect_failure(host, port, exc)
             if time.monotonic() + retry_interval > deadline:
                 raise AgentError(
-                    f"no controller answered at {host}:{port} within {connect_timeout:g} s "
-                    f"(--connect-timeout): {exc}",
+                    f"gave up reaching a controller at {host}:{port} after {connect_timeout:g} s "
+                    f"(--connect-timeout): {why}",
                     EXIT_NO_CONTROLLER,
                 ) from None
             if not said:
-                log.info("disco-socket: waiting for the controller at %s:%d (%s)", host, port, exc)
+                log.info(
+                    "disco-socket: waiting for the controller at %s:%d: %s; retrying for up to "
+                    "%g s (--connect-timeout)", host, port, why, connect_timeout,
+                )  # fmt: skip
                 said = True
             time.sleep(retry_interval)
     wire.tune_socket(sock)
@@ -132,6 +171,20 @@ def connect(
                 f"TLS handshake with {host}:{port} failed: {exc}", EXIT_REFUSED
             ) from None
     return sock
+
+
+def _connect_failure(host: str, port: int, exc: OSError) -> str:
+    """What a failed connection attempt says about the controller, in words."""
+    if isinstance(exc, ConnectionRefusedError):
+        return (
+            f"connection refused: nothing is listening at {host}:{port} (the controller "
+            "is not up yet, or its session is over)"
+        )
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host name {host!r} ({exc})"
+    if isinstance(exc, TimeoutError):
+        return f"no answer from {host}:{port} (the host is down, unreachable or firewalled)"
+    return f"{host}:{port}: {exc}"
 
 
 def handshake(sock: socket.socket, token: bytes, workers: int) -> dict:
@@ -166,17 +219,27 @@ def handshake(sock: socket.socket, token: bytes, workers: int) -> dict:
     ids = welcome.get("worker_ids")
     if not isinstance(ids, list) or len(ids) != workers or not all(isinstance(i, int) for i in ids):
         raise HandshakeError("malformed welcome")
+    try:
+        welcome["heartbeat_timeout"] = wire.heartbeat_timeout(welcome.get("heartbeat_timeout"))
+    except (TypeError, ValueError):
+        raise HandshakeError("malformed welcome (heartbeat_timeout)") from None
     welcome["data_key"] = wire.data_key(token, nonce_node, nonce_ctrl)
     return welcome
 
 
 def open_reply_connection(
-    host: str, port: int, key: bytes, node_id: int, gid: int, timeout: float = 30.0
+    host: str,
+    port: int,
+    key: bytes,
+    node_id: int,
+    gid: int,
+    timeout: float = 30.0,
+    heartbeat_timeout: float = wire.DEFAULT_HEARTBEAT_TIMEOUT,
 ) -> socket.socket:
     """Open and authenticate worker ``gid``'s reply connection (see :mod:`disco_socket.wire`)."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
-        wire.tune_socket(sock)
+        wire.tune_socket(sock, heartbeat_timeout)
         nonce_node = wire.new_nonce()
         data = json.dumps({"node_id": node_id, "worker": gid, "nonce": nonce_node}).encode()
         sock.sendall(HELLO.pack(DATA_MAGIC, PROTOCOL_VERSION) + wire.U32.pack(len(data)) + data)
@@ -218,7 +281,8 @@ class WorkerProc:
     With ``reply_sock`` (a reply connection) the worker writes its replies to the
     controller itself; the agent keeps no copy of the socket and watches the worker
     through a pipe whose write end only the worker holds (end of file: it exited).
-    Without, replies come up the pipe ``reply_r`` for the agent to relay.
+    Without, replies come up the pipe ``reply_r`` for the agent to relay. The
+    worker's stderr is the pipe ``err_r`` (see :class:`_StderrTee`).
     """
 
     def __init__(
@@ -231,6 +295,7 @@ class WorkerProc:
         reply_sock: socket.socket | None = None,
     ) -> None:
         self.gid = gid
+        self.err_r, err_w = os.pipe()
         cmd_r, self.cmd_w = _pipe()
         self.reply_r: int | None = None
         if reply_sock is None:
@@ -248,9 +313,17 @@ class WorkerProc:
         ]  # fmt: skip
         try:
             self.proc = subprocess.Popen(
-                argv, pass_fds=(cmd_r, reply_w, *keep), env=env, stdin=subprocess.DEVNULL
+                argv,
+                pass_fds=(cmd_r, reply_w, *keep),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stderr=err_w,
             )
+        except BaseException:
+            os.close(self.err_r)
+            raise
         finally:
+            os.close(err_w)
             os.close(cmd_r)
             if reply_sock is None:
                 os.close(reply_w)
@@ -278,6 +351,118 @@ class WorkerProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class _StderrTee:
+    """Copies every worker's stderr to the agent's, keeping the last :data:`STDERR_TAIL` bytes.
+
+    One thread for all workers of the node. The kept bytes go into the worker's
+    death report, so the controller's ``WorkerDiedError`` says why a worker that
+    failed to start failed (``No module named ...``), not only its exit code.
+    """
+
+    def __init__(self, fds: list[int]) -> None:
+        self.tails = [bytearray() for _ in fds]
+        self.closed = [threading.Event() for _ in fds]
+        self.sel = selectors.DefaultSelector()
+        for i, fd in enumerate(fds):
+            self.sel.register(fd, selectors.EVENT_READ, i)
+        self.thread = threading.Thread(target=self._run, name="worker-stderr", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        left = len(self.tails)
+        while left:
+            for key, _ in self.sel.select():
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:  # the worker (and any child of it holding the pipe) is gone
+                    self.sel.unregister(key.fd)
+                    os.close(key.fd)
+                    self.closed[key.data].set()
+                    left -= 1
+                    continue
+                try:
+                    _write_fd(2, chunk)
+                except OSError:
+                    pass  # the agent's own stderr is gone; keep the tail anyway
+                tail = self.tails[key.data]
+                tail += chunk
+                del tail[:-STDERR_TAIL]
+        self.sel.close()
+
+    def tail(self, i: int, wait: float) -> str:
+        """The last bytes worker ``i`` wrote to stderr (waits up to ``wait`` s for its end)."""
+        self.closed[i].wait(wait)
+        data = bytes(self.tails[i])
+        if len(data) >= STDERR_TAIL and b"\n" in data:
+            data = data[data.index(b"\n") + 1 :]  # from a line's start
+        return data.decode(errors="replace")
+
+
+# --------------------------------------------------------------------------- module-file cache
+def _make_cache(node_id: int) -> tuple[str, int]:
+    """A fresh cache folder and the descriptor of its lock, held while this process lives.
+
+    The lock file is locked under a temporary name and renamed into place, so
+    :func:`remove_stale_caches` never sees it unlocked while its agent lives.
+    """
+    path = tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{node_id}-")
+    tmp = os.path.join(path, ".owner.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(tmp, os.path.join(path, _CACHE_LOCK))
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path, fd
+
+
+def remove_stale_caches(root: str | None = None) -> list[str]:
+    """Remove module-file cache folders left by agents that died (SIGKILL, crash).
+
+    A folder is stale when its lock file is not locked: the kernel releases an
+    ``flock`` when its process ends, however it ends. Only folders of this user
+    are considered. Returns the removed paths.
+
+    Parameters
+    ----------
+    root : str, optional
+        Where the caches are (default :func:`tempfile.gettempdir`).
+    """
+    root = root or tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_CACHE_PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(os.path.join(path, _CACHE_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # no lock (yet): not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its agent is alive
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 _CAN_SPLICE = hasattr(os, "splice")
@@ -393,7 +578,9 @@ class Agent:
         self.stopping = False
         self.bye = threading.Event()
         self._stopped = False
+        self.lost: str | None = None  # why the controller is considered gone
         self._cache: str | None = None  # made on the first shipped file
+        self._cache_lock = -1
         env = worker_env()
         # The controller's import path first where it exists here (same layout on
         # every node is common); then the agent's own.
@@ -415,7 +602,9 @@ class Agent:
             for link in self.links:
                 link.proc.kill()
                 link.close(time.monotonic() + 1)
+                os.close(link.err_r)
             raise
+        self.stderr = _StderrTee([link.err_r for link in self.links])
         self.queues = [queue.SimpleQueue() for _ in self.links]
         self.writers = [
             threading.Thread(target=self._write_loop, args=(i,), daemon=True, name=f"to-{gid}")
@@ -425,6 +614,25 @@ class Agent:
             t.start()
         self.replier = threading.Thread(target=self._reply_loop, daemon=True, name="replies")
         self.replier.start()
+        self.heartbeat_timeout = float(welcome.get("heartbeat_timeout", 0))
+        self.heartbeat: wire.Heartbeat | None = None
+        if self.heartbeat_timeout > 0:
+            self.heartbeat = wire.Heartbeat(
+                sock, self.send_lock, self.heartbeat_timeout, self._silent, "heartbeat"
+            ).start()
+
+    def _silent(self, idle: float) -> None:
+        """Nothing from the controller for the heartbeat timeout: give up on it."""
+        if self.stopping:
+            return
+        self.lost = (
+            f"nothing arrived from it for {idle:.1f} s (heartbeat timeout "
+            f"{self.heartbeat_timeout:g} s: it is frozen, or the network is cut)"
+        )
+        try:  # wakes the main loop, blocked reading the connection
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ to the workers
     def _write_loop(self, i: int) -> None:
@@ -489,8 +697,9 @@ class Agent:
             self.bye.wait(1.0)
         if not self.stopping:
             log.error("disco-socket: %s", reason)
+            report = {"reason": reason, "stderr": self.stderr.tail(i, wait=0.5)}
             try:
-                self._send([MSG.pack(K_DIED, gid), wire.blob(reason.encode())])
+                self._send([MSG.pack(K_DIED, gid), wire.blob(json.dumps(report).encode())])
             except OSError:
                 pass
 
@@ -501,7 +710,7 @@ class Agent:
     @property
     def cache(self) -> str:
         if self._cache is None:
-            self._cache = tempfile.mkdtemp(prefix=f"disco-socket-node{self.node_id}-")
+            self._cache, self._cache_lock = _make_cache(self.node_id)
         return self._cache
 
     def _cache_path(self, meta: dict) -> str:
@@ -575,6 +784,8 @@ class Agent:
                     item = (wire.frame_head(header, buffers, flags), *buffers)
                     for t in targets:
                         queues[t].put(item)
+                elif kind == K_PING:
+                    pass  # the kernel's receive time is the heartbeat (wire.idle_seconds)
                 elif kind == K_STAT:
                     self._answer(K_STAT, arg, self._stat(json.loads(reader.read_blob())))
                 elif kind == K_FILE:
@@ -590,8 +801,13 @@ class Agent:
         except (EOFError, OSError, ValueError, struct.error) as exc:
             log.error(
                 "disco-socket: node %d lost the controller at %s (%s); stopping its workers",
-                self.node_id, self.peer, exc,
+                self.node_id, self.peer, self.lost or exc,
             )  # fmt: skip
+        except _Interrupted as exc:
+            log.warning(
+                "disco-socket: node %d got %s; stopping its workers", self.node_id, exc.name
+            )
+            code = EXIT_SIGNAL + exc.signum
         finally:
             self.stop(grace=4.0 if code == EXIT_OK else 1.0)
         return code
@@ -603,6 +819,8 @@ class Agent:
         self._stopped = True
         self.stopping = True
         self.bye.set()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         for q in self.queues:
             q.put(None)
         deadline = time.monotonic() + grace
@@ -616,8 +834,10 @@ class Agent:
         except OSError:
             pass
         self.sock.close()
+        self.stderr.thread.join(max(0.1, deadline - time.monotonic()))  # the last words
         if self._cache is not None:
             shutil.rmtree(self._cache, ignore_errors=True)
+            os.close(self._cache_lock)
 
 
 def client_ssl_context(
@@ -640,52 +860,107 @@ def run_agent(
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
 ) -> int:
-    """Join the session at ``host:port`` with ``workers`` workers; return the exit code."""
+    """Join the session at ``host:port`` with ``workers`` workers; return the exit code.
+
+    In the main thread, SIGINT (Ctrl-C), SIGTERM and SIGHUP stop the workers and
+    return ``EXIT_SIGNAL + signum`` after one log line (no traceback).
+    """
     if workers < 1:
         raise ValueError("workers must be >= 1")
     key = wire.resolve_token(token)
+    for path in remove_stale_caches():
+        log.info("disco-socket: removed %s, left behind by an agent that died", path)
+    state: dict[str, Any] = {"agent": None, "fired": False}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        agent = state["agent"]
+        if state["fired"] or (agent is not None and agent.stopping):
+            return  # already stopping, within a bounded time
+        state["fired"] = True
+        raise _Interrupted(signum)
+
+    previous = _install_handlers(on_signal)
     try:
-        sock = connect(host, port, connect_timeout, retry_interval, ssl_context, server_hostname)
         try:
-            welcome = handshake(sock, key, workers)
-        except (HandshakeError, OSError, ValueError) as exc:
-            sock.close()
-            raise AgentError(
-                f"the controller at {host}:{port} refused this node: {exc}", EXIT_REFUSED
-            ) from None
-        reply_socks: dict[int, socket.socket] = {}
-        if welcome.get("direct") and ssl_context is None:
-            try:
-                for gid in welcome["worker_ids"]:
-                    reply_socks[gid] = open_reply_connection(
-                        host, port, welcome["data_key"], int(welcome["node_id"]), gid
-                    )
-            except (HandshakeError, OSError, ValueError) as exc:
-                for s in [sock, *reply_socks.values()]:
-                    s.close()
-                raise AgentError(
-                    f"the controller at {host}:{port} refused a reply connection: {exc}",
-                    EXIT_REFUSED,
-                ) from None
-        sock.settimeout(None)
-        log.info(
-            "disco-socket: joined %s:%d as node %s (workers %s%s)",
-            host, port, welcome["node_id"], welcome["worker_ids"],
-            ", direct replies" if reply_socks else "",
-        )  # fmt: skip
-        agent = Agent(sock, welcome, f"{host}:{port}", reply_socks)
-    except AgentError as exc:
-        log.error("disco-socket: %s", exc)
-        return exc.code
+            state["agent"] = _join(
+                host, port, workers, key, connect_timeout, retry_interval, ssl_context,
+                server_hostname,
+            )  # fmt: skip
+        except AgentError as exc:
+            log.error("disco-socket: %s", exc)
+            return exc.code
+        except _Interrupted as exc:
+            log.warning("disco-socket: got %s before joining %s:%d; exiting", exc.name, host, port)
+            return EXIT_SIGNAL + exc.signum
+        agent = state["agent"]
+        try:
+            return agent.run()
+        except BaseException:
+            agent.stop(grace=0.5)
+            raise
+    finally:
+        _restore_handlers(previous)
 
-    def _terminate(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
-        signal.signal(signal.SIGHUP, _terminate)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _install_handlers(handler: Any) -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in _SIGNALS}
+
+
+def _restore_handlers(previous: dict) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)
+
+
+def _join(
+    host: str,
+    port: int,
+    workers: int,
+    key: bytes,
+    connect_timeout: float,
+    retry_interval: float,
+    ssl_context: ssl.SSLContext | None,
+    server_hostname: str | None,
+) -> Agent:
+    """Connect, authenticate, open the reply connections and start the workers."""
+    sock = connect(host, port, connect_timeout, retry_interval, ssl_context, server_hostname)
     try:
-        return agent.run()
+        welcome = handshake(sock, key, workers)
+    except (HandshakeError, OSError, ValueError) as exc:
+        sock.close()
+        raise AgentError(
+            f"the controller at {host}:{port} refused this node: {exc}", EXIT_REFUSED
+        ) from None
     except BaseException:
-        agent.stop(grace=0.5)
+        sock.close()
         raise
+    beat = welcome["heartbeat_timeout"]
+    wire.tune_socket(sock, beat)
+    reply_socks: dict[int, socket.socket] = {}
+    try:
+        if welcome.get("direct") and ssl_context is None:
+            for gid in welcome["worker_ids"]:
+                reply_socks[gid] = open_reply_connection(
+                    host, port, welcome["data_key"], int(welcome["node_id"]), gid,
+                    heartbeat_timeout=beat,
+                )  # fmt: skip
+    except BaseException as exc:
+        for s in [sock, *reply_socks.values()]:
+            s.close()
+        if isinstance(exc, (HandshakeError, OSError, ValueError)):
+            raise AgentError(
+                f"the controller at {host}:{port} refused a reply connection: {exc}",
+                EXIT_REFUSED,
+            ) from None
+        raise
+    sock.settimeout(None)
+    log.info(
+        "disco-socket: joined %s:%d as node %s (workers %s%s)",
+        host, port, welcome["node_id"], welcome["worker_ids"],
+        ", direct replies" if reply_socks else "",
+    )  # fmt: skip
+    return Agent(sock, welcome, f"{host}:{port}", reply_socks)

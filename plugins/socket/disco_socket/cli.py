@@ -1,4 +1,8 @@
-"""The ``disco-socket`` command: ``disco-socket join HOST PORT --workers N``."""
+"""The ``disco-socket`` command: ``disco-socket join HOST PORT --workers N``.
+
+Also ``disco-socket HOST PORT N [options]`` and ``python -m disco_socket HOST PORT N
+[options]``, short for ``join HOST PORT --workers N [options]``.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,36 @@ import sys
 
 from .wire import PROTOCOL_VERSION
 
+_COMMANDS = ("join", "version")
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="disco-socket",
-        description="Disco for Python over sockets: run a node agent that joins a SocketSession.",
+
+def _usage(prog: str) -> str:
+    return (
+        f"{prog} join HOST PORT --workers N [options]\n"
+        f"       {prog} HOST PORT N [options]   (short for join; options as for join)\n"
+        f"       {prog} version"
     )
-    sub = p.add_subparsers(dest="command", required=True)
+
+
+def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        usage=_usage(prog),
+        description="Disco for Python over sockets: run a node agent that joins a SocketSession.",
+        epilog=f"Example: {prog} 10.0.0.1 9091 2 joins the session whose controller listens "
+        f"at 10.0.0.1:9091 with 2 workers. `{prog} join --help` lists the options. "
+        "Exit codes: 0 the session shut down, 1 the controller vanished or fell silent, "
+        "2 refused (version, token, worker count, TLS, session full), 3 no controller "
+        "reachable in time, 128+N stopped by signal N (130: Ctrl-C).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="{join,version}")
     j = sub.add_parser(
         "join",
+        prog=f"{prog} join",
         help="join the session whose controller listens at HOST PORT",
         description="Connect to a SocketSession's controller, start this node's workers and "
-        "relay their commands until the session shuts down (or the controller disappears).",
+        "relay their commands until the session shuts down (or the controller disappears). "
+        f"Short form: {prog} HOST PORT N [options].",
     )
     j.add_argument("host", help="the controller's address")
     j.add_argument("port", type=int, help="the controller's port")
@@ -41,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
         "--connect-timeout",
         type=float,
         default=float(os.environ.get("DISCO_CONNECT_TIMEOUT", "60")),
-        help="seconds to keep retrying while the controller is not up (default 60)",
+        help="seconds to keep retrying while nothing answers at HOST PORT (default 60, "
+        "or $DISCO_CONNECT_TIMEOUT)",
     )
     j.add_argument(
         "--retry-interval", type=float, default=0.2, help="seconds between attempts (default 0.2)"
@@ -56,12 +79,39 @@ def _parser() -> argparse.ArgumentParser:
         "--tls-server-name", help="the name to check the controller's certificate against"
     )
     j.add_argument("-q", "--quiet", action="store_true", help="log errors only")
-    sub.add_parser("version", help="print the package and protocol versions")
+    sub.add_parser(
+        "version", prog=f"{prog} version", help="print the package and protocol versions"
+    )
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _expand_short_form(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``HOST PORT N [options]`` -> ``join HOST PORT --workers N [options]``.
+
+    ``HOST PORT --workers N [options]`` is taken as well; anything shorter is a usage
+    error that says what is missing (not argparse's "invalid choice").
+    """
+    host, rest = argv[0], argv[1:]
+    if not rest or rest[0].startswith("-"):
+        parser.error(f"missing PORT after {host!r}: run {parser.prog} HOST PORT N")
+    port, rest = rest[0], rest[1:]
+    if rest and not rest[0].startswith("-"):
+        return ["join", host, port, "--workers", rest[0], *rest[1:]]
+    if not any(a in ("--workers", "-n") or a.startswith("--workers=") for a in rest):
+        parser.error(
+            f"missing N, the number of workers on this node (the session's "
+            f"num_workers_per_node): run {parser.prog} {host} {port} N"
+        )
+    return ["join", host, port, *rest]
+
+
+def main(argv: list[str] | None = None, prog: str = "disco-socket") -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = _parser(prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in _COMMANDS and not argv[0].startswith("-"):
+        argv = _expand_short_form(parser, argv)
+    args = parser.parse_args(argv)
     if args.command == "version":
         from importlib.metadata import PackageNotFoundError, version
 
@@ -98,7 +148,4 @@ def main(argv: list[str] | None = None) -> int:
 
 def module_main(argv: list[str] | None = None) -> int:
     """``python -m disco_socket HOST PORT N [options]`` (or the ``disco-socket`` arguments)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) >= 3 and argv[0] not in ("join", "version") and not argv[0].startswith("-"):
-        argv = ["join", argv[0], argv[1], "--workers", argv[2], *argv[3:]]
-    return main(argv)
+    return main(argv, prog="python -m disco_socket")

@@ -39,6 +39,7 @@ from .wire import (
     K_DIED,
     K_FILE,
     K_FRAME,
+    K_PING,
     K_STAT,
     MAGIC,
     MSG,
@@ -55,6 +56,10 @@ log = logging.getLogger("disco_socket")
 DEFAULT_TIMEOUT = 60.0
 #: Seconds one connection may take to complete its handshake.
 HANDSHAKE_TIMEOUT = 10.0
+#: Seconds of waiting for nodes after which a WARNING says what to run on them.
+WAIT_NOTICE_DELAY = 3.0
+#: Seconds a connection that arrives after every node joined may take to be told so.
+_LATE_TIMEOUT = 2.0
 _OUTBOX_BYTES = 1 << 16
 #: The core's built-in function that loads module files (intercepted to ship the file).
 _LOAD_MODULE = "disco.load_module"
@@ -62,6 +67,32 @@ _LOAD_MODULE = "disco.load_module"
 
 def _span(ids: Sequence[int]) -> str:
     return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+def reachable_host(host: str) -> str:
+    """An address other machines can use for a controller listening on ``host``.
+
+    ``host`` itself, unless it is a wildcard (``0.0.0.0``, ``::``): then this
+    machine's primary address (the source address of its default route), else its
+    hostname.
+    """
+    try:
+        if not ipaddress.ip_address(host).is_unspecified:
+            return host
+    except ValueError:
+        return host
+    v6 = ":" in host
+    # A documentation address: connecting a UDP socket only looks the route up; nothing is sent.
+    probe = ("2001:db8::1", 9) if v6 else ("192.0.2.1", 9)
+    try:
+        with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(probe)
+            ip = ipaddress.ip_address(s.getsockname()[0])
+        if not (ip.is_loopback or ip.is_unspecified):
+            return str(ip)
+    except (OSError, ValueError):
+        pass
+    return socket.gethostname()
 
 
 class NodeLink(WorkerLink):
@@ -85,6 +116,7 @@ class NodeLink(WorkerLink):
         hub: ReplyHub,
         info: dict,
         data: dict[int, socket.socket] | None = None,
+        heartbeat_timeout: float = wire.DEFAULT_HEARTBEAT_TIMEOUT,
     ) -> None:
         self.node_id = node_id
         self.sock = sock
@@ -110,9 +142,17 @@ class NodeLink(WorkerLink):
             )
             for gid, conn in self.data.items()
         ]
+        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat: wire.Heartbeat | None = None
+        if heartbeat_timeout > 0:
+            self.heartbeat = wire.Heartbeat(
+                sock, self.lock, heartbeat_timeout, self._silent, f"disco-socket-beat{node_id}"
+            )
         self.reader.start()
         for t in self.data_readers:
             t.start()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
 
     def describe(self) -> str:
         return f"node {self.node_id} ({self.peer}, workers {_span(self.worker_ids)})"
@@ -283,10 +323,12 @@ class NodeLink(WorkerLink):
                     if arg not in ids or arg in self.data:
                         raise EOFError(f"protocol error: a reply tagged worker {arg}")
                     self._deliver(arg, header, buffers)
+                elif kind == K_PING:
+                    pass  # the kernel's receive time is the heartbeat (wire.idle_seconds)
                 elif kind == K_DIED:
-                    reason = reader.read_blob().decode(errors="replace")
+                    report = json.loads(reader.read_blob().decode(errors="replace"))
                     if arg in ids and not hub.closing:
-                        hub.mark_dead([arg], f"{reason} (on {self.describe()})")
+                        hub.mark_dead([arg], self._death_reason(report))
                 elif kind in (K_STAT, K_FILE):
                     answer = json.loads(reader.read_blob().decode())
                     q = self._requests.get(arg)
@@ -299,15 +341,42 @@ class NodeLink(WorkerLink):
                 what = "disconnected (the node agent exited or its machine went away)"
             else:
                 what = f"disconnected: {exc}"
-            self.dead_reason = f"{self.describe()} {what}"
+            if self.dead_reason is None:  # else the heartbeat gave up on it first
+                self.dead_reason = f"{self.describe()} {what}"
+                if not hub.closing:
+                    log.error("disco-socket: %s", self.dead_reason)
             if not hub.closing:
-                log.error("disco-socket: %s", self.dead_reason)
                 hub.mark_dead(self.worker_ids, self.dead_reason)
+
+    def _death_reason(self, report: Any) -> str:
+        """The text of a worker death report: why, where, and the end of its stderr."""
+        if not isinstance(report, dict):
+            report = {}
+        text = f"{report.get('reason') or 'a worker died'} (on {self.describe()})"
+        tail = report.get("stderr")
+        if isinstance(tail, str) and tail.strip():
+            text += "; the end of its stderr:\n" + tail.rstrip()
+        return text
+
+    def _silent(self, idle: float) -> None:
+        """The heartbeat heard nothing for too long: the node is dead to this session."""
+        if self.hub.closing or self.dead_reason is not None:
+            return
+        self.dead_reason = (
+            f"{self.describe()} stopped responding: nothing arrived from it for {idle:.1f} s "
+            f"(heartbeat timeout {self.heartbeat_timeout:g} s; the node is frozen or "
+            "overloaded, its machine went away, or the network between them is cut)"
+        )
+        log.error("disco-socket: %s", self.dead_reason)
+        self.hub.mark_dead(self.worker_ids, self.dead_reason)
+        self.kill()  # unblocks any send stuck on the dead connection
 
     def poll(self) -> str | None:
         return self.dead_reason
 
     def close(self, deadline: float) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()  # no ping after BYE; a slow shutdown is no death
         try:
             with self.lock:
                 self._flush_locked()
@@ -340,6 +409,8 @@ class NodeLink(WorkerLink):
             conn.close()
 
     def kill(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         for conn in [self.sock, *self.data.values()]:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -401,6 +472,11 @@ class SocketChannel(LinkChannel):
         own authenticated connection to the controller, instead of through its
         agent. With TLS, replies are always relayed over the node's TLS connection
         (a worker writes plain bytes to its file descriptor; it cannot speak TLS).
+    heartbeat_timeout : float, optional
+        Seconds without a byte from a node after which it is declared dead
+        (``WorkerDiedError`` naming it); its agent likewise exits when the
+        controller is silent this long. Default ``$DISCO_HEARTBEAT_TIMEOUT``, else 5;
+        0 turns heartbeats off. Pings go every ``min(1, timeout / 5)`` seconds.
     """
 
     kind = "socket"
@@ -420,6 +496,7 @@ class SocketChannel(LinkChannel):
         ship_modules: bool = True,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         direct_replies: bool = True,
+        heartbeat_timeout: float | None = None,
     ) -> None:
         for name, value in (
             ("num_nodes", num_nodes),
@@ -442,6 +519,7 @@ class SocketChannel(LinkChannel):
         self._token = wire.resolve_token(token)
         self._ssl = ssl_context
         self._handshake_timeout = float(handshake_timeout)
+        self.heartbeat_timeout = wire.heartbeat_timeout(heartbeat_timeout)
         self._direct = bool(direct_replies) and ssl_context is None
         #: node id -> its reply connections while it completes its handshake
         self._pending: dict[int, _PendingNode] = {}
@@ -455,6 +533,7 @@ class SocketChannel(LinkChannel):
         self._loader_regs: set[int] = set()
         self._hashes: dict[tuple, str] = {}
         self._listener: socket.socket | None = None
+        self._turn_away: threading.Thread | None = None
         try:
             self._start(host, port, on_listen)
         except BaseException:
@@ -483,9 +562,8 @@ class SocketChannel(LinkChannel):
         self.reader.start()
         if self._listener is not None:
             log.info(
-                "disco-socket: waiting for %d node(s) on %s:%d "
-                "(disco-socket join %s %d --workers %d)",
-                self.num_nodes - 1, *self.address, *self.address, self.per_node,
+                "disco-socket: waiting for %d node(s) on %s:%d (run %s on each)",
+                self.num_nodes - 1, *self.address, self._join_hint(),
             )  # fmt: skip
             if on_listen is not None:
                 on_listen(*self.address)
@@ -494,11 +572,25 @@ class SocketChannel(LinkChannel):
         self._set_links([thread0, *self.procs, *sorted(self.nodes, key=lambda n: n.node_id)])
         self._wait_ready()
 
+    def join_command(self) -> str:
+        """What to run on each other node (with an address other machines can reach)."""
+        host, port = self.address
+        cmd = f"disco-socket join {reachable_host(host)} {port} --workers {self.per_node}"
+        if self._ssl is not None:
+            cmd += " --tls-ca CA_FILE"
+        return cmd
+
+    def _join_hint(self) -> str:
+        note = " (with this session's token in DISCO_TOKEN)" if self._token else ""
+        return f"`{self.join_command()}`{note}"
+
     def _accept_nodes(self) -> None:
         listener = self._listener
         assert listener is not None
         listener.settimeout(0.1)
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
+        noticed = False
         want = self.num_nodes - 1
         while len(self.nodes) < want:
             while True:
@@ -510,18 +602,16 @@ class SocketChannel(LinkChannel):
                 break
             if self.hub.dead:
                 raise self.hub.died_error()
-            if time.monotonic() > deadline:
-                host, port = self.address
-                rejected = ""
-                if self.rejected:
-                    rejected = f"; {len(self.rejected)} connection(s) were rejected: " + "; ".join(
-                        self.rejected[-3:]
-                    )
-                raise TimeoutError(
-                    f"SocketSession: {len(self.nodes)} of {want} node(s) joined {host}:{port} "
-                    f"within {self.timeout:g} s (timeout=); start each missing node with "
-                    f"`disco-socket join {host} {port} --workers {self.per_node}`{rejected}"
-                )
+            now = time.monotonic()
+            if now > deadline:
+                raise self._join_timeout(want)
+            if not noticed and now - start >= WAIT_NOTICE_DELAY:
+                noticed = True  # without logging configured, this is all the user sees
+                log.warning(
+                    "disco-socket: waiting for %d more node(s) to join %s:%d (for up to %g s); "
+                    "on each other machine run: %s",
+                    want - len(self.nodes), *self.address, self.timeout, self._join_hint(),
+                )  # fmt: skip
             try:
                 conn, addr = listener.accept()
             except TimeoutError:
@@ -532,7 +622,60 @@ class SocketChannel(LinkChannel):
                 name="disco-socket-handshake",
                 daemon=True,
             ).start()
-        listener.close()  # later connections are refused
+        listener.settimeout(None)
+        self._turn_away = threading.Thread(
+            target=self._turn_away_loop, name="disco-socket-full", daemon=True
+        )
+        self._turn_away.start()
+
+    def _join_timeout(self, want: int) -> TimeoutError:
+        host, port = self.address
+        rejected = ""
+        if self.rejected:
+            rejected = f"; {len(self.rejected)} connection(s) were rejected: " + "; ".join(
+                self.rejected[-3:]
+            )
+        return TimeoutError(
+            f"SocketSession: only {len(self.nodes)} of {want} node(s) joined {host}:{port} "
+            f"within the {self.timeout:g} s timeout (the timeout= option); start each missing "
+            f"node with {self._join_hint()}{rejected}"
+        )
+
+    def _turn_away_loop(self) -> None:
+        """Tell agents that come after every node joined that the session is full.
+
+        Without this they would find the port closed and retry until their
+        ``--connect-timeout``; now they exit at once with a clear refusal. Ends when
+        :meth:`close` shuts the listener down.
+        """
+        listener = self._listener
+        assert listener is not None
+        while True:
+            try:
+                conn, addr = listener.accept()
+            except OSError:
+                return
+            self._turn_away_one(conn, f"{addr[0]}:{addr[1]}")
+
+    def _turn_away_one(self, conn: socket.socket, peer: str) -> None:
+        reason = (
+            f"the session already has all its {self.num_nodes} nodes; this agent is one too "
+            "many (check --workers and the number of agents started for this session)"
+        )
+        try:
+            conn.settimeout(_LATE_TIMEOUT)
+            if self._ssl is not None:
+                conn = self._ssl.wrap_socket(conn, server_side=True)
+            magic, _ = HELLO.unpack(wire.recv_exact(conn, HELLO.size))
+            if magic == MAGIC:  # read the hello (JSON only) so the answer is not reset away
+                wire.recv_json(conn)
+                wire.send_json(conn, {"error": reason})
+                conn.shutdown(socket.SHUT_WR)
+            log.warning("disco-socket: turned away %s: %s", peer, reason)
+        except (HandshakeError, OSError, ValueError, struct.error) as exc:
+            log.warning("disco-socket: dropped a late connection from %s: %s", peer, exc)
+        finally:
+            conn.close()
 
     def _claim_id(self) -> int | None:
         with self._ids_lock:
@@ -547,7 +690,7 @@ class SocketChannel(LinkChannel):
         node_id = None
         try:
             conn.settimeout(self._handshake_timeout)
-            wire.tune_socket(conn)
+            wire.tune_socket(conn, self.heartbeat_timeout)
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(conn, server_side=True)
             magic, version = HELLO.unpack(wire.recv_exact(conn, HELLO.size))
@@ -618,6 +761,7 @@ class SocketChannel(LinkChannel):
                     "entrypoint": self.entrypoint,
                     "sys_path": [p if p else os.getcwd() for p in sys.path],
                     "direct": self._direct,
+                    "heartbeat_timeout": self.heartbeat_timeout,
                 },
             )
             data = None
@@ -638,7 +782,7 @@ class SocketChannel(LinkChannel):
                 "pid": hello.get("pid"),
                 "worker_ids": ids,
             }
-            link = NodeLink(node_id, conn, peer, ids, self.hub, info, data)
+            link = NodeLink(node_id, conn, peer, ids, self.hub, info, data, self.heartbeat_timeout)
             node_id = None
             log.info("disco-socket: %s joined (agent pid %s)", link.describe(), info["pid"])
             self._joined.put(link)
@@ -710,10 +854,19 @@ class SocketChannel(LinkChannel):
             except WorkerDiedError as exc:
                 raise WorkerDiedError(exc.worker_ids, f"failed to start: {exc.reason}") from None
 
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            try:  # wakes the thread blocked in accept()
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        if self._turn_away is not None:
+            self._turn_away.join(1.0)
+
     def _abort(self) -> None:
         self.hub.closing = True
-        if self._listener is not None:
-            self._listener.close()
+        self._close_listener()
         while True:
             try:
                 self.nodes.append(self._joined.get_nowait())
@@ -805,8 +958,7 @@ class SocketChannel(LinkChannel):
         return Outgoing(*cmds)
 
     def close(self, timeout: float = 5.0) -> None:
-        if self._listener is not None:
-            self._listener.close()
+        self._close_listener()
         super().close(timeout)
         if self.reader is not None:
             self.reader.join(timeout=1.0)

@@ -11,7 +11,7 @@ A connection has two phases.
     controller -> node   JSON {"proof": HMAC(token, "controller" | ...), "node_id": k, ...}
                          or {"error": "authentication failed"}
 
-**Reply connections** (protocol 2, without TLS): right after its welcome, the node
+**Reply connections** (without TLS): right after its welcome, the node
 opens one more connection per worker to the same address, and the controller
 holds the node back until every one of them has authenticated::
 
@@ -44,12 +44,18 @@ itself never travels. A peer that fails any step is dropped.
     ``arg`` = the global id of the replying worker, then one frame (only when the
     node has no reply connections, i.e. with TLS or ``direct_replies=False``).
 ``DIED`` (node -> controller)
-    ``arg`` = the global id of a worker that died, then ``u32 length | UTF-8 reason``.
+    ``arg`` = the global id of a worker that died, then ``u32 length | UTF-8 JSON``
+    ``{"reason": ..., "stderr": last bytes the worker wrote to its stderr}``.
 ``STAT`` / ``FILE`` (controller -> node), ``STAT`` (node -> controller)
     Module-file shipping for ``load_vm_module``: ``arg`` = request id, then a JSON
     message (``FILE`` is followed by the file's bytes).
 ``BYE`` (controller -> node)
     The session is shutting down.
+``PING`` (both ways)
+    A heartbeat, ``arg`` = 0, sent every :func:`heartbeat_interval` seconds by a
+    :class:`Heartbeat` thread unless other bytes are being sent at that moment. A
+    side that receives no bytes at all for the heartbeat timeout declares the peer
+    dead (see :class:`Heartbeat`).
 
 Frames are relayed as bytes: the agent never unpickles them.
 """
@@ -60,10 +66,13 @@ import hashlib
 import hmac
 import json
 import os
+import select
 import socket
 import ssl
 import struct
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,9 +90,13 @@ __all__ = [
     "data_key",
     "alloc",
     "resolve_token",
+    "Heartbeat",
+    "heartbeat_timeout",
+    "idle_seconds",
 ]
 
-PROTOCOL_VERSION = 2
+#: 3: heartbeats (``PING``) and JSON death reports.
+PROTOCOL_VERSION = 3
 MAGIC = b"DISCOSOK"
 #: First bytes of a reply connection (one per worker, after the node's handshake).
 DATA_MAGIC = b"DISCODAT"
@@ -96,8 +109,14 @@ U32 = struct.Struct("<I")
 FRAME_PREFIX = struct.Struct("<QII")
 MAX_FRAME_BYTES = 1 << 40
 
-K_FRAME, K_DIED, K_STAT, K_FILE, K_BYE = 1, 2, 3, 4, 5
+K_FRAME, K_DIED, K_STAT, K_FILE, K_BYE, K_PING = 1, 2, 3, 4, 5, 6
 ALL = 0xFFFFFFFF
+PING = MSG.pack(K_PING, 0)
+
+#: Seconds of silence after which a peer is declared dead (``DISCO_HEARTBEAT_TIMEOUT``).
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+#: ``TCP_USER_TIMEOUT`` when heartbeats are off (unacknowledged data for this long).
+_USER_TIMEOUT_OFF = 15.0
 
 _IOV_MAX = 512
 
@@ -291,8 +310,14 @@ def send_views(sock: socket.socket, parts: Sequence[Any]) -> None:
                 n = 0
 
 
-def tune_socket(sock: socket.socket) -> None:
-    """No Nagle delay; keepalive probes so a vanished peer is noticed within seconds."""
+def tune_socket(sock: socket.socket, timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
+    """No Nagle delay; keepalive probes; ``TCP_USER_TIMEOUT`` at twice the heartbeat ``timeout``.
+
+    ``TCP_USER_TIMEOUT`` (data unacknowledged that long: the peer is gone) also
+    bounds keepalive on Linux, overriding ``TCP_KEEPCNT``. It is only the backstop
+    of the :class:`Heartbeat`, which gives up on a silent peer first, with a
+    clearer reason; without heartbeats it is 15 s.
+    """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
@@ -304,7 +329,124 @@ def tune_socket(sock: socket.socket) -> None:
                 pass
     opt = getattr(socket, "TCP_USER_TIMEOUT", None)
     if opt is not None:
-        try:  # unacknowledged data for this long: the peer is gone
-            sock.setsockopt(socket.IPPROTO_TCP, opt, 15_000)
+        try:
+            ms = int(1000 * (2 * timeout if timeout > 0 else _USER_TIMEOUT_OFF))
+            sock.setsockopt(socket.IPPROTO_TCP, opt, max(ms, 1000))
         except OSError:
             pass
+
+
+# --------------------------------------------------------------------------- heartbeat
+def heartbeat_timeout(value: float | None = None) -> float:
+    """The heartbeat timeout in seconds: ``value``, else ``$DISCO_HEARTBEAT_TIMEOUT``, else 5.
+
+    0 turns heartbeats off (a frozen peer is then never noticed; a vanished one
+    only through TCP keepalive).
+    """
+    if value is None:
+        value = float(os.environ.get("DISCO_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT))
+    value = float(value)
+    if value < 0 or value != value:
+        raise ValueError(f"heartbeat timeout must be >= 0 seconds, got {value}")
+    return value
+
+
+def heartbeat_interval(timeout: float) -> float:
+    """Seconds between pings: several per timeout, at most one a second."""
+    return max(0.05, min(1.0, timeout / 5))
+
+
+_TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
+#: ``struct tcp_info``: 8 bytes of u8 fields, then u32 fields; ``tcpi_last_data_recv`` is the 12th.
+_LAST_DATA_RECV = struct.Struct("<I")
+_LAST_DATA_RECV_OFFSET = 8 + 11 * 4
+
+
+def idle_seconds(sock: socket.socket) -> float | None:
+    """Seconds since the kernel last received data on ``sock``; None where it cannot tell.
+
+    The kernel keeps this count itself (``TCP_INFO``), so watching it costs the
+    data path nothing, and a large transfer in progress counts as life even while
+    no whole message has arrived.
+    """
+    if _TCP_INFO is None:
+        return None
+    info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 104)
+    if len(info) < _LAST_DATA_RECV_OFFSET + 4:
+        return None
+    return _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0] / 1000.0
+
+
+class Heartbeat:
+    """Keeps one connection's liveness, both ways, from a thread of its own.
+
+    Every :func:`heartbeat_interval` seconds it sends a ``PING`` (unless another
+    thread is sending, which the peer hears just as well) and looks at how long
+    ago data last arrived (:func:`idle_seconds`); past ``timeout`` it calls
+    ``on_silence(idle)`` once and ends. The relay paths never touch it: a command
+    or reply costs no extra work. It never blocks on the connection: the send lock
+    is only tried, and a ping is only written when the socket has room for it.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        The connection (plain or TLS).
+    lock : threading.Lock
+        The lock every writer of ``sock`` holds while it writes.
+    timeout : float
+        Seconds without incoming data after which the peer is dead (> 0).
+    on_silence : callable
+        ``on_silence(idle_seconds)``, called from the heartbeat thread.
+    name : str
+        The thread's name.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        lock: threading.Lock,
+        timeout: float,
+        on_silence: Callable[[float], None],
+        name: str,
+    ) -> None:
+        self.sock = sock
+        self.lock = lock
+        self.timeout = timeout
+        self.interval = heartbeat_interval(timeout)
+        self.on_silence = on_silence
+        self._stop = threading.Event()
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLOUT)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """No more pings or checks (a ping already being written finishes first)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                idle = idle_seconds(self.sock)
+            except OSError:
+                return  # closed: the reader has seen it
+            if idle is not None and idle > self.timeout:
+                if not self._stop.is_set():
+                    self.on_silence(idle)
+                return
+            self._ping()
+
+    def _ping(self) -> None:
+        if not self.lock.acquire(blocking=False):
+            return  # someone is sending: those bytes are the heartbeat
+        try:
+            # Checked under the lock: after stop() (e.g. before BYE) nothing more is sent.
+            if not self._stop.is_set() and self._poll.poll(0):
+                self.sock.sendall(PING)
+        except OSError:
+            pass  # a broken connection: the reader reports it
+        finally:
+            self.lock.release()

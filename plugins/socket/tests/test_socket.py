@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,8 @@ from _socket_helpers import HOST, agent_cmd, children_of, wait_gone
 import disco_core as disco
 from disco_core import plugins
 from disco_core.protocol import encode, frame_head
-from disco_socket import SocketChannel, start_local_agents, wire
+from disco_socket import SocketChannel, controller, start_local_agents, wire
+from disco_socket.controller import reachable_host
 
 FUNCS = "disco_core.testing.funcs"
 
@@ -179,6 +181,44 @@ def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path):
     assert not os.path.exists(os.path.dirname(os.path.dirname(where[2])))  # cache removed
 
 
+_CACHE_OWNER = """
+import sys, time
+from disco_socket.agent import _make_cache
+print(_make_cache(int(sys.argv[1]))[0], flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_stale_module_caches_are_removed_by_the_next_agent(cluster, tmp_path):
+    """The cache folder of a SIGKILLed agent is removed by the next agent on that machine."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    owners = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CACHE_OWNER, str(k)], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for k in (1, 2)
+    ]
+    try:
+        dead, alive = [p.stdout.readline().strip() for p in owners]
+        owners[0].kill()  # like a SIGKILLed agent: no clean-up of its own
+        owners[0].wait()
+        assert os.path.isdir(dead) and os.path.isdir(alive)
+        agents = []
+        sess = disco.SocketSession(
+            2, 1, 1, HOST, 0, timeout=30,
+            on_listen=lambda h, p: agents.extend(start_local_agents(h, p, 1, 1, env=env)),
+        )  # fmt: skip
+        cluster.agents.extend(agents)
+        cluster.sessions.append(sess)
+        assert not os.path.exists(dead)
+        assert os.path.isdir(alive)  # its owner still runs
+    finally:
+        for p in owners:
+            p.kill()
+            p.wait()
+
+
 # --------------------------------------------------------------------------- joining
 @pytest.mark.timeout(60)
 def test_slow_node_start(cluster):
@@ -229,7 +269,8 @@ def test_agent_gives_up_without_controller():
         timeout=30,
     )
     assert r.returncode == 3
-    assert "no controller answered" in r.stderr
+    assert "connection refused: nothing is listening at" in r.stderr
+    assert "gave up reaching a controller" in r.stderr
 
 
 @pytest.mark.timeout(60)
@@ -241,6 +282,73 @@ def test_timeout_when_nodes_never_come():
     assert time.monotonic() - t0 < 5
     # The controller's own local worker processes were stopped.
     assert wait_gone(list(set(children_of(os.getpid())) - before), 5) == []
+
+
+@pytest.mark.timeout(60)
+def test_wildcard_host_suggests_a_reachable_address():
+    with pytest.raises(TimeoutError) as info:
+        disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=1)
+    msg = str(info.value)
+    hint = reachable_host("0.0.0.0")
+    assert hint != "0.0.0.0" and "join 0.0.0.0" not in msg
+    assert f"disco-socket join {hint} " in msg and "--workers 1" in msg
+    assert "(timeout=)" not in msg and "within the 1 s timeout" in msg
+    with socket.socket() as s:  # the suggested address is one of this machine's
+        s.bind((hint, 0))
+    assert reachable_host("10.1.2.3") == "10.1.2.3"  # a specific address is kept
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_nodes_says_what_to_run(cluster, caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, logger="disco_socket")
+    monkeypatch.setattr(controller, "WAIT_NOTICE_DELAY", 0.5)
+
+    def action(host, port):
+        time.sleep(1.5)
+        cluster.agents.extend(start_local_agents(host, port, 1, 2, extra_args=("-q",)))
+
+    on_listen, _ = _on_listen_then(action)
+    sess = disco.SocketSession(2, 2, 1, HOST, 0, on_listen=on_listen, timeout=30)
+    cluster.sessions.append(sess)
+    port = sess.channel.address[1]
+    notes = [r for r in caplog.records if "waiting for" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.WARNING
+    assert f"disco-socket join {HOST} {port} --workers 2" in notes[0].getMessage()
+
+
+@pytest.mark.timeout(60)
+def test_nodes_that_join_fast_are_not_announced(cluster, caplog):
+    caplog.set_level(logging.WARNING, logger="disco_socket")
+    t0 = time.monotonic()
+    cluster.session(2, 2)
+    took = time.monotonic() - t0
+    notes = [r for r in caplog.records if "waiting for" in r.getMessage()]
+    # Quiet when the nodes came within the delay (a very slow machine may see the note).
+    assert len(notes) == (0 if took < controller.WAIT_NOTICE_DELAY else 1)
+
+
+@pytest.mark.timeout(60)
+def test_surplus_agent_is_told_the_session_is_full(cluster, caplog):
+    caplog.set_level(logging.WARNING, logger="disco_socket")
+    sess = cluster.session(2, 1)
+    host, port = sess.channel.address
+    t0 = time.monotonic()
+    r = subprocess.run(
+        agent_cmd(host, port, 1, "--connect-timeout", "20"),
+        capture_output=True, text=True, timeout=40,
+    )  # fmt: skip
+    assert time.monotonic() - t0 < 10  # not after --connect-timeout
+    assert r.returncode == 2, r.stderr
+    assert "already has all its 2 nodes" in r.stderr
+    assert any("turned away" in rec.getMessage() for rec in caplog.records)
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+    # Once the session is over, nothing listens: the agent says so.
+    sess.shutdown()
+    r = subprocess.run(
+        agent_cmd(host, port, 1, "--connect-timeout", "0.5"),
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 3 and "nothing is listening" in r.stderr
 
 
 def _on_listen_then(action):
@@ -412,6 +520,102 @@ def test_busy_node_death_while_waiting(cluster):
     assert time.monotonic() - t0 < 2.5
 
 
+@pytest.mark.timeout(60)
+def test_frozen_node_is_declared_dead(cluster):
+    """An agent and its workers stopped (SIGSTOP): the heartbeat declares the node dead."""
+    sess = cluster.session(2, 2, heartbeat_timeout=2.0)
+    sess.import_python_module(FUNCS)
+    pids = _values(sess.get_global_func("testing.pid")(), 4)
+    # Idle for longer than the timeout, then a large transfer: pings keep the node alive.
+    time.sleep(3.0)
+    big = np.arange(1 << 23, dtype="float64")
+    np.testing.assert_array_equal(
+        sess.get_global_func("testing.echo")(big).debug_get_from_remote(3), big
+    )
+    assert not sess.channel.hub.dead
+    ok = sess.get_global_func("testing.echo")(1)
+    frozen = [sess.channel.nodes[0].info["pid"], pids[2], pids[3]]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(disco.WorkerDiedError) as info:
+            ok.debug_get_from_remote(2)
+        took = time.monotonic() - t0
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    assert took < 2.0 + 2.5
+    assert info.value.worker_ids == [2, 3]
+    msg = str(info.value)
+    assert "node 1" in msg and "workers 2-3" in msg and "stopped responding" in msg
+    # Thawed, the agent finds its connection closed; it exits and its workers with it.
+    assert sess.agents[0].wait(10) == 1
+    assert wait_gone(pids[2:], 5) == []
+
+
+def _agent_stderr(args, signum, after):
+    """Run an agent, send it ``signum`` after ``after`` s; its exit code and stderr."""
+    proc = subprocess.Popen(
+        args, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        time.sleep(after)
+        os.killpg(proc.pid, signum)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_on_a_working_agent(cluster):
+    """Ctrl-C (SIGINT to the agent's process group): one log line, workers stopped, exit 130."""
+    got = {}
+
+    def on_listen(host, port):
+        def run():
+            got["result"] = _agent_stderr(agent_cmd(host, port, 2), signal.SIGINT, 3.0)
+
+        got["thread"] = threading.Thread(target=run, daemon=True)
+        got["thread"].start()
+
+    sess = disco.SocketSession(2, 2, 1, HOST, 0, on_listen=on_listen, timeout=30)
+    cluster.sessions.append(sess)
+    sess.import_python_module(FUNCS)
+    pids = _values(sess.get_global_func("testing.pid")(), 4)
+    got["thread"].join(30)
+    code, err = got["result"]
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert sum("SIGINT" in line for line in err.splitlines()) == 1
+    assert wait_gone(pids[2:], 5) == []
+    with pytest.raises(disco.WorkerDiedError, match="node 1"):
+        sess.get_global_func("testing.echo")(1).debug_get_from_remote(2)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_waiting_for_the_controller():
+    code, err = _agent_stderr(
+        agent_cmd(HOST, _free_port(), 1, "--connect-timeout", "30"), signal.SIGINT, 1.5
+    )
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert sum("SIGINT" in line for line in err.splitlines()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_worker_start_failure_carries_its_stderr(cluster):
+    with pytest.raises(disco.WorkerDiedError) as info:
+        cluster.session(2, 1, entrypoint="disco_socket_no_such_worker_module")
+    msg = str(info.value)
+    assert "node 1" in msg and "exited with code 1" in msg
+    assert "No module named disco_socket_no_such_worker_module" in msg
+    assert len(msg) < 4096  # only the end of the stderr
+
+
 _CONTROLLER = """
 import json, sys, disco_core as disco
 def on_listen(host, port):
@@ -423,6 +627,31 @@ print(json.dumps({"pids": pids}), flush=True)
 sess.get_global_func("testing.sleep")(30.0)
 import time; time.sleep(60)
 """
+
+
+@pytest.mark.timeout(60)
+def test_agent_exits_when_the_controller_freezes():
+    """A frozen controller (SIGSTOP) sends no heartbeats: its agents stop their workers and exit."""
+    env = dict(os.environ, DISCO_HEARTBEAT_TIMEOUT="2")
+    ctrl = subprocess.Popen(
+        [sys.executable, "-c", _CONTROLLER], stdout=subprocess.PIPE, text=True, env=env
+    )
+    agent = None
+    try:
+        port = json.loads(ctrl.stdout.readline())["port"]
+        agent = subprocess.Popen(agent_cmd(HOST, port, 2, "-q"), stdin=subprocess.DEVNULL)
+        pids = json.loads(ctrl.stdout.readline())["pids"]
+        os.kill(ctrl.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert agent.wait(15) == 1
+        assert time.monotonic() - t0 < 2.0 + 3.0
+        assert wait_gone(pids[2:], 5) == []
+    finally:
+        ctrl.kill()
+        ctrl.wait()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
 
 
 @pytest.mark.timeout(60)
@@ -500,34 +729,33 @@ def _ip(*args, ns=None):
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-@pytest.mark.timeout(90)
-def test_nodes_in_network_namespaces(tmp_path):
-    """Three nodes: the controller in the test's namespace, two agents each in a netns of its own.
+@contextlib.contextmanager
+def _namespaces(count: int, first_subnet: int):
+    """``count`` network namespaces, each joined to this one by a veth pair.
 
-    The test creates the namespaces and veth pairs with addresses it assigns
-    (10.250.k.1 on the controller's side, 10.250.k.2 in namespace k) and deletes
-    them afterwards; no other address is ever contacted.
+    Namespace k (from 0) gets subnet ``10.250.(first_subnet + k).0/24``: ``.1`` on
+    this side, ``.2`` inside, and a route to the first subnet (where the controller
+    listens). Yields ``[(namespace, this side's interface, the namespace's), ...]``; all is
+    deleted afterwards. Skips the test where namespaces or veth pairs cannot be made.
     """
     if not shutil.which("ip"):
         pytest.skip("needs the `ip` command (iproute2)")
     tag = f"{os.getpid() % 100000}"
-    names = [f"disco-t{tag}-{k}" for k in (1, 2)]
-    r = _ip("netns", "add", names[0])
-    if r.returncode:
-        pytest.skip(f"no permission to create network namespaces: {r.stderr.strip()}")
-    created = [names[0]]
-    agents = []
-    sess = None
+    created, veths = [], []
     try:
-        for k, ns in enumerate(names, start=1):
-            if ns not in created:
-                assert _ip("netns", "add", ns).returncode == 0
-                created.append(ns)
-            host_if, ns_if = f"dsv{tag}h{k}", f"dsv{tag}n{k}"
+        nets = []
+        for k in range(count):
+            net = first_subnet + k
+            ns, host_if, ns_if = f"disco-t{tag}-{net}", f"dsv{tag}h{net}", f"dsv{tag}n{net}"
+            r = _ip("netns", "add", ns)
+            if r.returncode:
+                pytest.skip(f"no permission to create network namespaces: {r.stderr.strip()}")
+            created.append(ns)
+            veths.append(host_if)
             for args in (
                 ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
                 ("link", "set", ns_if, "netns", ns),
-                ("addr", "add", f"10.250.{k}.1/24", "dev", host_if),
+                ("addr", "add", f"10.250.{net}.1/24", "dev", host_if),
                 ("link", "set", host_if, "up"),
             ):
                 r = _ip(*args)
@@ -536,50 +764,155 @@ def test_nodes_in_network_namespaces(tmp_path):
                         f"cannot set up veth pairs: ip {' '.join(args)}: {r.stderr.strip()}"
                     )
             for args in (
-                ("addr", "add", f"10.250.{k}.2/24", "dev", ns_if),
+                ("addr", "add", f"10.250.{net}.2/24", "dev", ns_if),
                 ("link", "set", ns_if, "up"),
                 ("link", "set", "lo", "up"),
             ):
                 assert _ip(*args, ns=ns).returncode == 0
-            if k != 1:  # the controller listens on 10.250.1.1
-                assert (
-                    _ip("route", "add", "10.250.1.0/24", "via", f"10.250.{k}.1", ns=ns).returncode
-                    == 0
-                )
-        controller = "10.250.1.1"
-
-        def on_listen(host, port):
-            for ns in names:
-                cmd = ["ip", "netns", "exec", ns, *agent_cmd(host, port, 2, "-q")]
-                agents.append(
-                    subprocess.Popen(
-                        cmd, stdin=subprocess.DEVNULL, env=dict(os.environ, DISCO_TOKEN="ns")
-                    )
-                )
-
-        sess = disco.SocketSession(
-            3, 2, 1, controller, 0, on_listen=on_listen, token="ns", timeout=30
-        )
-        peers = sorted(link.peer.split(":")[0] for link in sess.channel.nodes)
-        assert peers == ["10.250.1.2", "10.250.2.2"]
-        assert _values(sess.get_global_func("disco.worker_id")(), 6) == list(range(6))
-        a = np.arange(1 << 20, dtype="float32")
-        echo = sess.get_global_func("disco.empty")((1 << 20,), "float32", None, False, False)
-        for w in range(6):
-            echo.debug_copy_from(w, a + w)
-        for w in range(6):
-            np.testing.assert_array_equal(echo.debug_get_from_remote(w), a + w)
-        sess.shutdown()
-        assert [p.wait(10) for p in agents] == [0, 0]
+            if k:
+                route = ("route", "add", f"10.250.{first_subnet}.0/24", "via", f"10.250.{net}.1")
+                assert _ip(*route, ns=ns).returncode == 0
+            nets.append((ns, host_if, ns_if))
+        yield nets
     finally:
-        if sess is not None:
-            sess.shutdown()
-        for p in agents:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for host_if in veths:
+            _ip("link", "del", host_if)  # both ends, now (the namespace's teardown is lazy)
         for ns in created:
-            _ip("netns", "del", ns)  # removes the veth pairs with it
+            _ip("netns", "del", ns)
+
+
+def _agents_in(namespaces, agents, token, workers=2, env=None):
+    """An on_listen that starts one agent in each namespace."""
+
+    def on_listen(host, port):
+        for ns in namespaces:
+            cmd = ["ip", "netns", "exec", ns, *agent_cmd(host, port, workers, "-q")]
+            agents.append(
+                subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, env=dict(env or os.environ, DISCO_TOKEN=token)
+                )
+            )
+
+    return on_listen
+
+
+def _reap(agents):
+    for p in agents:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.timeout(90)
+def test_nodes_in_network_namespaces():
+    """Three nodes: the controller in the test's namespace, two agents each in a netns of its own.
+
+    The test creates the namespaces and veth pairs with addresses it assigns
+    (10.250.k.1 on the controller's side, 10.250.k.2 in namespace k) and deletes
+    them afterwards; no other address is ever contacted.
+    """
+    agents = []
+    sess = None
+    with _namespaces(2, first_subnet=1) as nets:
+        try:
+            sess = disco.SocketSession(
+                3, 2, 1, "10.250.1.1", 0, token="ns", timeout=30,
+                on_listen=_agents_in([net[0] for net in nets], agents, "ns"),
+            )  # fmt: skip
+            peers = sorted(link.peer.split(":")[0] for link in sess.channel.nodes)
+            assert peers == ["10.250.1.2", "10.250.2.2"]
+            assert _values(sess.get_global_func("disco.worker_id")(), 6) == list(range(6))
+            a = np.arange(1 << 20, dtype="float32")
+            echo = sess.get_global_func("disco.empty")((1 << 20,), "float32", None, False, False)
+            for w in range(6):
+                echo.debug_copy_from(w, a + w)
+            for w in range(6):
+                np.testing.assert_array_equal(echo.debug_get_from_remote(w), a + w)
+            sess.shutdown()
+            assert [p.wait(10) for p in agents] == [0, 0]
+        finally:
+            if sess is not None:
+                sess.shutdown()
+            _reap(agents)
+
+
+@pytest.mark.timeout(90)
+def test_network_cut_is_noticed_by_both_sides(monkeypatch):
+    """The link to a node's namespace goes down: neither side hears the other again.
+
+    The controller raises ``WorkerDiedError`` naming the node within the heartbeat
+    timeout (set here through ``DISCO_HEARTBEAT_TIMEOUT``), and the agent, cut off
+    as well, gives up on the controller and stops its workers.
+    """
+    monkeypatch.setenv("DISCO_HEARTBEAT_TIMEOUT", "2")
+    agents = []
+    sess = None
+    with _namespaces(1, first_subnet=3) as nets:
+        ns, host_if, _ = nets[0]
+        try:
+            sess = disco.SocketSession(
+                2, 2, 1, "10.250.3.1", 0, token="cut", timeout=30,
+                on_listen=_agents_in([ns], agents, "cut"),
+            )  # fmt: skip
+            assert sess.channel.heartbeat_timeout == 2.0
+            sess.import_python_module(FUNCS)
+            pids = _values(sess.get_global_func("testing.pid")(), 4)
+            ok = sess.get_global_func("testing.echo")(1)
+            assert ok.debug_get_from_remote(3) == 1
+            assert _ip("link", "set", host_if, "down").returncode == 0
+            t0 = time.monotonic()
+            with pytest.raises(disco.WorkerDiedError) as info:
+                ok.debug_get_from_remote(2)
+            assert time.monotonic() - t0 < 2.0 + 3.0
+            assert info.value.worker_ids == [2, 3]
+            assert "node 1" in str(info.value) and "stopped responding" in str(info.value)
+            assert agents[0].wait(10) == 1  # the agent noticed the silence too
+            assert wait_gone(pids[2:], 5) == []
+        finally:
+            if sess is not None:
+                sess.shutdown()
+            _reap(agents)
+
+
+@pytest.mark.timeout(90)
+def test_heartbeat_survives_transfers_longer_than_its_timeout():
+    """On a link limited to 20 Mbit/s one 6 MiB transfer takes ~2.5 s; the timeout is 1 s.
+
+    While the controller sends, it cannot ping (its send lock is held), and while
+    the agent relays a reply (``direct_replies=False``) neither can it: the bytes
+    arriving keep each side alive all the same.
+    """
+    if not shutil.which("tc"):
+        pytest.skip("needs the `tc` command (iproute2) to limit a link's rate")
+    agents = []
+    sess = None
+    with _namespaces(1, first_subnet=4) as nets:
+        ns, host_if, ns_if = nets[0]
+        tbf = ["root", "tbf", "rate", "20mbit", "burst", "64kb", "latency", "2s"]
+        for prefix, dev in (([], host_if), (["ip", "netns", "exec", ns], ns_if)):
+            r = subprocess.run(
+                [*prefix, "tc", "qdisc", "add", "dev", dev, *tbf], capture_output=True, text=True
+            )
+            if r.returncode:
+                pytest.skip(f"cannot limit the link's rate (tc tbf): {r.stderr.strip()}")
+        try:
+            sess = disco.SocketSession(
+                2, 1, 1, "10.250.4.1", 0, token="slow", timeout=30, heartbeat_timeout=1.0,
+                direct_replies=False, on_listen=_agents_in([ns], agents, "slow", workers=1),
+            )  # fmt: skip
+            a = np.arange(6 << 17, dtype="float64")  # 6 MiB
+            r = sess.get_global_func("disco.empty")(a.shape, "float64", None, False, False)
+            t0 = time.monotonic()
+            r.debug_copy_from(1, a)  # controller -> node
+            np.testing.assert_array_equal(r.debug_get_from_remote(1), a)  # node -> controller
+            assert time.monotonic() - t0 > 2 * 1.0  # the transfers did outlast the timeout
+            assert not sess.channel.hub.dead
+            sess.shutdown()
+            assert agents[0].wait(10) == 0
+        finally:
+            if sess is not None:
+                sess.shutdown()
+            _reap(agents)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -595,6 +928,28 @@ def test_cli_version_and_help():
     assert r.returncode == 0
     for opt in ("--workers", "--token", "--connect-timeout", "--tls-ca", "--tls-cert"):
         assert opt in r.stdout
+
+
+def test_cli_short_form_is_documented_and_checked():
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "disco_socket", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    r = run("--help")
+    assert r.returncode == 0 and "python -m disco_socket HOST PORT N" in r.stdout
+    assert "Short form" in run("join", "--help").stdout
+    port = str(_free_port())
+    for args, missing in (((HOST, port), "missing N"), ((HOST,), "missing PORT")):
+        r = run(*args)
+        assert r.returncode == 2 and missing in r.stderr, r.stderr
+        assert "invalid choice" not in r.stderr
+    # Both spellings of the worker count parse (then find no controller: exit code 3).
+    assert run(HOST, port, "1", "--connect-timeout", "0.3", "-q").returncode == 3
+    assert run(HOST, port, "--workers", "1", "--connect-timeout", "0.3", "-q").returncode == 3
 
 
 def test_handshake_proofs_bind_roles_and_nonces():
