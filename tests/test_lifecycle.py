@@ -98,8 +98,39 @@ def test_worker_that_cannot_start(no_leftover_children):
         disco.ProcessSession(2, entrypoint="disco_core.no_such_entrypoint_module")
     assert time.monotonic() - t0 < 10
     assert isinstance(info.value, disco.WorkerDiedError)
+    # The worker's own words (its stderr) say why, not only its exit code.
+    assert "No module named disco_core.no_such_entrypoint_module" in str(info.value)
     with pytest.raises(TypeError):
         disco.ProcessSession(2, entrypoint="")
+
+
+_LAST_WORDS = r"""
+import os, sys
+import disco_core as disco
+
+@disco.register_func("lifecycle.last_words", override=True)
+def last_words(worker_id):
+    if disco.worker.current().worker_id == worker_id:
+        sys.stderr.write("lifecycle: the disk is full, giving up\n")
+        sys.stderr.flush()
+        os._exit(3)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_worker_death_carries_the_end_of_its_stderr(tmp_path, monkeypatch, capfd):
+    (tmp_path / "lifecycle_last_words.py").write_text(_LAST_WORDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("lifecycle_last_words")
+        sess.get_global_func("lifecycle.last_words")(1)
+        with pytest.raises(disco.WorkerDiedError) as info:
+            sess.get_global_func("disco.worker_id")().debug_get_from_remote(1)
+    message = str(info.value)
+    assert "exited with code 3" in message
+    assert "the disk is full, giving up" in message
+    # ... and the bytes still reach the controller's own stderr.
+    assert "the disk is full, giving up" in capfd.readouterr().err
 
 
 _CONTROLLER = """

@@ -10,6 +10,7 @@ full reply pipe, and a pipe's end of file is a dead worker, seen at once.
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import selectors
 import signal
@@ -21,8 +22,9 @@ import time
 from ..errors import WorkerDiedError
 from ..protocol import FrameReader, decode, frame_head, write_all
 from .base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
+from .stderr_tee import StderrTee, with_stderr
 
-__all__ = ["ProcessChannel", "ProcessWorkerLink", "start_timeout"]
+__all__ = ["ProcessChannel", "ProcessWorkerLink", "start_timeout", "tee_stderr"]
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _PIPE_BYTES = 1 << 20
@@ -77,6 +79,8 @@ class ProcessWorkerLink(WorkerLink):
         self.worker_ids = (worker_id,)
         cmd_r, self.cmd_w = os.pipe()
         self.reply_r, reply_w = os.pipe()
+        self.err_r: int | None  # the stderr pipe until tee_stderr takes it
+        self.err_r, err_w = os.pipe()
         for fd in (self.cmd_w, reply_w):
             _grow_pipe(fd)
         argv = [
@@ -86,11 +90,17 @@ class ProcessWorkerLink(WorkerLink):
         ]  # fmt: skip
         try:
             self.proc = subprocess.Popen(
-                argv, pass_fds=(cmd_r, reply_w), env=env, stdin=subprocess.DEVNULL
+                argv, pass_fds=(cmd_r, reply_w), env=env, stdin=subprocess.DEVNULL, stderr=err_w
             )
+        except BaseException:
+            os.close(self.err_r)
+            raise
         finally:
             os.close(cmd_r)
             os.close(reply_w)
+            os.close(err_w)
+        #: The end of the worker's stderr (set by the channel): ``stderr_tail(wait)``.
+        self.stderr_tail = lambda wait=0.0: ""
         self.reader = FrameReader(self.reply_r)
         self.lock = threading.Lock()
         self.dead_reason: str | None = None
@@ -138,10 +148,12 @@ class ProcessWorkerLink(WorkerLink):
             write_all(self.cmd_w, data)
 
     def _died(self, exc: OSError) -> WorkerDiedError:
-        reason = (
-            self.exit_reason(wait=0.5) or f"worker {self.worker_ids[0]} command pipe broke ({exc})"
-        )
-        return WorkerDiedError(self.worker_ids, reason)
+        reason = self.exit_reason(wait=0.5)
+        if reason is None:
+            return WorkerDiedError(
+                self.worker_ids, f"worker {self.worker_ids[0]} command pipe broke ({exc})"
+            )
+        return WorkerDiedError(self.worker_ids, with_stderr(reason, self.stderr_tail(0.5)))
 
     def exit_reason(self, wait: float = 0.0) -> str | None:
         try:
@@ -165,10 +177,22 @@ class ProcessWorkerLink(WorkerLink):
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.err_r is not None:  # never handed to a tee
+            os.close(self.err_r)
+            self.err_r = None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
+
+
+def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
+    """Pass the workers' stderr on to ours; their death reasons then end with its tail."""
+    tee = StderrTee([link.err_r for link in links])
+    for i, link in enumerate(links):
+        link.err_r = None  # the tee's now
+        link.stderr_tail = functools.partial(tee.tail, i)
+    return tee
 
 
 class ReplyReader(threading.Thread):
@@ -198,10 +222,11 @@ class ReplyReader(threading.Thread):
                     os.close(key.fd)
                     self.remaining -= 1
                     if not self.hub.closing:
-                        reason = (
-                            link.exit_reason(wait=1.0)
-                            or f"worker {link.worker_ids[0]} closed its reply pipe"
-                        )
+                        reason = link.exit_reason(wait=1.0)
+                        if reason is None:
+                            reason = f"worker {link.worker_ids[0]} closed its reply pipe"
+                        else:
+                            reason = with_stderr(reason, link.stderr_tail(0.5))
                         link.dead_reason = reason
                         self.hub.mark_dead(link.worker_ids, reason)
                     continue
@@ -219,9 +244,11 @@ class ProcessChannel(LinkChannel):
         super().__init__(num_workers, num_groups)
         env = worker_env(num_workers)
         procs: list[ProcessWorkerLink] = []
+        self.stderr: StderrTee | None = None
         try:
             for w in range(1, num_workers):
                 procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
+            self.stderr = tee_stderr(procs)
             self.reader = ReplyReader(procs, self.hub)
             self.reader.start()
             self.procs = procs
@@ -254,3 +281,5 @@ class ProcessChannel(LinkChannel):
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)
         self.reader.join(timeout=1.0)
+        if self.stderr is not None:
+            self.stderr.join(timeout=1.0)  # the workers' last words

@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 from disco_core.channels.process import describe_exit, worker_env
+from disco_core.channels.stderr_tee import StderrTee
 
 from . import wire
 from .wire import (
@@ -82,8 +83,6 @@ EXIT_REFUSED = 2  # the handshake failed (version, token, worker count)
 EXIT_NO_CONTROLLER = 3  # no controller answered within --connect-timeout
 EXIT_SIGNAL = 128  # + the signal number: stopped by SIGINT (130), SIGTERM (143), SIGHUP (129)
 
-#: Bytes of a worker's stderr kept for its death report.
-STDERR_TAIL = 2048
 _CACHE_PREFIX = "disco-socket-node"
 _CACHE_LOCK = ".owner.lock"
 
@@ -282,7 +281,7 @@ class WorkerProc:
     controller itself; the agent keeps no copy of the socket and watches the worker
     through a pipe whose write end only the worker holds (end of file: it exited).
     Without, replies come up the pipe ``reply_r`` for the agent to relay. The
-    worker's stderr is the pipe ``err_r`` (see :class:`_StderrTee`).
+    worker's stderr is the pipe ``err_r`` (see :class:`disco_core.channels.stderr_tee.StderrTee`).
     """
 
     def __init__(
@@ -351,58 +350,6 @@ class WorkerProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-def _write_fd(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-class _StderrTee:
-    """Copies every worker's stderr to the agent's, keeping the last :data:`STDERR_TAIL` bytes.
-
-    One thread for all workers of the node. The kept bytes go into the worker's
-    death report, so the controller's ``WorkerDiedError`` says why a worker that
-    failed to start failed (``No module named ...``), not only its exit code.
-    """
-
-    def __init__(self, fds: list[int]) -> None:
-        self.tails = [bytearray() for _ in fds]
-        self.closed = [threading.Event() for _ in fds]
-        self.sel = selectors.DefaultSelector()
-        for i, fd in enumerate(fds):
-            self.sel.register(fd, selectors.EVENT_READ, i)
-        self.thread = threading.Thread(target=self._run, name="worker-stderr", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        left = len(self.tails)
-        while left:
-            for key, _ in self.sel.select():
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:  # the worker (and any child of it holding the pipe) is gone
-                    self.sel.unregister(key.fd)
-                    os.close(key.fd)
-                    self.closed[key.data].set()
-                    left -= 1
-                    continue
-                try:
-                    _write_fd(2, chunk)
-                except OSError:
-                    pass  # the agent's own stderr is gone; keep the tail anyway
-                tail = self.tails[key.data]
-                tail += chunk
-                del tail[:-STDERR_TAIL]
-        self.sel.close()
-
-    def tail(self, i: int, wait: float) -> str:
-        """The last bytes worker ``i`` wrote to stderr (waits up to ``wait`` s for its end)."""
-        self.closed[i].wait(wait)
-        data = bytes(self.tails[i])
-        if len(data) >= STDERR_TAIL and b"\n" in data:
-            data = data[data.index(b"\n") + 1 :]  # from a line's start
-        return data.decode(errors="replace")
 
 
 # --------------------------------------------------------------------------- module-file cache
@@ -604,7 +551,7 @@ class Agent:
                 link.close(time.monotonic() + 1)
                 os.close(link.err_r)
             raise
-        self.stderr = _StderrTee([link.err_r for link in self.links])
+        self.stderr = StderrTee([link.err_r for link in self.links])
         self.queues = [queue.SimpleQueue() for _ in self.links]
         self.writers = [
             threading.Thread(target=self._write_loop, args=(i,), daemon=True, name=f"to-{gid}")

@@ -26,7 +26,13 @@ from typing import Any
 
 from disco_core import protocol as P
 from disco_core.channels.base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
-from disco_core.channels.process import ProcessWorkerLink, ReplyReader, start_timeout, worker_env
+from disco_core.channels.process import (
+    ProcessWorkerLink,
+    ReplyReader,
+    start_timeout,
+    tee_stderr,
+    worker_env,
+)
 from disco_core.errors import DiscoError, WorkerDiedError, WorkerError
 from disco_core.protocol import decode, frame_head
 
@@ -530,6 +536,7 @@ class SocketChannel(LinkChannel):
         self.nodes: list[NodeLink] = []
         self.procs: list[ProcessWorkerLink] = []
         self.reader: ReplyReader | None = None
+        self.stderr = None  # the local workers' StderrTee
         self._loader_regs: set[int] = set()
         self._hashes: dict[tuple, str] = {}
         self._listener: socket.socket | None = None
@@ -558,6 +565,7 @@ class SocketChannel(LinkChannel):
         nw, ng = self.num_workers, self.num_groups
         for w in range(1, self.per_node):
             self.procs.append(ProcessWorkerLink(w, nw, ng, self.entrypoint, env))
+        self.stderr = tee_stderr(self.procs)
         self.reader = ReplyReader(self.procs, self.hub)
         self.reader.start()
         if self._listener is not None:
@@ -962,6 +970,8 @@ class SocketChannel(LinkChannel):
         super().close(timeout)
         if self.reader is not None:
             self.reader.join(timeout=1.0)
+        if self.stderr is not None:
+            self.stderr.join(timeout=1.0)  # the local workers' last words
 
 
 def create(**options: Any) -> SocketChannel:
