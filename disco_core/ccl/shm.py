@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,14 +49,6 @@ _DIR_ENTRY = 32
 _ARENA_MIN = 256 << 10  # disco.empty puts arrays at least this large in the arena
 _CHUNK = 256 << 10  # bytes reduced at a time in place (stays in cache)
 _HOT_SPIN = 20e-6  # seconds of polling without yielding the core
-
-#: ThreadedSession only: per segment, per bell, the worker ids asleep on it, so a
-#: ring wakes the futex only when someone sleeps (each ctypes call hands the GIL
-#: over). Safe because every access happens under the GIL: a sleeper registers
-#: before it reads nothing more, and the futex itself refuses to sleep on a bell
-#: that changed since the sleeper looked. Without a GIL every ring wakes.
-_SLEEPERS: dict[tuple[int, int], dict[int, set[int]]] = {}
-_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -226,10 +217,6 @@ class ShmCCL(CCL):
         # waking a sleeper costs tens of microseconds. Threads share the GIL: no polling.
         spin_us = 0 if payload["threads"] else float(os.environ.get("DISCO_SHM_SPIN_US", "200"))
         self.spin = spin_us * 1e-6
-        self._segment_key = (payload["pid"], payload["fd"])
-        self._sleepers = (
-            _SLEEPERS.setdefault(self._segment_key, {}) if payload["threads"] and _GIL else None
-        )
         fd = os.open(f"/proc/{payload['pid']}/fd/{payload['fd']}", os.O_RDWR)
         try:
             self.map = mmap.mmap(fd, self.layout.size)
@@ -289,9 +276,6 @@ class ShmCCL(CCL):
     def _ring(self, bell: int, addr: int) -> None:
         self._stamp = (self._stamp + 1) & 0x3FFFFFF
         self.i[bell] = (self._stamp << 5) | (self._me & 31)
-        sleepers = self._sleepers
-        if sleepers is not None and not sleepers.get(bell):
-            return  # threads: nobody asleep on this bell
         _futex.wake(addr)
 
     def _check_abort(self, what: str) -> None:
@@ -339,16 +323,7 @@ class ShmCCL(CCL):
                     "(raise it with init_ccl('shm', timeout=...) or DISCO_CCL_TIMEOUT); "
                     "the shm CCL of this session is unusable now"
                 )
-            sleepers = self._sleepers
-            if sleepers is None:
-                _futex.wait(addr, seen, min(0.05, deadline - now))
-                continue
-            asleep = sleepers.setdefault(bell, set())
-            asleep.add(self._me)
-            try:
-                _futex.wait(addr, seen, min(0.05, deadline - now))
-            finally:
-                asleep.discard(self._me)
+            _futex.wait(addr, seen, min(0.05, deadline - now))
 
     def _barrier(self, comm: _Comm, what: str) -> None:
         """Arrive at the end of this round and wait for every member."""
@@ -730,7 +705,6 @@ class ShmCCL(CCL):
             raise CCLError(f"recv_from_worker: {error}")
 
     def close(self) -> None:
-        _SLEEPERS.pop(self._segment_key, None)
         self.arena.close()
         self._peers.clear()
         self.q.release()
