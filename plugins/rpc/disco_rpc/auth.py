@@ -12,6 +12,8 @@ bounded key string; nothing is decoded beyond that.
     server -> client   u8 status | HMAC(token, b"disco-rpc server" | client nonce | server nonce)
 
 Both sides prove they know the token; the token itself never crosses the wire.
+A proxy that cannot pair a client answers with the server reply and a status
+saying why (no server for the key, servers busy, a tracker ticket required).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ MAGIC = b"DISCORPC"
 VERSION = 1
 MAX_KEY_BYTES = 4096
 OK, KEY_MISMATCH, BAD_VERSION, AUTH_FAILED = 0, 1, 2, 3
+# statuses a proxy answers with when it cannot pair a client with a server
+NO_SERVER, SERVERS_BUSY, TICKET_REQUIRED = 4, 5, 6
 TOKEN_ENV = "DISCO_TOKEN"
 
 _HELLO = struct.Struct("<8sII")
@@ -53,22 +57,22 @@ def client_handshake(conn, key: str, token: bytes | None) -> None:
     if len(kb) > MAX_KEY_BYTES:
         raise ValueError(f"key is longer than {MAX_KEY_BYTES} bytes")
     cnonce = os.urandom(32)
-    conn.t.send_parts([_HELLO.pack(MAGIC, VERSION, len(kb)) + kb + cnonce])
+    hello = _HELLO.pack(MAGIC, VERSION, len(kb)) + kb + cnonce
+    conn.t.send_parts([hello])
     try:
-        magic, version, status, auth_required, snonce = _REPLY.unpack(conn.read_exact(_REPLY.size))
+        reply = bytes(conn.read_exact(_REPLY.size))
     except EOFError:
         raise RPCAuthError(
             "the peer closed the connection during the handshake (not a disco-rpc server, "
             "or it refused this client)"
         ) from None
+    if reply == hello[: _REPLY.size]:
+        # a real server's reply carries its own random nonce: this is our hello echoed
+        raise RPCAuthError("the peer echoed the handshake back: it is not a disco-rpc server")
+    magic, version, status, auth_required, snonce = _REPLY.unpack(reply)
     if magic != MAGIC:
         raise RPCAuthError("the peer is not a disco-rpc server (bad magic)")
-    if status == BAD_VERSION:
-        raise RPCAuthError(f"the server speaks protocol version {version}, this client {VERSION}")
-    if status == KEY_MISMATCH:
-        raise RPCAuthError(f"key mismatch: the server does not accept the key {key!r}")
-    if status != OK:
-        raise RPCAuthError(f"the server refused the connection (status {status})")
+    _check_status(status, version, key)
     if not auth_required:
         return
     mac = _mac(token, b"disco-rpc client", snonce, cnonce, kb) if token else bytes(32)
@@ -88,6 +92,29 @@ def client_handshake(conn, key: str, token: bytes | None) -> None:
         raise RPCAuthError("the server failed to prove it knows the token")
 
 
+def _check_status(status: int, version: int, key: str) -> None:
+    if status == OK:
+        return
+    if status == BAD_VERSION:
+        raise RPCAuthError(f"the server speaks protocol version {version}, this client {VERSION}")
+    base = key.rpartition("@")[0] or key
+    messages = {
+        KEY_MISMATCH: f"key mismatch: the server does not accept the key {key!r}",
+        NO_SERVER: f"the proxy has no server registered for key {base!r}",
+        SERVERS_BUSY: f"every server for key {base!r} behind the proxy stayed busy",
+        TICKET_REQUIRED: (
+            f"the servers for key {base!r} behind the proxy are managed by a tracker: "
+            "a ticket from the tracker is required (use connect_tracker(...).request(key))"
+        ),
+    }
+    raise RPCAuthError(messages.get(status, f"the server refused the connection (status {status})"))
+
+
+def refusal(status: int) -> bytes:
+    """A server reply carrying only a refusal ``status`` (what a proxy answers)."""
+    return _REPLY.pack(MAGIC, VERSION, status, 0, bytes(32))
+
+
 def read_hello(conn) -> tuple[int, bytes, bytes] | None:
     """Read a client's hello: ``(version, key bytes, client nonce)``, or None if it is not one."""
     magic, version, keylen = _HELLO.unpack(conn.read_exact(_HELLO.size))
@@ -103,38 +130,91 @@ def pack_hello(version: int, kb: bytes, cnonce: bytes) -> bytes:
     return _HELLO.pack(MAGIC, version, len(kb)) + kb + cnonce
 
 
-def server_handshake(conn, key: str, token: bytes | None, key_check=None, hello=None) -> bool:
-    """Run the server side; return True when the client may proceed.
+class ServerHandshake:
+    """The server side of the handshake as a state machine that never blocks.
 
-    Reads only fixed-size fields; a peer that is not a client, sends the wrong key
-    or fails authentication gets a status code and ``False``. ``key_check(key_bytes)``,
-    when given, decides instead of comparing with ``key``. The key the client
-    presented is left in ``conn.peer_key`` (str). ``hello`` is the result of
-    :func:`read_hello` when the caller has read it already.
+    Feed it exactly :attr:`want` bytes at a time with :meth:`step`, send what it
+    returns; when :attr:`want` is 0 it is over and :attr:`ok` says whether the
+    client may proceed. Only fixed-size fields and a key of at most
+    :data:`MAX_KEY_BYTES` are ever read. ``key_check(key_bytes)``, when given,
+    decides instead of comparing with ``key``.
     """
-    if hello is None:
-        hello = read_hello(conn)
-        if hello is None:
-            return False
-    version, kb, cnonce = hello
-    snonce = os.urandom(32)
-    status = OK
-    if version != VERSION:
-        status = BAD_VERSION
-    elif key_check is not None:
-        if not key_check(kb):
+
+    def __init__(self, key: str, token: bytes | None, key_check=None) -> None:
+        self.key = key.encode("utf-8")
+        self.token = token
+        self.key_check = key_check
+        self.want = _HELLO.size
+        self.ok = False
+        self.peer_key = ""
+        self._stage = self._hello
+        self._version = self._keylen = 0
+        self._kb = self._cnonce = self._snonce = b""
+
+    def step(self, data: bytes) -> bytes:
+        """Consume ``want`` bytes; return the bytes to send back (maybe none)."""
+        if len(data) != self.want:
+            raise ValueError(f"step() needs exactly {self.want} bytes")
+        return self._stage(bytes(data))
+
+    def _done(self, ok: bool, out: bytes = b"") -> bytes:
+        self.want = 0
+        self.ok = ok
+        return out
+
+    def _hello(self, data: bytes) -> bytes:
+        magic, self._version, self._keylen = _HELLO.unpack(data)
+        if magic != MAGIC or self._keylen > MAX_KEY_BYTES:
+            return self._done(False)  # not a client: no answer
+        self.want = self._keylen + 32
+        self._stage = self._key
+        return b""
+
+    def _key(self, data: bytes) -> bytes:
+        kb, self._cnonce = data[: self._keylen], data[self._keylen :]
+        self._kb = kb
+        self.peer_key = kb.decode("utf-8", "replace")
+        status = OK
+        if self._version != VERSION:
+            status = BAD_VERSION
+        elif self.key_check is not None:
+            status = OK if self.key_check(kb) else KEY_MISMATCH
+        elif self.key and kb != self.key:
             status = KEY_MISMATCH
-    elif key and kb != key.encode("utf-8"):
-        status = KEY_MISMATCH
-    conn.peer_key = kb.decode("utf-8", "replace")
-    conn.t.send_parts([_REPLY.pack(MAGIC, VERSION, status, 1 if token else 0, snonce)])
-    if status != OK:
-        return False
-    if not token:
-        return True
-    mac = bytes(conn.read_exact(32))
-    if not hmac.compare_digest(mac, _mac(token, b"disco-rpc client", snonce, cnonce, kb)):
-        conn.t.send_parts([_STATUS.pack(AUTH_FAILED, bytes(32))])
-        return False
-    conn.t.send_parts([_STATUS.pack(OK, _mac(token, b"disco-rpc server", cnonce, snonce))])
-    return True
+        self._snonce = os.urandom(32)
+        reply = _REPLY.pack(MAGIC, VERSION, status, 1 if self.token else 0, self._snonce)
+        if status != OK or not self.token:
+            return self._done(status == OK, reply)
+        self.want = 32
+        self._stage = self._mac
+        return reply
+
+    def _mac(self, data: bytes) -> bytes:
+        token = self.token
+        expected = _mac(token, b"disco-rpc client", self._snonce, self._cnonce, self._kb)
+        if not hmac.compare_digest(data, expected):
+            return self._done(False, _STATUS.pack(AUTH_FAILED, bytes(32)))
+        proof = _mac(token, b"disco-rpc server", self._cnonce, self._snonce)
+        return self._done(True, _STATUS.pack(OK, proof))
+
+
+def server_handshake(conn, key: str, token: bytes | None, key_check=None, hello=None) -> bool:
+    """Run the server side over a blocking connection; return True when the client may proceed.
+
+    A peer that is not a client, sends the wrong key or fails authentication gets
+    a status code and ``False``. The key the client presented is left in
+    ``conn.peer_key`` (str). ``hello`` is the result of :func:`read_hello` when the
+    caller has read it already.
+    """
+    hs = ServerHandshake(key, token, key_check)
+    pending = pack_hello(*hello) if hello is not None else b""
+    while hs.want:
+        if pending:
+            data, pending = pending[: hs.want], pending[hs.want :]
+        else:
+            data = conn.read_exact(hs.want)
+        out = hs.step(data)
+        if out:
+            conn.t.send_parts([out])
+    conn.peer_key = hs.peer_key
+    return hs.ok

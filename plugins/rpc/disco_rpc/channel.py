@@ -221,6 +221,22 @@ def _loopback(host: str) -> bool:
     return is_loopback(host)
 
 
+def _from_tracker(tsess: Any, key: str, priority: int, session_timeout: float, deadline: float, limit: float, have: int, need: int) -> Any:  # fmt: skip
+    """One more session from the tracker, waiting at most until ``deadline``."""
+    from .errors import RPCRequestTimeoutError
+
+    try:
+        return tsess.request(
+            key, priority, session_timeout, wait_timeout=max(deadline - time.monotonic(), 1e-3)
+        )
+    except RPCRequestTimeoutError:
+        raise DiscoError(
+            f'the "rpc" channel got {have} of the {need} servers of key {key!r} it needs '
+            f"within {limit:g} s (DISCO_START_TIMEOUT or start_timeout=): "
+            f"{tsess.pool_text(key)}; the servers it got went back to the pool"
+        ) from None
+
+
 class RPCChannel(LinkChannel):
     """Worker 0 in the controller; workers 1..N-1 in sessions of RPC servers.
 
@@ -237,11 +253,17 @@ class RPCChannel(LinkChannel):
         The servers' key (a tracker's key) and the shared secret (default ``$DISCO_TOKEN``).
     priority, session_timeout :
         Passed to the tracker's ``request``.
+    start_timeout : float, optional
+        Seconds to obtain the servers from the tracker and start the workers
+        (default ``$DISCO_START_TIMEOUT``, 60). When the tracker cannot give enough
+        free servers in time, the sessions already obtained go back to the pool
+        and a :class:`~disco_core.errors.DiscoError` says how many servers of
+        ``key`` there are.
     """
 
     kind = "rpc"
 
-    def __init__(self, num_workers: int | None = None, num_groups: int = 1, servers: Any = None, tracker: Any = None, key: str = "", token: Any = None, priority: int = 1, session_timeout: float = 0, tracker_token: Any = None, connect_timeout: float = 10.0) -> None:  # fmt: skip
+    def __init__(self, num_workers: int | None = None, num_groups: int = 1, servers: Any = None, tracker: Any = None, key: str = "", token: Any = None, priority: int = 1, session_timeout: float = 0, tracker_token: Any = None, connect_timeout: float = 10.0, start_timeout: float | None = None) -> None:  # fmt: skip
         from .client import connect
         from .handler import OP_DISCO_WORKER
 
@@ -259,6 +281,8 @@ class RPCChannel(LinkChannel):
             raise DiscoError('the "rpc" channel with a tracker needs num_workers')
         num_workers = int(num_workers)
         super().__init__(num_workers, num_groups)
+        limit = _start_timeout() if start_timeout is None else float(start_timeout)
+        deadline = time.monotonic() + limit
         links: list[RPCWorkerLink] = []
         sessions: list = []
         tsess = None
@@ -274,7 +298,7 @@ class RPCChannel(LinkChannel):
             sys_path = [p if p else os.getcwd() for p in sys.path]
             for w in range(1, num_workers):
                 if tsess is not None:
-                    sess = tsess.request(key, priority, session_timeout)
+                    sess = _from_tracker(tsess, key, priority, session_timeout, deadline, limit, w - 1, num_workers - 1)  # fmt: skip
                     host = sess._label.rsplit(":", 1)[0]
                 else:
                     host, port = servers[(w - 1) % len(servers)]
@@ -300,7 +324,7 @@ class RPCChannel(LinkChannel):
             self.reader.start()
             self.rpc_links = links
             self._set_links([ThreadWorkerLink(0, num_workers, num_groups, self.hub), *links])
-            self._wait_ready(links)
+            self._wait_ready(links, deadline, limit)
         except BaseException:
             self.hub.closing = True
             for s in sessions:
@@ -310,10 +334,7 @@ class RPCChannel(LinkChannel):
             if tsess is not None:
                 tsess.close()
 
-    def _wait_ready(self, links: list[RPCWorkerLink]) -> None:
-        limit = _start_timeout()
-        deadline = time.monotonic() + limit
-
+    def _wait_ready(self, links: list[RPCWorkerLink], deadline: float, limit: float) -> None:
         def poll() -> None:
             self.check_alive()
             if time.monotonic() > deadline:

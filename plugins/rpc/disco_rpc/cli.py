@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--load-library", default=None, help="comma-separated .py/.so files")
     s.add_argument("--no-fork", action="store_true")
     s.add_argument("--timeout", type=float, default=None, help="longest session, seconds")
-    s.add_argument("--work-dir", default=None)
+    s.add_argument(
+        "--work-dir",
+        default=None,
+        help="a folder every session uses and that is kept (default: one temporary folder "
+        "per session, deleted when it ends)",
+    )
     s.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--tls-cert", default=None)
     s.add_argument("--tls-key", default=None)
@@ -104,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--load-library", default=None)
 
     for name in ("upload", "download", "ls"):
-        c = sub.add_parser(name, help=f"{name} through a server's session")
+        c = sub.add_parser(
+            name,
+            help=f"{name} through a session of a server (files persist between invocations "
+            "only on a server with --work-dir)",
+        )
         c.add_argument("--host", default="127.0.0.1")
         c.add_argument("--port", type=int, default=9091)
         c.add_argument("--key", default="")
@@ -124,6 +133,26 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--through-proxy", action="store_true", help="--host/--port name a proxy")
 
     args = p.parse_args(argv)
+    from .errors import RPCError
+
+    try:
+        return _run(args)
+    except (RPCError, OSError) as exc:
+        print(f"disco-rpc: {_short(exc)}", file=sys.stderr)
+        return 1
+
+
+def _short(exc: BaseException) -> str:
+    """One line for an error (a remote error without its remote traceback)."""
+    exc_type = getattr(exc, "exc_type", "")
+    if exc_type:
+        return f"remote {exc_type}: {exc.remote_message}"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.strerror or exc}: {exc.filename}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _run(args) -> int:
     if args.cmd == "server":
         if args.tracker or args.through_proxy:
             return _managed_server(args)
@@ -142,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
 
         serve_stdio(args.load_library)
         return 0
+    return _files(args)
+
+
+def _files(args) -> int:
+    """``upload``, ``download``, ``ls``: one session each (use a server with --work-dir)."""
     from .client import connect
 
     ctx = _tls_client(args.tls_ca, args.tls_insecure)
@@ -151,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "download":
             sess.download(args.path, target=args.out, progress=_Bar(f"download {args.path}"))
         else:
-            print("\n".join(sess.listdir(args.path)))
+            names = sess.listdir(args.path)
+            if names:
+                print("\n".join(names))
     return 0
 
 
@@ -272,7 +308,7 @@ def _server(args) -> int:
         key=args.key,
         token=token,
         ssl_context=ctx,
-        work_root=os.path.abspath(args.work_dir) if args.work_dir else "",
+        work_dir=os.path.abspath(args.work_dir) if args.work_dir else "",
         max_message_bytes=args.max_message_bytes,
         timeout=args.timeout,
         no_fork=args.no_fork,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import stat
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ import numpy as np
 from disco_core.device import Device, as_dtype, as_shape, to_host
 
 from . import auth, handler, wire
-from .errors import FrameTooLarge, ProtocolError, RPCError, RPCSessionTimeoutError
+from .errors import ProtocolError, RPCError, RPCSessionTimeoutError, StreamAborted
 from .handler import (
     OP_CALL,
     OP_DEV_EXIST,
@@ -42,7 +44,7 @@ from .handler import (
     OP_UPLOAD,
     SessionHandler,
 )
-from .wire import ERROR, REPLY, REQUEST, FileSource, HandleRef, Pending
+from .wire import ERROR, REPLY, REQUEST, FileSource, HandleRef
 
 __all__ = [
     "BenchmarkResult",
@@ -124,9 +126,12 @@ class RemoteModule(RemoteObject):
         ``evaluator(*args)`` calls the function once to warm up, then ``repeat``
         times runs it ``number`` times in a row (more when a repeat lasts under
         ``min_repeat_ms``), synchronising ``dev`` after each repeat, and returns a
-        :class:`BenchmarkResult` of the per-call seconds of each repeat. Arguments
-        are sent once; remote tensors are passed by reference. ``restype`` sets the
-        result type of a shared library's C function.
+        :class:`BenchmarkResult` of the per-call seconds of each repeat. A repeat
+        whose measured time is exactly zero (a clock too coarse for it) is run
+        again with the same ``number``, at most ``limit_zero_time_iterations``
+        times, as TVM's. Arguments are sent once; remote tensors are passed by
+        reference. ``restype`` sets the result type of a C function (shared
+        libraries and ``system_lib()``).
         """
         if f_preproc:
             raise NotImplementedError("f_preproc is not supported by disco-rpc")
@@ -137,8 +142,8 @@ class RemoteModule(RemoteObject):
         def evaluator(*args: Any) -> BenchmarkResult:
             res = sess._request(
                 handler.OP_TIME_EVAL, module, func_name, d, int(number), int(repeat),
-                float(min_repeat_ms or 0), float(cooldown_interval_ms or 0),
-                int(repeats_to_cooldown or 1), restype, args,
+                float(min_repeat_ms or 0), int(limit_zero_time_iterations),
+                float(cooldown_interval_ms or 0), int(repeats_to_cooldown or 1), restype, args,
             )  # fmt: skip
             return BenchmarkResult(res)
 
@@ -247,7 +252,8 @@ class RPCSession:
     """A session with an RPC server; made by :func:`connect`, :class:`LocalSession`, ...
 
     Every member follows ``tvm.rpc.RPCSession``. A session is a context manager;
-    :meth:`close` ends it (the server then deletes its work folder).
+    :meth:`close` ends it (the server then deletes its work folder, unless the
+    server keeps a shared ``work_dir``).
     """
 
     _label = "rpc"
@@ -259,6 +265,7 @@ class RPCSession:
         self._closed = False
         self._label = label
         self._timeout = float(session_timeout or 0)
+        self._server_timeout = 0.0
         self._start = time.monotonic()
         self._logging = enable_logging
         self._funcs: dict[str, RemoteFunction] = {}
@@ -275,42 +282,75 @@ class RPCSession:
             return RemoteModule(self, ref)
         return RemoteObject(self, ref)
 
-    def _request(self, op: int, *args: Any, progress: Progress | None = None, sink: Any = None) -> Any:  # fmt: skip
+    def _export(self, v: Any) -> HandleRef | None:
+        """The handle a remote object travels as; another session's objects are refused."""
+        ref = getattr(v, "_rpc_ref", None)
+        if ref is None:
+            return None
+        owner = v._rpc_sess
+        if owner is not self:
+            raise ValueError(
+                f"{type(v).__name__} #{ref.hid} belongs to the RPC session {owner._label}, "
+                f"not to {self._label}: a remote object can only be passed to functions of "
+                "the session that made it (copy it through the client, e.g. .numpy())"
+            )
+        return ref
+
+    def _request(self, op: int, *args: Any) -> Any:
+        return self._exchange(op, args)
+
+    def _exchange(self, op: int, args: tuple, send_stream=None, recv_stream=None) -> Any:
+        """Send one request and read its reply.
+
+        ``send_stream(conn)`` sends a file stream after the request (and returns a
+        local error to raise once the reply is in); ``recv_stream(conn, value)``
+        reads the stream a REPLY announces and returns the result.
+        """
         if self._closed:
             raise RPCError(f"the RPC session {self._label} is closed")
         with self._lock:
-            if self._timeout:
-                left = self._timeout - (time.monotonic() - self._start)
-                if left <= 0:
-                    self._fail(op, TimeoutError("deadline passed"))
-                self._conn.t.settimeout(left + 0.5)
-            frees = self._frees
-            if frees:
-                self._frees = []
-            t0 = time.perf_counter() if self._logging else 0.0
+            self._arm_deadline(op)
             conn = self._conn
+            frees, self._frees = self._frees, []
             try:
-                conn.send(REQUEST, op, (tuple(frees), args), progress=progress)
-                kind, _op, value = conn.recv(
-                    on_handle=self._wrap, defer=op in (OP_DOWNLOAD, OP_LINK)
-                )
-                if type(value) is Pending:
-                    value = conn.read_pending(value, sink=sink, progress=progress)
-                conn.finish()
-            except (FrameTooLarge, ProtocolError) as exc:
-                self._fail(op, exc)
-            except (EOFError, OSError) as exc:
+                meta, bufs = wire.encode((tuple(frees), args), self._export)
+                conn.check_size(meta, bufs)  # nothing sent yet: the session stays usable
+            except BaseException:
+                self._frees[:0] = frees
+                raise
+            t0 = time.perf_counter() if self._logging else 0.0
+            local_error = None
+            try:
+                conn.send_encoded(REQUEST, op, meta, bufs)
+                if send_stream is not None:
+                    local_error = send_stream(conn)
+                kind, _op, value = conn.recv(on_handle=self._wrap)
+                if kind == REPLY and recv_stream is not None:
+                    value = recv_stream(conn, value)
+            except StreamAborted as exc:  # the server's file failed; still in sync
+                raise RPCError(f"the server could not send the whole file: {exc}") from None
+            except (ProtocolError, EOFError, OSError) as exc:
                 self._fail(op, exc)
             if self._logging:
                 logger.info(
                     "%s %s: %.1f us", self._label, OP_NAMES.get(op, op),
                     (time.perf_counter() - t0) * 1e6,
                 )  # fmt: skip
+        if local_error is not None:  # the cause of the server's error, if any
+            raise local_error
         if kind == ERROR:
             raise _remote_error(value)
         if kind != REPLY:
             self._fail(op, ProtocolError(f"unexpected frame kind {kind}"))
         return value
+
+    def _arm_deadline(self, op: int) -> None:
+        if not self._timeout:
+            return
+        left = self._timeout - (time.monotonic() - self._start)
+        if left <= 0:
+            self._fail(op, TimeoutError("deadline passed"))
+        self._conn.t.settimeout(left + 0.5)
 
     def _fail(self, op: int, exc: BaseException):
         elapsed = time.monotonic() - self._start
@@ -321,6 +361,12 @@ class RPCSession:
                 f"RPC session timed out: it ran {elapsed:.2f} s, past its session_timeout of "
                 f"{self._timeout:g} s, and the server ended it (during {what}); "
                 "connect again with a larger session_timeout"
+            ) from None
+        if self._server_timeout and elapsed >= self._server_timeout * 0.95:
+            raise RPCSessionTimeoutError(
+                f"RPC session timed out: it ran {elapsed:.2f} s, past the server's session time "
+                f"limit of {self._server_timeout:g} s (Server(timeout=...)), and the server "
+                f"ended it (during {what})"
             ) from None
         raise RPCError(
             f"lost the connection to the RPC server {self._label} during {what}: "
@@ -337,7 +383,11 @@ class RPCSession:
 
     def _init(self, session_timeout: float, constructor_args: Any) -> None:
         args = list(constructor_args) if constructor_args else []
-        self.info = self._request(OP_INIT, float(session_timeout or 0), args) or {}
+        limit = self._conn.max if self._conn is not None else None
+        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit) or {}
+        if self._conn is not None and self.info.get("max_message_bytes"):
+            self._conn.peer_max = int(self.info["max_message_bytes"])
+        self._server_timeout = float(self.info.get("server_timeout") or 0)
 
     def close(self) -> None:
         """End the session; the server deletes its work folder. A second call does nothing."""
@@ -366,7 +416,11 @@ class RPCSession:
 
     # -- TVM's members ------------------------------------------------------------
     def system_lib(self) -> RemoteModule:
-        """The server's system library: its global functions and loaded libraries."""
+        """The server's system library: its global functions and loaded libraries.
+
+        ``lib["name"]`` or ``lib.get_function("name", restype="int64")`` (a C symbol
+        of a library the server loaded, with its result type).
+        """
         return self._request(handler.OP_SYSTEM_LIB)
 
     def get_function(self, name: str) -> RemoteFunction:
@@ -385,32 +439,58 @@ class RPCSession:
     def upload(self, data: Any, target: str | None = None, *, progress: Progress | None = None) -> None:  # fmt: skip
         """Copy a local file (a path) or ``bytes`` into the session's work folder.
 
-        Files are streamed in chunks; ``progress(done_bytes, total_bytes)`` is called
-        as they go.
+        The contents stream in chunks that fit the server's ``max_message_bytes``, so
+        a file of any size goes through; ``progress(done_bytes, total_bytes)`` is
+        called after each chunk (once with ``(0, 0)`` for an empty file). The remote
+        file appears (atomically) only when all of it arrived.
         """
         if isinstance(data, (bytes, bytearray, memoryview)):
             if not target:
                 raise ValueError("upload(bytes) needs target= (the remote file name)")
-            self._request(OP_UPLOAD, target, data, progress=progress)
+            view = memoryview(data).cast("B")
+            self._upload(target, view, view.nbytes, progress)
             return
         path = os.fspath(data)
         if not target:
             target = os.path.basename(path)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            self._request(OP_UPLOAD, target, FileSource(f, size), progress=progress)
+            self._upload(target, FileSource(f, size), size, progress)
+
+    def _upload(self, target: str, source: Any, size: int, progress: Progress | None) -> None:
+        def send(conn: wire.Conn) -> Any:
+            return conn.send_stream(OP_UPLOAD, source, size, progress)
+
+        self._exchange(OP_UPLOAD, (target, size), send_stream=send)
 
     def download(self, path: str, *, target: str | None = None, progress: Progress | None = None) -> Any:  # fmt: skip
         """Return the contents of a remote file, or stream them into the local file ``target``.
 
-        The contents come back as a ``memoryview`` of bytes (``bytes(data)`` copies them);
-        ``progress(done_bytes, total_bytes)`` is called as they arrive.
+        The contents come back as a ``memoryview`` of bytes (``bytes(data)`` copies
+        them). With ``target`` they are written to a temporary file beside it, renamed
+        to ``target`` once complete: a failed download leaves ``target`` untouched.
+        ``progress(done_bytes, total_bytes)`` is called after each chunk (once with
+        ``(0, 0)`` for an empty file).
         """
+        return self._fetch(OP_DOWNLOAD, path, target, progress)
+
+    def _fetch(self, op: int, path: str, target: str | None, progress: Progress | None) -> Any:
         if target is None:
-            return self._request(OP_DOWNLOAD, path, progress=progress)
-        with open(target, "wb") as f:
-            self._request(OP_DOWNLOAD, path, progress=progress, sink=f)
-        return target
+
+            def into_memory(conn: wire.Conn, size: int) -> memoryview:
+                # np.empty: no zero-filling pass over memory the socket overwrites anyway
+                out = memoryview(np.empty(int(size), np.uint8)).cast("B")
+                conn.recv_stream(op, int(size), into=out, progress=progress)
+                return out
+
+            return self._exchange(op, (path,), recv_stream=into_memory)
+
+        def into_file(conn: wire.Conn, size: int) -> str:
+            with _replacing(os.fspath(target)) as f:
+                conn.recv_stream(op, int(size), sink=f, progress=progress)
+            return target
+
+        return self._exchange(op, (path,), recv_stream=into_file)
 
     def remove(self, path: str) -> None:
         """Remove a remote file or folder (inside the work folder)."""
@@ -428,7 +508,7 @@ class RPCSession:
 
     def download_linked_module(self, path: str) -> memoryview:
         """Link an uploaded ``.tar`` of object files with the server's ``cc``; return the ``.so``."""
-        return self._request(OP_LINK, path)
+        return self._fetch(OP_LINK, path, None, None)
 
     def ping(self) -> None:
         """One empty round trip."""
@@ -462,6 +542,31 @@ class RPCSession:
         return self.device("webgpu", dev_id)
 
 
+class _replacing:
+    """A binary file written beside ``target`` under a temporary name, renamed onto
+    ``target`` when the block succeeds and removed when it fails."""
+
+    def __init__(self, target: str) -> None:
+        folder, name = os.path.split(os.path.abspath(target))
+        self.target = target
+        self.tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.part")
+
+    def __enter__(self) -> Any:
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        self.file = os.fdopen(fd, "wb")
+        return self.file
+
+    def __exit__(self, exc_type: Any, *_exc: Any) -> None:
+        self.file.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.target)
+        else:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+
+
 def _remote_error(value: Any) -> RPCError:
     try:
         exc_type, message, tb = value
@@ -472,16 +577,40 @@ def _remote_error(value: Any) -> RPCError:
     return RPCError(str(message), str(exc_type), str(tb))
 
 
+def _copy_file(src: Any, dst: Any, size: int, progress: Progress | None) -> None:
+    """Copy ``size`` bytes between open binary files in chunks, reporting progress."""
+    done = 0
+    if progress is not None and size == 0:
+        progress(0, 0)
+    while done < size:
+        chunk = src.read(min(wire.CHUNK, size - done))
+        if not chunk:
+            raise OSError(f"the file ended {size - done} bytes early")
+        dst.write(chunk)
+        done += len(chunk)
+        if progress is not None:
+            progress(done, size)
+
+
 class LocalSession(RPCSession):
     """The RPC interface over this very process: no server, same behaviour.
 
-    Values cross as they would over a wire (arrays are copied), so code written
-    against a remote session runs unchanged.
+    Values cross as they would over a wire (arrays are copied, byte strings come
+    back as ``bytes``), so code written against a remote session runs unchanged.
+
+    Parameters
+    ----------
+    work_dir : str, optional
+        A folder used as the work folder and kept; by default a new folder,
+        deleted when the session is closed, dropped, or at the latest when the
+        interpreter exits.
     """
 
     def __init__(self, work_dir: str | None = None) -> None:
         super().__init__(None, label="local")
         self._handler = SessionHandler(work_dir)
+        # not a __del__: remote functions cached in the session refer back to it
+        self._finalizer = weakref.finalize(self, self._handler.close)
         self.info = {"pid": os.getpid(), "local": True, "work_dir": self._handler.work}
 
     def _to_server(self, v: Any) -> Any:
@@ -490,8 +619,7 @@ class LocalSession(RPCSession):
             return v
         ref = getattr(v, "_rpc_ref", None)
         if ref is not None:
-            if v._rpc_sess is not self:
-                raise ValueError("a remote object of another session was passed to this one")
+            self._export(v)  # the same check as over a wire
             return self._handler.resolve(ref)
         if t is tuple or t is list:
             return t(self._to_server(x) for x in v)
@@ -502,9 +630,7 @@ class LocalSession(RPCSession):
         if isinstance(v, Device):
             return Device(v.device_type, v.device_id)
         if isinstance(v, (bytearray, memoryview)):
-            return bytearray(v)
-        if isinstance(v, FileSource):
-            return v
+            return bytes(v)  # byte strings arrive as bytes, as over a wire
         wire.encode(v)  # the same TypeError a wire would give
         return v
 
@@ -516,13 +642,12 @@ class LocalSession(RPCSession):
             return t(self._to_client(x) for x in v)
         if t is dict:
             return {k: self._to_client(x) for k, x in v.items()}
-        if isinstance(v, FileSource):
-            with v.file:
-                return memoryview(v.file.read())
+        if isinstance(v, (bytearray, memoryview)):
+            return bytes(v)
         ref = self._handler.export(v)
         return self._wrap(ref) if ref is not None else v
 
-    def _request(self, op: int, *args: Any, progress: Progress | None = None, sink: Any = None) -> Any:  # fmt: skip
+    def _request(self, op: int, *args: Any) -> Any:
         if self._closed:
             raise RPCError("the local RPC session is closed")
         h = self._handler
@@ -535,20 +660,6 @@ class LocalSession(RPCSession):
             try:
                 if op == OP_CALL:
                     result = sargs[0](*sargs[1])
-                elif op == OP_UPLOAD:
-                    result = h.op_upload(*sargs, progress=progress)
-                elif op in (OP_DOWNLOAD, OP_LINK):
-                    src = h.op_download(*sargs) if op == OP_DOWNLOAD else h.op_link(*sargs)
-                    with src.file:
-                        if sink is not None:
-                            import shutil
-
-                            shutil.copyfileobj(src.file, sink)
-                            return None
-                        data = memoryview(src.file.read())
-                    if progress is not None:
-                        progress(len(data), len(data))
-                    return data
                 elif op == OP_TENSOR_GET:
                     return np.array(h.op_tensor_get(*sargs), copy=True)
                 elif op == OP_INIT:
@@ -559,9 +670,41 @@ class LocalSession(RPCSession):
             except Exception as exc:
                 raise _remote_error(handler.error_value(exc)) from None
 
+    def _upload(self, target: str, source: Any, size: int, progress: Progress | None) -> None:
+        def fill(f: Any) -> None:
+            if type(source) is FileSource:
+                _copy_file(source.file, f, size, progress)
+                return
+            f.write(source)
+            if progress is not None:
+                progress(size, size)
+
+        with self._lock:
+            try:
+                self._handler.write_upload(self._handler.upload_target(target), fill)
+            except Exception as exc:
+                raise _remote_error(handler.error_value(exc)) from None
+
+    def _fetch(self, op: int, path: str, target: str | None, progress: Progress | None) -> Any:
+        h = self._handler
+        with self._lock:
+            try:
+                src = h.op_download(path) if op == OP_DOWNLOAD else h.op_link(path)
+            except Exception as exc:
+                raise _remote_error(handler.error_value(exc)) from None
+        with src.file:
+            if target is None:
+                data = memoryview(src.file.read())
+                if progress is not None:
+                    progress(len(data), len(data))
+                return data
+            with _replacing(os.fspath(target)) as f:
+                _copy_file(src.file, f, src.size, progress)
+        return target
+
     def _shutdown_transport(self) -> None:
         self._closed = True
-        self._handler.close()
+        self._finalizer()
 
 
 class PopenSession(RPCSession):
@@ -574,29 +717,15 @@ class PopenSession(RPCSession):
         bytes of an executable, or a full argument list. The program must serve the
         protocol on its standard input and output, e.g. by calling
         :func:`disco_rpc.serve_stdio` (``python -m disco_rpc stdio`` does).
+    max_message_bytes : int
+        The largest frame accepted from the server.
+    startup_timeout : float
+        Seconds the program has to answer the handshake.
     """
 
     def __init__(self, binary: Any, *, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, startup_timeout: float = 60.0) -> None:  # fmt: skip
         self._tmpdir = None
-        if isinstance(binary, (list, tuple)):
-            argv = [os.fspath(a) for a in binary]
-        elif isinstance(binary, (bytes, bytearray)):
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="disco-rpc-popen-")
-            path = os.path.join(self._tmpdir.name, "server.bin")
-            with open(path, "wb") as f:
-                f.write(binary)
-            os.chmod(path, stat.S_IRUSR | stat.S_IXUSR)
-            argv = [path]
-        else:
-            path = os.path.abspath(os.fspath(binary))
-            if not os.path.isfile(path):
-                raise RPCError(f"{path} does not exist")
-            if path.endswith(".py"):
-                argv = [sys.executable, path]
-            elif not os.access(path, os.X_OK):
-                raise RPCError(f"{path} is not executable")
-            else:
-                argv = [path]
+        argv = self._argv(binary)
         self._proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
         )
@@ -611,10 +740,36 @@ class PopenSession(RPCSession):
             self._init(0, None)
             transport.settimeout(None)
         except BaseException as exc:
+            self._proc.kill()  # not a working server: no grace period
             self.close()
             if isinstance(exc, RPCError):
                 raise
+            if isinstance(exc, TimeoutError):
+                raise RPCError(
+                    f"{argv!r} did not answer the disco-rpc handshake within {startup_timeout:g} s: "  # fmt: skip
+                    "it is not a disco-rpc server (it must call disco_rpc.serve_stdio() or be "
+                    "`python -m disco_rpc stdio`), or it hangs before serving"
+                ) from None
             raise RPCError(f"the server {argv!r} did not start: {exc}") from exc
+
+    def _argv(self, binary: Any) -> list[str]:
+        if isinstance(binary, (list, tuple)):
+            return [os.fspath(a) for a in binary]
+        if isinstance(binary, (bytes, bytearray)):
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="disco-rpc-popen-")
+            path = os.path.join(self._tmpdir.name, "server.bin")
+            with open(path, "wb") as f:
+                f.write(binary)
+            os.chmod(path, stat.S_IRUSR | stat.S_IXUSR)
+            return [path]
+        path = os.path.abspath(os.fspath(binary))
+        if not os.path.isfile(path):
+            raise RPCError(f"{path} does not exist")
+        if path.endswith(".py"):
+            return [sys.executable, path]
+        if not os.access(path, os.X_OK):
+            raise RPCError(f"{path} is not executable")
+        return [path]
 
     def _fail(self, op: int, exc: BaseException):
         try:  # a pipe that closed: the process is exiting, give it a moment to be reaped
@@ -649,12 +804,15 @@ class PopenSession(RPCSession):
             self._tmpdir.cleanup()
 
 
-def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0) -> wire.Conn:  # fmt: skip
-    """Connect and authenticate; return the framed connection (no session yet)."""
+def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server") -> wire.Conn:  # fmt: skip
+    """Connect and authenticate; return the framed connection (no session yet).
+
+    ``peer`` names what is at ``url:port`` in error messages ("tracker", "proxy"...).
+    """
     try:
         sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
     except OSError as exc:
-        raise RPCError(f"cannot connect to the RPC server at {url}:{port}: {exc}") from exc
+        raise RPCError(f"cannot connect to the {peer} at {url}:{port}: {exc}") from exc
     try:
         if ssl_context is not None:
             sock = ssl_context.wrap_socket(
@@ -670,7 +828,7 @@ def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_cont
         if isinstance(exc, RPCError):
             raise
         if isinstance(exc, (OSError, EOFError)):
-            raise RPCError(f"handshake with {url}:{port} failed: {exc}") from exc
+            raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}") from exc
         raise
     sock.settimeout(None)
     return conn
@@ -689,14 +847,21 @@ def connect(url: str, port: int, key: str = "", session_timeout: float = 0, sess
         Seconds after which the server ends the session (0: never); a call running
         then raises :class:`RPCSessionTimeoutError`.
     session_constructor_args : list, optional
-        ``["rpc.Connect", host, port, key]`` makes the server relay this session to
-        another server (chains nest); ``["rpc.LocalSession"]`` is the default.
+        ``["rpc.Connect", host, port, key, enable_logging, *init]`` makes the server
+        relay this session to another server, as TVM's (``init``: the inner
+        session's own constructor, so chains nest). The inner server's token goes in
+        a dict right after ``enable_logging``: ``[..., False, {"token": "..."}]``.
+        ``["rpc.LocalSession"]`` is the default.
     enable_logging : bool
         Log every request and its duration on the ``disco_rpc.client`` logger.
     token : str or bytes, optional
         The shared secret for the HMAC challenge-response (default ``$DISCO_TOKEN``).
     ssl_context : ssl.SSLContext, optional
         Speak TLS (a client context, e.g. ``ssl.create_default_context(cafile=...)``).
+    max_message_bytes : int
+        The largest frame accepted from the server.
+    connect_timeout : float
+        Seconds to connect and complete the handshake.
     """
     conn = open_conn(
         url,

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from disco_core.errors import DiscoError
 
-__all__ = ["RPCError", "RPCSessionTimeoutError", "RPCAuthError", "ProtocolError", "FrameTooLarge"]
+__all__ = [
+    "RPCError",
+    "RPCSessionTimeoutError",
+    "RPCAuthError",
+    "RPCRequestTimeoutError",
+    "MessageTooLarge",
+    "ProtocolError",
+    "Desync",
+    "FrameTooLarge",
+    "StreamAborted",
+]
 
 
 class RPCError(DiscoError):
@@ -32,9 +42,25 @@ class RPCAuthError(RPCError):
     """The handshake failed: wrong or missing token, key mismatch, not an RPC server."""
 
 
+class RPCRequestTimeoutError(RPCError, TimeoutError):
+    """No server of the requested key became free in time (a tracker request)."""
+
+
+class MessageTooLarge(RPCError):
+    """A request is larger than the peer's ``max_message_bytes``; nothing was sent."""
+
+
 class ProtocolError(ValueError):
     """A malformed frame (bad tag, truncated field, bad length)."""
 
 
-class FrameTooLarge(ProtocolError):
+class Desync(ProtocolError):
+    """The byte stream cannot be framed any more: the connection must be dropped."""
+
+
+class FrameTooLarge(Desync):
     """A frame declared a size beyond ``max_message_bytes``."""
+
+
+class StreamAborted(RPCError):
+    """The sender of a file stream gave up in the middle (its file failed); still in sync."""

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 import shutil
 import subprocess
 import tarfile
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -22,8 +25,8 @@ from disco_core.device import Device, as_device, as_dtype, as_shape, to_host
 from disco_core.device import empty as dev_empty
 
 from . import wire
-from .errors import FrameTooLarge, ProtocolError
-from .wire import ERROR, REPLY, FileSource, HandleRef, Pending
+from .errors import Desync, ProtocolError
+from .wire import ERROR, REPLY, FileSource, HandleRef
 
 logger = logging.getLogger("disco_rpc")
 
@@ -54,6 +57,13 @@ logger = logging.getLogger("disco_rpc")
 
 OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}
 
+#: Uploads are written to a hidden temporary file of this name pattern, then renamed;
+#: ``listdir`` hides exactly these names and uploads may not use them.
+PART_PREFIX = ".disco-rpc-part-"
+_PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
+#: The clock of ``time_evaluator`` (a module attribute so a test can stop it).
+_clock = time.perf_counter
+
 
 class SystemLib:
     """The server's "system library": global functions, then symbols of loaded libraries."""
@@ -65,11 +75,32 @@ class SystemLib:
         fn = registry.get_global_func(name, allow_missing=True)
         if fn is not None:
             return fn
+        return self._symbol(name, "int")
+
+    def get_function(self, name: str, restype: Any = None) -> Any:
+        """A global function, or a C symbol of a loaded library returning ``restype``.
+
+        With ``restype`` the name must be a C symbol (``"int64"``, ``"double"``, ...
+        as for :meth:`~disco_rpc.ctypes_loader.CtypesModule.get_function`).
+        """
+        if restype is None:
+            return self[name]
+        try:
+            return self._symbol(name, restype)
+        except KeyError:
+            if registry.get_global_func(name, allow_missing=True) is not None:
+                raise TypeError(
+                    f"{name!r} is a Python global function: restype= applies to C functions "
+                    "of the server's loaded libraries"
+                ) from None
+            raise
+
+    def _symbol(self, name: str, restype: Any) -> Any:
         from .ctypes_loader import CFunction
 
         for lib in self.libs:
             try:
-                return CFunction(getattr(lib, name), name)
+                return CFunction(getattr(lib, name), name, restype)
             except AttributeError:
                 continue
         raise KeyError(registry.missing_message(name))
@@ -99,12 +130,28 @@ def confine(root: str, path: Any) -> str:
 
 
 class SessionHandler:
-    """One session's objects and work folder; every ``op_*`` method is one operation."""
+    """One session's objects and work folder; every ``op_*`` method is one operation.
 
-    def __init__(self, work_root: str | None = None, libs: list | None = None) -> None:
-        if work_root is not None:
-            os.makedirs(work_root, exist_ok=True)
-        self.work = tempfile.mkdtemp(prefix="disco-rpc-session-", dir=work_root)
+    Parameters
+    ----------
+    work_dir : str, optional
+        A folder used as is and kept (shared by the sessions of a server with
+        ``work_dir=``); by default a new folder, deleted when the session ends.
+    libs : list
+        Shared libraries whose symbols ``system_lib()`` finds.
+    temp_root : str, optional
+        Where the session's own temporary folders are made.
+    """
+
+    def __init__(self, work_dir: str | None = None, libs: list | None = None, temp_root: str | None = None) -> None:  # fmt: skip
+        self.temp_root = temp_root
+        self.owns_work = not work_dir
+        if work_dir:
+            os.makedirs(work_dir, exist_ok=True)
+            self.work = os.path.abspath(work_dir)
+        else:
+            self.work = tempfile.mkdtemp(prefix="disco-rpc-session-", dir=temp_root)
+        self.scratch: list[str] = []  # link folders, deleted at close
         self.objects: dict[int, Any] = {}
         self.next_id = 1
         self.libs = libs if libs is not None else []
@@ -196,25 +243,31 @@ class SessionHandler:
     def path(self, path: Any) -> str:
         return confine(self.work, path)
 
-    def op_upload(self, target: str, data: Any, conn=None, progress=None) -> None:
+    def upload_target(self, target: Any) -> str:
+        """The full path an upload to ``target`` writes (its folders made), or raise."""
         full = self.path(target)
+        if _PART_RE.match(os.path.basename(full)):
+            raise PermissionError(f"remote name {target!r} is reserved for partial uploads")
         if os.path.isdir(full):
             raise IsADirectoryError(f"remote path {target!r} is a folder")
         os.makedirs(os.path.dirname(full) or self.work, exist_ok=True)
-        tmp = full + ".part"
-        with open(tmp, "wb") as f:
-            if isinstance(data, Pending):
-                conn.read_pending(data, sink=f)
-            elif isinstance(data, FileSource):
-                done = 0
-                while chunk := data.file.read(wire.CHUNK):
-                    f.write(chunk)
-                    done += len(chunk)
-                    if progress is not None:
-                        progress(done, data.size)
-            else:
-                f.write(data)
-        os.replace(tmp, full)
+        return full
+
+    @staticmethod
+    def write_upload(full: str, fill: Any) -> None:
+        """Call ``fill(file)`` on a hidden temporary file beside ``full``, then rename it."""
+        tmp = os.path.join(os.path.dirname(full), PART_PREFIX + secrets.token_hex(8))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                fill(f)
+            os.replace(tmp, full)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def op_download(self, path: str) -> Any:
         full = self.path(path)
@@ -234,7 +287,7 @@ class SessionHandler:
 
     def op_listdir(self, path: str = ".") -> list:
         full = self.path(path or ".")
-        return sorted(n for n in os.listdir(full) if not n.endswith(".part"))
+        return sorted(n for n in os.listdir(full) if not _PART_RE.match(n))
 
     def op_load_module(self, path: str, device: Any = None) -> Any:
         full = self.path(path)
@@ -263,8 +316,10 @@ class SessionHandler:
         if restype is not None:
             from .ctypes_loader import CtypesModule
 
-            if not isinstance(module, CtypesModule):
-                raise TypeError("restype= applies to functions of shared libraries only")
+            if not isinstance(module, (CtypesModule, SystemLib)):
+                raise TypeError(
+                    "restype= applies to functions of shared libraries and system_lib() only"
+                )
             return module.get_function(name, restype)
         try:
             return module[name]
@@ -274,37 +329,46 @@ class SessionHandler:
                 raise
             return fn
 
-    def op_time_eval(self, module: Any, name: str, device: Any, number: int, repeat: int, min_repeat_ms: float, cooldown_interval_ms: float, repeats_to_cooldown: int, restype: Any, args: tuple) -> list:  # fmt: skip
-        """Run ``module[name](*args)`` ``number`` times per repeat; return each repeat's mean (s)."""
-        import time
+    def op_time_eval(self, module: Any, name: str, device: Any, number: int, repeat: int, min_repeat_ms: float, limit_zero_time_iterations: int, cooldown_interval_ms: float, repeats_to_cooldown: int, restype: Any, args: tuple) -> list:  # fmt: skip
+        """Run ``module[name](*args)`` ``number`` times per repeat; return each repeat's mean (s).
 
+        As TVM's evaluator: while a repeat lasts under ``min_repeat_ms``, ``number``
+        grows and the repeat runs again, but a repeat whose measured time is exactly
+        zero (a clock too coarse for it) does not grow ``number`` and counts towards
+        ``limit_zero_time_iterations``, after which the repeat stops as it is.
+        """
         fn = self.op_mod_func(module, name, restype) if module is not None else self.op_get_func(name)  # fmt: skip
         dev = as_device(device)
         sync = (lambda: self.op_dev_sync(dev)) if dev is not None and dev.is_gpu else None
         number, repeat = max(1, int(number)), max(1, int(repeat))
         min_s = float(min_repeat_ms or 0) / 1e3
-        perf = time.perf_counter
+        zero_limit = max(1, int(limit_zero_time_iterations))
         fn(*args)  # warm-up, as TVM's evaluator does
         if sync is not None:
             sync()
         results = []
         for i in range(repeat):
+            elapsed, zeros = 0.0, 0
             while True:
-                t0 = perf()
-                for _ in range(number):
-                    fn(*args)
-                if sync is not None:
-                    sync()
-                elapsed = perf() - t0
-                if elapsed >= min_s:
+                if elapsed > 0:  # too short to measure well: run more times
+                    number = int(max(min_s / (elapsed / number) + 1, number * 1.618))
+                elapsed = self._time_once(fn, args, number, sync)
+                zeros += elapsed == 0
+                if elapsed >= min_s or zeros >= zero_limit:
                     break
-                # too short to measure well: run more times, as TVM does
-                per = max(elapsed / number, 1e-9)
-                number = max(int(min_s / per) + 1, int(number * 1.618) + 1)
             results.append(elapsed / number)
             if cooldown_interval_ms and repeats_to_cooldown and (i + 1) % int(repeats_to_cooldown) == 0:  # fmt: skip
                 time.sleep(float(cooldown_interval_ms) / 1e3)
         return results
+
+    @staticmethod
+    def _time_once(fn: Any, args: tuple, number: int, sync: Any) -> float:
+        t0 = _clock()
+        for _ in range(number):
+            fn(*args)
+        if sync is not None:
+            sync()
+        return _clock() - t0
 
     def op_tensor(self, arr: np.ndarray, device: Any = None) -> Any:
         dev = as_device(device) or Device("cpu", 0)
@@ -360,7 +424,9 @@ class SessionHandler:
         return FileSource(f, os.fstat(f.fileno()).st_size)
 
     def _link(self, tar_path: str) -> str:
-        out_dir = tempfile.mkdtemp(prefix="link-", dir=self.work)
+        # not in the work folder: it may be shared by sessions and kept
+        out_dir = tempfile.mkdtemp(prefix="disco-rpc-link-", dir=self.temp_root)
+        self.scratch.append(out_dir)
         with tarfile.open(tar_path) as tar:
             members = []
             for m in tar.getmembers():
@@ -387,11 +453,15 @@ class SessionHandler:
         return so
 
     def close(self) -> None:
+        """Drop the session's objects and delete its folders (a shared work folder stays)."""
         if self.closed:
             return
         self.closed = True
         self.objects.clear()
-        shutil.rmtree(self.work, ignore_errors=True)
+        for d in self.scratch:
+            shutil.rmtree(d, ignore_errors=True)
+        if self.owns_work:
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- serving
@@ -402,80 +472,117 @@ def error_value(exc: BaseException) -> tuple:
     return (name, str(exc), tb)
 
 
+_SENT = object()  # the reply was sent already (a file stream)
+_STREAM_OPS = (OP_UPLOAD, OP_DOWNLOAD, OP_LINK)
+
+
 def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
     """Answer requests on ``conn`` until the peer leaves. Errors go back as ERROR frames."""
     resolve = handler.resolve
-    ops = handler.ops
     while True:
         try:
-            _kind, op, payload = conn.recv(on_handle=resolve, defer=op_defers)
+            _kind, op, payload = conn.recv(on_handle=resolve)
         except EOFError:
             return
-        except FrameTooLarge as exc:
+        except Desync as exc:
             _try_send_error(conn, 0, exc)
             return
         except ProtocolError as exc:
-            if conn.pending:
+            if not _try_send_error(conn, 0, exc):
                 return
-            _try_send_error(conn, 0, exc)
             continue
-        except (OSError, TimeoutError):
+        except OSError:
             return
-        src = None
         try:
-            frees, args = payload
-            if frees:
-                handler.free(frees)
-            if op == OP_CALL:
-                result = args[0](*args[1])
-            elif op == OP_UPLOAD:
-                result = handler.op_upload(*args, conn=conn)
-            elif op == OP_DOWNLOAD:
-                result = src = handler.op_download(*args)
-            elif op == OP_LINK:
-                result = src = handler.op_link(*args)
-            elif op == OP_DISCO_WORKER:
-                if isinstance(conn.t, wire.SSLTransport) or not hasattr(conn.t, "sock"):
-                    raise ValueError(
-                        "a Disco worker needs a plain socket session (no TLS, no pipes)"
-                    )
-                conn.finish()
-                conn.send(REPLY, op, None)
-                from .channel import run_worker
-
-                run_worker(conn, *args)
-                return
-            else:
-                fn = ops.get(op)
-                if fn is None:
-                    raise ProtocolError(f"unknown operation {op}")
-                result = fn(*args)
-            if op == OP_TENSOR_GET:
-                meta, bufs = wire.encode(result)
-            else:
-                meta, bufs = wire.encode(result, handler.export)
+            result = _dispatch(conn, handler, op, payload)
+        except Desync as exc:
+            _try_send_error(conn, op, exc)
+            return
         except Exception as exc:
-            try:
-                conn.finish()
-            except (EOFError, OSError):
+            # a file stream that broke is this connection's end; anything else
+            # (user code raising ConnectionError too) is the client's error to see
+            if op in _STREAM_OPS and isinstance(exc, (EOFError, ConnectionError)):
                 return
-            if src is not None:
-                src.file.close()
             if not _try_send_error(conn, op, exc):
                 return
             continue
-        try:
-            conn.finish()
-            conn.send_encoded(REPLY, op, meta, bufs)
-        except (EOFError, OSError):
+        if result is _SENT:
+            continue
+        if op == OP_DISCO_WORKER:
+            _start_worker(conn, result)
             return
-        finally:
-            if src is not None:
-                src.file.close()
+        if not _send_result(conn, handler, op, result):
+            return
 
 
-def op_defers(op: int) -> bool:
-    return op == OP_UPLOAD
+def _dispatch(conn: wire.Conn, handler: SessionHandler, op: int, payload: Any) -> Any:
+    """Run one request; return its result, or ``_SENT`` when it answered by itself."""
+    if op == OP_UPLOAD:
+        return _receive_upload(conn, handler, payload)
+    frees, args = payload
+    if frees:
+        handler.free(frees)
+    if op == OP_CALL:
+        return args[0](*args[1])
+    if op in (OP_DOWNLOAD, OP_LINK):
+        src = handler.op_download(*args) if op == OP_DOWNLOAD else handler.op_link(*args)
+        with src.file:
+            conn.send(REPLY, op, src.size)
+            conn.send_stream(op, src, src.size)
+        return _SENT
+    if op == OP_DISCO_WORKER:
+        if isinstance(conn.t, wire.SSLTransport) or not hasattr(conn.t, "sock"):
+            raise ValueError("a Disco worker needs a plain socket session (no TLS, no pipes)")
+        return args
+    fn = handler.ops.get(op)
+    if fn is None:
+        raise ProtocolError(f"unknown operation {op}")
+    return fn(*args)
+
+
+def _receive_upload(conn: wire.Conn, handler: SessionHandler, payload: Any) -> None:
+    """An upload: its request says ``(target, size)``, ``size`` bytes of chunks follow."""
+    try:
+        frees, (target, size) = payload
+        size = int(size)
+        if size < 0:
+            raise ValueError("negative size")
+    except (TypeError, ValueError) as exc:
+        # the stream's length is unknown: it cannot be skipped
+        raise Desync(f"malformed upload request: {exc}") from None
+    if frees:
+        handler.free(frees)
+    try:
+        full = handler.upload_target(target)
+    except Exception:
+        conn.skip_stream(OP_UPLOAD, size)
+        raise
+    handler.write_upload(full, lambda f: conn.recv_stream(OP_UPLOAD, size, sink=f))
+
+
+def _send_result(conn: wire.Conn, handler: SessionHandler, op: int, result: Any) -> bool:
+    """Send a REPLY (an ERROR if it cannot be encoded or is too large); False if the peer left."""
+    try:
+        # a tensor's contents go back by value; everything else as handles where needed
+        meta, bufs = wire.encode(result, None if op == OP_TENSOR_GET else handler.export)
+        conn.check_size(meta, bufs)
+    except Exception as exc:
+        return _try_send_error(conn, op, exc)
+    try:
+        conn.send_encoded(REPLY, op, meta, bufs)
+        return True
+    except OSError:
+        return False
+
+
+def _start_worker(conn: wire.Conn, args: Any) -> None:
+    from .channel import run_worker
+
+    try:
+        conn.send(REPLY, OP_DISCO_WORKER, None)
+    except OSError:
+        return
+    run_worker(conn, *args)
 
 
 def _try_send_error(conn: wire.Conn, op: int, exc: BaseException) -> bool:

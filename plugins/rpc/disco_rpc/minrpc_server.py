@@ -20,6 +20,8 @@ CPU, TLS, session constructors (``rpc.Connect``) and linking ``.tar`` files.
 import ctypes
 import importlib.util
 import os
+import re
+import secrets
 import shutil
 import struct
 import sys
@@ -32,7 +34,11 @@ MAGIC = b"DISCORPC"
 VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 30
 MAX_DEPTH = 64
-REQUEST, REPLY, ERROR = 1, 2, 3
+REQUEST, REPLY, ERROR, CHUNK = 1, 2, 3, 4
+FLAG_ABORT, FLAG_END = 1, 2
+STREAM_CHUNK = 8 << 20
+PART_PREFIX = ".disco-rpc-part-"  # uploads land under this hidden name, then are renamed
+PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
 (
     OP_INIT, OP_GET_FUNC, OP_CALL, OP_UPLOAD, OP_DOWNLOAD, OP_REMOVE, OP_LISTDIR,
     OP_LOAD_MODULE, OP_MOD_FUNC, OP_TENSOR, OP_EMPTY, OP_TENSOR_GET, OP_TENSOR_SET,
@@ -188,7 +194,7 @@ class Decoder:
             idx = self.u32()
             if idx >= len(self.bufs):
                 raise ValueError(f"bad buffer index {idx}")
-            return self.bufs[idx]
+            return bytes(self.bufs[idx])  # byte strings are bytes, whatever their size
         if tag in (T_TUPLE, T_LIST):
             n = self.u32()
             if n > len(self.meta):
@@ -246,12 +252,59 @@ class Pipe:
         bufs = [self.read(n) for n in lens]
         return op, Decoder(memoryview(meta), bufs, resolve)
 
-    def send(self, kind, op, value, export):
+    def send(self, kind, op, value, export, flags=0):
         out, bufs = bytearray(), []
         encode(value, out, bufs, export)
-        head = HEAD.pack(kind, op, 0, len(out), len(bufs))
+        head = HEAD.pack(kind, op, flags, len(out), len(bufs))
         head += b"".join(struct.pack("<Q", len(b)) for b in bufs)
         self.write(head + out, *bufs)
+
+    # A file travels as CHUNK frames (no meta, one buffer each) after the request
+    # (upload) or the reply (download) that declared its size, then an END frame.
+    def chunk_head(self, op, left):
+        """A chunk's size; 0 for the end (expected when ``left`` is 0)."""
+        kind, cop, flags, meta_len, nbuf = HEAD.unpack(self.read(HEAD.size))
+        if kind != CHUNK or cop != op:
+            raise EOFError("expected a file chunk: the connection is out of sync")
+        if flags & FLAG_ABORT and nbuf == 0 and meta_len <= 1 << 16:
+            reason = Decoder(self.read(meta_len), [], None).value()
+            raise ValueError(f"the client gave up: {reason}")
+        if left == 0 and (flags, nbuf, meta_len) == (FLAG_END, 0, 0):
+            return 0
+        if flags or nbuf != 1 or meta_len or not left:
+            raise EOFError("malformed file chunk")
+        (n,) = struct.unpack("<Q", self.read(8))
+        if not 0 < n <= min(left, MAX_MESSAGE_BYTES):
+            raise EOFError(f"file chunk of {n} bytes")
+        return n
+
+    def recv_stream(self, op, size, f):
+        """Read a stream of ``size`` bytes into ``f`` (or drop it); raise the write error last."""
+        done, failed = 0, None
+        while done < size:
+            n = self.chunk_head(op, size - done)
+            data = self.read(n)
+            if f is not None and failed is None:
+                try:
+                    f.write(data)
+                except OSError as exc:
+                    failed = exc
+            done += n
+        self.chunk_head(op, 0)
+        if failed is not None:
+            raise failed
+
+    def send_stream(self, op, f, size, chunk):
+        done = 0
+        while done < size:
+            n = min(chunk, size - done)
+            data = f.read(n)
+            self.write(struct.pack("<BBHIIQ", CHUNK, op, 0, 0, 1, n), data + bytes(n - len(data)))
+            if len(data) < n:  # the file shrank: the padding is followed by an abort
+                self.send(CHUNK, op, "the file ended early", None, FLAG_ABORT)
+                return
+            done += n
+        self.write(HEAD.pack(CHUNK, op, FLAG_END, 0, 0))
 
 
 # --------------------------------------------------------------------------- modules
@@ -321,6 +374,17 @@ class SystemLib:
                 continue
         return _lookup(name)
 
+    def get_function(self, name, restype=None):
+        """A global function, or (with ``restype``) a C symbol of a packaged library."""
+        if restype is None:
+            return self[name]
+        for lib in self.libs:
+            try:
+                return CFunction(getattr(lib, name), name, restype)
+            except AttributeError:
+                continue
+        raise KeyError(f"no loaded library has a symbol {name!r}")
+
 
 LOADED = {}
 
@@ -353,6 +417,7 @@ class Session:
         self.objects = {}
         self.next_id = 1
         self.libs = []
+        self.chunk = STREAM_CHUNK  # lowered to the client's max_message_bytes at INIT
 
     def export(self, obj):
         hid = self.next_id
@@ -405,19 +470,9 @@ class Session:
             if not os.path.exists(full):
                 raise FileNotFoundError(f"no file {args[0]!r} in the build or the work folder")
             return load_file(full)
-        if op == OP_UPLOAD:
-            target, data = args[0], args[1]
-            full = self.path(target)
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "wb") as f:
-                f.write(data)
-            return None
-        if op == OP_DOWNLOAD:
-            with open(self.find(args[0]), "rb") as f:
-                return f.read()
         if op == OP_LISTDIR:
-            names = set(os.listdir(self.path(args[0] if args else ".")))
-            return sorted(names)
+            names = os.listdir(self.path(args[0] if args else "."))
+            return sorted(n for n in names if not PART_RE.match(n))
         if op == OP_REMOVE:
             full = self.path(args[0])
             if os.path.isdir(full):
@@ -435,9 +490,39 @@ class Session:
             raise TypeError("remote tensors are not supported by the minimal server (no NumPy)")
         raise ValueError(f"operation {op} is not supported by the minimal server")
 
+    def upload(self, pipe, payload):
+        """An upload request ``(target, size)``; ``size`` bytes of chunks follow it."""
+        try:
+            frees, (target, size) = payload
+            size = int(size)
+        except (TypeError, ValueError):
+            raise EOFError("malformed upload request: the connection is out of sync") from None
+        try:
+            full = self.path(target)
+            if PART_RE.match(os.path.basename(full)):
+                raise PermissionError(f"remote name {target!r} is reserved for partial uploads")
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+        except Exception:
+            pipe.recv_stream(OP_UPLOAD, size, None)
+            raise
+        tmp = os.path.join(os.path.dirname(full), PART_PREFIX + secrets.token_hex(8))
+        try:
+            with open(tmp, "wb") as f:
+                pipe.recv_stream(OP_UPLOAD, size, f)
+            os.replace(tmp, full)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def download(self, pipe, path):
+        with open(self.find(path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            pipe.send(REPLY, OP_DOWNLOAD, size, self.export)
+            pipe.send_stream(OP_DOWNLOAD, f, size, self.chunk)
+
     def time_eval(
-        self, module, name, _dev, number, repeat, min_repeat_ms, cool_ms, cool_every, restype, args
-    ):
+        self, module, name, _dev, number, repeat, min_ms, zero_limit, cool_ms, cool_every, restype, args
+    ):  # fmt: skip
         if module is None:
             fn = _lookup(name)
         elif restype is not None:
@@ -447,21 +532,33 @@ class Session:
         fn(*args)
         number, results = max(1, number), []
         for i in range(max(1, repeat)):
-            while True:
+            elapsed, zeros = 0.0, 0
+            while True:  # as TVM's: grow `number` until a repeat lasts min_ms
+                if elapsed > 0:
+                    number = int(max(min_ms / 1e3 / (elapsed / number) + 1, number * 1.618))
                 t0 = time.perf_counter()
                 for _ in range(number):
                     fn(*args)
                 elapsed = time.perf_counter() - t0
-                if elapsed * 1e3 >= (min_repeat_ms or 0):
+                zeros += elapsed == 0  # a clock too coarse: do not loop forever
+                if elapsed * 1e3 >= (min_ms or 0) or zeros >= max(1, zero_limit):
                     break
-                number = max(
-                    int(min_repeat_ms / 1e3 / max(elapsed / number, 1e-9)) + 1,
-                    int(number * 1.618) + 1,
-                )
             results.append(elapsed / number)
             if cool_ms and cool_every and (i + 1) % cool_every == 0:
                 time.sleep(cool_ms / 1e3)
         return results
+
+    def init(self, args):
+        if args[1]:
+            raise ValueError("session constructors are not supported by the minimal server")
+        if len(args) > 2 and args[2]:
+            self.chunk = max(1, min(STREAM_CHUNK, int(args[2])))
+        return {
+            "pid": os.getpid(),
+            "version": VERSION,
+            "minrpc": True,
+            "max_message_bytes": MAX_MESSAGE_BYTES,
+        }
 
     def close(self):
         shutil.rmtree(self.work, ignore_errors=True)
@@ -502,6 +599,15 @@ def serve(build_dir=None):
         while True:
             try:
                 op, dec = pipe.recv(sess.resolve)
+                if op == OP_UPLOAD:  # the stream must be read whatever happens
+                    try:
+                        sess.upload(pipe, dec.value())
+                        pipe.send(REPLY, op, None, sess.export)
+                    except EOFError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the failure goes back
+                        pipe.send(ERROR, op, error_value(exc), sess.export)
+                    continue
             except EOFError:
                 return
             try:
@@ -509,11 +615,10 @@ def serve(build_dir=None):
                 for hid in frees or ():
                     sess.objects.pop(hid, None)
                 if op == OP_INIT:
-                    if args[1]:
-                        raise ValueError(
-                            "session constructors are not supported by the minimal server"
-                        )
-                    result = {"pid": os.getpid(), "version": VERSION, "minrpc": True}
+                    result = sess.init(args)
+                elif op == OP_DOWNLOAD:
+                    sess.download(pipe, args[0])
+                    continue
                 else:
                     result = sess.handle(op, args)
                 pipe.send(REPLY, op, result, sess.export)

@@ -61,6 +61,7 @@ class _Backend:
         self.in_session = False
         self.reg: Registration | None = None
         self.gone_since: float | None = None
+        self.ticket: str | None = None  # the tracker ticket of the session in progress
 
 
 class _ProxyState:
@@ -85,6 +86,15 @@ class _ProxyState:
             elif b.reg is not None:
                 continue  # a tracker-managed server serves ticket holders only
             return b
+        return None
+
+    def refusal(self, key: str, ticket: str | None) -> int | None:
+        """The status that refuses a client at once (it cannot be paired by waiting), or None."""
+        mine = [b for b in self.backends.values() if b.key == key]
+        if not mine:
+            return auth.NO_SERVER
+        if ticket is None and all(b.reg is not None for b in mine):
+            return auth.TICKET_REQUIRED
         return None
 
 
@@ -168,6 +178,7 @@ def _serve_backend(conn, sock, addr, hello, state: _ProxyState, token) -> None:
                     state.tracker_addr, key, state.addr,
                     token=state.tracker_token, ssl_context=state.tracker_ssl,
                 )  # fmt: skip
+                b.reg.busy = lambda b=b: b.ticket
             except (RPCError, OSError) as exc:
                 logger.warning("cannot register %r with the tracker: %s", key, exc)
         conn.send(REPLY, P_REGISTER, None)
@@ -203,11 +214,15 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
             if b is not None:
                 b.paired = True
                 b.in_session = True
+                b.ticket = ticket
                 break
+            status = state.refusal(key, ticket)
             left = deadline - time.monotonic()
-            if left <= 0:
-                logger.warning("no server with key %r behind the proxy for %s", key, addr)
-                sock.close()
+            if status is None and left <= 0:
+                status = auth.SERVERS_BUSY if ticket is None else auth.KEY_MISMATCH
+            if status is not None:
+                logger.warning("cannot pair %s with a server of key %r (status %d)", addr, key, status)  # fmt: skip
+                _refuse(sock, status)
                 return
             state.cv.wait(min(left, 0.2))
     server_conn = b.conn
@@ -221,17 +236,29 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
         sock.settimeout(None)
         if ticket is not None and b.reg is not None:
             b.reg.report(T_START, ticket)
+        # bytes either Conn read ahead belong to the relayed stream
         rest = bytes(conn.view[conn.start : conn.end])
-        _relay(sock, server_conn.t.sock, hello_bytes + rest)
+        server_rest = bytes(server_conn.view[server_conn.start : server_conn.end])
+        _relay(sock, server_conn.t.sock, hello_bytes + rest, server_rest)
     finally:
         with state.cv:
             b.in_session = False
+            b.ticket = None
             if b.conn is server_conn:
                 b.conn = None
                 b.gone_since = time.monotonic()
             state.cv.notify_all()
         if ticket is not None and b.reg is not None:
             b.reg.report(T_END, ticket)
+
+
+def _refuse(sock: Any, status: int) -> None:
+    """Answer a client's hello with a refusal status (what the client reports), then close."""
+    try:
+        sock.sendall(auth.refusal(status))
+    except OSError:
+        pass
+    sock.close()
 
 
 def _janitor(state: _ProxyState, stop: threading.Event) -> None:
@@ -374,16 +401,37 @@ class Proxy:
 
 
 # --------------------------------------------------------------------------- the server side
-def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_context: Any, watch_fd: int | None = None) -> None:  # fmt: skip
-    """Serve sessions through the proxy at ``host:port``, one at a time, until told to stop."""
-    from dataclasses import replace
-
+def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context: Any, server_id: str) -> wire.Conn:  # fmt: skip
+    """Connect to the proxy and register as an idle server of ``key``; return the link."""
     from .client import open_conn
-    from .server import _set_pdeathsig, run_session
 
     if not key:
         raise ValueError("a server behind a proxy needs a key")
-    server_id = secrets.token_hex(8)
+    conn = open_conn(
+        host, port, PROXY_SERVER_KEY, token=token, ssl_context=ssl_context,
+        max_message_bytes=PROXY_MAX_MESSAGE_BYTES, connect_timeout=5.0, peer="proxy",
+    )  # fmt: skip
+    try:
+        conn.send(REQUEST, P_REGISTER, (key, server_id))
+        conn.recv()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_context: Any, watch_fd: int | None = None, first: tuple | None = None) -> None:  # fmt: skip
+    """Serve sessions through the proxy at ``host:port``, one at a time, until told to stop.
+
+    ``first``: ``(conn, server_id)`` of a registration already made (the server's
+    constructor makes the first one, so that a refused token raises there).
+    """
+    from dataclasses import replace
+
+    from .server import _set_pdeathsig, run_session
+
+    server_id = first[1] if first is not None else secrets.token_hex(8)
+    ready = first[0] if first is not None else None
     scfg = replace(cfg, ssl_context=None)  # TLS, if any, is the link to the proxy
     backoff = 0.05
 
@@ -396,12 +444,7 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
 
     while True:
         try:
-            conn = open_conn(
-                host, port, PROXY_SERVER_KEY, token=token, ssl_context=ssl_context,
-                max_message_bytes=PROXY_MAX_MESSAGE_BYTES, connect_timeout=5.0,
-            )  # fmt: skip
-            conn.send(REQUEST, P_REGISTER, (key, server_id))
-            conn.recv()
+            conn, ready = ready or register_with_proxy(host, port, key, token, ssl_context, server_id), None  # fmt: skip
         except (RPCError, OSError, EOFError, wire.ProtocolError) as exc:
             logger.info("cannot reach the proxy at %s:%s: %s", host, port, exc)
             if parent_gone(backoff):
@@ -411,7 +454,9 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
         backoff = 0.05
         sock = conn.t.sock
         watch = [sock] + ([watch_fd] if watch_fd is not None else [])
-        r, _, _ = select.select(watch, [], [])
+        # the proxy may pair us at once: its P_PAIRED can arrive with the registration's
+        # reply and sit in the read buffer, where select() cannot see it
+        r = select.select(watch, [], [])[0] if not conn.buffered() else []
         if watch_fd is not None and watch_fd in r:
             conn.close()
             return

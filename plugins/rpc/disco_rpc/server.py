@@ -1,10 +1,12 @@
 """The RPC server: a listening process that serves each session in its own process.
 
 ``Server(...)`` binds in the calling process (so the port is known at once and a
-refused address raises there), then forks the server process, which accepts
-connections and forks one process per session (threads with ``no_fork=True``).
-Each session authenticates first; only then is anything but fixed-size
-handshake fields read from the peer.
+refused address raises there), then forks the server process, which loads the
+libraries, runs ``server_init_callback`` and reports ready (or the error) before
+the constructor returns. The server process (the *listener*) runs every
+client's handshake itself, without blocking, and forks one process per
+*authenticated* session (a thread with ``no_fork=True``): a peer that does not
+prove the token costs a socket and a few bytes, never a process.
 """
 
 from __future__ import annotations
@@ -23,20 +25,23 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import auth, wire
 from .errors import ProtocolError, RPCError
 from .handler import OP_INIT, SessionHandler, error_value, serve_conn
-from .tracker import T_END, T_START, TICKET_SEP, ticket_key
+from .tracker import T_END, T_START, TICKET_SEP
 from .wire import ERROR, REPLY
 
 __all__ = ["Server", "serve_stdio", "serve_forever", "ServerConfig"]
 
 logger = logging.getLogger("disco_rpc.server")
 
+#: Seconds a client has to complete the handshake.
 HANDSHAKE_TIMEOUT = 10.0
+#: Handshakes in progress at most; beyond, the oldest is dropped.
+MAX_PENDING_HANDSHAKES = 64
 
 
 @dataclass
@@ -44,17 +49,16 @@ class ServerConfig:
     key: str = ""
     token: bytes | None = None
     ssl_context: Any = None
-    work_root: str = ""
+    #: a folder every session uses as is and that is kept ("" = one temporary folder per session)
+    work_dir: str = ""
+    #: the server's private temporary folder (session folders, link scratch)
+    temp_root: str | None = None
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     timeout: float | None = None
     no_fork: bool = False
     libs: list = field(default_factory=list)
     #: the link to a tracker (listener side), when the server registered with one
     registration: Any = None
-    #: tickets a session process may accept (a snapshot taken when it was forked)
-    tickets: frozenset = frozenset()
-    #: where a session reports the ticket it accepted (a pipe to the listener)
-    report_fd: int | None = None
     #: behind a proxy: accept ``key`` and ``key@ticket`` (the proxy checked the ticket)
     behind_proxy: bool = False
 
@@ -95,30 +99,46 @@ def _set_pdeathsig() -> None:
             pass
 
 
+def _min_positive(*values: Any) -> float:
+    pos = [float(v) for v in values if v and float(v) > 0]
+    return min(pos) if pos else 0.0
+
+
 # --------------------------------------------------------------------------- one session
+def _transport(sock: Any) -> Any:
+    if isinstance(sock, ssl.SSLSocket):
+        return wire.SSLTransport(sock)
+    return wire.SocketTransport(sock)
+
+
 def run_session(sock: socket.socket, addr: Any, cfg: ServerConfig, forked: bool) -> None:
-    """Handshake, then serve one client until it leaves or its time is up."""
-    handler = None
+    """Handshake (blocking), then serve one client (a session reached through a proxy)."""
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT)
         if cfg.ssl_context is not None:
             sock = cfg.ssl_context.wrap_socket(sock, server_side=True)
-        if isinstance(sock, ssl.SSLSocket):
-            transport: Any = wire.SSLTransport(sock)
-        else:
-            transport = wire.SocketTransport(sock)
-        conn = wire.Conn(transport, cfg.max_message_bytes)
-        if not auth.server_handshake(conn, cfg.key, cfg.token, key_check=_key_check(cfg)):
+        conn = wire.Conn(_transport(sock), cfg.max_message_bytes)
+        if not auth.server_handshake(conn, cfg.key, cfg.token, key_check=_proxy_key_check(cfg)):
             logger.warning("refused a client from %s (key, version or authentication)", addr)
+            sock.close()
             return
-        if cfg.registration is not None and cfg.report_fd is not None:
-            ticket = conn.peer_key.rpartition(TICKET_SEP)[2]
-            try:
-                os.write(cfg.report_fd, ticket.encode() + b"\n")
-            except OSError:
-                pass
-        handler = SessionHandler(cfg.work_root or None, cfg.libs)
-        timeout, inner = _init_session(conn, cfg, handler)
+    except (OSError, EOFError) as exc:
+        logger.info("handshake with %s failed: %s", addr, exc)
+        sock.close()
+        return
+    serve_session(conn, addr, cfg, forked)
+
+
+def serve_session(conn: wire.Conn, addr: Any, cfg: ServerConfig, forked: bool, on_handler=None) -> None:  # fmt: skip
+    """Serve an authenticated client until it leaves or its time is up."""
+    handler = None
+    sock = conn.t.sock
+    try:
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        handler = SessionHandler(cfg.work_dir or None, cfg.libs, cfg.temp_root)
+        if on_handler is not None:
+            on_handler(handler)
+        timeout, inner, log_relay = _init_session(conn, cfg, handler)
         if timeout is False:
             return
         sock.settimeout(None)
@@ -126,7 +146,7 @@ def run_session(sock: socket.socket, addr: Any, cfg: ServerConfig, forked: bool)
             _start_watchdog(timeout, sock, handler, forked)
         logger.info("session from %s (pid %d)", addr, os.getpid())
         if inner is not None:
-            _relay(conn, inner)
+            _relay(conn, inner, log_relay)
         else:
             serve_conn(conn, handler)
     except (OSError, EOFError, ProtocolError) as exc:
@@ -140,10 +160,7 @@ def run_session(sock: socket.socket, addr: Any, cfg: ServerConfig, forked: bool)
             pass
 
 
-def _key_check(cfg: ServerConfig):
-    if cfg.registration is not None:
-        allowed = {ticket_key(cfg.key, t).encode() for t in cfg.tickets}
-        return allowed.__contains__
+def _proxy_key_check(cfg: ServerConfig):
     if cfg.behind_proxy and cfg.key:
         key = cfg.key.encode()
         prefix = key + TICKET_SEP.encode()
@@ -152,63 +169,110 @@ def _key_check(cfg: ServerConfig):
 
 
 def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
-    """Read the INIT request; return ``(timeout, inner conn or None)``, or ``(False, None)``."""
+    """Read the INIT request; return ``(timeout, inner conn or None, log relay)``.
+
+    ``timeout`` is ``False`` when the session must end at once. INIT carries
+    ``(session_timeout, constructor, client max_message_bytes)``; the reply tells the
+    client this server's limits (``max_message_bytes``, ``server_timeout``).
+    """
     try:
         _kind, op, payload = conn.recv()
         if op != OP_INIT:
             raise ProtocolError("the first request of a session must be INIT")
-        _frees, (session_timeout, ctor) = payload
-        session_timeout = float(session_timeout or 0)
-        timeouts = [t for t in (session_timeout, cfg.timeout or 0) if t and t > 0]
-        timeout = min(timeouts) if timeouts else 0.0
-        inner = None
-        info = {"pid": os.getpid(), "version": auth.VERSION, "work_dir": handler.work}
+        _frees, init = payload
+        session_timeout, ctor = init[0], init[1]
+        if len(init) > 2 and init[2]:
+            conn.peer_max = int(init[2])
+        timeout = _min_positive(session_timeout, cfg.timeout)
+        inner, log_relay = None, False
+        info = {
+            "pid": os.getpid(),
+            "version": auth.VERSION,
+            "work_dir": handler.work,
+            "max_message_bytes": cfg.max_message_bytes,
+            "server_timeout": float(cfg.timeout or 0),
+        }
         if ctor:
-            inner, info = _construct(ctor, timeout, cfg)
+            inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max)
         conn.send(REPLY, OP_INIT, info)
-        return timeout, inner
+        return timeout, inner, log_relay
     except (EOFError, OSError):
-        return False, None
+        return False, None, False
     except Exception as exc:
         try:
             conn.send(ERROR, OP_INIT, error_value(exc))
         except OSError:
             pass
-        return False, None
+        return False, None, False
 
 
-def _construct(ctor: list, timeout: float, cfg: ServerConfig):
+def connect_args(args: list) -> tuple:
+    """Parse ``rpc.Connect``'s arguments as TVM does: ``host, port, key, enable_logging, *init``.
+
+    disco-rpc's own options come as a dict right after ``enable_logging``
+    (``{"token": ...}``): a dict can never start TVM's init sequence (a name).
+    Returns ``(host, port, key, enable_logging, options, init)``.
+    """
+    if len(args) < 2:
+        raise ValueError('rpc.Connect needs ["rpc.Connect", host, port, key, enable_logging]')
+    host, port = str(args[0]), int(args[1])
+    key = str(args[2]) if len(args) > 2 else ""
+    enable_logging = args[3] if len(args) > 3 else False
+    if not isinstance(enable_logging, (bool, int)):
+        raise TypeError(
+            "the 5th element of rpc.Connect is enable_logging (a bool), as in TVM; give the "
+            'inner server\'s token as a dict after it: ["rpc.Connect", host, port, key, False, '
+            '{"token": ...}]'
+        )
+    rest = list(args[4:])
+    options: dict = {}
+    if rest and isinstance(rest[0], dict):
+        options = rest.pop(0)
+        unknown = set(options) - {"token"}
+        if unknown:
+            raise ValueError(f"unknown rpc.Connect options {sorted(unknown)}; known: token")
+    return host, port, key, bool(enable_logging), options, rest
+
+
+def _construct(ctor: list, timeout: float, cfg: ServerConfig, client_max: int | None):
+    """Build the session ``ctor`` names; return ``(inner conn or None, info, log relay)``."""
     name, args = ctor[0], list(ctor[1:])
     if name in ("rpc.LocalSession", "LocalSession"):
-        return None, {"pid": os.getpid(), "version": auth.VERSION}
-    if name in ("rpc.Connect", "Connect"):
-        if len(args) < 2:
-            raise ValueError('rpc.Connect needs ["rpc.Connect", host, port, key]')
-        host, port = args[0], int(args[1])
-        key = args[2] if len(args) > 2 else ""
-        token = args[3] if len(args) > 3 and args[3] else None
-        rest = args[4:]
-        from .client import open_conn
+        return None, {"pid": os.getpid(), "version": auth.VERSION}, False
+    if name not in ("rpc.Connect", "Connect"):
+        raise ValueError(
+            f"unknown session constructor {name!r}; known: rpc.LocalSession, rpc.Connect"
+        )
+    host, port, key, enable_logging, options, rest = connect_args(args)
+    from .client import open_conn
 
-        inner = open_conn(host, port, key, token=token, max_message_bytes=cfg.max_message_bytes)
-        inner.send(wire.REQUEST, OP_INIT, ((), (timeout, rest)))
-        kind, _op, info = inner.recv()
-        if kind != REPLY:
-            exc_type, msg, _tb = info
-            raise RPCError(f"the inner server refused the session: {exc_type}: {msg}")
-        info = dict(info)
-        info["via"] = f"{host}:{port}"
-        return inner, info
-    raise ValueError(f"unknown session constructor {name!r}; known: rpc.LocalSession, rpc.Connect")
+    inner = open_conn(
+        host, port, key, token=options.get("token"),
+        max_message_bytes=cfg.max_message_bytes, peer="inner RPC server",
+    )  # fmt: skip
+    inner.send(wire.REQUEST, OP_INIT, ((), (timeout, rest, client_max)))
+    kind, _op, info = inner.recv()
+    if kind != REPLY:
+        exc_type, msg, _tb = info
+        inner.close()
+        raise RPCError(f"the inner server refused the session: {exc_type}: {msg}")
+    info = dict(info)
+    info["via"] = f"{host}:{port}"
+    # this server ends the chained session at its own limit too
+    info["server_timeout"] = _min_positive(cfg.timeout, info.get("server_timeout"))
+    return inner, info, enable_logging
 
 
-def _relay(outer: wire.Conn, inner: wire.Conn) -> None:
+def _relay(outer: wire.Conn, inner: wire.Conn, log: bool = False) -> None:
     """Copy bytes both ways until either side closes (a chained session)."""
     pairs = {outer.t.fileno(): (outer, inner), inner.t.fileno(): (inner, outer)}
+    moved = {outer.t.fileno(): 0, inner.t.fileno(): 0}
     for src, dst in pairs.values():
         if src.buffered():
             dst.t.send_parts([bytes(src.view[src.start : src.end])])
             src.start = src.end
+    if log:
+        logger.info("relaying a chained session to %s", inner.t.sock.getpeername())
     buf = bytearray(1 << 20)
     view = memoryview(buf)
     try:
@@ -225,7 +289,13 @@ def _relay(outer: wire.Conn, inner: wire.Conn) -> None:
                 if not n:
                     return
                 dst.t.send_parts([view[:n]])
+                moved[fd] += n
     finally:
+        if log:
+            logger.info(
+                "chained session ended: %d bytes to the inner server, %d back",
+                moved[outer.t.fileno()], moved[inner.t.fileno()],
+            )  # fmt: skip
         inner.close()
 
 
@@ -247,121 +317,311 @@ def _start_watchdog(timeout: float, sock: socket.socket, handler: SessionHandler
 
 
 # --------------------------------------------------------------------------- the listener
-def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int | None = None) -> None:  # fmt: skip
-    """Accept clients on ``listen_sock`` until SIGTERM/SIGINT or ``watch_fd`` closes."""
-    children: set[int] = set()
-    reports: dict[int, list] = {}  # session report pipe -> [ticket or None]
-    reg = cfg.registration
+class _Handshake:
+    """A client's handshake in progress, advanced by the listener without ever blocking.
 
-    def _term(signum, frame):
-        raise SystemExit(0)
+    Reads never go past the handshake, so a peer that sends more than it should
+    costs at most the handshake's few bytes of buffer.
+    """
 
-    signal.signal(signal.SIGTERM, _term)
-    made_root = False
-    if not cfg.work_root:
-        cfg.work_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
-        made_root = True
-    listen_sock.setblocking(True)
-    try:
+    def __init__(self, sock: socket.socket, addr: Any, cfg: ServerConfig, key_check) -> None:
+        sock.setblocking(False)
+        self.tls = cfg.ssl_context is not None
+        if self.tls:
+            sock = cfg.ssl_context.wrap_socket(
+                sock, server_side=True, do_handshake_on_connect=False
+            )
+        self.sock = sock
+        self.addr = addr
+        self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        self.hs = auth.ServerHandshake(cfg.key, cfg.token, key_check)
+        self.buf = bytearray()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def advance(self) -> bool | None:
+        """Use what arrived: True (authenticated), False (refused or gone), None (wait)."""
+        try:
+            if self.tls:
+                self.sock.do_handshake()
+                self.tls = False
+            while self.hs.want:
+                data = self.sock.recv(self.hs.want - len(self.buf))
+                if not data:
+                    return False
+                self.buf += data
+                if len(self.buf) == self.hs.want:
+                    out = self.hs.step(bytes(self.buf))
+                    self.buf.clear()
+                    if out and not self._send(out):
+                        return False
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return None
+        except (OSError, ValueError) as exc:
+            logger.info("handshake with %s failed: %s", self.addr, exc)
+            return False
+        return self.hs.ok
+
+    def _send(self, data: bytes) -> bool:
+        # a few dozen bytes into an empty socket buffer: only a peer that never
+        # reads (its window closed) makes this fail, and it is dropped
+        try:
+            return self.sock.send(data) == len(data)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return False
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class _ThreadSession:
+    """A session served by a thread of the listener (``no_fork``)."""
+
+    def __init__(self, conn: wire.Conn, ticket: str | None) -> None:
+        self.conn = conn
+        self.ticket = ticket
+        self.handler: SessionHandler | None = None
+
+    def close(self) -> None:
+        try:
+            self.conn.t.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self.handler is not None:
+            self.handler.close()
+
+
+class _Listener:
+    """The server process's loop: handshakes, session processes, the tracker link.
+
+    A session's end is seen when its process is reaped (or its thread ends), so a
+    process the session forked (a daemon it started) cannot keep the server
+    marked busy at the tracker.
+    """
+
+    def __init__(self, listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int | None) -> None:  # fmt: skip
+        self.sock = listen_sock
+        self.cfg = cfg
+        self.watch_fd = watch_fd
+        self.reg = cfg.registration
+        self.pending: list[_Handshake] = []
+        self.children: dict[int, tuple[str | None, int | None]] = {}  # pid -> (ticket, pidfd)
+        self.threads: dict[int, _ThreadSession] = {}
+        self.ended: list[int] = []  # thread sessions that ended (ids), under ended_lock
+        self.ended_lock = threading.Lock()
+        self.wake_r, self.wake_w = os.pipe()
+        if self.reg is not None:
+            self.reg.busy = self.busy_ticket
+
+    def busy_ticket(self) -> str | None:
+        """The ticket of a session in progress (a tracker that restarts must not free it)."""
+        for ticket, _fd in self.children.values():
+            if ticket:
+                return ticket
+        for ts in list(self.threads.values()):
+            if ts.ticket:
+                return ts.ticket
+        return None
+
+    def run(self) -> None:
         while True:
-            watch = [listen_sock, *reports] + ([watch_fd] if watch_fd is not None else [])
-            if reg is not None:
-                reg.reconnect_if_lost()
-                if reg.conn is not None:
-                    watch.append(reg.fileno())
-            try:
-                ready, _, _ = select.select(watch, [], [], 1.0)
-            except InterruptedError:
-                continue
-            _reap(children)
-            if watch_fd is not None and watch_fd in ready:
+            self._expire_handshakes()
+            ready = self._wait()
+            self._reap()
+            self._collect_threads(ready)
+            if self.watch_fd is not None and self.watch_fd in ready:
                 logger.info("the process that started this server is gone; exiting")
                 return
-            if reg is not None:
-                reg.poll()
-                for fd in [fd for fd in ready if fd in reports]:
-                    _read_report(fd, reports, reg)
-            if listen_sock not in ready:
-                continue
-            try:
-                sock, addr = listen_sock.accept()
-            except OSError:
-                continue
-            wfd = None
-            scfg = cfg
-            if reg is not None:
-                reg.poll()
-                rfd, wfd = os.pipe()
-                reports[rfd] = [None]
-                scfg = replace(cfg, tickets=frozenset(reg.tickets), report_fd=wfd)
-            if cfg.no_fork:
-                threading.Thread(
-                    target=_session_thread, args=(sock, addr, scfg, wfd), daemon=True
-                ).start()
-                continue
-            pid = os.fork()
-            if pid == 0:  # the session process
-                code = 0
-                try:
-                    signal.signal(signal.SIGTERM, _term)
-                    signal.signal(signal.SIGINT, signal.SIG_DFL)
-                    _set_pdeathsig()
-                    listen_sock.close()
-                    if watch_fd is not None:
-                        os.close(watch_fd)
-                    for fd in reports:
-                        os.close(fd)
-                    if reg is not None and reg.conn is not None:
-                        reg.conn.t.sock.close()  # the listener's link, not this process's
-                    run_session(sock, addr, scfg, True)
-                except BaseException:
-                    code = 1
-                finally:
-                    os._exit(code)
-            children.add(pid)
-            sock.close()
-            if wfd is not None:
-                os.close(wfd)
-    finally:
-        _stop_children(children)
-        if made_root:
-            shutil.rmtree(cfg.work_root, ignore_errors=True)
+            if self.reg is not None:
+                self.reg.poll()
+            for hs in [h for h in self.pending if h.fileno() in ready]:
+                self._advance(hs)
+            if self.sock.fileno() in ready:
+                self._accept()
 
-
-def _session_thread(sock, addr, cfg: ServerConfig, wfd: int | None) -> None:
-    try:
-        run_session(sock, addr, cfg, False)
-    finally:
-        if wfd is not None:
-            os.close(wfd)
-
-
-def _read_report(fd: int, reports: dict, reg: Any) -> None:
-    """A session said which ticket it accepted (a line), or ended (end of file)."""
-    try:
-        data = os.read(fd, 256)
-    except OSError:
-        data = b""
-    slot = reports[fd]
-    if data:
-        ticket = data.split(b"\n")[0].decode("ascii", "replace")
-        slot[0] = ticket
-        reg.report(T_START, ticket)
-        return
-    os.close(fd)
-    del reports[fd]
-    if slot[0] is not None:
-        reg.report(T_END, slot[0])
-
-
-def _reap(children: set[int]) -> None:
-    for pid in list(children):
+    def _wait(self) -> set[int]:
+        watch = [self.sock.fileno(), self.wake_r, *(h.fileno() for h in self.pending)]
+        watch += [fd for _t, fd in self.children.values() if fd is not None]
+        if self.watch_fd is not None:
+            watch.append(self.watch_fd)
+        if self.reg is not None:
+            self.reg.reconnect_if_lost()
+            if self.reg.conn is not None:
+                watch.append(self.reg.fileno())
+        timeout = 1.0
+        if self.pending:
+            timeout = max(0.0, min(timeout, min(h.deadline for h in self.pending) - time.monotonic()))  # fmt: skip
         try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done = pid
-        if done:
-            children.discard(pid)
+            return set(select.select(watch, [], [], timeout)[0])
+        except InterruptedError:
+            return set()
+
+    def _accept(self) -> None:
+        try:
+            sock, addr = self.sock.accept()
+        except OSError:
+            return
+        if len(self.pending) >= MAX_PENDING_HANDSHAKES:
+            oldest = self.pending.pop(0)
+            logger.warning("too many handshakes in progress; dropping %s", oldest.addr)
+            oldest.close()
+        try:
+            hs = _Handshake(sock, addr, self.cfg, self._key_check())
+        except (OSError, ValueError) as exc:
+            logger.info("cannot start a handshake with %s: %s", addr, exc)
+            sock.close()
+            return
+        self.pending.append(hs)
+        self._advance(hs)  # the hello is often there already
+
+    def _key_check(self):
+        reg = self.reg
+        if reg is None:
+            return None
+        return lambda kb: reg.accepts(kb) is not None
+
+    def _advance(self, hs: _Handshake) -> None:
+        ok = hs.advance()
+        if ok is None:
+            return
+        self.pending.remove(hs)
+        if not ok:
+            logger.warning("refused a client from %s (key, version or authentication)", hs.addr)
+            hs.close()
+            return
+        ticket = None
+        if self.reg is not None:
+            ticket = hs.hs.peer_key.rpartition(TICKET_SEP)[2]
+            self.reg.report(T_START, ticket)
+        self._start_session(hs, ticket)
+
+    def _expire_handshakes(self) -> None:
+        now = time.monotonic()
+        for hs in [h for h in self.pending if h.deadline <= now]:
+            logger.info("handshake with %s timed out", hs.addr)
+            self.pending.remove(hs)
+            hs.close()
+
+    def _start_session(self, hs: _Handshake, ticket: str | None) -> None:
+        hs.sock.setblocking(True)
+        conn = wire.Conn(_transport(hs.sock), self.cfg.max_message_bytes)
+        if self.cfg.no_fork:
+            ts = _ThreadSession(conn, ticket)
+            self.threads[id(ts)] = ts
+            threading.Thread(target=self._session_thread, args=(ts, hs.addr), daemon=True).start()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the session process
+            code = 0
+            try:
+                self._child_setup()
+                serve_session(conn, hs.addr, self.cfg, True)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        hs.close()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            pidfd = None  # seen at the next poll (at most a second later)
+        self.children[pid] = (ticket, pidfd)
+
+    def _child_setup(self) -> None:
+        """In a session process: drop what belongs to the listener."""
+        signal.signal(signal.SIGTERM, _term)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        _set_pdeathsig()
+        self.sock.close()
+        for fd in [self.watch_fd, self.wake_r, self.wake_w]:
+            if fd is not None:
+                os.close(fd)
+        for hs in self.pending:
+            hs.close()
+        for _t, pidfd in self.children.values():
+            if pidfd is not None:
+                os.close(pidfd)
+        if self.reg is not None and self.reg.conn is not None:
+            self.reg.conn.t.sock.close()  # the listener's link, not this process's
+
+    def _session_thread(self, ts: _ThreadSession, addr: Any) -> None:
+        def keep(handler: SessionHandler) -> None:
+            ts.handler = handler
+
+        try:
+            serve_session(ts.conn, addr, self.cfg, False, on_handler=keep)
+        finally:
+            with self.ended_lock:
+                self.ended.append(id(ts))
+            try:
+                os.write(self.wake_w, b"x")
+            except OSError:
+                pass
+
+    def _collect_threads(self, ready: set[int]) -> None:
+        if self.wake_r in ready:
+            os.read(self.wake_r, 4096)
+        with self.ended_lock:
+            ended, self.ended = self.ended, []
+        for key in ended:
+            ts = self.threads.pop(key, None)
+            if ts is not None and ts.ticket and self.reg is not None:
+                self.reg.report(T_END, ts.ticket)
+
+    def _reap(self) -> None:
+        for pid in list(self.children):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if not done:
+                continue
+            ticket, pidfd = self.children.pop(pid)
+            if pidfd is not None:
+                os.close(pidfd)
+            if ticket and self.reg is not None:
+                self.reg.report(T_END, ticket)
+
+    def close(self) -> None:
+        """Drop handshakes, end every session (threads included), wait for the processes."""
+        for hs in self.pending:
+            hs.close()
+        self.pending.clear()
+        for ts in list(self.threads.values()):
+            ts.close()
+        _stop_children(set(self.children))
+        for _t, pidfd in self.children.values():
+            if pidfd is not None:
+                os.close(pidfd)
+        self.children.clear()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+
+def _term(signum, frame):
+    raise SystemExit(0)
+
+
+def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int | None = None) -> None:  # fmt: skip
+    """Accept clients on ``listen_sock`` until SIGTERM/SIGINT or ``watch_fd`` closes."""
+    signal.signal(signal.SIGTERM, _term)
+    if not cfg.temp_root:
+        cfg.temp_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
+    if cfg.work_dir:
+        os.makedirs(cfg.work_dir, exist_ok=True)
+    listen_sock.setblocking(True)
+    listener = _Listener(listen_sock, cfg, watch_fd)
+    try:
+        listener.run()
+    finally:
+        listener.close()
+        shutil.rmtree(cfg.temp_root, ignore_errors=True)
 
 
 def _stop_children(children: set[int]) -> None:
@@ -372,7 +632,13 @@ def _stop_children(children: set[int]) -> None:
             pass
     deadline = time.monotonic() + 2.0
     while children and time.monotonic() < deadline:
-        _reap(children)
+        for pid in list(children):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                children.discard(pid)
         time.sleep(0.01)
     for pid in children:
         try:
@@ -446,8 +712,51 @@ def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) 
     raise RPCError(f"cannot bind to any port in [{port}, {port_end}) on {host}: {last}")
 
 
+# --------------------------------------------------------------------------- start-up report
+def _start_timeout() -> float:
+    return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
+
+
+def _report_ready(fd: int, exc: BaseException | None) -> None:
+    """In the server process: tell the constructor it is ready, or why it is not."""
+    msg = b"R" if exc is None else b"E" + bytes(wire.encode(error_value(exc))[0])
+    try:
+        os.write(fd, msg)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def _await_ready(fd: int, pid: int) -> None:
+    """In the constructor: wait for the server process's report; raise if it failed."""
+    limit = _start_timeout()
+    data = bytearray()
+    deadline = time.monotonic() + limit
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise RPCError(f"the RPC server process did not start within {limit:g} s")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if data[:1] == b"R":
+        return
+    if data[:1] == b"E":
+        exc_type, msg, tb = wire.decode(bytes(data[1:]))[0]
+        raise RPCError(f"the RPC server failed to start: {exc_type}: {msg}", "", tb)
+    raise RPCError("the RPC server process exited before it was ready")
+
+
 class Server:
     """Start an RPC server in a separate process, as ``tvm.rpc.Server``.
+
+    The constructor returns once the server process has loaded ``load_library``
+    and run ``server_init_callback``; if either fails, it raises
+    :class:`~disco_rpc.RPCError` with the server's error and traceback.
 
     Parameters
     ----------
@@ -459,18 +768,20 @@ class Server:
     is_proxy : bool
         ``host:port`` name an RPC proxy (:class:`disco_rpc.Proxy`): the server connects
         out to it (``proxy_token``/``proxy_ssl_context`` for that link) and serves the
-        clients the proxy pairs with it, one session at a time.
+        clients the proxy pairs with it, one session at a time. Anyone who reaches
+        the proxy reaches the server, so a ``token`` is required unless
+        ``allow_insecure_bind=True``.
     tracker_addr : (str, int), optional
         Register with this tracker under ``key`` (``tracker_token``/``tracker_ssl_context``
         for that link; the server's ``token`` by default). The server then serves only
         clients holding a ticket from the tracker, and reports each session's end.
-    custom_addr : str, optional
-        The host the tracker gives clients (default ``host``).
     key : str
         Clients must present this key (an empty key accepts any).
     load_library : str or list of str
         Files loaded in the server at start: ``.py`` files (their ``register_func``
         calls run) and shared libraries (their symbols reach ``system_lib()``).
+    custom_addr : str, optional
+        The host the tracker gives clients (default ``host``).
     silent : bool
         Log only errors.
     no_fork : bool
@@ -486,11 +797,15 @@ class Server:
     ssl_context : ssl.SSLContext, optional
         A server-side TLS context (``ssl.PROTOCOL_TLS_SERVER`` with a certificate).
     work_dir : str, optional
-        Where the sessions' work folders are made (a temporary folder by default).
+        A folder every session uses as its work folder, shared by all sessions and
+        kept (TVM's ``work_path``). By default each session gets a new folder,
+        deleted when it ends.
     max_message_bytes : int
-        The largest frame accepted from a client.
+        The largest frame accepted from a client (files are streamed in frames of
+        at most this size, so it does not bound their size).
     allow_insecure_bind : bool
-        Allow a non-loopback address with neither token nor TLS.
+        Allow a non-loopback address with neither token nor TLS (and ``is_proxy``
+        without a token).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False, tracker_token: Any = None, tracker_ssl_context: Any = None, proxy_token: Any = None, proxy_ssl_context: Any = None) -> None:  # fmt: skip
@@ -507,16 +822,16 @@ class Server:
             key=key,
             token=token_b,
             ssl_context=ssl_context,
-            work_root=os.fspath(work_dir) if work_dir else "",
+            work_dir=os.path.abspath(os.fspath(work_dir)) if work_dir else "",
             max_message_bytes=int(max_message_bytes),
             timeout=timeout,
             no_fork=no_fork,
             behind_proxy=is_proxy,
         )
-        tracker_token = token if tracker_token is None else tracker_token
         self._sock = None
         reg = None
         if is_proxy:
+            _check_proxied(token_b, allow_insecure_bind)
             # host/port name the proxy; this server connects out to it
             self.port = int(port)
             if tracker_addr is not None:
@@ -526,20 +841,36 @@ class Server:
             self._sock = bind_listener(host, port, port_end, reuse_addr)
             self.port = self._sock.getsockname()[1]
             if tracker_addr is not None:
-                from .tracker import Registration
-
-                if not key:
-                    raise ValueError("a server that registers with a tracker needs a key")
-                reg = Registration(
-                    tracker_addr,
-                    key,
-                    (custom_addr or host, self.port),
-                    token=tracker_token,
-                    ssl_context=tracker_ssl_context,
-                )
-                cfg.registration = reg
+                reg = self._register(cfg, tracker_addr, tracker_token if tracker_token is not None else token, tracker_ssl_context)  # fmt: skip
         proxy_args = (host, int(port), key, proxy_token if proxy_token is not None else token, proxy_ssl_context)  # fmt: skip
-        rfd, wfd = os.pipe()
+        try:
+            self._start(cfg, load_library, server_init_callback, proxy_args if is_proxy else None)
+        finally:
+            if reg is not None and reg.conn is not None:
+                reg.conn.t.sock.close()  # the server process holds the link now
+
+    def _register(self, cfg: ServerConfig, tracker_addr: Any, token: Any, ssl_context: Any) -> Any:
+        from .tracker import Registration
+
+        if not self.key:
+            self._sock.close()
+            raise ValueError("a server that registers with a tracker needs a key")
+        try:
+            cfg.registration = Registration(
+                tracker_addr, self.key, (self.custom_addr or self.host, self.port),
+                token=token, ssl_context=ssl_context,
+            )  # fmt: skip
+        except BaseException:
+            self._sock.close()
+            raise
+        return cfg.registration
+
+    def _start(self, cfg: ServerConfig, load_library: Any, init_callback: Any, proxy_args: Any) -> None:  # fmt: skip
+        """Fork the server process; return once it reported ready (or raise its error)."""
+        # made here, so that terminate() removes it even if the server process was killed
+        cfg.temp_root = self._temp_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
+        rfd, wfd = os.pipe()  # closes when this process goes: the server then exits
+        ready_r, ready_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -547,16 +878,23 @@ class Server:
             code = 0
             try:
                 os.close(wfd)
+                os.close(ready_r)
                 wire.close_inherited()
                 os.setpgid(0, 0)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-                cfg.libs = load_libraries(load_library)
-                if server_init_callback is not None:
-                    server_init_callback()
-                if is_proxy:
+                try:
+                    cfg.libs = load_libraries(load_library)
+                    if init_callback is not None:
+                        init_callback()
+                    first = _first_proxy_link(proxy_args) if proxy_args is not None else None
+                except BaseException as exc:
+                    _report_ready(ready_w, exc)
+                    raise
+                _report_ready(ready_w, None)
+                if proxy_args is not None:
                     from .proxy import serve_via_proxy
 
-                    serve_via_proxy(cfg, *proxy_args, watch_fd=rfd)
+                    serve_via_proxy(cfg, *proxy_args, watch_fd=rfd, first=first)
                 else:
                     serve_forever(self._sock, cfg, watch_fd=rfd)
             except SystemExit:
@@ -569,12 +907,16 @@ class Server:
             finally:
                 os._exit(code)
         os.close(rfd)
+        os.close(ready_w)
         self._watch = wfd
         self.pid = pid
         if self._sock is not None:
             self._sock.close()
-        if reg is not None and reg.conn is not None:
-            reg.conn.t.sock.close()  # the server process holds the link now
+        try:
+            _await_ready(ready_r, pid)
+        except BaseException:
+            self.terminate()
+            raise
 
     @property
     def addr(self) -> tuple[str, int]:
@@ -590,6 +932,7 @@ class Server:
             os.close(self._watch)
         except OSError:
             pass
+        shutil.rmtree(self._temp_root, ignore_errors=True)
 
     def __enter__(self) -> Server:
         return self
@@ -605,6 +948,27 @@ class Server:
 
     def __repr__(self) -> str:
         return f"<disco_rpc.Server {self.host}:{self.port} pid={self.pid}>"
+
+
+def _first_proxy_link(proxy_args: tuple) -> tuple:
+    """Register with the proxy once before reporting ready: a refusal raises in the constructor."""
+    import secrets
+
+    from .proxy import register_with_proxy
+
+    server_id = secrets.token_hex(8)
+    return register_with_proxy(*proxy_args, server_id), server_id
+
+
+def _check_proxied(token: bytes | None, allow_insecure_bind: bool) -> None:
+    """A server behind a proxy is reachable by whoever reaches the proxy: it needs a token."""
+    if token is None and not allow_insecure_bind:
+        raise RPCError(
+            "refusing to serve through a proxy without a token: anyone who reaches the proxy "
+            "could run code here (the proxy's token only guards server registration). Give "
+            "token= (or set DISCO_TOKEN), or pass allow_insecure_bind=True if the network is "
+            "trusted"
+        )
 
 
 # --------------------------------------------------------------------------- over pipes
@@ -625,7 +989,8 @@ def serve_stdio(load_library: Any = None, max_message_bytes: int = wire.DEFAULT_
     try:
         if not auth.server_handshake(conn, "", None):
             return
-        timeout, _inner = _init_session(conn, ServerConfig(), handler)
+        cfg = ServerConfig(max_message_bytes=int(max_message_bytes))
+        timeout, _inner, _log = _init_session(conn, cfg, handler)
         if timeout is False:
             return
         serve_conn(conn, handler)

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from . import auth, wire
-from .errors import RPCError, RPCSessionTimeoutError
+from .errors import RPCError, RPCRequestTimeoutError, RPCSessionTimeoutError
 from .wire import ERROR, REPLY, REQUEST
 
 __all__ = ["Tracker", "TrackerSession", "connect_tracker", "Registration", "serve_tracker"]
@@ -124,10 +124,15 @@ class TrackerState:
         self.match_timeout = match_timeout
 
     # all methods below run with self.lock held
-    def put(self, link: _Link, key: str, addr: tuple) -> int:
+    def put(self, link: _Link, key: str, addr: tuple, busy: str | None = None) -> int:
+        """Register a server; ``busy``: the ticket of the session it is serving (it registers
+        again after a tracker restart in the middle of a session)."""
         sid = next(self.next_sid)
-        self.servers[sid] = _ServerEntry(sid, key, addr, link)
-        logger.info("server %d registered: key %r at %s:%s", sid, key, *addr)
+        e = self.servers[sid] = _ServerEntry(sid, key, addr, link)
+        if busy and busy not in self.by_ticket:
+            e.ticket, e.started = busy, True
+            self.by_ticket[busy] = e
+        logger.info("server %d registered: key %r at %s:%s%s", sid, key, *addr, " (busy)" if busy else "")  # fmt: skip
         self._match(key)
         return sid
 
@@ -257,10 +262,11 @@ def _handle(sock: socket.socket, addr: Any, state: TrackerState, token: bytes | 
             try:
                 if op == T_PUT and role[0] == REGISTRANT_KEY.encode() and sid is None:
                     key, host, port = str(value[0]), str(value[1]), int(value[2])
+                    busy = str(value[3]) if len(value) > 3 and value[3] else None
                     if host in ("", "0.0.0.0", "::"):
                         host = addr[0]
                     with state.lock:
-                        sid = state.put(link, key, (host, port))
+                        sid = state.put(link, key, (host, port), busy)
                     link.send(REPLY, T_PUT, sid)
                 elif op in (T_START, T_END):
                     ticket = str(value)
@@ -292,8 +298,8 @@ def _handle(sock: socket.socket, addr: Any, state: TrackerState, token: bytes | 
                     link.send(REPLY, T_PING, None)
                 else:
                     raise ValueError(f"unexpected tracker operation {op}")
-            except (TypeError, ValueError, IndexError) as exc:
-                link.send(ERROR, op, (type(exc).__name__, str(exc), ""))
+            except Exception as exc:  # a malformed request: answer it, keep serving
+                link.send(ERROR, op, (type(exc).__name__, f"bad tracker request: {exc}", ""))
     except (OSError, EOFError, wire.ProtocolError) as exc:
         logger.debug("link from %s ended: %s", addr, exc)
     finally:
@@ -446,6 +452,7 @@ def _open(addr: Any, role_key: str, token: Any, ssl_context: Any, timeout: float
         ssl_context=ssl_context,
         max_message_bytes=TRACKER_MAX_MESSAGE_BYTES,
         connect_timeout=timeout,
+        peer="tracker",
     )
 
 
@@ -453,7 +460,10 @@ class Registration:
     """A server's (or a proxy's) link to a tracker: registers, hears tickets, reports sessions.
 
     ``tickets`` holds the tickets assigned and not used yet. Call :meth:`poll` when
-    :meth:`fileno` is readable (or any time: it never blocks).
+    :meth:`fileno` is readable (or any time: it never blocks). ``busy``, when set,
+    returns the ticket of the session the server is serving: registering again
+    (after a tracker restart) then says so, and the tracker keeps the server out of
+    the free pool until that session's end is reported.
     """
 
     def __init__(self, tracker_addr: Any, key: str, addr: tuple, *, token: Any = None, ssl_context: Any = None) -> None:  # fmt: skip
@@ -466,12 +476,14 @@ class Registration:
         self.conn: wire.Conn | None = None
         self.lock = threading.Lock()
         self.last_try = 0.0
+        self.busy: Any = None
         self.connect()
 
     def connect(self) -> None:
         self.last_try = time.monotonic()
+        busy = self.busy() if self.busy is not None else None
         conn = _open(self.tracker_addr, REGISTRANT_KEY, self.token, self.ssl_context)
-        conn.send(REQUEST, T_PUT, (self.key, self.addr[0], self.addr[1]))
+        conn.send(REQUEST, T_PUT, (self.key, self.addr[0], self.addr[1], busy))
         kind, _op, value = conn.recv()
         if kind != REPLY:
             conn.close()
@@ -561,18 +573,29 @@ class TrackerSession:
     def _connect(self) -> None:
         self._conn = _open(self._addr, CLIENT_KEY, self._token, self._ssl)
 
-    def _call(self, op: int, value: Any) -> Any:
+    def _call(self, op: int, value: Any, timeout: float | None = None) -> Any:
+        """One request and its reply; ``timeout`` bounds the wait (``TimeoutError``)."""
         with self._lock:
             if self._conn is None:
                 self._connect()
+            conn = self._conn
             try:
-                self._conn.send(REQUEST, op, value)
-                kind, _op, result = self._conn.recv()
-            except (OSError, EOFError, wire.ProtocolError) as exc:
+                conn.t.settimeout(timeout)
+                conn.send(REQUEST, op, value)
+                kind, _op, result = conn.recv()
+                conn.t.settimeout(None)
+            except BaseException as exc:
+                # Interrupted, timed out or broken: a reply may still be on its way,
+                # so this connection is out of sync. Dropping it also makes the
+                # tracker cancel the request it queued for this client.
                 self._drop()
-                raise RPCError(
-                    f"lost the connection to the tracker at {self._addr}: {exc}"
-                ) from exc
+                if isinstance(exc, TimeoutError) and timeout is not None:
+                    raise
+                if isinstance(exc, (OSError, EOFError, wire.ProtocolError)):
+                    raise RPCError(
+                        f"lost the connection to the tracker at {self._addr[0]}:{self._addr[1]}: {exc}"  # fmt: skip
+                    ) from exc
+                raise
         if kind == ERROR:
             raise RPCError(f"the tracker refused: {result[0]}: {result[1]}")
         return result
@@ -610,21 +633,39 @@ class TrackerSession:
         """The summary as the tables ``disco-rpc query`` prints."""
         return format_summary(self.summary())
 
-    def request(self, key: str, priority: int = 1, session_timeout: float = 0, max_retry: int = 5, session_constructor_args: list | None = None, **connect_args: Any):  # fmt: skip
+    def request(self, key: str, priority: int = 1, session_timeout: float = 0, max_retry: int = 5, session_constructor_args: list | None = None, *, wait_timeout: float | None = None, **connect_args: Any):  # fmt: skip
         """Wait for a free server with ``key``; return a session with it.
 
-        Higher ``priority`` is served first, then first come. The server goes back
-        into the pool when the session ends (closed, crashed client, timed out).
-        ``connect_args`` go to :func:`disco_rpc.connect` (``token``, ``ssl_context``...).
+        Parameters
+        ----------
+        key : str
+            The kind of server (its ``key`` at registration).
+        priority : int
+            Higher is served first, then first come.
+        session_timeout : float
+            Passed to :func:`disco_rpc.connect`. The server goes back into the pool
+            when the session ends (closed, crashed client, timed out).
+        max_retry : int
+            Servers tried when one cannot be reached.
+        session_constructor_args : list, optional
+            Passed to :func:`disco_rpc.connect`.
+        wait_timeout : float, optional
+            The longest wait for a free server, in seconds (default: forever); then
+            :class:`~disco_rpc.errors.RPCRequestTimeoutError` (a ``TimeoutError``)
+            names how many servers of ``key`` the tracker has. The request is
+            cancelled at the tracker, as it is when the wait is interrupted.
+        **connect_args
+            Passed to :func:`disco_rpc.connect` (``token``, ``ssl_context``...).
         """
         from .client import connect
 
         connect_args.setdefault("token", self._server_token)
         if self._server_ssl is not None:
             connect_args.setdefault("ssl_context", self._server_ssl)
+        deadline = None if wait_timeout is None else time.monotonic() + float(wait_timeout)
         last: BaseException | None = None
         for _ in range(max(1, int(max_retry))):
-            host, port, ticket = self._call(T_REQUEST, (key, int(priority)))
+            host, port, ticket = self._wait_for_server(key, priority, deadline, wait_timeout)
             try:
                 return connect(
                     host,
@@ -642,6 +683,29 @@ class TrackerSession:
                 except RPCError:
                     pass
         raise RPCError(f"cannot get a session for key {key!r} after {max_retry} tries: {last}")
+
+    def _wait_for_server(self, key: str, priority: int, deadline: float | None, wait: Any) -> tuple:  # fmt: skip
+        left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+        try:
+            return self._call(T_REQUEST, (key, int(priority)), timeout=left)
+        except TimeoutError:
+            raise RPCRequestTimeoutError(
+                f"no server for key {key!r} became free within {float(wait):g} s "
+                f"({self.pool_text(key)})"
+            ) from None
+
+    def pool_text(self, key: str) -> str:
+        """How many servers of ``key`` the tracker has, in words (for error messages)."""
+        try:
+            q = self.summary()["queue_info"].get(key)
+        except RPCError as exc:
+            return f"the tracker could not be asked: {exc}"
+        if not q:
+            return f"the tracker has no server registered for key {key!r}"
+        return (
+            f"the tracker has {q['total']} server(s) for key {key!r}: {q['free']} free, "
+            f"{q['pending']} request(s) waiting"
+        )
 
     def _call_noreply(self, op: int, value: Any) -> None:
         with self._lock:

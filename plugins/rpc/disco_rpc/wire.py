@@ -14,6 +14,15 @@ Frame layout (little endian)::
     u64 buffer_len * num_buffers
     meta (the tagged encoding, buffers referred to by index)
     buffer 0 | buffer 1 | ...
+
+Files travel as *streams*: the request (upload) or the reply (download) declares
+the total size, then ``CHUNK`` frames follow, each with no meta and one buffer of
+at most the receiver's ``max_message_bytes``, until the declared size is reached,
+then an empty ``CHUNK`` frame with ``FLAG_END``. So a file of any size crosses a
+link whose frames are bounded. A sender whose file fails in the middle completes
+the chunk under way with padding and sends a ``CHUNK`` frame with ``FLAG_ABORT``
+(its meta: the reason) instead of the rest and the end: the receiver drops what
+it got and the connection stays in sync.
 """
 
 from __future__ import annotations
@@ -30,12 +39,11 @@ import numpy as np
 
 from disco_core.device import Device, as_dtype
 
-from .errors import FrameTooLarge, ProtocolError
+from .errors import Desync, FrameTooLarge, MessageTooLarge, ProtocolError, StreamAborted
 
 __all__ = [
     "HandleRef",
     "FileSource",
-    "Pending",
     "encode",
     "decode",
     "Conn",
@@ -53,7 +61,7 @@ INLINE_BYTES = 1 << 14
 MAX_DEPTH = 64
 #: Largest number of out-of-band buffers in a frame.
 MAX_BUFFERS = 1 << 16
-#: Chunk size for progress reporting and file streaming.
+#: Largest chunk of a file stream (smaller when the receiver's frames are bounded lower).
 CHUNK = 8 << 20
 #: Microseconds a reader polls a socket without blocking before it sleeps in ``recv``
 #: (``$DISCO_RPC_SPIN_US``; 0 turns polling off). See README, "Speed".
@@ -74,7 +82,10 @@ def close_inherited() -> None:
 
 
 # frame kinds
-REQUEST, REPLY, ERROR = 1, 2, 3
+REQUEST, REPLY, ERROR, CHUNK_FRAME = 1, 2, 3, 4
+#: flags of a CHUNK frame without buffer: the sender gave up (its meta is the reason,
+#: a str), or the stream is complete
+FLAG_ABORT, FLAG_END = 1, 2
 
 # value tags
 (
@@ -129,24 +140,13 @@ class HandleRef:
 
 
 class FileSource:
-    """An out-of-band buffer read from an open binary file, ``size`` bytes from its position."""
+    """An open binary file to stream, ``size`` bytes from its position."""
 
     __slots__ = ("file", "size")
 
     def __init__(self, file: Any, size: int) -> None:
         self.file = file
         self.size = size
-
-
-class Pending:
-    """An out-of-band buffer not read yet (a deferred frame): stream it with :meth:`Conn.read_pending`."""
-
-    __slots__ = ("index", "size", "done")
-
-    def __init__(self, index: int, size: int) -> None:
-        self.index = index
-        self.size = size
-        self.done = False
 
 
 # --------------------------------------------------------------------------- encoding
@@ -210,13 +210,10 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
             bufs.append(m)
     elif t is complex:
         out += _TDD.pack(T_COMPLEX, v.real, v.imag)
-    elif t is FileSource:
-        out += _TI.pack(T_BUF, len(bufs))
-        bufs.append(v)
     else:
-        ref = getattr(v, "_rpc_ref", None)
-        if ref is None and export is not None:
-            ref = export(v)
+        # export decides about every remote handle too: a client refuses another
+        # session's objects, a server turns a client object it holds into its own handle
+        ref = export(v) if export is not None else getattr(v, "_rpc_ref", None)
         if ref is not None:
             _enc(ref, out, bufs, export, depth)
         elif isinstance(v, np.ndarray):
@@ -267,20 +264,37 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
 
 
 def _buffer_size(b: Any) -> int:
-    return b.size if type(b) is FileSource else b.nbytes if isinstance(b, memoryview) else len(b)
+    return b.nbytes if isinstance(b, memoryview) else len(b)
+
+
+def frame_size(meta, bufs: list) -> int:
+    """The size a receiver checks against its ``max_message_bytes``."""
+    return len(meta) + sum(_buffer_size(b) for b in bufs)
+
+
+def _freeze(v: Any) -> Any:
+    """``v`` with every ``bytearray`` (a large byte string read in place) turned into ``bytes``."""
+    t = type(v)
+    if t is bytearray:
+        return bytes(v)
+    if t is tuple or t is list:
+        return t(_freeze(x) for x in v)
+    if t is dict:
+        return {k: _freeze(x) for k, x in v.items()}
+    return v
 
 
 class _Decoder:
-    __slots__ = ("meta", "pos", "lens", "used", "on_handle", "defer", "fills")
+    __slots__ = ("meta", "pos", "lens", "used", "on_handle", "fills", "has_bytes")
 
-    def __init__(self, meta, lens, on_handle, defer):
+    def __init__(self, meta, lens, on_handle):
         self.meta = meta
         self.pos = 0
         self.lens = lens
         self.used = [False] * len(lens)
         self.on_handle = on_handle
-        self.defer = defer
-        self.fills: list = []  # (index, writable memoryview or Pending)
+        self.fills: list = []  # (index, writable memoryview)
+        self.has_bytes = False
 
     def _take(self, n: int):
         p = self.pos
@@ -341,12 +355,9 @@ class _Decoder:
             return bytes(self._take(self._u32()))
         if tag == T_BUF:
             idx = self._buffer(None)
-            if self.defer:
-                pend = Pending(idx, self.lens[idx])
-                self.fills.append((idx, pend))
-                return pend
-            out = bytearray(self.lens[idx])
+            out = bytearray(self.lens[idx])  # read in place, made bytes once filled
             self.fills.append((idx, memoryview(out)))
+            self.has_bytes = True
             return out
         if tag == T_ARRAY:
             nbytes_idx_pos = self.pos
@@ -399,9 +410,13 @@ def _parse_dtype(name: bytes) -> np.dtype:
         raise ProtocolError(f"bad dtype {name[:40]!r}: {exc}") from None
 
 
-def decode(meta, lens=(), on_handle=None, defer=False) -> tuple[Any, list]:
-    """Decode ``meta``; return ``(value, fills)``: the buffers' destinations, by index."""
-    d = _Decoder(memoryview(meta), list(lens), on_handle, defer)
+def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
+    """Decode ``meta``; return ``(value, fills, has_bytes)``.
+
+    ``fills`` are the buffers' destinations, by index; ``has_bytes`` says that some
+    are byte strings, to pass through :func:`_freeze` once filled.
+    """
+    d = _Decoder(memoryview(meta), list(lens), on_handle)
     try:
         value = d.value()
     except ProtocolError:
@@ -413,7 +428,7 @@ def decode(meta, lens=(), on_handle=None, defer=False) -> tuple[Any, list]:
     if not all(d.used):
         raise ProtocolError("frame has buffers no value refers to")
     d.fills.sort(key=lambda f: f[0])
-    return value, d.fills
+    return value, d.fills, d.has_bytes
 
 
 # --------------------------------------------------------------------------- transports
@@ -463,7 +478,8 @@ class SocketTransport:
                     n = 0
 
     def sendfile(self, file: Any, size: int) -> int:
-        return self.sock.sendfile(file, count=size) if size else 0
+        """Send ``size`` bytes from the file's position (``socket.sendfile`` starts at ``offset``)."""
+        return self.sock.sendfile(file, offset=file.tell(), count=size) if size else 0
 
     def settimeout(self, t: float | None) -> None:
         self.sock.settimeout(t)
@@ -540,6 +556,7 @@ _CAN_SPLICE = hasattr(os, "splice")
 _SPLICE_MIN = 1 << 20
 _PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = 1031
+_CHUNK_HEAD = struct.Struct("<BBHIIQ")  # a frame head with one buffer and no meta
 
 
 def _real_fd(sink: Any) -> int | None:
@@ -553,56 +570,79 @@ def _real_fd(sink: Any) -> int | None:
     return fd if isinstance(fd, int) else None
 
 
-def _splice_to(sock: socket.socket, out_fd: int, size: int, progress: Any, total: int) -> None:
+class _SinkFailed(Exception):
+    """Writing a received chunk failed; ``left`` bytes of it are still on the wire."""
+
+    def __init__(self, exc: OSError, left: int) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+        self.left = left
+
+
+def _new_pipe() -> tuple[int, int]:
+    import fcntl
+
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_BYTES)
+    except OSError:
+        pass
+    return r, w
+
+
+def _drain(fd: int, n: int) -> None:
+    while n > 0:
+        n -= len(os.read(fd, min(n, _PIPE_BYTES))) or n
+
+
+def _splice_to(sock: socket.socket, pipe: tuple[int, int], out_fd: int, size: int) -> None:
     """Move ``size`` bytes from ``sock`` to ``out_fd`` inside the kernel (socket -> pipe -> file).
 
     Received data is never copied through Python: reading into a buffer and writing
     it out costs two copies and halves an upload's speed.
     """
-    import fcntl
-
     sfd = sock.fileno()
     timeout = sock.gettimeout()
-    r, w = os.pipe()
-    try:
+    r, w = pipe
+    left = size
+    while left:
         try:
-            fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_BYTES)
-        except OSError:
-            pass
-        left = size
-        while left:
-            try:
-                k = os.splice(sfd, w, min(left, _PIPE_BYTES))
-            except BlockingIOError:  # a socket with a timeout is non-blocking underneath
-                if not select.select([sfd], [], [], timeout)[0]:
-                    raise TimeoutError("timed out receiving a transfer") from None
-                continue
-            if not k:
-                raise EOFError("the peer closed the connection in the middle of a transfer")
-            left -= k
+            k = os.splice(sfd, w, min(left, _PIPE_BYTES))
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+            if not select.select([sfd], [], [], timeout)[0]:
+                raise TimeoutError("timed out receiving a transfer") from None
+            continue
+        if not k:
+            raise EOFError("the peer closed the connection in the middle of a transfer")
+        left -= k
+        try:
             while k:
                 k -= os.splice(r, out_fd, k)
-            if progress is not None:
-                progress(total - left, total)
-    finally:
-        os.close(r)
-        os.close(w)
+        except OSError as exc:
+            _drain(r, k)  # the pipe must be empty for whoever reads the socket next
+            raise _SinkFailed(exc, left) from None
 
 
 # --------------------------------------------------------------------------- connection
 class Conn:
-    """Frames over a transport, with a read buffer and a bound on frame sizes."""
+    """Frames over a transport, with a read buffer and a bound on frame sizes.
+
+    ``max`` bounds the frames this side accepts; ``peer_max`` (when known) the frames
+    the peer accepts: a larger request raises :class:`MessageTooLarge` before
+    anything is sent, and file streams are cut into chunks that fit.
+    """
 
     _BUF = 1 << 16
 
     def __init__(self, transport: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.t = transport
         self.max = int(max_message_bytes)
+        self.peer_max: int | None = None
         self.buf = bytearray(self._BUF)
         self.view = memoryview(self.buf)
         self.start = 0
         self.end = 0
-        self.pending: list = []
+        self._pipe: tuple[int, int] | None = None
 
     # -- raw reads ------------------------------------------------------------
     def _recv(self, view) -> int:
@@ -634,81 +674,48 @@ class Conn:
         self.start = n
         return self.buf[:n]
 
-    def read_into(self, view: memoryview, progress=None, done: int = 0, total: int = 0) -> None:
+    def read_into(self, view: memoryview) -> None:
         """Fill ``view`` (bytes), first from the read buffer, then straight from the transport."""
         size = view.nbytes
         have = min(size, self.end - self.start)
         if have:
             view[:have] = self.view[self.start : self.start + have]
             self.start += have
-        if progress is None:
-            while have < size:
-                have += self._recv(view[have:])
-            return
         while have < size:
-            stop = min(size, have + CHUNK)
-            while have < stop:
-                have += self._recv(view[have:stop])
-            progress(done + have, total)
+            have += self._recv(view[have:])
 
     def buffered(self) -> int:
         return self.end - self.start
 
     # -- frames ---------------------------------------------------------------
-    def send(self, kind: int, op: int, value: Any, export=None, progress=None) -> None:
+    def send(self, kind: int, op: int, value: Any, export=None, flags: int = 0) -> None:
         meta, bufs = encode(value, export)
-        self.send_encoded(kind, op, meta, bufs, progress)
+        self.send_encoded(kind, op, meta, bufs, flags)
 
-    def send_encoded(self, kind: int, op: int, meta, bufs: list, progress=None) -> None:
-        sizes = [_buffer_size(b) for b in bufs]
-        head = bytearray(_HEAD.pack(kind, op, 0, len(meta), len(bufs)))
-        for s in sizes:
-            head += _Q.pack(s)
-        head += meta
-        total = sum(sizes)
-        if progress is None and not any(type(b) is FileSource for b in bufs):
-            self.t.send_parts([head, *bufs])
+    def check_size(self, meta, bufs: list) -> None:
+        """Raise :class:`MessageTooLarge` if the peer would refuse this frame."""
+        if self.peer_max is None:
             return
-        self.t.send_parts([head])
-        done = 0
-        for b, size in zip(bufs, sizes):
-            if type(b) is FileSource:
-                done = self._send_file(b, done, total, progress)
-                continue
-            view = b if isinstance(b, memoryview) else memoryview(b)
-            for off in range(0, size, CHUNK):
-                self.t.send_parts([view[off : off + CHUNK]])
-                done += min(CHUNK, size - off)
-                if progress is not None:
-                    progress(done, total)
+        size = frame_size(meta, bufs)
+        if size > self.peer_max:
+            raise MessageTooLarge(
+                f"the message is {size} bytes, over the peer's limit of {self.peer_max} bytes "
+                "(its max_message_bytes); nothing was sent"
+            )
 
-    def _send_file(self, src: FileSource, done: int, total: int, progress) -> int:
-        left = src.size
-        if progress is None:
-            sent = self.t.sendfile(src.file, left)
-            left -= sent
-            done += sent
-        chunk = bytearray(min(CHUNK, max(left, 1)))
-        view = memoryview(chunk)
-        while left > 0:
-            n = src.file.readinto(view[: min(left, len(chunk))])
-            if not n:
-                raise OSError(f"file ended {left} bytes early while sending it")
-            self.t.send_parts([view[:n]])
-            left -= n
-            done += n
-            if progress is not None:
-                progress(done, total)
-        return done
+    def send_encoded(self, kind: int, op: int, meta, bufs: list, flags: int = 0) -> None:
+        head = bytearray(_HEAD.pack(kind, op, flags, len(meta), len(bufs)))
+        for b in bufs:
+            head += _Q.pack(_buffer_size(b))
+        head += meta
+        self.t.send_parts([head, *bufs])
 
-    def recv(self, on_handle=None, defer: bool | Callable[[int], bool] = False, progress=None):
+    def recv(self, on_handle=None):
         """Read one frame; return ``(kind, op, value)``.
 
-        With ``defer`` (or ``defer(op)`` true), large byte buffers stay unread as
-        :class:`Pending` values: read them with :meth:`read_pending`, then call
-        :meth:`finish` (which skips any left over). Raises :class:`FrameTooLarge`
-        (the connection must then be dropped), :class:`ProtocolError` (the frame was
-        consumed: the connection is still in sync) or ``EOFError``.
+        Raises :class:`Desync` (:class:`FrameTooLarge`: the connection must then be
+        dropped), :class:`ProtocolError` (the frame was consumed: the connection is
+        still in sync) or ``EOFError``.
         """
         kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
@@ -722,68 +729,166 @@ class Conn:
             raise FrameTooLarge(
                 f"frame of {total} bytes is over the limit of {self.max} bytes (max_message_bytes)"
             )
+        if kind == CHUNK_FRAME:
+            self._skip(total)
+            raise ProtocolError("a file chunk where no file transfer was going on")
         meta = bytes(self.read_exact(meta_len))
-        if callable(defer):
-            defer = defer(op)
         try:
-            value, fills = decode(meta, lens, on_handle, defer)
-        except ProtocolError:
-            self._skip(sum(lens))
-            raise
+            value, fills, has_bytes = decode(meta, lens, on_handle)
         except BaseException:
             self._skip(sum(lens))
             raise
-        btotal = sum(lens)
-        if defer:
-            self.pending = [f for f in fills]
-            return kind, op, value
-        done = 0
         for _idx, view in fills:
-            self.read_into(view, progress, done, btotal)
-            done += view.nbytes
-        return kind, op, value
+            self.read_into(view)
+        return kind, op, (_freeze(value) if has_bytes else value)
 
-    def read_pending(self, pend: Pending, sink=None, progress=None) -> Any:
-        """Read a deferred buffer, into ``sink`` (a binary file) or a new ``bytearray``."""
-        if self.pending and self.pending[0][1] is not pend:
-            raise RuntimeError("deferred buffers must be read in order")
-        if sink is None:
-            # np.empty: no zero-filling pass over memory the socket overwrites anyway
-            out = memoryview(np.empty(pend.size, np.uint8)).cast("B")
-            self.read_into(out, progress, 0, pend.size)
-            pend.done = True
-            self.pending.pop(0)
-            return out
-        left = pend.size
-        out_fd = _real_fd(sink) if left >= _SPLICE_MIN and type(self.t) is SocketTransport else None
-        if out_fd is not None:
-            have = min(left, self.end - self.start)
-            if have:
-                sink.write(self.view[self.start : self.start + have])
-                self.start += have
-            sink.flush()
-            _splice_to(self.t.sock, out_fd, left - have, progress, pend.size)
-            pend.done = True
-            self.pending.pop(0)
-            return None
-        chunk = bytearray(min(CHUNK, max(pend.size, 1)))
-        view = memoryview(chunk)
-        while left:
-            n = min(left, len(chunk))
-            self.read_into(view[:n])
-            sink.write(view[:n])
-            left -= n
+    # -- file streams ---------------------------------------------------------
+    def chunk_size(self) -> int:
+        """The largest chunk the peer accepts (:data:`CHUNK` at most)."""
+        return max(1, min(CHUNK, self.peer_max if self.peer_max is not None else CHUNK))
+
+    def send_stream(self, op: int, source: Any, size: int, progress=None) -> OSError | None:
+        """Send ``size`` bytes of ``source`` (bytes-like, or a :class:`FileSource`) as chunks.
+
+        Returns None, or the error of a local file that failed in the middle (the
+        peer was then sent an abort, so the connection stays in sync).
+        """
+        chunk = self.chunk_size()
+        view = None if type(source) is FileSource else memoryview(source).cast("B")
+        end = _HEAD.pack(CHUNK_FRAME, op, FLAG_END, 0, 0)
+        done = 0
+        if progress is not None and size == 0:
+            progress(0, 0)
+        while done < size:
+            n = min(chunk, size - done)
+            tail = [end] if done + n == size else []
+            if view is not None:
+                self.t.send_parts([_CHUNK_HEAD.pack(CHUNK_FRAME, op, 0, 0, 1, n), view[done : done + n], *tail])  # fmt: skip
+            else:
+                self.t.send_parts([_CHUNK_HEAD.pack(CHUNK_FRAME, op, 0, 0, 1, n)])
+                err = self._send_file_chunk(source.file, n)
+                if err is not None:
+                    self.send(CHUNK_FRAME, op, f"the sender's file failed: {err}", flags=FLAG_ABORT)
+                    return err
+                if tail:
+                    self.t.send_parts(tail)
+            done += n
             if progress is not None:
-                progress(pend.size - left, pend.size)
-        pend.done = True
-        self.pending.pop(0)
+                progress(done, size)
+        if size == 0:
+            self.t.send_parts([end])
         return None
 
-    def finish(self) -> None:
-        """Skip whatever deferred buffers were not read."""
-        left = sum(p.size for _i, p in self.pending if not p.done)
-        self.pending = []
-        self._skip(left)
+    def _send_file_chunk(self, file: Any, n: int) -> OSError | None:
+        """Send ``n`` bytes of ``file``; a file that fails is padded so the chunk stays whole."""
+        left = n - self.t.sendfile(file, n)
+        err = None
+        buf = memoryview(bytearray(min(left, CHUNK))) if left else None
+        while left:
+            k = 0
+            if err is None:
+                try:
+                    k = file.readinto(buf[: min(left, buf.nbytes)])
+                except OSError as exc:
+                    err = exc
+                if not k and err is None:
+                    err = OSError(f"the file ended {left} bytes early")
+            if err is not None:
+                k = min(left, buf.nbytes)
+                buf[:k] = bytes(k)  # padding behind the abort
+            self.t.send_parts([buf[:k]])
+            left -= k
+        return err
+
+    def recv_stream(self, op: int, size: int, into: memoryview | None = None, sink: Any = None, progress=None) -> None:  # fmt: skip
+        """Receive a stream of ``size`` bytes into ``into`` (a writable view), ``sink`` (a binary file) or nowhere.
+
+        A sink that fails is not written any more, the rest of the stream is read
+        and dropped, then its ``OSError`` is raised: the connection stays in sync.
+        Raises :class:`StreamAborted` if the sender gave up, :class:`Desync` on a
+        malformed stream.
+        """
+        done = 0
+        failed: OSError | None = None
+        if progress is not None and size == 0:
+            progress(0, 0)
+        while done < size:
+            n = self._chunk_head(op, size - done)
+            if failed is not None or (into is None and sink is None):
+                self._skip(n)
+            elif into is not None:
+                self.read_into(into[done : done + n])
+            else:
+                try:
+                    self._chunk_to_file(sink, n)
+                except _SinkFailed as exc:
+                    failed = exc.exc
+                    self._skip(exc.left)
+            done += n
+            if progress is not None:
+                progress(done, size)
+        self._chunk_head(op, 0)  # the end (or an abort that comes with the last chunk)
+        if failed is not None:
+            raise failed
+
+    def skip_stream(self, op: int, size: int) -> None:
+        """Read and drop a stream of ``size`` bytes (its request was refused)."""
+        self.recv_stream(op, size)
+
+    def _chunk_head(self, op: int, left: int) -> int:
+        """Read a chunk frame's head; return its size (its bytes come next).
+
+        With ``left == 0`` the frame must be the stream's end (0 is returned).
+        """
+        kind, cop, flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
+        if kind != CHUNK_FRAME or cop != op:
+            raise Desync(f"expected a file chunk, got a frame of kind {kind}")
+        if flags & FLAG_ABORT and nbuf == 0 and meta_len <= min(self.max, 1 << 16):
+            try:
+                reason, _f, _b = decode(bytes(self.read_exact(meta_len)))
+            except ProtocolError:
+                reason = "(unreadable reason)"
+            raise StreamAborted(str(reason))
+        if left == 0:
+            if flags != FLAG_END or nbuf or meta_len:
+                raise Desync("a file stream without its end")
+            return 0
+        if flags or nbuf != 1 or meta_len:
+            raise Desync("malformed file chunk")
+        (n,) = _Q.unpack(self.read_exact(8))
+        if not 0 < n <= min(left, self.max):
+            raise Desync(f"file chunk of {n} bytes (expected at most {min(left, self.max)})")
+        return n
+
+    def _chunk_to_file(self, sink: Any, n: int) -> None:
+        """Write the ``n`` bytes of a chunk to ``sink``, spliced when it is a real file."""
+        out_fd = _real_fd(sink) if n >= _SPLICE_MIN and type(self.t) is SocketTransport else None
+        have = min(n, self.end - self.start)
+        try:
+            if have:
+                sink.write(self.view[self.start : self.start + have])
+        except OSError as exc:
+            raise _SinkFailed(exc, n) from None
+        self.start += have
+        if out_fd is not None:
+            try:
+                sink.flush()
+            except OSError as exc:
+                raise _SinkFailed(exc, n - have) from None
+            if self._pipe is None:
+                self._pipe = _new_pipe()
+            _splice_to(self.t.sock, self._pipe, out_fd, n - have)
+            return
+        scratch = memoryview(bytearray(min(n - have, CHUNK) or 1))
+        left = n - have
+        while left:
+            k = min(left, scratch.nbytes)
+            self.read_into(scratch[:k])
+            left -= k
+            try:
+                sink.write(scratch[:k])
+            except OSError as exc:
+                raise _SinkFailed(exc, left) from None
 
     def _skip(self, n: int) -> None:
         if n <= 0:
@@ -795,4 +900,8 @@ class Conn:
             n -= k
 
     def close(self) -> None:
+        if self._pipe is not None:
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
         self.t.close()

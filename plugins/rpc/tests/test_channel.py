@@ -109,3 +109,27 @@ class TestRPCChannelContract(ChannelContract):
             )
 
         return make
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_tracker_pool_too_small(monkeypatch, how):
+    """Too few free servers: a clear error in time, and the servers go back (issue 8, a)."""
+    tr = rpc.Tracker(port=9600, port_end=9700)
+    srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tr.addr, key="small")
+    ts = rpc.connect_tracker(*tr.addr)
+    try:
+        options = {"start_timeout": 1.5} if how == "option" else {}
+        if how == "env":
+            monkeypatch.setenv("DISCO_START_TIMEOUT", "1.5")
+        t0 = time.monotonic()
+        with pytest.raises(disco.DiscoError, match=r"got 1 of the 2 servers of key 'small'.*1 server\(s\) for key 'small'"):  # fmt: skip
+            disco.Session.create("rpc", tracker=tr.addr, key="small", num_workers=3, **options)
+        assert time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 10
+        while ts.summary()["queue_info"]["small"] != {"free": 1, "pending": 0, "total": 1}:
+            assert time.monotonic() < deadline, ts.summary()
+            time.sleep(0.02)
+    finally:
+        ts.close()
+        srv.terminate()
+        tr.terminate()

@@ -93,6 +93,35 @@ def test_minrpc_package(package):
             assert sess.system_lib()["twice"](21) == 42
             lib = sess.load_module("libk.so")
             assert lib.get_function("half", restype="double")(3.0) == 1.5
+            # system_lib has get_function(name, restype) too (issue 7, 3)
+            syslib = sess.system_lib()
+            assert syslib.get_function("half", restype="double")(5.0) == 2.5
+            assert syslib.get_function("mini.add")(1, 2) == 3
+    finally:
+        sess.close()
+
+
+def test_minrpc_streams_and_bytes(package):
+    """Files stream in chunks the client's limit allows; byte strings are bytes (issue 7, 6/11/13)."""
+    path, _have_cc = package
+    sess = rpc.PopenSession(path, max_message_bytes=1 << 16)
+    try:
+        data = os.urandom(300_000)
+        seen: list = []
+        sess.upload(data, "big.bin", progress=lambda d, t: seen.append(d))
+        assert seen[-1] == len(data)
+        seen.clear()
+        assert bytes(sess.download("big.bin", progress=lambda d, t: seen.append(d))) == data
+        assert len(seen) >= 4  # several chunks: each fits 64 KiB
+        echo = sess.get_function("mini.echo")
+        for n in (10, 1 << 15):
+            (back,) = echo(os.urandom(n))
+            assert type(back) is bytes and len(back) == n
+        sess.upload(b"mine", "notes.part")
+        assert sess.listdir(".") == ["big.bin", "notes.part"]
+        with pytest.raises(rpc.RPCError, match="FileNotFoundError"):
+            sess.download("nope")
+        assert sess.get_function("mini.add")(1, 1) == 2
     finally:
         sess.close()
 

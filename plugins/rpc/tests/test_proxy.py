@@ -47,9 +47,11 @@ def test_server_behind_proxy():
         # the server's token is checked end to end, through the proxy
         with pytest.raises(rpc.RPCAuthError):
             rpc.connect("127.0.0.1", px.port, key="nat", token="wrong")
-        # an unknown key waits, then the proxy gives up
-        with pytest.raises(rpc.RPCError):
+        # an unknown key: the proxy says so at once (it used to time out, unexplained)
+        t0 = time.monotonic()
+        with pytest.raises(rpc.RPCAuthError, match="no server registered for key 'nobody'"):
             rpc.connect("127.0.0.1", px.port, key="nobody", connect_timeout=10)
+        assert time.monotonic() - t0 < 2
     finally:
         srv.terminate()
         px.terminate()
@@ -57,23 +59,46 @@ def test_server_behind_proxy():
 
 def test_proxy_token_guards_registration():
     px = rpc.Proxy(port=9800, port_end=9900, token="proxy-secret", wait=1.0)
-    bad = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="k", proxy_token="nope")
-    good = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="k2", proxy_token="proxy-secret", token="")  # fmt: skip
     try:
-        with pytest.raises(rpc.RPCError):
-            rpc.connect("127.0.0.1", px.port, key="k", token="")
-        with rpc.connect("127.0.0.1", px.port, key="k2", token="") as s:
-            assert s.get_function("pxy.add")(1, 1) == 2
+        # a refused registration is an error of the constructor, not a silent retry loop
+        with pytest.raises(rpc.RPCError, match="failed to start.*authentication failed"):
+            rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="k", proxy_token="nope", token="srv")  # fmt: skip
+        good = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="k2", proxy_token="proxy-secret", token="srv")  # fmt: skip
+        try:
+            with pytest.raises(rpc.RPCAuthError, match="no server registered for key 'k'"):
+                rpc.connect("127.0.0.1", px.port, key="k", token="srv")
+            with rpc.connect("127.0.0.1", px.port, key="k2", token="srv") as s:
+                assert s.get_function("pxy.add")(1, 1) == 2
+        finally:
+            good.terminate()
     finally:
-        bad.terminate()
-        good.terminate()
+        px.terminate()
+
+
+def test_proxied_server_needs_a_token(monkeypatch):
+    """Whoever reaches the proxy reaches the server: no server token, no server (issue 8 g)."""
+    monkeypatch.delenv("DISCO_TOKEN", raising=False)
+    px = rpc.Proxy(port=9800, port_end=9900, token="proxy-secret", wait=1.0)
+    try:
+        with pytest.raises(rpc.RPCError, match="refusing to serve through a proxy without a token"):
+            rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="k", proxy_token="proxy-secret")  # fmt: skip
+        srv = rpc.Server(
+            host="127.0.0.1", port=px.port, is_proxy=True, key="k",
+            proxy_token="proxy-secret", allow_insecure_bind=True,
+        )  # fmt: skip
+        try:
+            with rpc.connect("127.0.0.1", px.port, key="k") as s:
+                assert s.get_function("pxy.add")(2, 2) == 4
+        finally:
+            srv.terminate()
+    finally:
         px.terminate()
 
 
 def test_tracker_through_proxy():
     tr = rpc.Tracker(port=9600, port_end=9700)
     px = rpc.Proxy(port=9800, port_end=9900, tracker_addr=tr.addr, wait=2.0)
-    servers = [rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="nat") for _ in range(2)]  # fmt: skip
+    servers = [rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="nat", allow_insecure_bind=True) for _ in range(2)]  # fmt: skip
     ts = rpc.connect_tracker(*tr.addr)
     try:
         assert _wait(lambda: ts.summary()["queue_info"].get("nat", {}).get("free") == 2)
@@ -104,3 +129,66 @@ def test_tracker_through_proxy():
             s.terminate()
         px.terminate()
         tr.terminate()
+
+
+def test_tracker_managed_server_needs_a_ticket():
+    """Through the proxy without a ticket: a clear answer at once, no time-out (issue 8, f)."""
+    tr = rpc.Tracker(port=9600, port_end=9700)
+    px = rpc.Proxy(port=9800, port_end=9900, tracker_addr=tr.addr, wait=5.0)
+    srv = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="nat", token="t")
+    ts = rpc.connect_tracker(*tr.addr, server_token="t")
+    try:
+        assert _wait(lambda: ts.summary()["queue_info"].get("nat", {}).get("free") == 1)
+        t0 = time.monotonic()
+        with pytest.raises(rpc.RPCAuthError, match="a ticket from the tracker is required"):
+            rpc.connect("127.0.0.1", px.port, key="nat", token="t")
+        assert time.monotonic() - t0 < 2
+        with ts.request("nat") as s:
+            assert s.get_function("pxy.add")(1, 1) == 2
+    finally:
+        ts.close()
+        srv.terminate()
+        px.terminate()
+        tr.terminate()
+
+
+def test_pairing_that_arrives_with_the_registration_reply():
+    """A proxy may pair a server at once: P_PAIRED in the same packet as the registration's
+    reply must not sit unseen in the server's read buffer (it used to, under load)."""
+    import socket
+    import struct
+    import threading
+
+    from disco_rpc import auth, wire
+    from disco_rpc.proxy import P_ACK, P_PAIRED, P_REGISTER, PROXY_SERVER_KEY
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    got: dict = {}
+
+    def fake_proxy() -> None:
+        sock, _ = lst.accept()
+        sock.settimeout(10)
+        conn = wire.Conn(wire.SocketTransport(sock))
+        assert auth.server_handshake(conn, PROXY_SERVER_KEY, None)
+        _k, got["register"], _v = conn.recv()
+        none = bytes(wire.encode(None)[0])
+        reply = struct.pack("<BBHII", wire.REPLY, P_REGISTER, 0, len(none), 0) + none
+        paired = struct.pack("<BBHII", wire.REQUEST, P_PAIRED, 0, len(none), 0) + none
+        sock.sendall(reply + paired)  # one packet
+        try:
+            got["ack"] = conn.recv()[1]
+        except OSError as exc:
+            got["ack"] = exc
+        sock.close()
+
+    th = threading.Thread(target=fake_proxy, daemon=True)
+    th.start()
+    srv = rpc.Server(host="127.0.0.1", port=lst.getsockname()[1], is_proxy=True, key="k", token="t")
+    try:
+        th.join(15)
+        assert got == {"register": P_REGISTER, "ack": P_ACK}
+    finally:
+        srv.terminate()
+        lst.close()

@@ -66,6 +66,21 @@ def _types(dev, dt):
     return (type(dev).__name__, str(dev), str(dt))
 
 
+@disco.register_func("rpctest.typename", override=True)
+def _typename(x):
+    return type(x).__name__
+
+
+@disco.register_func("rpctest.spawn_daemon", override=True)
+def _spawn_daemon(seconds):
+    """Fork a process that outlives the session (it inherits every descriptor)."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    return pid
+
+
 POPEN_SERVER = textwrap.dedent(
     """
     import numpy as np
@@ -85,6 +100,7 @@ POPEN_SERVER = textwrap.dedent(
     disco.register_func("rpctest.pid", os.getpid)
     disco.register_func("rpctest.die", os._exit)
     disco.register_func("rpctest.types", lambda d, t: (type(d).__name__, str(d), str(t)))
+    disco.register_func("rpctest.typename", lambda x: type(x).__name__)
     def noisy():
         print("this goes to stderr, not into the protocol")
         return 7
@@ -397,6 +413,7 @@ def test_popen_server_death(popen_script):
     assert time.time() - t0 < 5
     with pytest.raises(rpc.RPCError, match="closed"):
         s.get_function("rpctest.add")
+    shutil.rmtree(s.info["work_dir"], ignore_errors=True)  # os._exit left it behind
 
 
 def test_sessions_are_separate_processes(server):
@@ -443,6 +460,12 @@ def test_chained_session(server):
         x = rpc.tensor(np.arange(3.0), device=s.cpu())
         np.testing.assert_array_equal(x.numpy(), np.arange(3.0))
         s.close()
+        # TVM's positions: host, port, key, enable_logging, then the inner constructor
+        with rpc.connect(
+            "127.0.0.1", server.port,
+            session_constructor_args=["rpc.Connect", "127.0.0.1", inner.port, "inner", True, "rpc.LocalSession"],
+        ) as s:  # fmt: skip
+            assert s.get_function("rpctest.add")(1, 2) == 3
         with pytest.raises(rpc.RPCError, match="key mismatch"):
             rpc.connect(
                 "127.0.0.1",
@@ -492,7 +515,9 @@ def test_server_timeout_caps_sessions():
     srv = rpc.Server(port=9700, port_end=9800, timeout=1.0)
     try:
         s = rpc.connect("127.0.0.1", srv.port)
-        with pytest.raises(rpc.RPCError):
+        assert s.info["server_timeout"] == 1.0
+        # the error names the server's own limit, not a dead server
+        with pytest.raises(rpc.RPCSessionTimeoutError, match="server's session time limit of 1 s"):  # fmt: skip
             s.get_function("rpctest.sleep")(10)
     finally:
         srv.terminate()
@@ -570,6 +595,255 @@ def test_cli_server_and_upload(tmp_path):
             [exe, "server", "--host", "0.0.0.0", "--port", "9951"], capture_output=True, text=True
         )
         assert r.returncode == 2 and "refusing" in r.stderr
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# --------------------------------------------------------------------------- audit findings
+def test_server_start_failure_raises(tmp_path):
+    """A server process that cannot start makes the constructor raise (issue 7, 1)."""
+
+    def bad_init():
+        raise RuntimeError("no GPU here")
+
+    t0 = time.time()
+    with pytest.raises(rpc.RPCError, match="failed to start.*RuntimeError: no GPU here") as info:
+        rpc.Server(port=9400, port_end=9500, server_init_callback=bad_init)
+    assert "bad_init" in info.value.remote_traceback
+    with pytest.raises(rpc.RPCError, match="failed to start.*OSError.*missing.so"):
+        rpc.Server(port=9400, port_end=9500, load_library=[str(tmp_path / "missing.so")])
+    assert time.time() - t0 < 10
+    srv = rpc.Server(port=9400, port_end=9500, server_init_callback=lambda: None)
+    try:  # the port of the failed servers was released
+        with rpc.connect("127.0.0.1", srv.port) as s:
+            assert s.get_function("rpctest.add")(1, 2) == 3
+    finally:
+        srv.terminate()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_no_fork_terminate_closes_sessions(tmp_path, shared):
+    """terminate() ends no_fork sessions and leaves no session folder behind (issue 7, 2)."""
+    work = tmp_path / "work"
+    srv = rpc.Server(port=9500, port_end=9600, no_fork=True, work_dir=str(work) if shared else None)
+    s = rpc.connect("127.0.0.1", srv.port)
+    s.upload(b"kept", "f.txt")
+    folder = s.info["work_dir"]
+    srv.terminate()
+    with pytest.raises(rpc.RPCError):
+        s.get_function("rpctest.add")(1, 2)
+    if shared:  # the shared folder is the work folder itself, kept with its files only
+        assert folder == str(work) and sorted(os.listdir(work)) == ["f.txt"]
+    else:
+        assert not os.path.exists(folder)
+
+
+def test_system_lib_restype(c_objects, tmp_path):
+    """system_lib().get_function(name, restype=...) reaches loaded C symbols (issue 7, 3)."""
+    srv = rpc.Server(port=9400, port_end=9500, load_library=[str(c_objects / "lib.so")])
+    try:
+        with rpc.connect("127.0.0.1", srv.port) as s:
+            lib = s.system_lib()
+            assert lib["answer"]() == 42
+            assert lib.get_function("add_i64", restype="int64")(2**40, 1) == 2**40 + 1
+            res = lib.time_evaluator("add_i64", s.cpu(), number=3, restype="int64")(1, 2)
+            assert len(res.results) == 1
+            assert lib.get_function("rpctest.add")(1, 2) == 3
+            with pytest.raises(rpc.RPCError, match="is a Python global function"):
+                lib.get_function("rpctest.add", restype="int64")
+    finally:
+        srv.terminate()
+
+
+def test_chained_session_options(server):
+    """rpc.Connect follows TVM's positions; the inner token is a dict option (issue 7, 4)."""
+    inner = rpc.Server(port=9600, port_end=9700, key="inner", token="in-secret")
+    try:
+        args = ["rpc.Connect", "127.0.0.1", inner.port, "inner", False, {"token": "in-secret"}]
+        with rpc.connect("127.0.0.1", server.port, session_constructor_args=args) as s:
+            assert s.get_function("rpctest.add")(2, 3) == 5
+        with pytest.raises(rpc.RPCError, match="5th element of rpc.Connect is enable_logging"):
+            rpc.connect(
+                "127.0.0.1", server.port,
+                session_constructor_args=["rpc.Connect", "127.0.0.1", inner.port, "inner", "in-secret"],
+            )  # fmt: skip
+        with pytest.raises(rpc.RPCError, match="authentication failed"):
+            rpc.connect(
+                "127.0.0.1", server.port,
+                session_constructor_args=["rpc.Connect", "127.0.0.1", inner.port, "inner", False],
+            )  # fmt: skip
+    finally:
+        inner.terminate()
+
+
+@pytest.mark.parametrize("kind", ["server", "local"])
+def test_remote_object_of_another_session(server, kind):
+    """Another session's handle is refused at the call site, not resolved there (issue 7, 5)."""
+    make = (lambda: rpc.connect("127.0.0.1", server.port)) if kind == "server" else rpc.LocalSession
+    a, b = make(), make()
+    try:
+        xa = rpc.tensor(np.zeros(3), device=a.cpu())
+        xb = rpc.tensor(np.ones(3), device=b.cpu())
+        assert xa._rpc_ref.hid == xb._rpc_ref.hid  # the same number names different objects
+        add = b.get_function("rpctest.inplace_add")
+        with pytest.raises(ValueError, match="belongs to the RPC session"):
+            add(xa, 5)
+        with pytest.raises(ValueError, match="belongs to the RPC session"):
+            add([xb, {"k": xa}], 5)
+        np.testing.assert_array_equal(xb.numpy(), np.ones(3))  # untouched
+        add(xb, 1)  # the session is still in sync
+        np.testing.assert_array_equal(xb.numpy(), np.full(3, 2.0))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bytes_are_bytes_whatever_their_size(sess):
+    """Byte strings arrive as bytes both ways, small or large (issue 7, 6)."""
+    echo, typename = sess.get_function("rpctest.echo"), sess.get_function("rpctest.typename")
+    for n in (10, 1 << 15):
+        data = os.urandom(n)
+        (back,) = echo(data)
+        assert type(back) is bytes and back == data
+        assert typename(data) == "bytes"
+        assert typename(bytearray(data)) == "bytes"
+        assert type(echo({"k": [data]})[0]["k"][0]) is bytes
+
+
+@pytest.mark.timeout(30)
+def test_popen_not_a_server():
+    """A child that echoes is named for what it is, at once (issue 7, 7)."""
+    t0 = time.time()
+    with pytest.raises(rpc.RPCError, match="not a disco-rpc server"):
+        rpc.PopenSession(["/bin/cat"])
+    assert time.time() - t0 < 5
+    with pytest.raises(rpc.RPCError, match="did not answer the disco-rpc handshake within 1 s"):
+        rpc.PopenSession(["sleep", "30"], startup_timeout=1)
+
+
+LEAKY_LOCAL = textwrap.dedent(
+    """
+    import disco_core as disco
+    import disco_rpc as rpc
+    disco.register_func("leak.add", lambda a, b: a + b)
+    s = rpc.LocalSession()
+    assert s.get_function("leak.add")(1, 2) == 3  # cached: a cycle through the session
+    print(s.info["work_dir"], flush=True)
+    """
+)
+
+
+def test_local_session_folder_removed_at_exit():
+    """A LocalSession never closed removes its folder at interpreter exit (issue 7, 8)."""
+    r = subprocess.run([sys.executable, "-c", LEAKY_LOCAL], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    work = r.stdout.strip()
+    assert work and not os.path.exists(work)
+
+
+def test_part_names_are_user_names(sess):
+    """Only the upload's own hidden temporary names are hidden (issue 7, 11)."""
+    sess.upload(b"mine", "notes.part")
+    sess.upload(b"x", ".hidden")
+    assert sess.listdir() == [".hidden", "notes.part"]
+    assert bytes(sess.download("notes.part")) == b"mine"
+    with pytest.raises(rpc.RPCError, match="reserved"):
+        sess.upload(b"x", ".disco-rpc-part-0123456789abcdef")
+
+
+@pytest.fixture(scope="module")
+def small_frames_server():
+    srv = rpc.Server(port=9700, port_end=9800, max_message_bytes=1 << 20)
+    yield srv
+    srv.terminate()
+
+
+def test_files_larger_than_a_frame(small_frames_server, tmp_path):
+    """Files stream in chunks: their size is not bounded by max_message_bytes (issue 7, 13)."""
+    payload = os.urandom((5 << 20) + 123)
+    src = tmp_path / "big.bin"
+    src.write_bytes(payload)
+    with rpc.connect("127.0.0.1", small_frames_server.port, max_message_bytes=1 << 20) as s:
+        seen: list = []
+        s.upload(str(src), progress=lambda d, t: seen.append((d, t)))
+        assert len(seen) >= 6 and seen[-1] == (len(payload), len(payload))
+        assert [d for d, _t in seen] == sorted(d for d, _t in seen)
+        s.upload(payload, "from_bytes.bin")
+        assert bytes(s.download("big.bin")) == payload
+        seen.clear()
+        out = tmp_path / "back.bin"
+        s.download("from_bytes.bin", target=str(out), progress=lambda d, t: seen.append((d, t)))
+        assert out.read_bytes() == payload
+        assert len(seen) >= 6 and seen[-1] == (len(payload), len(payload))
+        assert s.get_function("rpctest.add")(1, 2) == 3  # still in sync
+
+
+def test_download_failure_keeps_target(sess, tmp_path):
+    """A failed download leaves the local file as it was (issue 7, 15)."""
+    target = tmp_path / "precious.txt"
+    target.write_text("do not lose me")
+    with pytest.raises(rpc.RPCError, match="FileNotFoundError"):
+        sess.download("missing.bin", target=str(target))
+    assert target.read_text() == "do not lose me"
+    sess.upload(b"new", "there.bin")
+    sess.download("there.bin", target=str(target))
+    assert target.read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["precious.txt"]  # no temporary file left
+
+
+def test_progress_of_empty_files(sess, tmp_path):
+    """An empty file still reports progress, once: (0, 0) (issue 7, 16)."""
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    seen: list = []
+    for call in (
+        lambda p: sess.upload(str(empty), progress=p),
+        lambda p: sess.upload(b"", "e2", progress=p),
+        lambda p: sess.download("empty", progress=p),
+        lambda p: sess.download("empty", target=str(tmp_path / "back"), progress=p),
+    ):
+        seen.clear()
+        call(lambda d, t: seen.append((d, t)))
+        assert seen == [(0, 0)]
+    assert (tmp_path / "back").read_bytes() == b""
+
+
+@pytest.mark.timeout(120)
+def test_cli_files_persist_with_work_dir(tmp_path):
+    """upload, download and ls in separate invocations against --work-dir (issue 7, 14)."""
+    exe = shutil.which("disco-rpc", path=os.path.dirname(sys.executable)) or "disco-rpc"
+    work = tmp_path / "work"
+    proc = subprocess.Popen(
+        [exe, "server", "--port", "9910", "--port-end", "9950", "--work-dir", str(work)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = int(proc.stdout.readline().rsplit(":", 1)[1])
+
+        def cli(*args):
+            return subprocess.run(
+                [exe, *args, "--port", str(port)], capture_output=True, text=True, timeout=60
+            )
+
+        f = tmp_path / "model.bin"
+        f.write_bytes(b"weights" * 1000)
+        r = cli("upload", str(f), "models/model.bin")
+        assert r.returncode == 0, r.stderr
+        r = cli("ls", "models")
+        assert r.returncode == 0 and r.stdout.split() == ["model.bin"], r.stderr
+        r = cli("download", "models/model.bin", str(tmp_path / "back.bin"))
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / "back.bin").read_bytes() == f.read_bytes()
+        assert (work / "models" / "model.bin").exists()  # kept between sessions
+        r = cli("download", "nope.bin", str(tmp_path / "x"))
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert r.stderr.strip().startswith("disco-rpc: remote FileNotFoundError")
+        assert len(r.stderr.strip().splitlines()) == 1
+        r = cli("upload", str(tmp_path / "no-such-file"))
+        assert r.returncode == 1 and "Traceback" not in r.stderr and "no-such-file" in r.stderr
+        r = cli("ls", "../..")
+        assert r.returncode == 1 and "PermissionError" in r.stderr
     finally:
         proc.terminate()
         proc.wait(10)

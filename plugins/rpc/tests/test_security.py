@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import ssl
@@ -85,16 +86,22 @@ def test_refuse_public_bind(monkeypatch):
 
 def test_oversized_frame(small_server):
     s = rpc.connect("127.0.0.1", small_server.port)
-    s.upload(b"x" * (512 << 10), "ok.bin")
-    with pytest.raises(rpc.RPCError):
-        s.upload(b"x" * (2 << 20), "big.bin")
+    assert s.info["max_message_bytes"] == 1 << 20  # the server's limit, told at INIT
+    # a request over the server's limit is refused here, before anything is sent
+    with pytest.raises(rpc.RPCError, match=r"over the peer's limit of 1048576 bytes.*nothing was sent"):  # fmt: skip
+        s.get_function("sectest.add")(b"x" * (2 << 20), b"")
+    with pytest.raises(rpc.RPCError, match="over the peer's limit"):
+        rpc.tensor(np.zeros(1 << 18), device=s.cpu())
+    assert s.get_function("sectest.add")(1, 2) == 3  # the session is still usable
     with rpc.connect("127.0.0.1", small_server.port) as s2:  # still serving
         assert s2.get_function("sectest.add")(1, 2) == 3
-    # the client bounds what it accepts, too
+    # the client bounds what it accepts, too: the server answers an error instead
     with rpc.connect("127.0.0.1", small_server.port, max_message_bytes=1 << 16) as s3:
-        x = rpc.tensor(np.zeros(1 << 15), device=s3.cpu())
-        with pytest.raises(rpc.RPCError, match="over the limit"):
-            x.numpy()
+        x = rpc.tensor(np.zeros(1 << 12), device=s3.cpu())
+        big = rpc.empty((1 << 15,), "float64", device=s3.cpu())
+        with pytest.raises(rpc.RPCError, match="over the peer's limit of 65536"):
+            big.numpy()
+        assert x.numpy().shape == (1 << 12,)  # still in sync
 
 
 def _raw_session(port):
@@ -156,9 +163,9 @@ def test_malformed_frames_answered(small_server, frame):
 def test_garbage_handshakes(small_server, data):
     sock = socket.create_connection(("127.0.0.1", small_server.port))
     sock.settimeout(5)
-    sock.sendall(data)
-    sock.shutdown(socket.SHUT_WR)
-    try:
+    try:  # the server may hang up as soon as it sees the bytes are no hello
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
         while sock.recv(4096):
             pass
     except OSError:
@@ -243,3 +250,179 @@ def test_tls(tls_files):
     # TLS alone is enough to listen beyond loopback
     srv = rpc.Server(host="0.0.0.0", port=10100, port_end=10150, ssl_context=sctx)
     srv.terminate()
+
+
+# --------------------------------------------------------------------------- no process before auth
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (all its threads'), from /proc."""
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_unauthenticated_peers_get_no_process(token_server):
+    """Handshakes run in the listener: a peer without the token never gets a process (issue 7, 10)."""
+    idle = [socket.create_connection(("127.0.0.1", token_server.port)) for _ in range(40)]
+    liars = []
+    for _ in range(10):  # a hello, then a wrong MAC
+        s = socket.create_connection(("127.0.0.1", token_server.port))
+        s.sendall(struct.pack("<8sII", b"DISCORPC", 1, 5) + b"board" + os.urandom(32))
+        liars.append(s)
+    try:
+        for s in liars:
+            s.settimeout(5)
+            assert s.recv(46)[:8] == b"DISCORPC"
+            s.sendall(os.urandom(32))
+            assert s.recv(64)[:1] == bytes([auth.AUTH_FAILED])
+        assert _children(token_server.pid) == []
+        # the listener still serves while 40 handshakes hang
+        with rpc.connect("127.0.0.1", token_server.port, key="board", token="s3cret") as sess:
+            assert sess.get_function("sectest.add")(1, 2) == 3
+            assert len(_children(token_server.pid)) == 1
+    finally:
+        for s in idle + liars:
+            s.close()
+
+
+def test_pending_handshakes_are_capped(small_server):
+    from disco_rpc.server import MAX_PENDING_HANDSHAKES
+
+    idle = [socket.create_connection(("127.0.0.1", small_server.port)) for _ in range(MAX_PENDING_HANDSHAKES + 8)]  # fmt: skip
+    try:
+        # the newest handshake is never the one dropped
+        with rpc.connect("127.0.0.1", small_server.port) as s:
+            assert s.get_function("sectest.add")(1, 2) == 3
+        idle[0].settimeout(5)
+        assert idle[0].recv(16) == b""  # the oldest were dropped
+    finally:
+        for s in idle:
+            s.close()
+
+
+# --------------------------------------------------------------------------- fuzzing
+# ops a mutated frame may carry: not upload (a stream follows), time_eval or empty (a
+# mutated count could run or allocate for ages), nor the Disco worker switch
+_SAFE_OPS = [0, 2, 3, 6, 7, 9, 10, 12, 15, 17, 18, 22, 99, 255]
+
+
+def _templates(conn) -> list[tuple[int, bytes, list]]:
+    """Valid requests (op, meta, buffers) to mutate; one needs a function handle of the session."""
+    conn.send(wire.REQUEST, 2, ((), ("sectest.add",)))
+    _k, _op, fn = conn.recv()
+    values = [
+        (2, ((), ("sectest.add",))),
+        (3, ((), (fn, (1, 2)))),
+        (3, ((), (fn, ("a" * 40, "b")))),
+        (3, ((), (fn, (b"x" * (1 << 15), b"y")))),
+        (7, ((), (".",))),
+        (10, ((), (np.arange(16, dtype="float32"), None))),
+        (18, ((), ())),
+        (3, ((), (fn, ([1, {"k": (2.5, None, True)}], [1j])))),
+    ]
+    out = []
+    for op, v in values:
+        meta, bufs = wire.encode(v)
+        out.append((op, bytes(meta), [bytes(b) for b in bufs]))
+    return out
+
+
+def _mutate(rng, meta: bytes) -> bytes:
+    m = bytearray(meta)
+    for _ in range(rng.randint(1, 4)):
+        what = rng.random()
+        if what < 0.4 and m:
+            m[rng.randrange(len(m))] = rng.randrange(256)
+        elif what < 0.6 and m:
+            del m[rng.randrange(len(m)) :]
+        elif what < 0.8:
+            pos = rng.randrange(len(m) + 1)
+            m[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        else:
+            pos = rng.randrange(len(m) + 1)
+            m[pos:pos] = bytes([rng.randrange(17)]) + struct.pack("<I", rng.choice([0, 1, 7, 1 << 20, (1 << 32) - 1]))  # fmt: skip
+    return bytes(m)
+
+
+def _outcome(conn) -> str:
+    try:
+        kind, _op, _v = conn.recv()
+    except (EOFError, ConnectionError):
+        return "eof"
+    return {wire.REPLY: "reply", wire.ERROR: "error"}.get(kind, f"kind {kind}")
+
+
+@pytest.mark.timeout(120)
+def test_fuzz_frames(small_server):
+    """Seeded random malformed, truncated and oversized frames (issue 7, 12).
+
+    Every frame gets an answer (reply or error) or the connection is dropped; a
+    connection that answered stays in sync; the server keeps serving others.
+    """
+    rng = random.Random(20261122)
+    sock = conn = None
+    templates: list = []
+    counts: dict[str, int] = {}
+    for _case in range(300):
+        if conn is None:
+            sock, conn = _raw_session(small_server.port)
+            templates = _templates(conn)
+        op, meta, bufs = rng.choice(templates)
+        r = rng.random()
+        if r < 0.6:  # well framed, mutated meta, any safe op
+            frame = _frame(_mutate(rng, meta), op=rng.choice(_SAFE_OPS), lens=[len(b) for b in bufs])  # fmt: skip
+            sock.sendall(frame + b"".join(bufs))
+            got = _outcome(conn)
+            if got != "eof":  # still in sync: a good request gets its reply
+                conn.send(wire.REQUEST, 18, ((), ()))
+                assert _outcome(conn) in ("reply", "eof")
+        else:
+            if r < 0.75:  # a random head and random bytes, then end of file
+                head = struct.pack("<BBHII", rng.randrange(256), rng.randrange(256), rng.randrange(1 << 16), rng.choice([0, 5, 1 << 16, 1 << 31]), rng.choice([0, 1, 3, 1 << 17]))  # fmt: skip
+                data = head + os.urandom(rng.randint(0, 300))
+            elif r < 0.85:  # a valid frame cut short
+                full = _frame(meta, op=op, lens=[len(b) for b in bufs]) + b"".join(bufs)
+                data = full[: rng.randrange(len(full))]
+            elif r < 0.95:  # an oversized declaration
+                data = _frame(meta, op=op, lens=[rng.choice([2 << 20, 1 << 40, (1 << 64) - 1])])
+            else:  # an upload whose chunks are malformed
+                req = bytes(wire.encode(((), ("fz.bin", 100)))[0])
+                chunk = struct.pack("<BBHII", rng.choice([1, 4]), rng.choice([4, 5]), rng.randrange(3), rng.choice([0, 3]), rng.choice([0, 1, 2]))  # fmt: skip
+                data = _frame(req, op=4) + chunk + os.urandom(rng.randint(0, 120))
+            try:
+                sock.sendall(data)
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            got = "eof"
+            while _outcome(conn) != "eof":  # answers, if any, then the end
+                got = "error"
+            sock.close()
+            sock = conn = None
+        counts[got] = counts.get(got, 0) + 1
+    if sock is not None:
+        sock.close()
+    assert counts.get("error", 0) > 100 and counts.get("eof", 0) > 20, counts  # both paths ran
+    with rpc.connect("127.0.0.1", small_server.port) as s:
+        assert s.get_function("sectest.add")(1, 2) == 3
+
+
+def test_stream_abort_keeps_the_connection(small_server, tmp_path):
+    """A file that fails while streaming is aborted in band: no file, still in sync."""
+    src = tmp_path / "short.bin"
+    src.write_bytes(os.urandom(3 << 20))
+    sock, conn = _raw_session(small_server.port)
+    conn.peer_max = 1 << 20
+    declared = (3 << 20) + 1000  # more than the file holds: it "fails" near the end
+    conn.send(wire.REQUEST, 4, ((), ("short.bin", declared)))  # OP_UPLOAD
+    with open(src, "rb") as f:
+        err = conn.send_stream(4, wire.FileSource(f, declared), declared)
+    assert isinstance(err, OSError) and "ended" in str(err)
+    kind, _op, value = conn.recv()
+    assert kind == wire.ERROR and "sender's file failed" in value[1]
+    conn.send(wire.REQUEST, 7, ((), (".",)))  # OP_LISTDIR: in sync, and no file appeared
+    kind, _op, value = conn.recv()
+    assert kind == wire.REPLY and value == []
+    sock.close()

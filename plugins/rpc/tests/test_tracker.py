@@ -45,6 +45,29 @@ def _spin(n):
     return s
 
 
+@disco.register_func("trk.spawn_daemon", override=True)
+def _spawn_daemon(seconds):
+    """Fork a process that outlives the session (it inherits every descriptor)."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    return pid
+
+
+CALLS = [0]
+
+
+@disco.register_func("trk.count", override=True)
+def _count():
+    CALLS[0] += 1
+
+
+@disco.register_func("trk.calls", override=True)
+def _calls():
+    return CALLS[0]
+
+
 def _wait(pred, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -406,3 +429,156 @@ def test_time_evaluator_ctypes(plain_server, tmp_path):
         assert np.isfinite(big.std)
     finally:
         sess.close()
+
+
+# --------------------------------------------------------------------------- audit findings
+def test_interrupted_request_is_cancelled(tracker):
+    """Ctrl-C while waiting in request(): the connection resyncs, the request is gone (issue 8, b)."""
+    srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tracker.addr, key="k")
+    ts = rpc.connect_tracker(*tracker.addr)
+    try:
+        holder = ts.request("k")
+
+        def interrupt(*_a):
+            raise KeyboardInterrupt
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ts.request("k")  # waits: the only server is held
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert _wait(lambda: ts.summary()["queue_info"]["k"]["pending"] == 0)
+        holder.close()
+        # nobody takes the server: the interrupted request was cancelled, and the
+        # next calls read their own replies
+        assert _wait(lambda: _free(ts, "k") == 1)
+        time.sleep(0.3)
+        assert _free(ts, "k") == 1
+        s = ts.request("k")
+        assert s.get_function("trk.pid")() > 0
+        s.close()
+    finally:
+        srv.terminate()
+        ts.close()
+
+
+def test_forked_daemon_does_not_hold_the_server(tracker):
+    """A process the session forked does not keep the server "in use" (issue 8, c)."""
+    srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tracker.addr, key="k")
+    ts = rpc.connect_tracker(*tracker.addr)
+    daemon = None
+    try:
+        s = ts.request("k")
+        daemon = s.get_function("trk.spawn_daemon")(30)
+        s.close()
+        assert _wait(lambda: _free(ts, "k") == 1, timeout=5)
+        os.kill(daemon, 0)  # the daemon is still running
+    finally:
+        if daemon is not None:
+            try:
+                os.kill(daemon, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        srv.terminate()
+        ts.close()
+
+
+def test_tracker_restart_keeps_a_busy_server_busy():
+    """A server in a session registers again as busy with a restarted tracker (issue 8, d)."""
+    tr = rpc.Tracker(port=9600, port_end=9700)
+    port = tr.port
+    srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tr.addr, key="k")
+    tr2 = None
+    try:
+        ts = rpc.connect_tracker(*tr.addr)
+        s = ts.request("k")
+        ts.close()
+        tr.terminate()
+        tr2 = rpc.Tracker(port=port, port_end=port + 1)
+        ts2 = rpc.connect_tracker("127.0.0.1", port)
+        assert _wait(lambda: ts2.summary()["queue_info"].get("k", {}).get("total") == 1)
+        assert _free(ts2, "k") == 0  # not handed to a second client
+        assert s.get_function("trk.pid")() > 0
+        s.close()
+        assert _wait(lambda: _free(ts2, "k") == 1)
+        s2 = ts2.request("k")
+        s2.close()
+        ts2.close()
+    finally:
+        srv.terminate()
+        tr.terminate()
+        if tr2 is not None:
+            tr2.terminate()
+
+
+def test_malformed_tracker_requests_answered(tracker):
+    """Any bad request gets an error reply; the link and the tracker keep working (issue 8, e)."""
+    from disco_rpc import tracker as T
+    from disco_rpc import wire
+
+    conn = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+    try:
+        for op, value in [
+            (T.T_REQUEST, {"a": 1}),
+            (T.T_REQUEST, ("k",)),
+            (T.T_REQUEST, None),
+            (T.T_PUT, ("k", "h", 1)),  # a client may not register
+            (77, None),
+        ]:
+            conn.send(wire.REQUEST, op, value)
+            kind, _op, reply = conn.recv()
+            assert kind == wire.ERROR and isinstance(reply[1], str), (op, value, reply)
+        conn.send(wire.REQUEST, T.T_SUMMARY, None)
+        kind, _op, reply = conn.recv()
+        assert kind == wire.REPLY and reply == {"server_info": [], "queue_info": {}}
+    finally:
+        conn.close()
+
+
+def _dead_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_unreachable_tracker_errors():
+    """A tracker that is down is named as such, in one line (issue 8, f)."""
+    port = _dead_port()
+    r = subprocess.run(
+        [sys.executable, "-m", "disco_rpc", "query", "--port", str(port)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == r.stderr.strip().splitlines()[0]
+    assert r.stderr.startswith(f"disco-rpc: cannot connect to the tracker at 127.0.0.1:{port}")
+    with pytest.raises(rpc.RPCError, match=f"cannot connect to the tracker at 127.0.0.1:{port}"):
+        rpc.Server(port=9400, port_end=9500, tracker_addr=("127.0.0.1", port), key="k")
+
+
+@pytest.mark.parametrize("kind", ["server", "local"])
+def test_time_evaluator_zero_time_limit(monkeypatch, kind):
+    """A clock that measures 0 does not hang the evaluator: limit_zero_time_iterations (issue 8, h)."""
+    from disco_rpc import handler
+
+    monkeypatch.setattr(handler, "_clock", lambda: 1.0)  # every run measures exactly 0
+    CALLS[0] = 0
+    srv = rpc.Server(port=9400, port_end=9500) if kind == "server" else None  # forks the patch
+    sess = rpc.connect("127.0.0.1", srv.port) if srv else rpc.LocalSession()
+    try:
+        lib = sess.system_lib()
+        ev = lib.time_evaluator("trk.count", sess.cpu(0), number=2, repeat=3, min_repeat_ms=50, limit_zero_time_iterations=4)  # fmt: skip
+        res = ev()
+        assert res.results == (0.0, 0.0, 0.0)
+        # one warm-up, then per repeat 4 tries of `number` calls (number does not grow on 0)
+        assert sess.get_function("trk.calls")() == 1 + 3 * 4 * 2
+    finally:
+        sess.close()
+        if srv is not None:
+            srv.terminate()
