@@ -25,12 +25,12 @@ import select
 import signal
 import socket
 import ssl
-import sys
 import threading
 import time
 from typing import Any
 
 from . import auth, wire
+from ._service import ServiceProcess
 from .errors import RPCError
 from .tracker import T_END, T_START, TICKET_SEP, Registration
 from .wire import REPLY, REQUEST
@@ -304,7 +304,7 @@ def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes |
         stop.set()
 
 
-class Proxy:
+class Proxy(ServiceProcess):
     """Start an RPC proxy in a separate process, as ``tvm.rpc.proxy.Proxy``.
 
     Parameters
@@ -328,6 +328,8 @@ class Proxy:
         Seconds a client waits for an idle server with its key.
     """
 
+    _kind = "Proxy"
+
     def __init__(self, host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199, web_port: int = 0, timeout_client: float = 600, timeout_server: float = 600, tracker_addr: Any = None, index_page: Any = None, resource_files: Any = None, *, token: Any = None, ssl_context: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
         from .server import bind_listener, check_bind
 
@@ -339,65 +341,19 @@ class Proxy:
         sock = bind_listener(host, port, port_end, reuse_addr)
         self.port = sock.getsockname()[1]
         tracker_token = token if tracker_token is None else tracker_token
-        rfd, wfd = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                os.close(wfd)
-                wire.close_inherited()
-                os.setpgid(0, 0)
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
-                serve_proxy(
+
+        def serve(watch_fd: int) -> None:
+            signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+            serve_proxy(
                     sock, host, self.port, token_b, ssl_context,
                     tuple(tracker_addr) if tracker_addr else None,
-                    tracker_token, tracker_ssl_context, wait, rfd,
+                    tracker_token, tracker_ssl_context, wait, watch_fd,
                 )  # fmt: skip
-            except BaseException:
-                import traceback
 
-                traceback.print_exc()
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(rfd)
-        sock.close()
-        self.pid: int | None = pid
-        self._watch = wfd
-
-    @property
-    def addr(self) -> tuple[str, int]:
-        return (self.host, self.port)
-
-    def terminate(self) -> None:
-        """Stop the proxy; a second call does nothing."""
-        from .server import stop_process
-
-        pid, self.pid = self.pid, None
-        if pid is not None:
-            stop_process(pid)
-            try:
-                os.close(self._watch)
-            except OSError:
-                pass
-
-    def __enter__(self) -> Proxy:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.terminate()
-
-    def __del__(self) -> None:
         try:
-            self.terminate()
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        return f"<disco_rpc.Proxy {self.host}:{self.port} pid={self.pid}>"
+            self._fork(serve)
+        finally:
+            sock.close()
 
 
 # --------------------------------------------------------------------------- the server side

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import auth, wire
+from ._service import ServiceProcess
 from .errors import ProtocolError, RPCError
 from .handler import OP_INIT, SessionHandler, error_value, serve_conn
 from .tracker import T_END, T_START, TICKET_SEP
@@ -660,37 +661,6 @@ def check_bind(host: str, token: bytes | None, ssl_context: Any, allow_insecure_
         logger.warning("listening on %s without token or TLS", host)
 
 
-def stop_process(pid: int, grace: float = 3.0) -> None:
-    """SIGTERM ``pid`` (a process group leader we forked), then SIGKILL its group."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if done:
-            break
-        time.sleep(0.005)
-    else:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
-        return
-    try:  # session processes left behind in the group
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) -> socket.socket:
     """Bind the first free port in ``[port, port_end)`` (``port`` alone when ``port_end <= port``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -751,7 +721,7 @@ def _await_ready(fd: int, pid: int) -> None:
     raise RPCError("the RPC server process exited before it was ready")
 
 
-class Server:
+class Server(ServiceProcess):
     """Start an RPC server in a separate process, as ``tvm.rpc.Server``.
 
     The constructor returns once the server process has loaded ``load_library``
@@ -807,6 +777,8 @@ class Server:
         Allow a non-loopback address with neither token nor TLS (and ``is_proxy``
         without a token).
     """
+
+    _kind = "Server"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False, tracker_token: Any = None, tracker_ssl_context: Any = None, proxy_token: Any = None, proxy_ssl_context: Any = None) -> None:  # fmt: skip
         self.host = host
@@ -869,47 +841,28 @@ class Server:
         """Fork the server process; return once it reported ready (or raise its error)."""
         # made here, so that terminate() removes it even if the server process was killed
         cfg.temp_root = self._temp_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
-        rfd, wfd = os.pipe()  # closes when this process goes: the server then exits
         ready_r, ready_w = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the server process
-            code = 0
+
+        def serve(watch_fd: int) -> None:
+            os.close(ready_r)
             try:
-                os.close(wfd)
-                os.close(ready_r)
-                wire.close_inherited()
-                os.setpgid(0, 0)
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                try:
-                    cfg.libs = load_libraries(load_library)
-                    if init_callback is not None:
-                        init_callback()
-                    first = _first_proxy_link(proxy_args) if proxy_args is not None else None
-                except BaseException as exc:
-                    _report_ready(ready_w, exc)
-                    raise
-                _report_ready(ready_w, None)
-                if proxy_args is not None:
-                    from .proxy import serve_via_proxy
+                cfg.libs = load_libraries(load_library)
+                if init_callback is not None:
+                    init_callback()
+                first = _first_proxy_link(proxy_args) if proxy_args is not None else None
+            except BaseException as exc:
+                _report_ready(ready_w, exc)
+                raise
+            _report_ready(ready_w, None)
+            if proxy_args is not None:
+                from .proxy import serve_via_proxy
 
-                    serve_via_proxy(cfg, *proxy_args, watch_fd=rfd, first=first)
-                else:
-                    serve_forever(self._sock, cfg, watch_fd=rfd)
-            except SystemExit:
-                pass
-            except BaseException:
-                import traceback
+                serve_via_proxy(cfg, *proxy_args, watch_fd=watch_fd, first=first)
+            else:
+                serve_forever(self._sock, cfg, watch_fd=watch_fd)
 
-                traceback.print_exc()
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(rfd)
+        pid = self._fork(serve)
         os.close(ready_w)
-        self._watch = wfd
-        self.pid = pid
         if self._sock is not None:
             self._sock.close()
         try:
@@ -918,36 +871,8 @@ class Server:
             self.terminate()
             raise
 
-    @property
-    def addr(self) -> tuple[str, int]:
-        return (self.host, self.port)
-
-    def terminate(self) -> None:
-        """Stop the server and every session it started; a second call does nothing."""
-        pid, self.pid = self.pid, None
-        if pid is None:
-            return
-        stop_process(pid)
-        try:
-            os.close(self._watch)
-        except OSError:
-            pass
+    def _cleanup(self) -> None:
         shutil.rmtree(self._temp_root, ignore_errors=True)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.terminate()
-
-    def __del__(self) -> None:
-        try:
-            self.terminate()
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        return f"<disco_rpc.Server {self.host}:{self.port} pid={self.pid}>"
 
 
 def _first_proxy_link(proxy_args: tuple) -> tuple:

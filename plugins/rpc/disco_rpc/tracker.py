@@ -26,12 +26,12 @@ import secrets
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 from typing import Any
 
 from . import auth, wire
+from ._service import ServiceProcess
 from .errors import RPCError, RPCRequestTimeoutError, RPCSessionTimeoutError
 from .wire import ERROR, REPLY, REQUEST
 
@@ -350,7 +350,7 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
         stop.set()
 
 
-class Tracker:
+class Tracker(ServiceProcess):
     """Start a tracker in a separate process, as ``tvm.rpc.tracker.Tracker``.
 
     Parameters
@@ -372,6 +372,8 @@ class Tracker:
         goes back into the pool.
     """
 
+    _kind = "Tracker"
+
     def __init__(self, host: str = "127.0.0.1", port: int = 9190, port_end: int = 9199, silent: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
         from .server import bind_listener, check_bind
 
@@ -382,61 +384,15 @@ class Tracker:
         self.host = host
         sock = bind_listener(host, port, port_end, reuse_addr)
         self.port = sock.getsockname()[1]
-        rfd, wfd = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                os.close(wfd)
-                wire.close_inherited()
-                os.setpgid(0, 0)
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
-                serve_tracker(sock, token_b, ssl_context, max_message_bytes, match_timeout, rfd)
-            except BaseException:
-                import traceback
 
-                traceback.print_exc()
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(rfd)
-        sock.close()
-        self.pid: int | None = pid
-        self._watch = wfd
+        def serve(watch_fd: int) -> None:
+            signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+            serve_tracker(sock, token_b, ssl_context, max_message_bytes, match_timeout, watch_fd)
 
-    @property
-    def addr(self) -> tuple[str, int]:
-        return (self.host, self.port)
-
-    def terminate(self) -> None:
-        """Stop the tracker; a second call does nothing."""
-        from .server import stop_process
-
-        pid, self.pid = self.pid, None
-        if pid is not None:
-            stop_process(pid)
-            try:
-                os.close(self._watch)
-            except OSError:
-                pass
-
-    def __enter__(self) -> Tracker:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.terminate()
-
-    def __del__(self) -> None:
         try:
-            self.terminate()
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        return f"<disco_rpc.Tracker {self.host}:{self.port} pid={self.pid}>"
+            self._fork(serve)
+        finally:
+            sock.close()
 
 
 # --------------------------------------------------------------------------- links to a tracker
