@@ -23,10 +23,18 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import DiscoError, WorkerDiedError, WorkerError
-from ..protocol import FLAG_BATCH, Frame, encode, isolate, isolate_command
+from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
 from ..worker import Worker, set_current
 
-__all__ = ["Channel", "Outgoing", "ReplyHub", "WorkerLink", "LinkChannel", "ThreadWorkerLink"]
+__all__ = [
+    "Channel",
+    "Outgoing",
+    "ReplyHub",
+    "WorkerLink",
+    "BatchingLink",
+    "LinkChannel",
+    "ThreadWorkerLink",
+]
 
 
 class Outgoing:
@@ -208,6 +216,78 @@ class WorkerLink(abc.ABC):
     @abc.abstractmethod
     def close(self, deadline: float) -> None:
         """Wait until ``deadline`` (``time.monotonic()``) for the workers to stop; kill them then."""
+
+
+class BatchingLink(WorkerLink):
+    """A link to workers in other processes, whose small commands leave in batches.
+
+    Small commands wait in an outbox and leave together (one write, one wake-up of
+    the worker); the channel flushes the outbox before it waits for any reply, and
+    within ``FLUSH_DELAY`` otherwise. A frame with out-of-band buffers leaves at
+    once: those buffers are views of the caller's arrays, which may change next.
+
+    Subclasses say where bytes go: by default ``write_all`` to the file descriptor
+    ``out_fd`` (a pipe, a socket); :meth:`_write` and :meth:`_write_views` may be
+    overridden, and :meth:`_died` turns a failed write into the error to raise.
+    """
+
+    #: An outbox this large is flushed at once.
+    OUTBOX_BYTES = 1 << 16
+    out_fd: int
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.outbox: list[bytes] = []
+        self.outbox_bytes = 0
+
+    def send(self, out: Outgoing) -> None:
+        frame = out.frame
+        self.send_head(frame_head(frame, out.flags), frame[1])
+
+    def send_head(self, head: bytes, buffers: Sequence[Any]) -> None:
+        """Send a frame's ``head`` (with any routing prefix) and its out-of-band ``buffers``."""
+        try:
+            with self.lock:
+                if buffers:
+                    self._flush_locked()
+                    self._write_views(head, buffers)
+                else:
+                    self.outbox.append(head)
+                    self.outbox_bytes += len(head)
+                    if self.outbox_bytes >= self.OUTBOX_BYTES:
+                        self._flush_locked()
+        except OSError as exc:
+            raise self._died(exc) from None
+
+    @property
+    def buffered(self) -> bool:
+        return bool(self.outbox)
+
+    def flush(self) -> None:
+        try:
+            with self.lock:
+                self._flush_locked()
+        except OSError as exc:
+            raise self._died(exc) from None
+
+    def _flush_locked(self) -> None:
+        if self.outbox:
+            data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
+            self.outbox.clear()
+            self.outbox_bytes = 0
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        write_all(self.out_fd, data)
+
+    def _write_views(self, head: bytes, buffers: Sequence[Any]) -> None:
+        write_all(self.out_fd, head)
+        for m in buffers:
+            write_all(self.out_fd, m)
+
+    @abc.abstractmethod
+    def _died(self, exc: OSError) -> WorkerDiedError:
+        """The error to raise when a write failed with ``exc`` (the workers are gone)."""
 
 
 class ThreadWorkerLink(WorkerLink):

@@ -20,15 +20,14 @@ import threading
 import time
 
 from ..errors import WorkerDiedError
-from ..protocol import FrameReader, decode, frame_head, write_all
-from .base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
+from ..protocol import FrameReader, decode
+from .base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
 from .stderr_tee import StderrTee, with_stderr
 
 __all__ = ["ProcessChannel", "ProcessWorkerLink", "start_timeout", "tee_stderr"]
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _PIPE_BYTES = 1 << 20
-_OUTBOX_BYTES = 1 << 16
 
 
 def start_timeout() -> float:
@@ -70,12 +69,13 @@ def worker_env(num_workers: int = 1) -> dict[str, str]:
     return env
 
 
-class ProcessWorkerLink(WorkerLink):
+class ProcessWorkerLink(BatchingLink):
     """One worker in a child process, behind a command pipe and a reply pipe."""
 
     def __init__(
         self, worker_id: int, num_workers: int, num_groups: int, entrypoint: str, env: dict
     ) -> None:
+        super().__init__()
         self.worker_ids = (worker_id,)
         cmd_r, self.cmd_w = os.pipe()
         self.reply_r, reply_w = os.pipe()
@@ -102,50 +102,8 @@ class ProcessWorkerLink(WorkerLink):
         #: The end of the worker's stderr (set by the channel): ``stderr_tail(wait)``.
         self.stderr_tail = lambda wait=0.0: ""
         self.reader = FrameReader(self.reply_r)
-        self.lock = threading.Lock()
+        self.out_fd = self.cmd_w
         self.dead_reason: str | None = None
-        self.outbox: list[bytes] = []
-        self.outbox_bytes = 0
-
-    def send(self, out: Outgoing) -> None:
-        # Small commands wait in the outbox and leave together (one write, one wake-up
-        # of the worker); the channel flushes it before it waits for any reply and
-        # within FLUSH_DELAY otherwise. A frame with out-of-band buffers leaves now:
-        # those buffers are views of the caller's arrays, which may change next.
-        frame = out.frame
-        head = frame_head(frame, out.flags)
-        try:
-            with self.lock:
-                if frame[1]:
-                    self._flush_locked()
-                    write_all(self.cmd_w, head)
-                    for m in frame[1]:
-                        write_all(self.cmd_w, m)
-                else:
-                    self.outbox.append(head)
-                    self.outbox_bytes += len(head)
-                    if self.outbox_bytes >= _OUTBOX_BYTES:
-                        self._flush_locked()
-        except OSError as exc:
-            raise self._died(exc) from None
-
-    @property
-    def buffered(self) -> bool:
-        return bool(self.outbox)
-
-    def flush(self) -> None:
-        try:
-            with self.lock:
-                self._flush_locked()
-        except OSError as exc:
-            raise self._died(exc) from None
-
-    def _flush_locked(self) -> None:
-        if self.outbox:
-            data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
-            self.outbox.clear()
-            self.outbox_bytes = 0
-            write_all(self.cmd_w, data)
 
     def _died(self, exc: OSError) -> WorkerDiedError:
         reason = self.exit_reason(wait=0.5)

@@ -25,23 +25,19 @@ import threading
 import time
 from typing import Any
 
-from disco_core.channels.base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
+from disco_core.channels.base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
 from disco_core.errors import DiscoError, WorkerDiedError
 from disco_core.protocol import (
     FLAG_BATCH,
     FrameReader,
     decode,
     encode,
-    frame_head,
-    write_all,
     write_frame,
 )
 
 from . import wire
 
 __all__ = ["RPCChannel", "RPCWorkerLink", "run_worker"]
-
-_OUTBOX_BYTES = 1 << 16
 
 
 def _start_timeout() -> float:
@@ -88,10 +84,11 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
 
 
 # --------------------------------------------------------------------------- controller side
-class RPCWorkerLink(WorkerLink):
+class RPCWorkerLink(BatchingLink):
     """One worker in an RPC server's session process, behind the session's socket."""
 
     def __init__(self, worker_id: int, sess: Any, host: str) -> None:
+        super().__init__()
         self.worker_ids = (worker_id,)
         self.sess = sess
         self.host = host
@@ -103,48 +100,10 @@ class RPCWorkerLink(WorkerLink):
         if conn.buffered():  # the worker's first frames may have come in with the RPC reply
             self.reader.buf += bytes(conn.view[conn.start : conn.end])
             conn.start = conn.end
-        self.lock = threading.Lock()
+        self.out_fd = self.fd
         self.dead_reason: str | None = None
-        self.outbox: list[bytes] = []
-        self.outbox_bytes = 0
         self.pid: int | None = None
         self.eof = threading.Event()
-
-    def send(self, out: Outgoing) -> None:
-        frame = out.frame
-        head = frame_head(frame, out.flags)
-        try:
-            with self.lock:
-                if frame[1]:
-                    self._flush_locked()
-                    write_all(self.fd, head)
-                    for m in frame[1]:
-                        write_all(self.fd, m)
-                else:
-                    self.outbox.append(head)
-                    self.outbox_bytes += len(head)
-                    if self.outbox_bytes >= _OUTBOX_BYTES:
-                        self._flush_locked()
-        except OSError as exc:
-            raise self._died(exc) from None
-
-    @property
-    def buffered(self) -> bool:
-        return bool(self.outbox)
-
-    def flush(self) -> None:
-        try:
-            with self.lock:
-                self._flush_locked()
-        except OSError as exc:
-            raise self._died(exc) from None
-
-    def _flush_locked(self) -> None:
-        if self.outbox:
-            data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
-            self.outbox.clear()
-            self.outbox_bytes = 0
-            write_all(self.fd, data)
 
     def _died(self, exc: OSError) -> WorkerDiedError:
         reason = (

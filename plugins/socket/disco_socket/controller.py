@@ -25,7 +25,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from disco_core import protocol as P
-from disco_core.channels.base import LinkChannel, Outgoing, ReplyHub, ThreadWorkerLink, WorkerLink
+from disco_core.channels.base import (
+    BatchingLink,
+    LinkChannel,
+    Outgoing,
+    ReplyHub,
+    ThreadWorkerLink,
+    WorkerLink,
+)
 from disco_core.channels.process import (
     ProcessWorkerLink,
     ReplyReader,
@@ -66,7 +73,6 @@ HANDSHAKE_TIMEOUT = 10.0
 WAIT_NOTICE_DELAY = 3.0
 #: Seconds a connection that arrives after every node joined may take to be told so.
 _LATE_TIMEOUT = 2.0
-_OUTBOX_BYTES = 1 << 16
 #: The core's built-in function that loads module files (intercepted to ship the file).
 _LOAD_MODULE = "disco.load_module"
 
@@ -101,7 +107,7 @@ def reachable_host(host: str) -> str:
     return socket.gethostname()
 
 
-class NodeLink(WorkerLink):
+class NodeLink(BatchingLink):
     """The controller's connection to one remote node and, through it, to its workers.
 
     One reader thread per node receives what the agent sends (relayed replies
@@ -124,6 +130,7 @@ class NodeLink(WorkerLink):
         data: dict[int, socket.socket] | None = None,
         heartbeat_timeout: float = wire.DEFAULT_HEARTBEAT_TIMEOUT,
     ) -> None:
+        super().__init__()
         self.node_id = node_id
         self.sock = sock
         self.peer = peer
@@ -131,9 +138,6 @@ class NodeLink(WorkerLink):
         self.first = self.worker_ids[0]
         self.hub = hub
         self.info = info
-        self.lock = threading.Lock()
-        self.outbox: list[bytes] = []
-        self.outbox_bytes = 0
         self.dead_reason: str | None = None
         self._requests: dict[int, queue.SimpleQueue] = {}
         self._next_request = 1
@@ -181,38 +185,13 @@ class NodeLink(WorkerLink):
     def send_to(self, out: Outgoing, targets: Sequence[int] | None) -> None:
         """Send ``out`` to the node's workers ``targets`` (global ids; None: all of them)."""
         frame = out.frame
-        head = self._route(targets) + frame_head(frame, out.flags)
-        try:
-            with self.lock:
-                if frame[1]:
-                    # Out-of-band buffers are views of the caller's arrays: they leave now.
-                    self._flush_locked()
-                    wire.send_views(self.sock, [head, *frame[1]])
-                else:
-                    self.outbox.append(head)
-                    self.outbox_bytes += len(head)
-                    if self.outbox_bytes >= _OUTBOX_BYTES:
-                        self._flush_locked()
-        except OSError as exc:
-            raise self._died(exc) from None
+        self.send_head(self._route(targets) + frame_head(frame, out.flags), frame[1])
 
-    @property
-    def buffered(self) -> bool:
-        return bool(self.outbox)
+    def _write(self, data: bytes) -> None:
+        self.sock.sendall(data)
 
-    def flush(self) -> None:
-        try:
-            with self.lock:
-                self._flush_locked()
-        except OSError as exc:
-            raise self._died(exc) from None
-
-    def _flush_locked(self) -> None:
-        if self.outbox:
-            data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
-            self.outbox.clear()
-            self.outbox_bytes = 0
-            self.sock.sendall(data)
+    def _write_views(self, head: bytes, buffers: Sequence[Any]) -> None:
+        wire.send_views(self.sock, [head, *buffers])
 
     def _died(self, exc: BaseException) -> WorkerDiedError:
         if self.dead_reason is None:
