@@ -393,6 +393,27 @@ class LinkChannel(Channel):
         self._flush_due = False
         self._stopping = False
 
+    def wait_ready(self, worker_ids: Iterable[int], deadline: float, what: str = "workers") -> None:
+        """Wait for the ``ready`` message of each of ``worker_ids`` until ``deadline``.
+
+        Raises :class:`TimeoutError` (naming ``DISCO_START_TIMEOUT``) past the deadline,
+        and :class:`WorkerDiedError` ("failed to start: ...") when one of them died.
+        """
+        limit = max(0.0, deadline - time.monotonic())
+
+        def poll() -> None:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{what} did not start within {limit:.0f} s (DISCO_START_TIMEOUT)"
+                )
+
+        for w in worker_ids:
+            try:
+                self.hub.wait(w, poll, interval=0.05)
+            except WorkerDiedError as exc:
+                raise WorkerDiedError(exc.worker_ids, f"failed to start: {exc.reason}") from None
+
     def _flush_loop(self) -> None:
         while True:
             self._wake_flusher.get()

@@ -211,30 +211,13 @@ class ProcessChannel(LinkChannel):
             self.reader.start()
             self.procs = procs
             self._set_links([ThreadWorkerLink(0, num_workers, num_groups, self.hub), *procs])
-            self._wait_ready(procs)
+            self.wait_ready(range(1, num_workers), time.monotonic() + start_timeout())
         except BaseException:
             self.hub.closing = True
             for link in procs:
                 link.kill()
                 link.close(time.monotonic() + 1)
             raise
-
-    def _wait_ready(self, procs: list[ProcessWorkerLink]) -> None:
-        limit = start_timeout()
-        deadline = time.monotonic() + limit
-
-        def poll() -> None:
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"workers did not start within {limit:.0f} s (DISCO_START_TIMEOUT)"
-                )
-
-        for link in procs:
-            try:
-                self.hub.wait(link.worker_ids[0], poll, interval=0.05)
-            except WorkerDiedError as exc:
-                raise WorkerDiedError(exc.worker_ids, f"failed to start: {exc.reason}") from None
 
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)

@@ -283,7 +283,7 @@ class RPCChannel(LinkChannel):
             self.reader.start()
             self.rpc_links = links
             self._set_links([ThreadWorkerLink(0, num_workers, num_groups, self.hub), *links])
-            self._wait_ready(links, deadline, limit)
+            self.wait_ready([link.worker_ids[0] for link in links], deadline, "RPC workers")
         except BaseException:
             self.hub.closing = True
             for s in sessions:
@@ -292,20 +292,6 @@ class RPCChannel(LinkChannel):
         finally:
             if tsess is not None:
                 tsess.close()
-
-    def _wait_ready(self, links: list[RPCWorkerLink], deadline: float, limit: float) -> None:
-        def poll() -> None:
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"RPC workers did not start within {limit:.0f} s (DISCO_START_TIMEOUT)"
-                )
-
-        for link in links:
-            try:
-                self.hub.wait(link.worker_ids[0], poll, interval=0.05)
-            except WorkerDiedError as exc:
-                raise WorkerDiedError(exc.worker_ids, f"failed to start: {exc.reason}") from None
 
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)

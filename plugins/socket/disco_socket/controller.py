@@ -557,7 +557,7 @@ class SocketChannel(LinkChannel):
             self._accept_nodes()
         thread0 = ThreadWorkerLink(0, nw, ng, self.hub)
         self._set_links([thread0, *self.procs, *sorted(self.nodes, key=lambda n: n.node_id)])
-        self._wait_ready()
+        self.wait_ready(range(1, self.num_workers), time.monotonic() + max(start_timeout(), 1.0))
 
     def join_command(self) -> str:
         """What to run on each other node (with an address other machines can reach)."""
@@ -823,23 +823,6 @@ class SocketChannel(LinkChannel):
             pending.socks[gid] = conn
             if len(pending.socks) == len(pending.ids):
                 pending.done.set()
-
-    def _wait_ready(self) -> None:
-        limit = max(start_timeout(), 1.0)
-        deadline = time.monotonic() + limit
-
-        def poll() -> None:
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"workers did not start within {limit:.0f} s (DISCO_START_TIMEOUT)"
-                )
-
-        for w in range(1, self.num_workers):
-            try:
-                self.hub.wait(w, poll, interval=0.05)
-            except WorkerDiedError as exc:
-                raise WorkerDiedError(exc.worker_ids, f"failed to start: {exc.reason}") from None
 
     def _close_listener(self) -> None:
         if self._listener is not None:
