@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from . import auth, wire
-from ._service import ServiceProcess
+from ._service import ServiceProcess, accept_loop
 from .errors import RPCError
 from .tracker import T_END, T_START, TICKET_SEP, Registration
 from .wire import REPLY, REQUEST
@@ -282,24 +282,13 @@ def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes |
     state = _ProxyState(host, port, tracker_addr, tracker_token, tracker_ssl_context)
     stop = threading.Event()
     threading.Thread(target=_janitor, args=(state, stop), daemon=True).start()
-    watch = [listen_sock] + ([watch_fd] if watch_fd is not None else [])
+
+    def handle(sock: socket.socket, addr: Any) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _handle(sock, addr, state, token, ssl_context, wait)
+
     try:
-        while True:
-            try:
-                ready, _, _ = select.select(watch, [], [], 1.0)
-            except InterruptedError:
-                continue
-            if watch_fd is not None and watch_fd in ready:
-                return
-            if listen_sock in ready:
-                try:
-                    sock, addr = listen_sock.accept()
-                except OSError:
-                    continue
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                threading.Thread(
-                    target=_handle, args=(sock, addr, state, token, ssl_context, wait), daemon=True
-                ).start()
+        accept_loop(listen_sock, watch_fd, handle)
     finally:
         stop.set()
 

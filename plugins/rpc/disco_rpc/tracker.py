@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from . import auth, wire
-from ._service import ServiceProcess
+from ._service import ServiceProcess, accept_loop
 from .errors import RPCError, RPCRequestTimeoutError, RPCSessionTimeoutError
 from .wire import ERROR, REPLY, REQUEST
 
@@ -327,25 +327,11 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
                 state.expire()
 
     threading.Thread(target=expire_loop, daemon=True, name="tracker-expire").start()
-    watch = [listen_sock] + ([watch_fd] if watch_fd is not None else [])
     try:
-        while True:
-            try:
-                ready, _, _ = select.select(watch, [], [], 1.0)
-            except InterruptedError:
-                continue
-            if watch_fd is not None and watch_fd in ready:
-                return
-            if listen_sock in ready:
-                try:
-                    sock, addr = listen_sock.accept()
-                except OSError:
-                    continue
-                threading.Thread(
-                    target=_handle,
-                    args=(sock, addr, state, token, ssl_context, max_message_bytes),
-                    daemon=True,
-                ).start()
+        accept_loop(
+            listen_sock, watch_fd,
+            lambda sock, addr: _handle(sock, addr, state, token, ssl_context, max_message_bytes),
+        )  # fmt: skip
     finally:
         stop.set()
 
