@@ -24,7 +24,14 @@ from ..protocol import FrameReader, decode
 from .base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
 from .stderr_tee import StderrTee, with_stderr
 
-__all__ = ["ProcessChannel", "ProcessWorkerLink", "start_timeout", "tee_stderr"]
+__all__ = [
+    "ProcessChannel",
+    "ProcessWorkerLink",
+    "start_timeout",
+    "tee_stderr",
+    "exit_reason",
+    "stop_worker",
+]
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _PIPE_BYTES = 1 << 20
@@ -51,6 +58,30 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def exit_reason(proc: subprocess.Popen, worker_id: int, wait: float = 0.0) -> str | None:
+    """Why worker ``worker_id``'s process ``proc`` ended (waiting up to ``wait`` s), or None."""
+    try:
+        code = proc.wait(wait) if wait else proc.poll()
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is None:
+        return None
+    return f"worker {worker_id} (pid {proc.pid}) {describe_exit(code)}"
+
+
+def stop_worker(proc: subprocess.Popen, cmd_w: int, deadline: float) -> None:
+    """Close the command pipe (an idle worker exits at its end), then wait; kill a laggard."""
+    try:
+        os.close(cmd_w)
+    except OSError:
+        pass
+    try:
+        proc.wait(max(0.01, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def worker_env(num_workers: int = 1) -> dict[str, str]:
@@ -114,27 +145,13 @@ class ProcessWorkerLink(BatchingLink):
         return WorkerDiedError(self.worker_ids, with_stderr(reason, self.stderr_tail(0.5)))
 
     def exit_reason(self, wait: float = 0.0) -> str | None:
-        try:
-            code = self.proc.wait(wait) if wait else self.proc.poll()
-        except subprocess.TimeoutExpired:
-            code = None
-        if code is None:
-            return None
-        return f"worker {self.worker_ids[0]} (pid {self.proc.pid}) {describe_exit(code)}"
+        return exit_reason(self.proc, self.worker_ids[0], wait)
 
     def poll(self) -> str | None:
         return self.dead_reason or self.exit_reason()
 
     def close(self, deadline: float) -> None:
-        try:
-            os.close(self.cmd_w)  # EOF: an idle worker exits even without the command
-        except OSError:
-            pass
-        try:
-            self.proc.wait(max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_worker(self.proc, self.cmd_w, deadline)
         if self.err_r is not None:  # never handed to a tee
             os.close(self.err_r)
             self.err_r = None

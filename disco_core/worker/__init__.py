@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,15 @@ from ..device import Device, as_array, to_host
 from ..errors import DiscoError, WorkerError
 from ..protocol import _REF_TYPES, FLAG_BATCH, FrameReader, RegRef, decode, encode, write_frame
 
-__all__ = ["WorkerContext", "Worker", "current", "set_current", "MissingValue", "main"]
+__all__ = [
+    "WorkerContext",
+    "Worker",
+    "current",
+    "set_current",
+    "MissingValue",
+    "main",
+    "command_stream",
+]
 
 _local = threading.local()
 
@@ -317,6 +325,16 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
+def command_stream(reader: FrameReader) -> Iterator[tuple]:
+    """The commands in the frames ``reader`` reads, batches unpacked, in order."""
+    while True:
+        header, buffers, flags = reader.read()
+        if flags & FLAG_BATCH:
+            yield from decode(header, buffers)
+        else:
+            yield decode(header, buffers)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run a worker process: ``python -m disco_core.worker --worker-id 1 ...``.
 
@@ -348,16 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     reader = FrameReader(args.cmd_fd)
     send(("ready", os.getpid()))
 
-    def commands():
-        while True:
-            header, buffers, flags = reader.read()
-            if flags & FLAG_BATCH:
-                yield from decode(header, buffers)
-            else:
-                yield decode(header, buffers)
-
     try:
-        worker.run(commands().__next__)
+        worker.run(command_stream(reader).__next__)
     except EOFError:
         worker.close()  # the controller is gone
     os._exit(0)

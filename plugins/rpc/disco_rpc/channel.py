@@ -28,7 +28,6 @@ from typing import Any
 from disco_core.channels.base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
 from disco_core.errors import DiscoError, WorkerDiedError
 from disco_core.protocol import (
-    FLAG_BATCH,
     FrameReader,
     decode,
     encode,
@@ -47,7 +46,7 @@ def _start_timeout() -> float:
 # --------------------------------------------------------------------------- server side
 def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: int, sys_path: Any = ()) -> None:  # fmt: skip
     """Run the core's worker loop on the session's socket until shutdown or end of file."""
-    from disco_core.worker import Worker
+    from disco_core.worker import Worker, command_stream
 
     for p in reversed(list(sys_path or ())):
         if isinstance(p, str) and p and os.path.isdir(p) and p not in sys.path:
@@ -69,16 +68,8 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
         conn.start = conn.end
     send(("ready", os.getpid()))
 
-    def commands():
-        while True:
-            header, buffers, flags = reader.read()
-            if flags & FLAG_BATCH:
-                yield from decode(header, buffers)
-            else:
-                yield decode(header, buffers)
-
     try:
-        worker.run(commands().__next__)
+        worker.run(command_stream(reader).__next__)
     except (EOFError, OSError):
         worker.close()  # the controller is gone
 

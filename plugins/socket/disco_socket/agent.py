@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Any
 
-from disco_core.channels.process import describe_exit, worker_env
+from disco_core.channels.process import exit_reason, stop_worker, worker_env
 from disco_core.channels.stderr_tee import StderrTee
 
 from . import wire
@@ -332,24 +332,10 @@ class WorkerProc:
                 os.close(fd)
 
     def exit_reason(self, wait: float = 0.0) -> str | None:
-        try:
-            code = self.proc.wait(wait) if wait else self.proc.poll()
-        except subprocess.TimeoutExpired:
-            code = None
-        if code is None:
-            return None
-        return f"worker {self.gid} (pid {self.proc.pid}) {describe_exit(code)}"
+        return exit_reason(self.proc, self.gid, wait)
 
     def close(self, deadline: float) -> None:
-        try:
-            os.close(self.cmd_w)  # EOF: an idle worker exits even without the command
-        except OSError:
-            pass
-        try:
-            self.proc.wait(max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_worker(self.proc, self.cmd_w, deadline)
 
 
 # --------------------------------------------------------------------------- module-file cache
