@@ -7,25 +7,44 @@ hand the CCL a stand-in module (the tests that do so say that they do).
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 from disco_core.errors import CCLError
 
-__all__ = ["load", "INSTALL_HINT"]
+__all__ = ["load", "device_count", "can_split", "communicator", "uid_bytes", "INSTALL_HINT"]
 
 INSTALL_HINT = {
     "nccl": "pip install 'disco-nccl[cuda12]' (CuPy for CUDA 12: cupy-cuda12x)",
     "rccl": "pip install disco-rccl with the CuPy build for your ROCm (cupy-rocm-*)",
 }
+# ncclCommSplit arrived in NCCL 2.18.1 (CuPy >= 13 binds it as NcclCommunicator.commSplit).
+_SPLIT_VERSION = 21801
 
 
-def load(name: str = "nccl") -> tuple[ModuleType, ModuleType]:
-    """Return ``(cupy, cupy.cuda.nccl)``, or raise a :class:`CCLError` saying what is missing."""
+def load(name: str = "nccl", need_gpu: bool = True) -> tuple[ModuleType, ModuleType]:
+    """Return ``(cupy, cupy.cuda.nccl)``, or raise a :class:`CCLError` saying what is missing.
+
+    Parameters
+    ----------
+    name : str
+        ``"nccl"`` or ``"rccl"``: which CuPy build (CUDA or ROCm) is needed.
+    need_gpu : bool
+        Also require a usable GPU. The controller does not need one (it only makes
+        the NCCL unique ids, as TVM's does); the workers do.
+    """
     try:
         import cupy
     except ImportError as exc:
         raise CCLError(
             f"init_ccl({name!r}) needs CuPy, which is not installed: {INSTALL_HINT[name]}"
         ) from exc
+    is_hip = bool(getattr(cupy.cuda.runtime, "is_hip", False))
+    if is_hip != (name == "rccl"):
+        build, other = ("ROCm", "rccl") if is_hip else ("CUDA", "nccl")
+        raise CCLError(
+            f"init_ccl({name!r}): the installed CuPy {cupy.__version__} is its {build} build; "
+            f"use init_ccl({other!r}) here, or {INSTALL_HINT[name]}"
+        )
     try:
         from cupy.cuda import nccl
     except ImportError as exc:  # CuPy without its NCCL/RCCL library
@@ -37,10 +56,53 @@ def load(name: str = "nccl") -> tuple[ModuleType, ModuleType]:
         raise CCLError(
             f"init_ccl({name!r}): CuPy was built without {name.upper()} support; {INSTALL_HINT[name]}"
         )
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, no device
-        raise CCLError(f"init_ccl({name!r}) needs a GPU, and none is usable here: {exc}") from exc
-    if count < 1:
-        raise CCLError(f"init_ccl({name!r}) needs a GPU, and this machine has none")
+    if need_gpu:
+        count = device_count(cupy)
+        if count is None:
+            try:
+                cupy.cuda.runtime.getDeviceCount()
+            except Exception as exc:  # no driver, no device: say which
+                raise CCLError(
+                    f"init_ccl({name!r}) needs a GPU, and none is usable here: {exc}"
+                ) from exc
+            raise CCLError(f"init_ccl({name!r}) needs a GPU, and this machine has none")
     return cupy, nccl
+
+
+def device_count(cupy: Any) -> int | None:
+    """The number of GPUs this process sees, or None when there is none (or no driver)."""
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return None
+    return count or None
+
+
+def can_split(nccl: Any) -> bool:
+    """True when ``ncclCommSplit`` is usable: NCCL >= 2.18.1 and a CuPy that binds it."""
+    if not hasattr(getattr(nccl, "NcclCommunicator", None), "commSplit"):
+        return False
+    try:
+        return int(nccl.get_version()) >= _SPLIT_VERSION
+    except Exception:
+        return False
+
+
+def communicator(nccl: Any, size: int, uid: bytes, rank: int) -> Any:
+    """``ncclCommInitRank``; ``uid`` is the id's 128 bytes.
+
+    CuPy >= 14 takes the id as bytes, older CuPy as a tuple of (signed) chars; the
+    controller's and a worker's CuPy may differ when the workers run on other nodes.
+    """
+    try:
+        return nccl.NcclCommunicator(size, uid, rank)
+    except TypeError:
+        signed = tuple(b - 256 if b > 127 else b for b in uid)
+        return nccl.NcclCommunicator(size, signed, rank)
+
+
+def uid_bytes(uid: Any) -> bytes:
+    """The 128 bytes of an NCCL unique id, whichever form this CuPy returned it in."""
+    if isinstance(uid, (bytes, bytearray)):
+        return bytes(uid)
+    return bytes(b & 0xFF for b in uid)

@@ -1,11 +1,11 @@
 """The NCCL CCL (also serves RCCL): one implementation, two registered names.
 
-Controller side (:meth:`NCCLCCL.rendezvous`): checks the device ids, creates the
-NCCL unique ids (one for all workers, one per group) that reach every worker
-through the control plane. Worker side: binds the worker to its GPU, builds the
-global communicator and its group's communicator with ``ncclCommInitRank`` (CuPy
-exposes no ``ncclCommSplit``; separate initialisation is what TVM does without
-it), and runs every operation on the worker's current CUDA stream, so it is
+Controller side (:meth:`NCCLCCL.rendezvous`): checks the device ids and creates the
+NCCL unique ids that reach every worker through the control plane (it needs NCCL
+for that, not a GPU). Worker side: binds the worker to its GPU, builds the global
+communicator with ``ncclCommInitRank`` and its group's communicator with
+``ncclCommSplit``, as TVM does (where NCCL or CuPy lacks it, from a unique id of
+its own), and runs every operation on the worker's current CUDA stream, so it is
 ordered with the user's own kernels. Communicators are destroyed exactly once.
 
 Every collective first all-gathers a small descriptor of each member's arguments
@@ -68,11 +68,12 @@ def reduce_op(op: str) -> int:
 
 
 def check_device_ids(
-    device_ids: Sequence[int], workers_per_node: int, device_count: int
+    device_ids: Sequence[int], workers_per_node: int, device_count: int | None
 ) -> tuple[int, ...]:
     """The GPU of each local worker, validated (distinct, existing), as TVM expects them.
 
-    With no ids, worker ``w`` uses GPU ``w``.
+    With no ids, worker ``w`` uses GPU ``w``. ``device_count`` None (the controller
+    sees no GPU; the workers are elsewhere) leaves the existence check to the workers.
     """
     ids = tuple(int(d) for d in device_ids) or tuple(range(workers_per_node))
     if len(ids) != workers_per_node:
@@ -84,9 +85,10 @@ def check_device_ids(
         raise CCLError(
             f"init_ccl: device ids {list(ids)} repeat a GPU; NCCL needs one GPU per worker"
         )
-    bad = [d for d in ids if not 0 <= d < device_count]
+    bad = [d for d in ids if d < 0 or (device_count is not None and d >= device_count)]
     if bad:
-        raise CCLError(f"init_ccl: no GPU {bad} on this machine ({device_count} visible)")
+        where = f"on this machine ({device_count} visible)" if device_count else "(ids are >= 0)"
+        raise CCLError(f"init_ccl: no GPU {bad} {where}")
     return ids
 
 
@@ -138,41 +140,90 @@ class NCCLCCL(CCL):
         unknown = set(options) - {"validate"}
         if unknown:
             raise TypeError(f"init_ccl({cls.name!r}): unknown options {sorted(unknown)}")
-        cupy, nccl = backend.load(cls.name)
-        per_node = channel.num_workers // max(1, getattr(channel, "num_nodes", 1))
-        ids = check_device_ids(device_ids, per_node, cupy.cuda.runtime.getDeviceCount())
+        # The controller makes the unique ids (as TVM's does) and needs NCCL for
+        # that, but not a GPU: a session's GPUs may all be on other nodes.
+        cupy, nccl = backend.load(cls.name, need_gpu=False)
+        nodes = max(1, getattr(channel, "num_nodes", 1))
+        per_node = channel.num_workers // nodes
+        # This machine's GPUs say what exists only when the workers run here;
+        # elsewhere each worker checks its own id against its own machine.
+        local = nodes == 1 and getattr(channel, "shares_memory", True)
+        count = backend.device_count(cupy) if local else None
+        if local and count is None:
+            backend.load(cls.name)  # raises, saying what is missing (driver, device)
+        ids = check_device_ids(device_ids, per_node, count)
         groups = channel.num_groups
+        # Group communicators: ncclCommSplit of the global one where NCCL has it (as
+        # TVM), else each group initialises its own from an id made here. Ids are
+        # only made when used: each one keeps a bootstrap thread waiting in NCCL.
+        split = groups > 1 and backend.can_split(nccl)
         with _TOKEN_LOCK:
             token = next(_NEXT_TOKEN)
         payload = {
             "token": token,
             "device_ids": ids,
-            "world_uid": nccl.get_unique_id(),
-            "group_uids": [nccl.get_unique_id() for _ in range(groups)] if groups > 1 else None,
+            "world_uid": backend.uid_bytes(nccl.get_unique_id()),
+            "split": split,
+            "group_uids": (
+                [backend.uid_bytes(nccl.get_unique_id()) for _ in range(groups)]
+                if groups > 1 and not split
+                else None
+            ),
             "validate": bool(options.get("validate", True)),
         }
         return NCCLRendezvous(payload)
+
+    @classmethod
+    def preflight(
+        cls, ctx: Any, payload: dict, device_ids: Sequence[int] = (), **options: Any
+    ) -> None:
+        """This worker's own checks, run on every worker before any enters NCCL's init.
+
+        ``ncclCommInitRank`` waits for every rank: a worker that failed afterwards
+        (no CuPy on its node, a GPU its machine lacks) would leave the others waiting.
+        """
+        cupy, nccl = backend.load(cls.name)
+        cls._own_gpu(ctx, payload, cupy, nccl)
+
+    @classmethod
+    def _own_gpu(cls, ctx: Any, payload: dict, cupy: Any, nccl: Any) -> int:
+        ids = payload["device_ids"]
+        gpu = ids[ctx.worker_id % len(ids)]
+        count = backend.device_count(cupy) or 0
+        if gpu >= count:
+            raise CCLError(
+                f"init_ccl({cls.name!r}): worker {ctx.worker_id} was given GPU {gpu}, "
+                f"but its machine has {count} visible"
+            )
+        if payload["split"] and not backend.can_split(nccl):
+            raise CCLError(
+                f"init_ccl({cls.name!r}): worker {ctx.worker_id}'s NCCL or CuPy has no "
+                "ncclCommSplit (NCCL >= 2.18.1, CuPy >= 13), the controller's has: "
+                "install the same versions everywhere"
+            )
+        return gpu
 
     def __init__(
         self, ctx: Any, payload: dict, device_ids: Sequence[int] = (), **options: Any
     ) -> None:
         super().__init__(ctx, payload, device_ids)
         self.cupy, self.nccl = backend.load(self.name)
-        ids = payload["device_ids"]
-        self.gpu = ids[ctx.worker_id % len(ids)]
+        self.gpu = self._own_gpu(ctx, payload, self.cupy, self.nccl)
         self.cupy.cuda.Device(self.gpu).use()
         ctx.device = Device("rocm" if self.name == "rccl" else "cuda", self.gpu)
         self.token = payload["token"]
         self.validate = payload["validate"]
         self._closed = False
-        self.world = self.nccl.NcclCommunicator(
-            ctx.num_workers, payload["world_uid"], ctx.worker_id
+        self.world = backend.communicator(
+            self.nccl, ctx.num_workers, payload["world_uid"], ctx.worker_id
         )
-        if payload["group_uids"] is None:
+        if ctx.num_groups == 1:
             self.group = self.world
+        elif payload["split"]:
+            self.group = self.world.commSplit(ctx.group_id, ctx.local_rank)
         else:
-            self.group = self.nccl.NcclCommunicator(
-                ctx.group_size, payload["group_uids"][ctx.group_id], ctx.local_rank
+            self.group = backend.communicator(
+                self.nccl, ctx.group_size, payload["group_uids"][ctx.group_id], ctx.local_rank
             )
 
     # ------------------------------------------------------------------ helpers
@@ -322,9 +373,11 @@ class NCCLCCL(CCL):
             raise CCLError(f"recv_from_worker: {err}")  # nothing follows the header
         target = buf
         if err:  # still take the message off the wire, so the sender is not left hanging
-            nbytes = theirs.src[2]
-            target = self.cupy.empty(nbytes, np.uint8)
-            comm.recv(target.data.ptr, nbytes, _DTYPES["uint8"], peer, self._stream)
+            # NCCL wants the sender's datatype and count on the receiving side too.
+            dtype, _, nbytes = theirs.src
+            count = nbytes // np.dtype(dtype).itemsize
+            target = self.cupy.empty(count, dtype)
+            comm.recv(target.data.ptr, count, nccl_dtype(dtype), peer, self._stream)
             raise CCLError(f"recv_from_worker: {err}")
         comm.recv(target.data.ptr, target.size, nccl_dtype(target.dtype), peer, self._stream)
 
