@@ -143,6 +143,12 @@ def init_ccl(name: str, payload: Any, device_ids: tuple, options: dict) -> None:
     ctx.ccl = cls(ctx, payload, tuple(device_ids), **dict(options))
 
 
+@_builtin("ccl_preflight")
+def ccl_preflight(name: str, payload: Any, device_ids: tuple, options: dict) -> None:
+    """Run the CCL's worker-side checks (:meth:`CCL.preflight`) before ``init_ccl``."""
+    plugins.lookup("ccl", name).preflight(current(), payload, tuple(device_ids), **dict(options))
+
+
 @_builtin("ccl_poison")
 def ccl_poison(reason: str) -> None:
     """Make this worker's CCL refuse every later operation (see :meth:`CCL.poison`)."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import plugins, registry
 from . import protocol as P
-from .ccl.base import REDUCE_OPS
+from .ccl.base import CCL, REDUCE_OPS
 from .channels.base import Channel, Outgoing
 from .device import Device, as_array, as_device, as_dtype, as_shape
 from .errors import CCLError, DiscoError, SessionClosedError, WorkerDiedError, WorkerError
@@ -478,9 +478,15 @@ class Session:
         self._channel.on_worker_death(
             lambda ids_, reason: rendezvous.abort(f"worker(s) {ids_} died: {reason}")
         )
-        init = self._get_cached_method("disco.init_ccl")
-        self.call_packed(init, ccl, rendezvous.payload, ids, options)
         try:
+            if cls.preflight.__func__ is not CCL.preflight.__func__:
+                # Checks first, everywhere: a worker failing inside a blocking
+                # initialisation would leave the others waiting in it for ever.
+                check = self._get_cached_method("disco.ccl_preflight")
+                self.call_packed(check, ccl, rendezvous.payload, ids, options)
+                self._sync_all()
+            init = self._get_cached_method("disco.init_ccl")
+            self.call_packed(init, ccl, rendezvous.payload, ids, options)
             self._sync_all()
         except WorkerError:
             self._state["rendezvous"] = None

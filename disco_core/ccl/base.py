@@ -8,7 +8,9 @@ A CCL has two halves:
   reaches every worker, and which the session aborts when a worker dies and
   closes at shutdown;
 * the worker half, an instance of the CCL class on every worker, runs the
-  operations.
+  operations. A CCL whose construction waits for every worker (NCCL's
+  ``ncclCommInitRank``) also overrides :meth:`CCL.preflight`: the session runs it on
+  every worker, and raises what failed, before any worker starts waiting.
 
 The contract every implementation honours (``disco_core.testing.ccl_kit`` checks it):
 
@@ -95,6 +97,19 @@ class CCL(abc.ABC):
     def rendezvous(cls, channel: Channel, device_ids: Sequence[int], **options: Any) -> Rendezvous:
         """Controller side: prepare the meeting of the workers (see :class:`Rendezvous`)."""
         return Rendezvous()
+
+    @classmethod
+    def preflight(
+        cls, ctx: WorkerContext, payload: Any, device_ids: Sequence[int], **options: Any
+    ) -> None:
+        """Worker side, before any worker constructs its CCL: raise what would fail here.
+
+        A CCL whose construction blocks until every worker has joined (NCCL's
+        ``ncclCommInitRank``, for one) overrides this with the checks that can fail on
+        one worker only (a missing library, a device the machine lacks): the session
+        runs it on every worker, and raises their errors, before any of them starts
+        waiting for the others. The default does nothing and costs nothing.
+        """
 
     # ---- helpers ---------------------------------------------------------------------
     def members(self, in_group: bool) -> range:
