@@ -15,7 +15,7 @@ __all__ = ["load", "device_count", "can_split", "communicator", "uid_bytes", "IN
 
 INSTALL_HINT = {
     "nccl": "pip install 'disco-nccl[cuda12]' (CuPy for CUDA 12: cupy-cuda12x)",
-    "rccl": "pip install disco-rccl with the CuPy build for your ROCm (cupy-rocm-*)",
+    "rccl": "pip install 'disco-rccl[rocm7]' (CuPy for ROCm 7: cupy-rocm-7-0; [rocm5] for ROCm 5)",
 }
 # ncclCommSplit arrived in NCCL 2.18.1 (CuPy >= 13 binds it as NcclCommunicator.commSplit).
 _SPLIT_VERSION = 21801
