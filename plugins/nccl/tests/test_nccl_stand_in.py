@@ -348,3 +348,30 @@ def test_a_worker_whose_machine_lacks_its_gpu_fails_before_anyone_enters_nccl(st
         assert time.monotonic() - t0 < 5, "the other workers waited inside ncclCommInitRank"
         assert NcclCommunicator.made == []  # nobody started NCCL's initialisation
         sess.init_ccl("shm")  # and nothing was left half-made
+
+
+_GPU_TESTS_ON_STAND_IN = """
+import sys
+sys.path.insert(0, {tests!r})
+import _nccl_stand_in
+sys.modules.update(_nccl_stand_in.make_modules(gpus=1))
+import pytest
+sys.exit(pytest.main([{gpu_tests!r}, "-q", "-k", "threaded", "-p", "no:cacheprovider"]))
+"""
+
+
+def test_the_gpu_tests_themselves_hold_on_the_stand_in(tmp_path):
+    """test_nccl_gpu.py's threaded cases, run on the stand-in: keeps that file from rotting
+    between GPU runs (its flows and expected messages); it says nothing about NCCL."""
+    import subprocess
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    code = _GPU_TESTS_ON_STAND_IN.format(
+        tests=str(tests), gpu_tests=str(tests / "test_nccl_gpu.py")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=50
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout
