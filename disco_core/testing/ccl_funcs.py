@@ -42,6 +42,23 @@ def _reg(name: str):
     return deco
 
 
+def _on_device(arr: Any) -> Any:
+    """``arr`` on this worker's default device: a GPU CCL's workers get GPU arrays."""
+    device = current().device
+    if arr is None or not device.is_gpu or not isinstance(arr, np.ndarray):
+        return arr
+    import cupy
+
+    with cupy.cuda.Device(device.device_id):
+        return cupy.asarray(arr)
+
+
+@_reg("place")
+def place(arr: Any) -> Any:
+    """``arr`` (set from the controller with ``debug_copy_from``) on the worker's device."""
+    return _on_device(arr)
+
+
 def _call(name: str, *args: Any) -> Any:
     return get_global_func(f"disco.{name}")(*args)
 
@@ -85,7 +102,7 @@ def input_(shape: Any, dtype: str, seed: int, roots_only: bool | None = None) ->
     """
     if roots_only is not None and not _is_root(bool(roots_only)):
         return None
-    return make_input(shape, dtype, seed, current().worker_id)
+    return _on_device(make_input(shape, dtype, seed, current().worker_id))
 
 
 @_reg("peer")
@@ -177,12 +194,14 @@ def fail_on(worker_id: int, shape: Any, dtype: str) -> np.ndarray:
     """Raise on ``worker_id``; return an array of ones elsewhere (a register that failed)."""
     if current().worker_id == worker_id:
         raise ValueError(f"ccl_kit.fail_on: failed on purpose on worker {worker_id}")
-    return np.ones(shape, as_dtype(dtype))
+    return _on_device(np.ones(shape, as_dtype(dtype)))
 
 
 @_reg("reshaped")
 def reshaped(arr: Any, shape: Any) -> Any:
     """A new array with ``arr``'s data in another shape."""
+    if not isinstance(arr, np.ndarray) and hasattr(arr, "get"):  # a GPU array
+        return arr.reshape(shape).copy(order="C")
     return np.asarray(arr).reshape(shape).copy(order="C")
 
 

@@ -19,7 +19,9 @@ and across groups of every size dividing ``num_workers``, for every dtype, at
 tiny, empty, odd and multi-round sizes, with results **bit-identical** to a NumPy
 reference; and the failure cases: mismatched calls, wrong sizes, bad peers, a
 failed register, no CCL, a dead worker, a timeout. None may hang, and the session
-works afterwards.
+works afterwards. For a GPU CCL (one that makes the workers' default device a GPU)
+the arrays the kit makes live on each worker's GPU (CuPy arrays); results are
+compared on the host.
 
 The reference semantics (what every CCL promises):
 
@@ -163,6 +165,12 @@ def assert_bits(got: Any, ref: np.ndarray, what: str) -> None:
 
 def _values(ref: disco.DRef, workers: Sequence[int]) -> dict[int, Any]:
     return {w: ref.debug_get_from_remote(w) for w in workers}
+
+
+def _put(sess: disco.Session, ref: disco.DRef, worker: int, value: np.ndarray) -> disco.DRef:
+    """``ref`` with worker ``worker``'s value set to ``value``, on that worker's device."""
+    ref.debug_copy_from(worker, value)
+    return sess.call_packed("ccl_kit.place", ref)
 
 
 def _sync(sess: disco.Session) -> None:
@@ -763,7 +771,8 @@ class CCLContract:
         host = np.array([2.5], "float64")
         for w, got in _values(sess.broadcast(host), range(nw)).items():
             assert_bits(got, host, f"worker {w}")
-        host2 = np.arange(nw, dtype="int16")
+        small = "int16" if "int16" in self.dtypes else "int8"  # 2 bytes, or the least a CCL has
+        host2 = np.arange(nw, dtype=small)
         for w, got in _values(sess.scatter(host2), range(nw)).items():
             assert_bits(got, host2[w], f"worker {w}")
 
@@ -785,12 +794,12 @@ class CCLContract:
         src = sess.call_packed("ccl_kit.input", src_shape, "float32", 1)
         dst = sess.empty(dst_shape, "float32")
         if op == "allreduce":
-            src.debug_copy_from(odd, other(src_shape))
-            dst.debug_copy_from(odd, other(dst_shape))
+            src = _put(sess, src, odd, other(src_shape))
+            dst = _put(sess, dst, odd, other(dst_shape))
         elif op in ("allgather", "gather"):
-            src.debug_copy_from(odd, other(src_shape))
+            src = _put(sess, src, odd, other(src_shape))
         else:  # broadcast, scatter: a non-root's dst differs from the root's
-            dst.debug_copy_from(odd, other(dst_shape))
+            dst = _put(sess, dst, odd, other(dst_shape))
         fn = {
             "allreduce": lambda: sess.allreduce(src, dst, "sum", in_group=False),
             "allgather": lambda: sess.allgather(src, dst, in_group=False),
@@ -815,8 +824,8 @@ class CCLContract:
         seed = _seed("one_group")
         src = sess.call_packed("ccl_kit.input", (4,), "float64", seed)
         dst = sess.empty((4,), "float64")
-        src.debug_copy_from(nw - 1, np.zeros(5))
-        dst.debug_copy_from(nw - 1, np.zeros(5))
+        src = _put(sess, src, nw - 1, np.zeros(5))
+        dst = _put(sess, dst, nw - 1, np.zeros(5))
         sess.allreduce(src, dst, "max", in_group=True)
         last = _comms(nw, groups, True)[-1]
         errors = self.expect_ccl_error(sess, last, r"shape|differ|match|\[5\]")

@@ -341,7 +341,9 @@ class NCCLCCL(CCL):
     def _peer(self, peer: Any, what: str) -> int:
         n = self.ctx.num_workers
         if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < n:
-            raise CCLError(f"{what}: worker {peer!r} is not a worker id of this {n}-worker session")
+            raise CCLError(
+                f"{what}: peer {peer!r} is out of range: the worker ids of this session are 0..{n - 1}"
+            )
         if peer == self.ctx.worker_id:
             raise CCLError(f"{what}: worker {peer} cannot send to or receive from itself")
         return int(peer)

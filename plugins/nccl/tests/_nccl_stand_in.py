@@ -78,6 +78,15 @@ class ndarray:
             "version": 3,
         }
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, self._device)  # kDLCUDA, as CuPy says
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self._a.__dlpack__()
+
+    def copy(self, order: str = "C") -> ndarray:
+        return ndarray(self._a.copy(order=order), self._device)
+
     def reshape(self, *shape: Any) -> ndarray:
         return ndarray(self._a.reshape(*shape), self._device)
 
@@ -116,6 +125,27 @@ def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
 
 def ones(shape: Any, dtype: Any = np.float32) -> ndarray:
     return ndarray(np.ones(shape, dtype), _device())
+
+
+class _HostView:
+    """What NumPy's from_dlpack needs: the producer's capsule, said to be on the CPU."""
+
+    def __init__(self, producer: Any) -> None:
+        self._producer = producer
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._producer.__dlpack__()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+def from_dlpack(obj: Any) -> ndarray:
+    """Stands in for ``cupy.from_dlpack``: a view of a (stand-in) GPU array's memory."""
+    kind, device = obj.__dlpack_device__()
+    if kind != 2:
+        raise TypeError("stand-in cupy.from_dlpack: not a CUDA array")
+    return ndarray(np.from_dlpack(_HostView(obj)), device)
 
 
 def asarray(a: Any) -> ndarray:
@@ -229,11 +259,12 @@ class NcclCommunicator:
         hub = self._live("allReduce")
         sends = self._gather(hub, sendbuf)
         parts = [_memory(p, count, datatype) for p in sends]
+        if op == 4:  # ncclAvg on floats is a pre-multiplied sum: sum(x * (1/n))
+            scale = parts[0].dtype.type(1.0 / self.ndev)
+            parts = [part * scale for part in parts]
         out = parts[0].copy()
         for part in parts[1:]:
             _OPS[op](out, part, out=out)
-        if op == 4:  # ncclAvg
-            out = (out / self.ndev).astype(out.dtype)
         hub.barrier.wait()  # everyone has read every input before anyone writes
         _memory(recvbuf, count, datatype)[...] = out
 
@@ -343,6 +374,7 @@ def make_modules(gpus: int = 4, split: bool = True, old_ids: bool = False) -> di
         empty=empty,
         ones=ones,
         asarray=asarray,
+        from_dlpack=from_dlpack,
         cuda=cuda,
     )
     return {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.nccl": nccl}
