@@ -274,6 +274,26 @@ class CCLContract:
         """The group counts the tests run with (every divisor of ``num_workers``)."""
         return _divisors(self.num_workers)
 
+    def grouped(self) -> int:
+        """The smallest group count above 1 (1 for a one-worker session)."""
+        layouts = self.layouts()
+        return layouts[1] if len(layouts) > 1 else 1
+
+    #: Tests that need a peer: point-to-point, or one worker differing from another.
+    _NEEDS_TWO = frozenset({
+        "test_multi_round", "test_send_recv_ring", "test_send_recv_sizes",
+        "test_send_recv_pairs_both_ways", "test_send_recv_builtins_from_controller",
+        "test_mismatched_buffers", "test_mismatched_operations", "test_recv_buffer_mismatch",
+        "test_collective_on_failed_register", "test_worker_death_during_collective",
+        "test_collective_timeout", "test_collective_after_timeout_fails_everywhere",
+    })  # fmt: skip
+
+    @pytest.fixture(autouse=True)
+    def _enough_workers(self, request):
+        """One-worker sessions (one GPU) run every test that needs no peer."""
+        if self.num_workers < 2 and request.node.originalname in self._NEEDS_TWO:
+            pytest.skip("needs two workers or more (this session has one)")
+
     def need_dtype(self, dtype: str) -> None:
         if dtype not in self.dtypes:
             pytest.skip(f"{dtype} is not supported by this CCL")
@@ -384,7 +404,7 @@ class CCLContract:
             pytest.skip("this CCL does not take empty arrays")
         seed = _seed("allreduce_sizes", size, dtype, op)
         xs = self.inputs((size,), dtype, seed)
-        for groups in (1, self.layouts()[1]):
+        for groups in dict.fromkeys((1, self.grouped())):
             sess = session(groups)
             src = sess.call_packed("ccl_kit.input", (size,), dtype, seed)
             dst = sess.empty((size,), dtype)
@@ -558,7 +578,7 @@ class CCLContract:
         self.need_dtype(dtype)
         if size == 0 and not self.supports_empty_arrays:
             pytest.skip("this CCL does not take empty arrays")
-        for groups in (1, self.layouts()[1]):
+        for groups in dict.fromkeys((1, self.grouped())):
             sess = session(groups)
             for in_group in (True, False):
                 seed = _seed("sizes", op, size, groups, in_group)
@@ -595,7 +615,7 @@ class CCLContract:
         opts = dict(self.small_round_options or {})
         n = self.multi_round_elements
         nw = self.num_workers
-        for groups in (1, self.layouts()[1]):
+        for groups in dict.fromkeys((1, self.grouped())):
             sess = session(groups, **opts)
             if case.startswith("allreduce"):
                 _, op, dtype = case.split("-")
@@ -711,7 +731,7 @@ class CCLContract:
     @pytest.mark.parametrize("in_group", [False, True])
     def test_barrier(self, session, in_group):
         nw = self.num_workers
-        groups = self.layouts()[1] if in_group else 1
+        groups = self.grouped() if in_group else 1
         sess = session(groups)
         sess.call_packed("disco.barrier", in_group)  # the built-in, TVM-style call
         times = _values(sess.call_packed("ccl_kit.barrier_times", in_group, 0.05), range(nw))
