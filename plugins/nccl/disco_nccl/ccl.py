@@ -43,6 +43,7 @@ _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 # Aborts requested by the controller, seen by the workers living in its process
 # (worker 0); workers in other processes are stopped by the session instead.
 _ABORTED: dict[int, str] = {}
+_HOT_POLL = 50e-6  # seconds a wait polls its stream before it starts to sleep
 _NEXT_TOKEN = iter(range(1, 1 << 62))
 _TOKEN_LOCK = threading.Lock()
 
@@ -214,17 +215,54 @@ class NCCLCCL(CCL):
         self.token = payload["token"]
         self.validate = payload["validate"]
         self._closed = False
-        self.world = backend.communicator(
+        self.world = self.group = None
+        self.world, self.group = self._watched(self._make_communicators, payload)
+
+    def _make_communicators(self, payload: dict) -> tuple[Any, Any]:
+        ctx = self.ctx
+        world = backend.communicator(
             self.nccl, ctx.num_workers, payload["world_uid"], ctx.worker_id
         )
         if ctx.num_groups == 1:
-            self.group = self.world
-        elif payload["split"]:
-            self.group = self.world.commSplit(ctx.group_id, ctx.local_rank)
-        else:
-            self.group = backend.communicator(
-                self.nccl, ctx.group_size, payload["group_uids"][ctx.group_id], ctx.local_rank
-            )
+            return world, world
+        if payload["split"]:
+            return world, world.commSplit(ctx.group_id, ctx.local_rank)
+        group = backend.communicator(
+            self.nccl, ctx.group_size, payload["group_uids"][ctx.group_id], ctx.local_rank
+        )
+        return world, group
+
+    def _watched(self, build: Callable, payload: dict) -> Any:
+        """Run ``build`` (NCCL's initialisation, which waits for every rank) on a helper
+        thread, and give up when the session aborts.
+
+        ``ncclCommInitRank`` has no timeout: a peer that died while the others wait in
+        it would keep them there, and worker 0 runs on the controller's thread. The
+        helper stays blocked in NCCL then (a daemon thread); the session fails.
+        """
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                with self.cupy.cuda.Device(self.gpu):  # NCCL binds the current device
+                    box["value"] = build(payload)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        name = f"disco-{self.name}-init-{self.ctx.worker_id}"
+        threading.Thread(target=run, name=name, daemon=True).start()
+        while not done.wait(0.02):
+            reason = _ABORTED.get(self.token)
+            if reason is not None:
+                raise CCLError(
+                    f"init_ccl({self.name!r}) on worker {self.ctx.worker_id} aborted: {reason}"
+                )
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     # ------------------------------------------------------------------ helpers
     def _comm(self, in_group: bool):
@@ -264,6 +302,7 @@ class NCCLCCL(CCL):
         comm.allGather(
             mine.data.ptr, everyone.data.ptr, validate.DESC_BYTES, _DTYPES["uint8"], self._stream
         )
+        self._wait_stream(op.split(":")[0])
         raw = everyone.get().tobytes()
         descs = [validate.unpack(raw[k * validate.DESC_BYTES :]) for k in range(len(members))]
         validate.check(op, descs, members)
@@ -368,6 +407,7 @@ class NCCLCCL(CCL):
         comm = self._comm(False)
         head = self.cupy.empty(validate.DESC_BYTES, np.uint8)
         comm.recv(head.data.ptr, validate.DESC_BYTES, _DTYPES["uint8"], peer, self._stream)
+        self._wait_stream("recv_from_worker")
         theirs = validate.unpack(head.get().tobytes())
         gpu_err = self._gpu_array(buf, "buf")
         err = validate.check_p2p(peer, theirs, validate.describe("p2p", None, buf, error=gpu_err))
@@ -390,20 +430,42 @@ class NCCLCCL(CCL):
     @_on_gpu
     def synchronize(self) -> None:
         """Wait for the current stream; fail (and abort NCCL) when the session aborted."""
+        self._wait_stream("synchronize")
+
+    def _wait_stream(self, what: str) -> None:
+        """Wait until the current stream is done, never for ever.
+
+        A peer that died leaves NCCL's kernels waiting on the GPU, and a blocking
+        ``stream.synchronize()`` (or ``.get()``) with them: worker 0, which runs on the
+        controller's thread, would hang the controller. So poll (hot for a few
+        microseconds, then backing off to 1 ms), and when the session aborts (a
+        worker died) abort the communicators, which ends those kernels.
+        """
         stream = self.cupy.cuda.get_current_stream()
+        if stream.done:
+            return
+        clock = time.perf_counter
+        hot = clock() + _HOT_POLL
+        while clock() < hot:
+            if stream.done:
+                return
         delay = 1e-5
         while not stream.done:
             reason = _ABORTED.get(self.token)
             if reason is not None:
                 self._abort()
-                raise CCLError(f"{self.name} operation aborted: {reason}")
+                raise CCLError(f"{self.name} {what} aborted: {reason}")
             if hasattr(self.world, "check_async_error"):
                 self.world.check_async_error()
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
+    def _comms(self) -> list[Any]:
+        """Each communicator once (the group one may be the world one)."""
+        return list({id(c): c for c in (self.world, self.group) if c is not None}.values())
+
     def _abort(self) -> None:
-        for comm in {id(self.world): self.world, id(self.group): self.group}.values():
+        for comm in self._comms():
             try:
                 comm.abort()
             except Exception:
@@ -414,6 +476,5 @@ class NCCLCCL(CCL):
         if self._closed:
             return
         self._closed = True
-        # Destroy each communicator once (the group one may be the world one).
-        for comm in {id(self.world): self.world, id(self.group): self.group}.values():
+        for comm in self._comms():  # each once: TVM destroyed a shared one twice
             comm.destroy()

@@ -10,6 +10,7 @@ cycle. ``test_nccl_gpu.py`` runs the real thing where a GPU is present.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import types
 
@@ -352,6 +353,7 @@ def test_a_worker_whose_machine_lacks_its_gpu_fails_before_anyone_enters_nccl(st
 
 _GPU_TESTS_ON_STAND_IN = """
 import sys
+import threading
 sys.path.insert(0, {tests!r})
 import _nccl_stand_in
 sys.modules.update(_nccl_stand_in.make_modules(gpus=1))
@@ -375,3 +377,41 @@ def test_the_gpu_tests_themselves_hold_on_the_stand_in(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout
+
+
+def _local(workers: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(num_workers=workers, num_groups=1, num_nodes=1, shares_memory=True)
+
+
+def _abort_later(rv, reason: str, after: float = 0.3) -> threading.Timer:
+    timer = threading.Timer(after, rv.abort, (reason,))
+    timer.start()
+    return timer
+
+
+def test_init_waiting_for_a_dead_peer_gives_up_when_the_session_aborts(stand_in):
+    stand_in(gpus=2)
+    rv = NCCLCCL.rendezvous(_local(2), ())
+    _abort_later(rv, "worker(s) [1] died: killed")
+    t0 = time.monotonic()
+    with pytest.raises(CCLError, match=r"aborted: worker\(s\) \[1\] died"):
+        NCCLCCL(WorkerContext(0, 2, 1), rv.payload)  # rank 1 never joins
+    assert time.monotonic() - t0 < 5
+    rv.close()
+
+
+def test_a_wait_on_the_gpu_gives_up_and_aborts_nccl_when_the_session_aborts(stand_in):
+    cupy = stand_in(gpus=1)
+    rv = NCCLCCL.rendezvous(_local(1), ())
+    ccl = NCCLCCL(WorkerContext(0, 1, 1), rv.payload)
+    never = types.SimpleNamespace(ptr=0, done=False)  # a kernel waiting for a dead peer
+    cupy.cuda.get_current_stream = lambda: never
+    _abort_later(rv, "worker(s) [1] died: killed")
+    t0 = time.monotonic()
+    with pytest.raises(CCLError, match=r"synchronize aborted: worker\(s\) \[1\] died"):
+        ccl.synchronize()
+    assert time.monotonic() - t0 < 5
+    assert [c.aborted for c in NcclCommunicator.made] == [1]  # ncclCommAbort ends the kernels
+    with pytest.raises(CCLError, match="closed"):
+        ccl.allreduce(None, None, "sum", False)
+    rv.close()
