@@ -215,7 +215,6 @@ class NCCLCCL(CCL):
         self.token = payload["token"]
         self.validate = payload["validate"]
         self._closed = False
-        self.world = self.group = None
         self.world, self.group = self._watched(self._make_communicators, payload)
 
     def _make_communicators(self, payload: dict) -> tuple[Any, Any]:
@@ -279,7 +278,10 @@ class NCCLCCL(CCL):
         if x is None or isinstance(x, validate.MissingValue):
             return ""
         if not isinstance(x, self.cupy.ndarray):
-            return f"{what} must be a CuPy array on cuda:{self.gpu} (got {type(x).__name__}); allocate it with session.empty"
+            return (
+                f"{what} must be a CuPy array on {self.ctx.device} (got {type(x).__name__}); "
+                "allocate it with session.empty"
+            )
         if x.device.id != self.gpu:
             return f"{what} is on GPU {x.device.id}, but this worker uses GPU {self.gpu}"
         if not x.flags.c_contiguous:
