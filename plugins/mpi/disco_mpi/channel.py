@@ -23,11 +23,11 @@ MPI cannot recover a communicator after a member died), so rank 0 does not hang.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 import sys
 import threading
-import time
 from typing import Any
 
 from disco_core.channels.base import LinkChannel, Outgoing, ThreadWorkerLink, WorkerLink
@@ -214,10 +214,24 @@ def _serve(comm: Any, me: int, size: int, num_groups: int) -> None:
         print(f"disco-mpi worker {me}: finalize failed: {exc}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    # Hydra's proxy kills the whole job when a rank's exit reaches it before that
-    # rank's PMI finalize message (seen about once in ten runs); give it a moment.
-    time.sleep(0.2)
-    os._exit(code)
+    _exit_with_c_atexit(code)
+
+
+def _exit_with_c_atexit(code: int) -> None:
+    """End the process without Python's teardown but with the C library's exit handlers.
+
+    MPICH sends the PMI ``finalize`` message to its process manager from a C atexit
+    handler, not from ``MPI_Finalize``: a rank ended with ``os._exit`` never sends
+    it, and Hydra then sometimes (about one job in eight) kills the whole job with
+    SIGKILL. Python's own teardown is skipped on purpose: the worker's daemon
+    threads may still sit in MPI calls.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        libc.exit.argtypes = [ctypes.c_int]
+        libc.exit(code)
+    finally:  # no C library to call: the old way
+        os._exit(code)
 
 
 def MPISession(num_groups: int = 1, num_workers: int | None = None):
