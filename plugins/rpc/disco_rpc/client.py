@@ -42,6 +42,7 @@ from .handler import (
     OP_TENSOR_GET,
     OP_TENSOR_SET,
     OP_UPLOAD,
+    WORK_DIR_ENV,
     SessionHandler,
 )
 from .wire import ERROR, REPLY, REQUEST, FileSource, HandleRef
@@ -726,8 +727,12 @@ class PopenSession(RPCSession):
     def __init__(self, binary: Any, *, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, startup_timeout: float = 60.0) -> None:  # fmt: skip
         self._tmpdir = None
         argv = self._argv(binary)
+        # The session's work folder is made (and removed) here, not by the child: a
+        # child that ends abruptly (os._exit, a signal) cannot clean up after itself.
+        self._workdir = tempfile.TemporaryDirectory(prefix="disco-rpc-popen-work-")
+        env = {**os.environ, WORK_DIR_ENV: self._workdir.name}
         self._proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env
         )
         transport = wire.PipeTransport(self._proc.stdout.fileno(), self._proc.stdin.fileno())
         self._fds = (transport.rfd, transport.wfd)
@@ -802,6 +807,9 @@ class PopenSession(RPCSession):
             proc.wait()
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
+        workdir = getattr(self, "_workdir", None)
+        if workdir is not None:
+            workdir.cleanup()
 
 
 def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server") -> wire.Conn:  # fmt: skip

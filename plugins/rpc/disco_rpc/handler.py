@@ -57,6 +57,9 @@ logger = logging.getLogger("disco_rpc")
 
 OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}
 
+#: The environment variable through which PopenSession hands its child the session's
+#: work folder (made and removed by the client, so a crashed child leaves nothing).
+WORK_DIR_ENV = "DISCO_RPC_POPEN_WORK_DIR"
 #: Uploads are written to a hidden temporary file of this name pattern, then renamed;
 #: ``listdir`` hides exactly these names and uploads may not use them.
 PART_PREFIX = ".disco-rpc-part-"

@@ -31,7 +31,7 @@ from typing import Any
 from . import auth, wire
 from ._service import ServiceProcess
 from .errors import ProtocolError, RPCError
-from .handler import OP_INIT, SessionHandler, error_value, serve_conn
+from .handler import OP_INIT, WORK_DIR_ENV, SessionHandler, error_value, serve_conn
 from .tracker import T_END, T_START, TICKET_SEP
 from .wire import ERROR, REPLY
 
@@ -910,7 +910,8 @@ def serve_stdio(load_library: Any = None, max_message_bytes: int = wire.DEFAULT_
     os.close(null)
     libs = load_libraries(load_library)
     conn = wire.Conn(wire.PipeTransport(rfd, wfd), max_message_bytes)
-    handler = SessionHandler(None, libs)
+    # PopenSession makes the work folder and removes it, even after a crash here.
+    handler = SessionHandler(os.environ.get(WORK_DIR_ENV) or None, libs)
     try:
         if not auth.server_handshake(conn, "", None):
             return
