@@ -17,7 +17,7 @@ import pytest
 
 import disco_core as disco
 from disco_core.ccl.shm import ShmCCL
-from disco_core.testing.ccl_kit import CCLContract, assert_bits, make_input
+from disco_core.testing.ccl_kit import CCLContract, assert_bits, make_input, session_maker
 from disco_core.worker import current
 
 CCL_FUNCS = "disco_core.testing.ccl_funcs"
@@ -75,19 +75,6 @@ def _memfds(pid: int | str = "self") -> int:
         except OSError:
             pass
     return count
-
-
-def _maker(session_cls):
-    def make(num_workers: int, num_groups: int = 1, **ccl_options) -> disco.Session:
-        sess = session_cls(num_workers, num_groups)
-        try:
-            sess.init_ccl("shm", **ccl_options)
-        except BaseException:
-            sess.shutdown()
-            raise
-        return sess
-
-    return make
 
 
 def _allreduce_ok(sess: disco.Session) -> None:
@@ -356,7 +343,7 @@ class TestShmThreaded4(ShmContract):
 
     @pytest.fixture
     def make_session(self):
-        return _maker(disco.ThreadedSession)
+        return session_maker(disco.ThreadedSession, "shm")
 
 
 class TestShmThreaded2(ShmContract):
@@ -365,7 +352,7 @@ class TestShmThreaded2(ShmContract):
 
     @pytest.fixture
     def make_session(self):
-        return _maker(disco.ThreadedSession)
+        return session_maker(disco.ThreadedSession, "shm")
 
 
 class TestShmProcess4(ShmContract):
@@ -374,7 +361,7 @@ class TestShmProcess4(ShmContract):
 
     @pytest.fixture
     def make_session(self):
-        return _maker(disco.ProcessSession)
+        return session_maker(disco.ProcessSession, "shm")
 
 
 class TestShmProcess2(ShmContract):
@@ -383,4 +370,4 @@ class TestShmProcess2(ShmContract):
 
     @pytest.fixture
     def make_session(self):
-        return _maker(disco.ProcessSession)
+        return session_maker(disco.ProcessSession, "shm")

@@ -20,11 +20,12 @@ The worker-side helpers live in :mod:`disco_core.testing.funcs` (``testing.*``
 global functions); the kit imports that module on every worker.
 
 A CCL plugin does the same with :class:`CCLContract`, whose ``make_session(num_workers,
-num_groups=1, **ccl_options)`` fixture returns a session with the CCL initialised;
-its class attributes say what the CCL supports (dtypes, timeouts, process workers).
+num_groups=1, **ccl_options)`` fixture returns a session with the CCL initialised
+(``session_maker(disco.ProcessSession, "mine")`` makes one); its class attributes say
+what the CCL supports (dtypes, timeouts, process workers).
 """
 
-from .ccl_kit import CCLContract
+from .ccl_kit import CCLContract, session_maker
 from .channel_kit import FUNCS_MODULE, ChannelContract
 
-__all__ = ["ChannelContract", "CCLContract", "FUNCS_MODULE"]
+__all__ = ["ChannelContract", "CCLContract", "FUNCS_MODULE", "session_maker"]

@@ -196,6 +196,27 @@ def _divisors(n: int) -> list[int]:
 
 
 @pytest.mark.timeout(60)
+def session_maker(
+    session_cls: Callable[..., disco.Session], ccl: str, **fixed_options: Any
+) -> Callable[..., disco.Session]:
+    """A ``make_session`` for :class:`CCLContract`: ``session_cls`` with ``ccl`` initialised.
+
+    ``fixed_options`` go to every ``init_ccl`` (e.g. ``ordered=True``), before the
+    options a test asks for. A session whose ``init_ccl`` fails is shut down.
+    """
+
+    def make(num_workers: int, num_groups: int = 1, **options: Any) -> disco.Session:
+        sess = session_cls(num_workers, num_groups=num_groups)
+        try:
+            sess.init_ccl(ccl, **{**fixed_options, **options})
+        except BaseException:
+            sess.shutdown()
+            raise
+        return sess
+
+    return make
+
+
 class CCLContract:
     """The contract every CCL honours. Subclass it and provide ``make_session``."""
 

@@ -10,19 +10,11 @@ from __future__ import annotations
 import pytest
 
 import disco_core as disco
-from disco_core.testing import CCLContract
+from disco_core.testing import CCLContract, session_maker
 
-
-def _maker(num_workers: int, num_groups: int = 1, **options):
-    # ordered=True: floating sum/prod/avg folded in rank order, bit-identical to the
-    # kit's NumPy reference (MPI's own order is checked with a tolerance in test_mpi_ccl).
-    sess = disco.ProcessSession(num_workers, num_groups=num_groups)
-    try:
-        sess.init_ccl("mpi", ordered=True, **options)
-    except BaseException:
-        sess.shutdown()
-        raise
-    return sess
+# ordered=True: floating sum/prod/avg folded in rank order, bit-identical to the
+# kit's NumPy reference (MPI's own order is checked with a tolerance in test_mpi_ccl).
+_maker = session_maker(disco.ProcessSession, "mpi", ordered=True)
 
 
 class MPIContract(CCLContract):

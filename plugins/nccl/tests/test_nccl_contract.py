@@ -10,10 +10,8 @@ from __future__ import annotations
 import sys
 
 import pytest
+from _nccl_contract import NCCLContract, threaded_nccl
 from _nccl_stand_in import make_modules
-
-import disco_core as disco
-from disco_core.testing import CCLContract
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,39 +27,12 @@ def stand_in():
             sys.modules[name] = mod
 
 
-def _maker(num_workers: int, num_groups: int = 1, **options):
-    sess = disco.ThreadedSession(num_workers, num_groups=num_groups)
-    try:
-        sess.init_ccl("nccl", **options)
-    except BaseException:
-        sess.shutdown()
-        raise
-    return sess
-
-
-class NCCLContract(CCLContract):
-    # NCCL's types that CuPy can hold (no bool, int16 or bfloat16); NCCL has no timeout.
-    dtypes = (
-        "int8",
-        "uint8",
-        "int32",
-        "uint32",
-        "int64",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-    )
-    timeout_options = None
-    avg_exact = False  # ncclAvg multiplies by 1/n before it sums
-
-
 class TestNCCLStandIn4(NCCLContract):
     num_workers = 4
 
     @pytest.fixture
     def make_session(self):
-        return _maker
+        return threaded_nccl
 
 
 class TestNCCLStandIn2(NCCLContract):
@@ -69,4 +40,4 @@ class TestNCCLStandIn2(NCCLContract):
 
     @pytest.fixture
     def make_session(self):
-        return _maker
+        return threaded_nccl

@@ -105,35 +105,12 @@ def test_two_ranks_allreduce():
 
 
 # The core's CCL conformance kit on the real thing: one worker per GPU present.
-from disco_core.testing import CCLContract  # noqa: E402
+from _nccl_contract import NCCLContract, threaded_nccl  # noqa: E402
 
 
-def _threaded_nccl(num_workers: int, num_groups: int = 1, **options):
-    sess = disco.ThreadedSession(num_workers, num_groups=num_groups)
-    try:
-        sess.init_ccl("nccl", **options)
-    except BaseException:
-        sess.shutdown()
-        raise
-    return sess
-
-
-class TestContractThreadedOnEveryGPU(CCLContract):
+class TestContractThreadedOnEveryGPU(NCCLContract):
     num_workers = max(1, NUM_GPUS)
-    dtypes = (
-        "int8",
-        "uint8",
-        "int32",
-        "uint32",
-        "int64",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-    )
-    timeout_options = None  # NCCL has no timeout
-    avg_exact = False  # ncclAvg multiplies by 1/n before it sums
 
     @pytest.fixture
     def make_session(self):
-        return _threaded_nccl
+        return threaded_nccl
