@@ -195,7 +195,6 @@ def _divisors(n: int) -> list[int]:
     return [g for g in range(1, n + 1) if n % g == 0]
 
 
-@pytest.mark.timeout(60)
 def session_maker(
     session_cls: Callable[..., disco.Session], ccl: str, **fixed_options: Any
 ) -> Callable[..., disco.Session]:
@@ -217,6 +216,7 @@ def session_maker(
     return make
 
 
+@pytest.mark.timeout(60)
 class CCLContract:
     """The contract every CCL honours. Subclass it and provide ``make_session``."""
 
