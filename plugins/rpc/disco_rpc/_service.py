@@ -21,7 +21,7 @@ from typing import Any
 
 from . import wire
 
-__all__ = ["ServiceProcess", "stop_process", "accept_loop"]
+__all__ = ["ServiceProcess", "stop_process", "accept_loop", "fork_session"]
 
 
 def stop_process(pid: int, grace: float = 3.0) -> None:
@@ -152,3 +152,27 @@ class ServiceProcess:
 
     def __repr__(self) -> str:
         return f"<disco_rpc.{self._kind} {self.host}:{self.port} pid={self.pid}>"
+
+
+def fork_session(run: Callable[[], None]) -> tuple[int, int | None]:
+    """Fork a session process that runs ``run()`` and ends (code 1 when it raised).
+
+    Returns ``(pid, pidfd)``; the pidfd (None where the kernel has none) becomes
+    readable when the child ends, so a select loop sees it at once.
+    """
+    sys.stdout.flush()  # what is buffered is printed once, not once per process
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            run()
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    return pid, pidfd

@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from . import auth, wire
-from ._service import ServiceProcess, accept_loop
+from ._service import ServiceProcess, accept_loop, fork_session
 from .errors import RPCError
 from .tracker import T_END, T_START, TICKET_SEP, Registration
 from .wire import REPLY, REQUEST
@@ -414,23 +414,15 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
             logger.info("lost the proxy: %s", exc)
             conn.close()
             continue
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                _set_pdeathsig()
-                if watch_fd is not None:
-                    os.close(watch_fd)
-                run_session(sock, ("proxy", host, port), scfg, True)
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)
+
+        def session(sock: socket.socket = sock) -> None:  # in the session process
+            _set_pdeathsig()
+            if watch_fd is not None:
+                os.close(watch_fd)
+            run_session(sock, ("proxy", host, port), scfg, True)
+
+        pid, pidfd = fork_session(session)
         sock.close()
-        try:
-            pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            pidfd = None
         while True:  # one session at a time, as TVM's proxied server
             done, _ = os.waitpid(pid, os.WNOHANG)
             if done:

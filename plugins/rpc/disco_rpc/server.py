@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import auth, wire
-from ._service import ServiceProcess
+from ._service import ServiceProcess, fork_session
 from .errors import ProtocolError, RPCError
 from .handler import OP_INIT, WORK_DIR_ENV, SessionHandler, error_value, serve_conn
 from .tracker import T_END, T_START, TICKET_SEP
@@ -515,23 +515,13 @@ class _Listener:
             self.threads[id(ts)] = ts
             threading.Thread(target=self._session_thread, args=(ts, hs.addr), daemon=True).start()
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the session process
-            code = 0
-            try:
-                self._child_setup()
-                serve_session(conn, hs.addr, self.cfg, True)
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)
+
+        def session() -> None:  # in the session process
+            self._child_setup()
+            serve_session(conn, hs.addr, self.cfg, True)
+
+        pid, pidfd = fork_session(session)  # no pidfd: seen at the next poll (<= 1 s)
         hs.close()
-        try:
-            pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            pidfd = None  # seen at the next poll (at most a second later)
         self.children[pid] = (ticket, pidfd)
 
     def _child_setup(self) -> None:

@@ -71,16 +71,6 @@ def _typename(x):
     return type(x).__name__
 
 
-@disco.register_func("rpctest.spawn_daemon", override=True)
-def _spawn_daemon(seconds):
-    """Fork a process that outlives the session (it inherits every descriptor)."""
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(seconds)
-        os._exit(0)
-    return pid
-
-
 POPEN_SERVER = textwrap.dedent(
     """
     import numpy as np
