@@ -14,6 +14,12 @@ __all__ = [
     "SessionClosedError",
     "CCLError",
     "CCLTimeoutError",
+    "NetworkError",
+    "AuthenticationError",
+    "IntegrityError",
+    "FrameLimitError",
+    "InsecureBindError",
+    "UntrustedValueError",
 ]
 
 
@@ -121,3 +127,35 @@ class CCLError(DiscoError):
 
 class CCLTimeoutError(CCLError, TimeoutError):
     """A collective operation waited longer than the CCL's timeout for its peers."""
+
+
+class NetworkError(DiscoError, ConnectionError):
+    """A link to another process or machine broke or misbehaved."""
+
+
+class AuthenticationError(NetworkError, PermissionError):
+    """A peer did not prove that it holds the token (or refused this side's proof)."""
+
+
+class IntegrityError(NetworkError):
+    """A protected record failed its check: it was altered, injected, reordered or replayed.
+
+    The connection it came on must be dropped: nothing after it can be trusted.
+    """
+
+
+class FrameLimitError(NetworkError, ValueError):
+    """A peer declared a frame, field or count over the limit this side accepts."""
+
+
+class InsecureBindError(DiscoError, PermissionError):
+    """A service was asked to listen beyond loopback with neither a token nor TLS."""
+
+
+class UntrustedValueError(NetworkError, ValueError):
+    """A value from a network peer is not of a type allowed to cross a network link.
+
+    Only plain values, NumPy arrays, dtypes, devices, register references and
+    worker errors are rebuilt from bytes that came over a socket; nothing else
+    is ever unpickled from one.
+    """

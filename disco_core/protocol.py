@@ -19,13 +19,16 @@ import collections
 import copyreg
 import enum
 import io
-import os
 import pickle
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from .errors import UntrustedValueError
+from .net.framing import FrameReader, read_frame
+from .net.framing import frame_head as _frame_head
+from .net.io import write_all
 
 __all__ = [
     "Action",
@@ -33,6 +36,7 @@ __all__ = [
     "Frame",
     "encode",
     "decode",
+    "decode_untrusted",
     "isolate",
     "write_frame",
     "read_frame",
@@ -47,11 +51,6 @@ __all__ = [
 
 #: Buffers at least this large travel out of band (never copied into the pickle).
 OOB_THRESHOLD = 4096
-#: Refuse a frame whose declared size is beyond this (a corrupt or hostile stream).
-MAX_FRAME_BYTES = 1 << 40
-
-_PREFIX = struct.Struct("<QII")
-_LEN = struct.Struct("<Q")
 
 
 class Action(enum.IntEnum):
@@ -130,8 +129,82 @@ def encode(obj: Any) -> Frame:
 
 
 def decode(header: bytes | bytearray | memoryview, buffers: Sequence[Any] = ()) -> Any:
-    """Inverse of :func:`encode`; out-of-band buffers become the arrays' memory."""
+    """Inverse of :func:`encode`; out-of-band buffers become the arrays' memory.
+
+    Only for frames from a process this one started itself over a pipe (the
+    process channel). Anything that crossed a socket goes through
+    :func:`decode_untrusted`.
+    """
     return pickle.loads(header, buffers=buffers)
+
+
+#: What :func:`decode_untrusted` rebuilds besides plain values (module, name). Each is
+#: a constructor that builds data and runs no code of the sender's choosing.
+SAFE_GLOBALS = frozenset(
+    {
+        ("builtins", "complex"),
+        ("numpy", "dtype"),
+        ("numpy", "ndarray"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("disco_core.protocol", "RegRef"),
+        ("disco_core.device", "Device"),
+        ("disco_core.errors", "WorkerError"),
+        ("disco_core.errors", "WorkerDiedError"),
+    }
+)
+#: Modules whose NumPy scalar types (bfloat16, float8_*, ...) may be named.
+_SCALAR_TYPE_MODULES = frozenset({"numpy", "numpy.dtypes", "ml_dtypes"})
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global outside the allow-list."""
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`SAFE_GLOBALS` and NumPy scalar types.
+
+    The module is checked before anything is imported, so a hostile frame cannot
+    even make this process import a module of its choosing.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module in _SCALAR_TYPE_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and issubclass(obj, (np.generic, np.dtype)):
+                return obj
+        raise _Refused(f"{module}.{name}")
+
+
+def decode_untrusted(header: bytes | bytearray | memoryview, buffers: Sequence[Any] = ()) -> Any:
+    """:func:`decode` for frames that crossed a socket: an allow-list, no arbitrary objects.
+
+    Rebuilds plain values (None, bool, int, float, complex, str, bytes, tuples,
+    lists, dicts, sets), NumPy arrays, scalars and dtypes, devices, register
+    references and worker errors. Anything else is refused.
+
+    Raises
+    ------
+    UntrustedValueError
+        The frame names a type outside the allow-list, or is not a valid frame.
+    """
+    try:
+        return _AllowListUnpickler(io.BytesIO(header), buffers=buffers).load()
+    except _Refused as exc:
+        raise UntrustedValueError(
+            f"refused a value from a network peer: {exc} is not allowed across a network "
+            "link (send plain values, NumPy arrays, dtypes and devices)"
+        ) from None
+    except Exception as exc:  # a malformed frame raises many types
+        raise UntrustedValueError(
+            f"refused a malformed value from a network peer ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), np.dtype, np.generic, RegRef)
@@ -182,9 +255,7 @@ def isolate(value: Any) -> Any:
 # --------------------------------------------------------------------------- framing
 def frame_head(frame: Frame, flags: int = 0) -> bytes:
     """The bytes of a frame before its out-of-band buffers (prefix, lengths, header)."""
-    header, buffers = frame
-    lens = b"".join(_LEN.pack(m.nbytes) for m in buffers)
-    return _PREFIX.pack(len(header), len(buffers), flags) + lens + header
+    return _frame_head(frame[0], frame[1], flags)
 
 
 def write_frame(fd: int, frame: Frame, flags: int = 0) -> None:
@@ -192,88 +263,6 @@ def write_frame(fd: int, frame: Frame, flags: int = 0) -> None:
     write_all(fd, frame_head(frame, flags))
     for m in frame[1]:
         write_all(fd, m)
-
-
-def write_all(fd: int, data: Any) -> None:
-    """Write all of ``data`` (any buffer) to a blocking file descriptor, without copying it."""
-    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    n = os.write(fd, view)
-    total = len(view)
-    if n == total:
-        return
-    view = memoryview(view)
-    while n < total:
-        n += os.write(fd, view[n:])
-
-
-class FrameReader:
-    """Reads frames from a blocking file descriptor.
-
-    Headers are read in large chunks (several frames may arrive in one read, so
-    :meth:`has_buffered` tells a ``select`` loop to keep parsing); out-of-band
-    buffers are read straight into freshly allocated, writable memory
-    (``bytearray``), which becomes the arrays' storage.
-    """
-
-    _CHUNK = 1 << 16
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = bytearray()
-        self.pos = 0
-
-    def has_buffered(self) -> bool:
-        """True when bytes of a further frame are already buffered."""
-        return self.pos < len(self.buf)
-
-    def _fill(self, need: int) -> None:
-        avail = len(self.buf) - self.pos
-        if avail >= need:
-            return
-        if self.pos:
-            del self.buf[: self.pos]
-            self.pos = 0
-        while len(self.buf) < need:
-            chunk = os.read(self.fd, max(self._CHUNK, need - len(self.buf)))
-            if not chunk:
-                raise EOFError("peer closed the stream")
-            self.buf += chunk
-
-    def _take(self, n: int) -> bytes:
-        self._fill(n)
-        data = bytes(self.buf[self.pos : self.pos + n])
-        self.pos += n
-        return data
-
-    def read(self) -> tuple[bytes, list, int]:
-        """Return ``(header, buffers, flags)``; raise ``EOFError`` when the peer is gone."""
-        hlen, nbuf, flags = _PREFIX.unpack(self._take(_PREFIX.size))
-        lens = struct.unpack(f"<{nbuf}Q", self._take(8 * nbuf)) if nbuf else ()
-        if hlen > MAX_FRAME_BYTES or sum(lens) > MAX_FRAME_BYTES:
-            raise EOFError(f"corrupt frame: declared size {hlen + sum(lens)} bytes")
-        header = self._take(hlen)
-        return header, [self._read_buffer(n) for n in lens], flags
-
-    def _read_buffer(self, n: int) -> bytearray:
-        out = bytearray(n)
-        have = min(n, len(self.buf) - self.pos)
-        if have:
-            out[:have] = self.buf[self.pos : self.pos + have]
-            self.pos += have
-        view = memoryview(out)
-        while have < n:
-            got = os.readv(self.fd, [view[have:]])
-            if not got:
-                raise EOFError("peer closed the stream in the middle of a frame")
-            have += got
-        return out
-
-    def close(self) -> None:
-        self.buf = bytearray()
-
-
-def read_frame(fd: int) -> tuple[bytes, list, int]:  # convenience for one-off reads
-    return FrameReader(fd).read()
 
 
 def describe_command(cmd: tuple, func_name: Callable[[int], str] | None = None) -> str:

@@ -9,7 +9,6 @@ full reply pipe, and a pipe's end of file is a dead worker, seen at once.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import os
 import selectors
@@ -20,6 +19,7 @@ import threading
 import time
 
 from ..errors import WorkerDiedError
+from ..net.io import grow_pipe
 from ..protocol import FrameReader, decode
 from .base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
 from .stderr_tee import StderrTee, with_stderr
@@ -33,20 +33,11 @@ __all__ = [
     "stop_worker",
 ]
 
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-_PIPE_BYTES = 1 << 20
 
 
 def start_timeout() -> float:
     """Seconds to wait for workers to start (``DISCO_START_TIMEOUT``, default 60)."""
     return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
-
-
-def _grow_pipe(fd: int) -> None:
-    try:  # bigger pipes move large arrays in fewer wake-ups
-        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
-    except OSError:
-        pass
 
 
 def describe_exit(code: int | None) -> str:
@@ -113,7 +104,7 @@ class ProcessWorkerLink(BatchingLink):
         self.err_r: int | None  # the stderr pipe until tee_stderr takes it
         self.err_r, err_w = os.pipe()
         for fd in (self.cmd_w, reply_w):
-            _grow_pipe(fd)
+            grow_pipe(fd)
         argv = [
             sys.executable, "-m", entrypoint,
             "--worker-id", str(worker_id), "--num-workers", str(num_workers),

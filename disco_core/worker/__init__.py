@@ -23,7 +23,16 @@ from .. import protocol as P
 from .. import registry
 from ..device import Device, as_array, to_host
 from ..errors import DiscoError, WorkerError
-from ..protocol import _REF_TYPES, FLAG_BATCH, FrameReader, RegRef, decode, encode, write_frame
+from ..protocol import (
+    _REF_TYPES,
+    FLAG_BATCH,
+    FrameReader,
+    RegRef,
+    decode,
+    decode_untrusted,
+    encode,
+    write_frame,
+)
 
 __all__ = [
     "WorkerContext",
@@ -325,14 +334,20 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
-def command_stream(reader: FrameReader) -> Iterator[tuple]:
-    """The commands in the frames ``reader`` reads, batches unpacked, in order."""
+def command_stream(reader: FrameReader, untrusted: bool = False) -> Iterator[tuple]:
+    """The commands in the frames ``reader`` reads, batches unpacked, in order.
+
+    ``untrusted``: the frames crossed a socket on their way here (a node agent
+    relayed them, or they come straight from one), so they are rebuilt with
+    :func:`~disco_core.protocol.decode_untrusted`, never a plain unpickle.
+    """
+    load = decode_untrusted if untrusted else decode
     while True:
         header, buffers, flags = reader.read()
         if flags & FLAG_BATCH:
-            yield from decode(header, buffers)
+            yield from load(header, buffers)
         else:
-            yield decode(header, buffers)
+            yield load(header, buffers)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -347,6 +362,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-groups", type=int, default=1)
     p.add_argument("--cmd-fd", type=int, required=True)
     p.add_argument("--reply-fd", type=int, required=True)
+    p.add_argument(
+        "--untrusted",
+        action="store_true",
+        help="commands crossed a socket: rebuild them from an allow-list, never unpickle",
+    )
     args = p.parse_args(argv)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
@@ -367,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     send(("ready", os.getpid()))
 
     try:
-        worker.run(command_stream(reader).__next__)
+        worker.run(command_stream(reader, args.untrusted).__next__)
     except EOFError:
         worker.close()  # the controller is gone
     os._exit(0)

@@ -28,16 +28,22 @@ it got and the connection stays in sync.
 from __future__ import annotations
 
 import os
-import select
-import socket
 import struct
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from disco_core.device import Device, as_dtype
+from disco_core.net.io import (
+    CAN_SPLICE,
+    PipeTransport,
+    SinkFailedError,
+    SocketTransport,
+    SSLTransport,
+    new_pipe,
+    splice_exact,
+)
 
 from .errors import Desync, FrameTooLarge, MessageTooLarge, ProtocolError, StreamAborted
 
@@ -63,9 +69,6 @@ MAX_DEPTH = 64
 MAX_BUFFERS = 1 << 16
 #: Largest chunk of a file stream (smaller when the receiver's frames are bounded lower).
 CHUNK = 8 << 20
-#: Microseconds a reader polls a socket without blocking before it sleeps in ``recv``
-#: (``$DISCO_RPC_SPIN_US``; 0 turns polling off). See README, "Speed".
-SPIN_US = float(os.environ.get("DISCO_RPC_SPIN_US", "50") or 0)
 
 #: File descriptors that processes forked by disco-rpc close at once (the pipes of
 #: PopenSessions, so that a forked server does not keep them open).
@@ -118,9 +121,6 @@ _TI = struct.Struct("<BI")
 _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-_perf = time.perf_counter
-_yield = getattr(os, "sched_yield", lambda: None)
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
 class HandleRef:
@@ -431,196 +431,20 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
     return value, d.fills, d.has_bytes
 
 
-# --------------------------------------------------------------------------- transports
-class SocketTransport:
-    """A connected stream socket: ``sendmsg`` of header and buffers in one call."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        self.recv_into = sock.recv_into
-        self.spin = SPIN_US * 1e-6
-
-    def recv_head_into(self, view) -> int:
-        """``recv_into`` that first polls without blocking for up to ``SPIN_US``."""
-        spin = self.spin
-        sock = self.sock
-        if spin > 0 and sock.gettimeout() is None:
-            recv_into = sock.recv_into
-            deadline = _perf() + spin
-            while True:
-                try:
-                    return recv_into(view, 0, _DONTWAIT)
-                except BlockingIOError:
-                    if _perf() > deadline:
-                        break
-                    _yield()
-        return sock.recv_into(view)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def send_parts(self, parts: list) -> None:
-        sock = self.sock
-        parts = [p if isinstance(p, memoryview) else memoryview(p) for p in parts if len(p)]
-        while parts:
-            n = sock.sendmsg(parts[:512])
-            while n:
-                first = parts[0]
-                if n >= first.nbytes:
-                    n -= first.nbytes
-                    parts.pop(0)
-                else:
-                    parts[0] = first[n:]
-                    n = 0
-
-    def sendfile(self, file: Any, size: int) -> int:
-        """Send ``size`` bytes from the file's position (``socket.sendfile`` starts at ``offset``)."""
-        return self.sock.sendfile(file, offset=file.tell(), count=size) if size else 0
-
-    def settimeout(self, t: float | None) -> None:
-        self.sock.settimeout(t)
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
-class SSLTransport(SocketTransport):
-    """A TLS socket (``sendmsg`` and ``sendfile`` are not available through TLS)."""
-
-    def recv_head_into(self, view) -> int:
-        return self.sock.recv_into(view)
-
-    def send_parts(self, parts: list) -> None:
-        for p in parts:
-            self.sock.sendall(p)
-
-    def sendfile(self, file: Any, size: int) -> int:
-        return 0
-
-
-class PipeTransport:
-    """A pair of pipe file descriptors (a server spoken to over stdin/stdout)."""
-
-    def __init__(self, rfd: int, wfd: int, timeout: float | None = None) -> None:
-        self.rfd = rfd
-        self.wfd = wfd
-        self.timeout = timeout
-
-    def fileno(self) -> int:
-        return self.rfd
-
-    def recv_into(self, view) -> int:
-        if self.timeout is not None:
-            r, _, _ = select.select([self.rfd], [], [], self.timeout)
-            if not r:
-                raise TimeoutError("timed out reading from the pipe")
-        return os.readv(self.rfd, [view])
-
-    def send_parts(self, parts: list) -> None:
-        parts = [p if isinstance(p, memoryview) else memoryview(p) for p in parts if len(p)]
-        while parts:
-            n = os.writev(self.wfd, parts[:512])
-            while n:
-                first = parts[0]
-                if n >= first.nbytes:
-                    n -= first.nbytes
-                    parts.pop(0)
-                else:
-                    parts[0] = first[n:]
-                    n = 0
-
-    def sendfile(self, file: Any, size: int) -> int:
-        return 0
-
-    def settimeout(self, t: float | None) -> None:
-        self.timeout = t
-
-    def close(self) -> None:
-        for fd in {self.rfd, self.wfd}:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 # --------------------------------------------------------------------------- splicing
-_CAN_SPLICE = hasattr(os, "splice")
 _SPLICE_MIN = 1 << 20
-_PIPE_BYTES = 1 << 20
-_F_SETPIPE_SZ = 1031
 _CHUNK_HEAD = struct.Struct("<BBHIIQ")  # a frame head with one buffer and no meta
 
 
 def _real_fd(sink: Any) -> int | None:
     """The file descriptor of ``sink`` when bytes may be spliced into it, else None."""
-    if not _CAN_SPLICE:
+    if not CAN_SPLICE:
         return None
     try:
         fd = sink.fileno()
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
         return None
     return fd if isinstance(fd, int) else None
-
-
-class _SinkFailed(Exception):
-    """Writing a received chunk failed; ``left`` bytes of it are still on the wire."""
-
-    def __init__(self, exc: OSError, left: int) -> None:
-        super().__init__(str(exc))
-        self.exc = exc
-        self.left = left
-
-
-def _new_pipe() -> tuple[int, int]:
-    import fcntl
-
-    r, w = os.pipe()
-    try:
-        fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_BYTES)
-    except OSError:
-        pass
-    return r, w
-
-
-def _drain(fd: int, n: int) -> None:
-    while n > 0:
-        n -= len(os.read(fd, min(n, _PIPE_BYTES))) or n
-
-
-def _splice_to(sock: socket.socket, pipe: tuple[int, int], out_fd: int, size: int) -> None:
-    """Move ``size`` bytes from ``sock`` to ``out_fd`` inside the kernel (socket -> pipe -> file).
-
-    Received data is never copied through Python: reading into a buffer and writing
-    it out costs two copies and halves an upload's speed.
-    """
-    sfd = sock.fileno()
-    timeout = sock.gettimeout()
-    r, w = pipe
-    left = size
-    while left:
-        try:
-            k = os.splice(sfd, w, min(left, _PIPE_BYTES))
-        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
-            if not select.select([sfd], [], [], timeout)[0]:
-                raise TimeoutError("timed out receiving a transfer") from None
-            continue
-        if not k:
-            raise EOFError("the peer closed the connection in the middle of a transfer")
-        left -= k
-        try:
-            while k:
-                k -= os.splice(r, out_fd, k)
-        except OSError as exc:
-            _drain(r, k)  # the pipe must be empty for whoever reads the socket next
-            raise _SinkFailed(exc, left) from None
 
 
 # --------------------------------------------------------------------------- connection
@@ -821,7 +645,7 @@ class Conn:
             else:
                 try:
                     self._chunk_to_file(sink, n)
-                except _SinkFailed as exc:
+                except SinkFailedError as exc:
                     failed = exc.exc
                     self._skip(exc.left)
             done += n
@@ -868,16 +692,16 @@ class Conn:
             if have:
                 sink.write(self.view[self.start : self.start + have])
         except OSError as exc:
-            raise _SinkFailed(exc, n) from None
+            raise SinkFailedError(exc, n) from None
         self.start += have
         if out_fd is not None:
             try:
                 sink.flush()
             except OSError as exc:
-                raise _SinkFailed(exc, n - have) from None
+                raise SinkFailedError(exc, n - have) from None
             if self._pipe is None:
-                self._pipe = _new_pipe()
-            _splice_to(self.t.sock, self._pipe, out_fd, n - have)
+                self._pipe = new_pipe()
+            splice_exact(self.t.sock, self._pipe, out_fd, n - have)
             return
         scratch = memoryview(bytearray(min(n - have, CHUNK) or 1))
         left = n - have
@@ -888,7 +712,7 @@ class Conn:
             try:
                 sink.write(scratch[:k])
             except OSError as exc:
-                raise _SinkFailed(exc, left) from None
+                raise SinkFailedError(exc, left) from None
 
     def _skip(self, n: int) -> None:
         if n <= 0:

@@ -1,0 +1,268 @@
+"""Byte I/O shared by every channel and service: all-buffer sends, exact receives, pipes, splice.
+
+A *transport* here is any object with ``send_parts(list of buffers)`` (sends
+all of them, in order, without copying) and ``recv_into(writable view) -> int``
+(0 at end of stream); :class:`SocketTransport`, :class:`SSLTransport` and
+:class:`PipeTransport` are the three the project uses, and
+:class:`~disco_core.net.protect.SealedTransport` wraps any of them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = [
+    "IOV_MAX",
+    "PIPE_BYTES",
+    "SPIN_US",
+    "CAN_SPLICE",
+    "as_views",
+    "send_all",
+    "write_all",
+    "recv_exact",
+    "grow_pipe",
+    "new_pipe",
+    "drain_fd",
+    "splice_exact",
+    "SinkFailedError",
+    "SocketTransport",
+    "SSLTransport",
+    "PipeTransport",
+]
+
+#: Most buffers one ``sendmsg``/``writev`` call takes.
+IOV_MAX = 512
+#: Size pipes are enlarged to: large arrays move in fewer wake-ups.
+PIPE_BYTES = 1 << 20
+#: Microseconds a socket reader polls without blocking before it sleeps in ``recv``
+#: (``$DISCO_RPC_SPIN_US``; 0 turns polling off).
+SPIN_US = float(os.environ.get("DISCO_RPC_SPIN_US", "50") or 0)
+CAN_SPLICE = hasattr(os, "splice")
+
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_perf = time.perf_counter
+_yield = getattr(os, "sched_yield", lambda: None)
+
+
+def as_views(parts: Sequence[Any]) -> list:
+    """``parts`` as flat byte views, empty ones left out (no data is copied)."""
+    views = []
+    for p in parts:
+        m = p if type(p) is memoryview else memoryview(p)
+        if m.format != "B" or m.ndim != 1:
+            m = m.cast("B")
+        if m.nbytes:
+            views.append(m)
+    return views
+
+
+def send_all(write: Callable[[list], int], parts: Sequence[Any]) -> None:
+    """Hand every byte of ``parts`` to ``write`` (``sock.sendmsg`` or ``os.writev`` of one fd).
+
+    ``write`` takes a list of at most :data:`IOV_MAX` views and returns how many
+    bytes it took; partial writes resume where they stopped.
+    """
+    views = as_views(parts)
+    i = 0
+    while i < len(views):
+        n = write(views[i : i + IOV_MAX])
+        while n:
+            first = views[i]
+            if n >= first.nbytes:
+                n -= first.nbytes
+                i += 1
+            else:
+                views[i] = first[n:]
+                n = 0
+
+
+def write_all(fd: int, data: Any) -> None:
+    """Write all of ``data`` (any buffer) to a blocking file descriptor, without copying it."""
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    n = os.write(fd, view)
+    total = len(view)
+    if n == total:
+        return
+    view = memoryview(view)
+    while n < total:
+        n += os.write(fd, view[n:])
+
+
+def recv_exact(
+    recv_into: Callable[[memoryview], int], n: int, what: str = "a message"
+) -> bytearray:
+    """Read exactly ``n`` bytes through ``recv_into``; ``EOFError`` if the stream ends first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = recv_into(view[got:])
+        if not k:
+            raise EOFError(f"the peer closed the connection in the middle of {what}")
+        got += k
+    return buf
+
+
+def grow_pipe(fd: int, size: int = PIPE_BYTES) -> None:
+    """Enlarge a pipe's buffer (best effort: the system limit may refuse)."""
+    try:
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
+    except OSError:
+        pass
+
+
+def new_pipe(size: int = PIPE_BYTES) -> tuple[int, int]:
+    """A pipe ``(read fd, write fd)`` enlarged to ``size`` bytes."""
+    r, w = os.pipe()
+    grow_pipe(w, size)
+    return r, w
+
+
+def drain_fd(fd: int, n: int) -> None:
+    """Read and drop ``n`` bytes from ``fd`` (a pipe left half-used by a failed splice)."""
+    while n > 0:
+        n -= len(os.read(fd, min(n, PIPE_BYTES))) or n
+
+
+class SinkFailedError(OSError):
+    """Writing spliced bytes to their destination failed; ``left`` bytes are still in the source."""
+
+    def __init__(self, exc: OSError, left: int) -> None:
+        super().__init__(exc.errno, str(exc))
+        self.exc = exc
+        self.left = left
+
+
+def splice_exact(sock: socket.socket, pipe: tuple[int, int], out_fd: int, size: int) -> None:
+    """Move ``size`` bytes from ``sock`` to ``out_fd`` inside the kernel (socket -> pipe -> fd).
+
+    Raises ``TimeoutError`` past the socket's timeout, ``EOFError`` if the peer
+    closes, :class:`SinkFailedError` if ``out_fd`` refuses the bytes (the pipe is
+    emptied first, so the socket can still be read in sync).
+    """
+    sfd = sock.fileno()
+    timeout = sock.gettimeout()
+    r, w = pipe
+    left = size
+    while left:
+        try:
+            k = os.splice(sfd, w, min(left, PIPE_BYTES))
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+            if not select.select([sfd], [], [], timeout)[0]:
+                raise TimeoutError("timed out receiving a transfer") from None
+            continue
+        if not k:
+            raise EOFError("the peer closed the connection in the middle of a transfer")
+        left -= k
+        try:
+            while k:
+                k -= os.splice(r, out_fd, k)
+        except OSError as exc:
+            drain_fd(r, k)  # the pipe must be empty for whoever reads the socket next
+            raise SinkFailedError(exc, left) from None
+
+
+class SocketTransport:
+    """A connected stream socket: ``sendmsg`` of header and buffers in one call."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        self.recv_into = sock.recv_into
+        self.spin = SPIN_US * 1e-6
+
+    def recv_head_into(self, view: Any) -> int:
+        """``recv_into`` that first polls without blocking for up to :data:`SPIN_US`."""
+        spin = self.spin
+        sock = self.sock
+        if spin > 0 and sock.gettimeout() is None:
+            recv_into = sock.recv_into
+            deadline = _perf() + spin
+            while True:
+                try:
+                    return recv_into(view, 0, _DONTWAIT)
+                except BlockingIOError:
+                    if _perf() > deadline:
+                        break
+                    _yield()
+        return sock.recv_into(view)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send_parts(self, parts: list) -> None:
+        send_all(self.sock.sendmsg, parts)
+
+    def sendfile(self, file: Any, size: int) -> int:
+        """Send ``size`` bytes from the file's position (``socket.sendfile`` starts at ``offset``)."""
+        return self.sock.sendfile(file, offset=file.tell(), count=size) if size else 0
+
+    def settimeout(self, t: float | None) -> None:
+        self.sock.settimeout(t)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class SSLTransport(SocketTransport):
+    """A TLS socket (``sendmsg`` and ``sendfile`` are not available through TLS)."""
+
+    def recv_head_into(self, view: Any) -> int:
+        return self.sock.recv_into(view)
+
+    def send_parts(self, parts: list) -> None:
+        for p in parts:
+            self.sock.sendall(p)
+
+    def sendfile(self, file: Any, size: int) -> int:
+        return 0
+
+
+class PipeTransport:
+    """A pair of pipe file descriptors (a server spoken to over stdin/stdout)."""
+
+    def __init__(self, rfd: int, wfd: int, timeout: float | None = None) -> None:
+        self.rfd = rfd
+        self.wfd = wfd
+        self.timeout = timeout
+
+    def fileno(self) -> int:
+        return self.rfd
+
+    def recv_into(self, view: Any) -> int:
+        if self.timeout is not None:
+            r, _, _ = select.select([self.rfd], [], [], self.timeout)
+            if not r:
+                raise TimeoutError("timed out reading from the pipe")
+        return os.readv(self.rfd, [view])
+
+    def send_parts(self, parts: list) -> None:
+        wfd = self.wfd
+        send_all(lambda views: os.writev(wfd, views), parts)
+
+    def sendfile(self, file: Any, size: int) -> int:
+        return 0
+
+    def settimeout(self, t: float | None) -> None:
+        self.timeout = t
+
+    def close(self) -> None:
+        for fd in {self.rfd, self.wfd}:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,257 @@
+"""The one security policy of every Disco link: tokens, binds, the handshake's proofs and keys.
+
+Who may talk to whom is decided here, once, for the socket channel and every
+disco-rpc service. The rules:
+
+- **Token.** A shared secret, given as an argument or in ``$DISCO_TOKEN``
+  (:func:`resolve_token`). It never crosses the wire.
+- **Binds.** A service that listens beyond loopback needs a token or TLS;
+  ``allow_insecure_bind=True`` is the explicit opt-out and warns. A loopback
+  service without a token warns once (:func:`check_bind`).
+- **Mutual proof.** Each side proves it holds the token with an HMAC over the
+  whole handshake transcript (both hellos, hence both nonces and everything the
+  protocol put in them). A side that holds a token never goes on with a peer
+  that has not proven it: "no authentication required" from a peer is a
+  refusal, not a shortcut (:class:`Handshake`).
+- **Binding.** The handshake yields per-direction keys derived from the token
+  and the transcript (:meth:`Handshake.keys`); every later record is sealed
+  with them (:mod:`disco_core.net.protect`), so a relay that passed the
+  handshake through (a proxy, a tracker pairing, anyone on the path) can neither
+  inject, alter, reorder nor replay a record.
+
+The message layouts stay the protocols' own; what they must do is put a fresh
+:func:`new_nonce` in each side's hello and feed both hellos, exactly as sent,
+to :meth:`Handshake.bind`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import socket
+import struct
+import warnings
+from dataclasses import dataclass
+
+from ..errors import DiscoError, InsecureBindError
+
+__all__ = [
+    "TOKEN_ENV",
+    "NONCE_BYTES",
+    "PROOF_BYTES",
+    "resolve_token",
+    "is_loopback",
+    "check_bind",
+    "new_nonce",
+    "SessionKeys",
+    "Handshake",
+]
+
+#: The environment variable that holds the shared token.
+TOKEN_ENV = "DISCO_TOKEN"
+#: Size of the nonce each side puts in its hello.
+NONCE_BYTES = 32
+#: Size of a proof (HMAC-SHA256).
+PROOF_BYTES = 32
+
+_VERSION = b"disco-net/1"
+_LEN = struct.Struct("<Q")
+_warned_loopback: set[str] = set()
+
+
+def resolve_token(token: str | bytes | bytearray | None = None) -> bytes | None:
+    """The shared token: ``token`` itself, else ``$DISCO_TOKEN``; ``None`` when neither is set.
+
+    Parameters
+    ----------
+    token : str, bytes or None
+        The token given by the caller (a ``str`` is UTF-8 encoded). An empty
+        token counts as none.
+
+    Returns
+    -------
+    bytes or None
+    """
+    if token is None:
+        token = os.environ.get(TOKEN_ENV, "")
+    if isinstance(token, str):
+        token = token.encode("utf-8")
+    elif not isinstance(token, (bytes, bytearray)):
+        raise TypeError(f"token must be str or bytes, not {type(token).__name__}")
+    return bytes(token) or None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (``127.0.0.0/8``, ``::1``, ``localhost``).
+
+    The wildcard addresses (``""``, ``0.0.0.0``, ``::``) are *not* loopback: they
+    listen on every interface. A name is resolved, and is loopback only when every
+    address it resolves to is.
+    """
+    if host in ("localhost", "ip6-localhost", "ip6-loopback"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        if not host:
+            return False
+        try:
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except OSError:
+            return False
+        addrs = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+        return bool(addrs) and all(_ip_loopback(a) for a in addrs)
+    return _ip_loopback(ip)
+
+
+def _ip_loopback(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def check_bind(
+    host: str,
+    *,
+    token: bytes | None,
+    tls: bool,
+    allow_insecure_bind: bool = False,
+    what: str = "service",
+) -> None:
+    """Apply the bind policy before a service listens on ``host``.
+
+    Parameters
+    ----------
+    host : str
+        The address the service will listen on.
+    token : bytes or None
+        The resolved token (see :func:`resolve_token`).
+    tls : bool
+        Whether connections are wrapped in TLS.
+    allow_insecure_bind : bool
+        The explicit opt-out: listen beyond loopback with neither, with a warning.
+    what : str
+        The service's name, for the messages.
+
+    Raises
+    ------
+    InsecureBindError
+        ``host`` is reachable from other machines and the service has neither a
+        token nor TLS, and ``allow_insecure_bind`` is false.
+    """
+    if is_loopback(host):
+        if token is None and what not in _warned_loopback:
+            _warned_loopback.add(what)
+            warnings.warn(
+                f"the {what} listens on {host} without a token: any local user can use it "
+                f"(set {TOKEN_ENV} or pass token=...)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return
+    if token is not None or tls:
+        return
+    shown = host or "every interface"
+    if not allow_insecure_bind:
+        raise InsecureBindError(
+            f"refusing to listen on {shown} for the {what}: anyone who reaches it could run "
+            f"code here. Give token=... (or set {TOKEN_ENV}) or TLS, or pass "
+            "allow_insecure_bind=True if the network is trusted"
+        )
+    warnings.warn(
+        f"the {what} listens on {shown} with neither token nor TLS (allow_insecure_bind=True)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def new_nonce() -> bytes:
+    """A fresh random nonce (:data:`NONCE_BYTES` bytes) for a hello."""
+    return os.urandom(NONCE_BYTES)
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    """The keys one side seals with (``send``) and checks with (``recv``); 64 bytes each."""
+
+    send: bytes
+    recv: bytes
+
+
+class Handshake:
+    """The cryptographic half of a handshake: proofs and keys over a transcript.
+
+    Parameters
+    ----------
+    token : bytes
+        The shared token (not None: a protocol without a token has nothing to prove).
+    role : {"client", "server"}
+        This side's role: the client sends the first hello.
+    label : bytes
+        The protocol's name and version (e.g. ``b"disco-rpc/2"``); proofs and keys
+        of one protocol are worthless in another.
+
+    Notes
+    -----
+    Call :meth:`bind` with both hellos exactly as they crossed the wire, then
+    exchange :meth:`proof` and check the peer's with :meth:`verify`. The client
+    proves first; the server answers with its own proof only after the client's
+    checked out, so a peer without the token learns nothing it could replay.
+    """
+
+    def __init__(self, token: bytes, role: str, label: bytes) -> None:
+        if not token:
+            raise ValueError("a Handshake needs a token")
+        if role not in ("client", "server"):
+            raise ValueError(f"role must be 'client' or 'server', not {role!r}")
+        self._token = bytes(token)
+        self.role = role
+        self.peer_role = "server" if role == "client" else "client"
+        self.label = bytes(label)
+        self._transcript: bytes | None = None
+
+    def bind(self, client_hello: bytes, server_hello: bytes) -> None:
+        """Fix the transcript: both hellos, each of which carries its sender's nonce."""
+        h = hashlib.sha256(_VERSION + b"\0" + self.label + b"\0")
+        for msg in (client_hello, server_hello):
+            h.update(_LEN.pack(len(msg)))
+            h.update(msg)
+        self._transcript = h.digest()
+
+    @property
+    def transcript(self) -> bytes:
+        if self._transcript is None:
+            raise DiscoError("Handshake.bind() must come before proofs and keys")
+        return self._transcript
+
+    def _proof_of(self, role: str) -> bytes:
+        msg = _VERSION + b" proof " + role.encode() + b"\0" + self.transcript
+        return hmac.new(self._token, msg, hashlib.sha256).digest()
+
+    def proof(self) -> bytes:
+        """This side's proof that it holds the token (:data:`PROOF_BYTES` bytes)."""
+        return self._proof_of(self.role)
+
+    def verify(self, peer_proof: bytes) -> bool:
+        """Whether ``peer_proof`` is the peer's valid proof (constant-time comparison)."""
+        return hmac.compare_digest(bytes(peer_proof), self._proof_of(self.peer_role))
+
+    def keys(self) -> SessionKeys:
+        """Per-direction keys for :class:`~disco_core.net.protect.SealedTransport` (HKDF-SHA256)."""
+        okm = _hkdf(self._token, salt=self.transcript, info=_VERSION + b" record keys", length=128)
+        c2s, s2c = okm[:64], okm[64:]
+        if self.role == "client":
+            return SessionKeys(send=c2s, recv=s2c)
+        return SessionKeys(send=s2c, recv=c2s)
+
+
+def _hkdf(ikm: bytes, *, salt: bytes, info: bytes, length: int) -> bytes:
+    try:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError:  # pragma: no cover - cryptography is a dependency of the network plugins
+        raise DiscoError(
+            "protected links need the 'cryptography' package: pip install cryptography"
+        ) from None
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(ikm)

@@ -1,0 +1,287 @@
+"""disco_core.net: the security policy, sealed records and capped framing."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import struct
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+from disco_core import protocol
+from disco_core.errors import (
+    FrameLimitError,
+    InsecureBindError,
+    IntegrityError,
+    UntrustedValueError,
+)
+from disco_core.net import security
+from disco_core.net.framing import FrameReader, frame_head
+from disco_core.net.io import SocketTransport
+from disco_core.net.protect import LARGE_RECORD, SealedTransport
+from disco_core.net.security import Handshake, check_bind, is_loopback, resolve_token
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# ----------------------------------------------------------------------------- policy
+def test_resolve_token(monkeypatch):
+    monkeypatch.delenv("DISCO_TOKEN", raising=False)
+    assert resolve_token(None) is None
+    assert resolve_token("") is None
+    assert resolve_token("s3") == b"s3"
+    monkeypatch.setenv("DISCO_TOKEN", "env")
+    assert resolve_token(None) == b"env"
+    assert resolve_token(b"arg") == b"arg"
+    with pytest.raises(TypeError, match="token must be str or bytes"):
+        resolve_token(3)
+
+
+@pytest.mark.parametrize(
+    "host, expected",
+    [
+        ("127.0.0.1", True),
+        ("127.5.5.5", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("10.1.2.3", False),
+        ("no-such-host.invalid", False),
+    ],
+)
+def test_is_loopback(host, expected):
+    assert is_loopback(host) is expected
+
+
+def test_check_bind_refuses_open_address_without_token_or_tls():
+    with pytest.raises(InsecureBindError, match="refusing to listen on every interface"):
+        check_bind("", token=None, tls=False, what="test service")
+    with pytest.raises(InsecureBindError, match="0.0.0.0"):
+        check_bind("0.0.0.0", token=None, tls=False)
+    check_bind("0.0.0.0", token=b"t", tls=False)
+    check_bind("0.0.0.0", token=None, tls=True)
+    with pytest.warns(RuntimeWarning, match="neither token nor TLS"):
+        check_bind("0.0.0.0", token=None, tls=False, allow_insecure_bind=True)
+
+
+def test_check_bind_warns_once_on_loopback_without_token(monkeypatch):
+    monkeypatch.setattr(security, "_warned_loopback", set())
+    with pytest.warns(RuntimeWarning, match="without a token"):
+        check_bind("127.0.0.1", token=None, tls=False, what="svc")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_bind("127.0.0.1", token=None, tls=False, what="svc")  # once only
+        check_bind("127.0.0.1", token=b"t", tls=False, what="other")
+
+
+# ----------------------------------------------------------------------------- handshake
+def _pair(token_c=b"tok", token_s=b"tok", hello=b"hello", reply=b"reply"):
+    c = Handshake(token_c, "client", b"test/1")
+    s = Handshake(token_s, "server", b"test/1")
+    c.bind(hello, reply)
+    s.bind(hello, reply)
+    return c, s
+
+
+def test_handshake_proofs_are_mutual_and_bound():
+    c, s = _pair()
+    assert s.verify(c.proof()) and c.verify(s.proof())
+    assert not c.verify(c.proof()), "a reflected proof must not pass"
+    wrong_c, s2 = _pair(token_c=b"other")
+    assert not s2.verify(wrong_c.proof())
+    c3, s3 = _pair(hello=b"hello2")  # a relay that altered a hello
+    c4, _ = _pair()
+    assert not s3.verify(c4.proof())
+    assert c.keys().send == s.keys().recv and c.keys().recv == s.keys().send
+    assert c.keys().send != c.keys().recv
+    assert c3.keys().send != c.keys().send
+    with pytest.raises(ValueError, match="needs a token"):
+        Handshake(b"", "client", b"x")
+
+
+# ----------------------------------------------------------------------------- sealed records
+class _Tap:
+    """A transport that also keeps every byte it sent (to replay or alter them)."""
+
+    def __init__(self, sock):
+        self.inner = SocketTransport(sock)
+        self.sent: list[bytes] = []
+
+    def send_parts(self, parts):
+        self.sent.append(b"".join(bytes(memoryview(p).cast("B")) for p in parts))
+        self.inner.send_parts(parts)
+
+    def recv_into(self, view):
+        return self.inner.recv_into(view)
+
+
+@pytest.fixture
+def sealed_pair():
+    a, b = socket.socketpair()
+    c, s = _pair()
+    tap = _Tap(a)
+    yield SealedTransport(tap, c.keys()), SealedTransport(SocketTransport(b), s.keys()), tap, a
+    a.close()
+    b.close()
+
+
+def _recv(t, n):
+    out = bytearray(n)
+    view = memoryview(out)
+    got = 0
+    while got < n:
+        got += t.recv_into(view[got:])
+    return bytes(out)
+
+
+@pytest.mark.parametrize("size", [1, 100, LARGE_RECORD - 1, LARGE_RECORD, 3 * LARGE_RECORD + 7])
+def test_sealed_round_trip(sealed_pair, size):
+    tx, rx, _, _ = sealed_pair
+    data = os.urandom(size)
+    t = threading.Thread(target=tx.send_parts, args=([b"H", memoryview(data)],))
+    t.start()
+    assert _recv(rx, size + 1) == b"H" + data
+    t.join()
+
+
+def test_sealed_array_is_received_in_place(sealed_pair):
+    tx, rx, _, _ = sealed_pair
+    src = np.arange(200_000, dtype=np.float32)
+    dst = np.empty_like(src)
+    t = threading.Thread(target=tx.send_parts, args=([src],))
+    t.start()
+    view = memoryview(dst.view(np.uint8).reshape(-1))
+    got = 0
+    while got < view.nbytes:
+        got += rx.recv_into(view[got:])
+    t.join()
+    np.testing.assert_array_equal(src, dst)
+
+
+@pytest.mark.parametrize("attack", ["alter", "replay", "inject", "reorder", "truncate_tag"])
+def test_sealed_refuses_tampering(sealed_pair, attack):
+    tx, rx, tap, raw = sealed_pair
+    tx.send_parts([b"first record"])
+    tx.send_parts([b"second record"])
+    first, second = tap.sent
+    assert _recv(rx, 12) == b"first record"
+    _recv(rx, 13)
+    if attack == "alter":
+        tx.send_parts([b"third record"])
+        third = bytearray(tap.sent[-1])
+        _recv(rx, 12)  # the real one; then a copy with one bit flipped
+        third[10] ^= 1
+        raw.sendall(third)
+    elif attack == "replay":
+        raw.sendall(first)
+    elif attack == "inject":
+        raw.sendall(struct.pack("<Q", 5) + b"evil!" + bytes(16))
+    elif attack == "reorder":
+        # a record sealed for a later position arrives now
+        tx._out.seq += 1
+        tx.send_parts([b"skipped one"])
+    elif attack == "truncate_tag":
+        raw.sendall(struct.pack("<Q", 4) + b"abcd" + bytes(3))
+        raw.shutdown(socket.SHUT_WR)
+        with pytest.raises(EOFError):
+            _recv(rx, 4)
+        return
+    forged_len = {"alter": 12, "replay": 12, "inject": 5, "reorder": 11}[attack]
+    with pytest.raises(IntegrityError, match="integrity check"):
+        _recv(rx, forged_len)
+    with pytest.raises(IntegrityError):  # and the connection stays refused
+        rx.recv_into(bytearray(4))
+
+
+def test_sealed_caps_the_declared_record_length(sealed_pair):
+    _, rx, _, raw = sealed_pair
+    rx.max_record = 1 << 20
+    raw.sendall(struct.pack("<Q", 1 << 40))
+    with pytest.raises(FrameLimitError, match="record of 1099511627776 bytes"):
+        rx.recv_into(bytearray(4))
+
+
+def test_sealed_clean_end_of_stream(sealed_pair):
+    _, rx, _, raw = sealed_pair
+    raw.shutdown(socket.SHUT_WR)
+    assert rx.recv_into(bytearray(4)) == 0
+
+
+# ----------------------------------------------------------------------------- framing
+def test_frame_reader_caps_before_allocating():
+    r, w = os.pipe()
+    try:
+        os.write(w, struct.pack("<QII", 10, 1 << 30, 0))
+        with pytest.raises(FrameLimitError, match="buffers"):
+            FrameReader(r).read()
+        os.write(w, struct.pack("<QII", 1 << 50, 0, 0))
+        with pytest.raises(FrameLimitError, match="header"):
+            FrameReader(r).read()
+        os.write(w, struct.pack("<QII", 4, 1, 0) + struct.pack("<Q", 1 << 30))
+        with pytest.raises(FrameLimitError, match="at most 1048576"):
+            FrameReader(r, max_frame=1 << 20).read()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_frame_reader_round_trip():
+    r, w = os.pipe()
+    try:
+        frame = protocol.encode(("x", np.arange(5000)))
+        os.write(w, frame_head(*frame, flags=1))
+        for m in frame[1]:
+            os.write(w, m)
+        header, buffers, flags = FrameReader(r).read()
+        assert flags == 1
+        value = protocol.decode_untrusted(header, buffers)
+        np.testing.assert_array_equal(value[1], np.arange(5000))
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+# ----------------------------------------------------------------------------- untrusted values
+@pytest.mark.parametrize(
+    "value",
+    [
+        (1, 2.5, "s", b"b", None, True, 1 + 2j, [1, (2,)], {"k": {1, 2}}),
+        np.arange(10_000, dtype=np.float64).reshape(100, 100),
+        np.float32(1.5),
+        np.dtype("int8"),
+        disco.Device("cpu", 0),
+        protocol.RegRef(7),
+        disco.WorkerError(1, "ValueError", "bad", "Traceback..."),
+    ],
+)
+def test_decode_untrusted_accepts_data(value):
+    out = protocol.decode_untrusted(*protocol.encode(value))
+    assert type(out) is type(value)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_decode_untrusted_refuses_objects_and_garbage():
+    with pytest.raises(UntrustedValueError, match=r"posix.system is not allowed"):
+        protocol.decode_untrusted(pickle.dumps(_Evil()))
+    with pytest.raises(UntrustedValueError, match="malformed"):
+        protocol.decode_untrusted(b"\x80\x05garbage")
+    # a module outside the allow-list is not even imported
+    payload = b"\x80\x04\x8c\x0bantigravity\x94\x8c\x03fly\x94\x93\x94."
+    import sys
+
+    with pytest.raises(UntrustedValueError, match="antigravity.fly"):
+        protocol.decode_untrusted(payload)
+    assert "antigravity" not in sys.modules
