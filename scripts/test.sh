@@ -17,6 +17,8 @@ pip_install -e '.[test]' "${plugins[@]}" || exit 1
 # so that pip never pulls a multi-GB CUDA build.
 pip_install torch==2.13.0 ml_dtypes || exit 1
 .venv/bin/ruff check . || exit 1
+# imports flow one way, inside the core and each plugin (.importlinter)
+.venv/bin/lint-imports --no-cache || exit 1
 
 status=0
 run() {  # run pytest in a folder; "no tests ran" (exit 5) only counts when filtering

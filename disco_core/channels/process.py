@@ -20,6 +20,7 @@ import time
 
 from ..errors import WorkerDiedError
 from ..net.io import grow_pipe
+from ..net.spawn import spawn_worker, worker_argv
 from ..protocol import FrameReader, decode
 from .base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
 from .stderr_tee import StderrTee, with_stderr
@@ -105,15 +106,9 @@ class ProcessWorkerLink(BatchingLink):
         self.err_r, err_w = os.pipe()
         for fd in (self.cmd_w, reply_w):
             grow_pipe(fd)
-        argv = [
-            sys.executable, "-m", entrypoint,
-            "--worker-id", str(worker_id), "--num-workers", str(num_workers),
-            "--num-groups", str(num_groups), "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w),
-        ]  # fmt: skip
+        argv = worker_argv(entrypoint, worker_id, num_workers, num_groups, cmd_r, reply_w)
         try:
-            self.proc = subprocess.Popen(
-                argv, pass_fds=(cmd_r, reply_w), env=env, stdin=subprocess.DEVNULL, stderr=err_w
-            )
+            self.proc = spawn_worker(argv, (cmd_r, reply_w), env, err_w)
         except BaseException:
             os.close(self.err_r)
             raise

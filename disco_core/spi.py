@@ -1,0 +1,133 @@
+"""What a plugin author imports to build channels, CCLs and transports.
+
+``disco_core`` is the user's API; this module is the author's. A plugin
+imports ``disco_core``, ``disco_core.spi`` and ``disco_core.testing`` and
+nothing else of the core (an import-linter contract checks that for the
+plugins in this repository), so everything below is public and kept stable.
+
+Channels
+    :class:`LinkChannel` (a channel over one link per worker), the link kinds
+    (:class:`WorkerLink`, :class:`ThreadWorkerLink`, :class:`BatchingLink`,
+    :class:`ProcessWorkerLink`), :class:`ReplyHub` and :class:`ReplyReader`
+    (replies from many workers), :class:`Outgoing`, worker processes
+    (:func:`worker_env`, :func:`worker_argv`, :func:`exit_reason`,
+    :func:`stop_worker`, :func:`start_timeout`, :func:`tee_stderr`,
+    :class:`StderrTee`) and the worker loop itself (:class:`Worker`,
+    :func:`command_stream`).
+Commands on the wire
+    :func:`encode`, :func:`decode` (pipes from processes you started),
+    :func:`decode_untrusted` (anything that crossed a socket), :func:`frame_head`,
+    :func:`write_frame`, :class:`FrameReader`, :data:`FLAG_BATCH`.
+CCLs
+    :class:`CCL`, :class:`Rendezvous`, :data:`REDUCE_OPS`, :mod:`validate`
+    (the argument checks every collective runs on every member), and
+    :meth:`CCL.preflight` (worker-side checks before a blocking initialisation).
+Network layer
+    :mod:`net` (:mod:`~disco_core.net.io`, :mod:`~disco_core.net.framing`,
+    :mod:`~disco_core.net.security`, :mod:`~disco_core.net.protect`): the one
+    security policy (:func:`resolve_token`, :func:`check_bind`,
+    :class:`Handshake`), sealed records (:class:`SealedTransport`) and
+    transports.
+Devices and lookups
+    :class:`Device`, :func:`as_device`, :func:`as_dtype`, :func:`as_shape`,
+    :func:`to_host`, :func:`empty`, :func:`lookup` (a registered plugin by kind
+    and name), :func:`load_py`, :mod:`registry`.
+"""
+
+from __future__ import annotations
+
+from . import net, registry
+from .ccl import validate
+from .ccl.base import CCL, REDUCE_OPS, Rendezvous
+from .channels.base import (
+    BatchingLink,
+    LinkChannel,
+    Outgoing,
+    ReplyHub,
+    ThreadWorkerLink,
+    WorkerLink,
+)
+from .channels.process import (
+    ProcessWorkerLink,
+    ReplyReader,
+    exit_reason,
+    start_timeout,
+    stop_worker,
+    tee_stderr,
+    worker_env,
+)
+from .channels.stderr_tee import StderrTee
+from .device import Device, as_device, as_dtype, as_shape, empty, to_host
+from .loaders import load_py
+from .net.framing import FrameReader, check_frame
+from .net.io import PipeTransport, SocketTransport, SSLTransport
+from .net.protect import SealedTransport
+from .net.security import Handshake, SessionKeys, check_bind, is_loopback, resolve_token
+from .net.spawn import spawn_worker, worker_argv
+from .plugins import lookup
+from .protocol import (
+    FLAG_BATCH,
+    decode,
+    decode_untrusted,
+    encode,
+    frame_head,
+    write_frame,
+)
+from .worker import Worker, command_stream
+
+__all__ = [
+    # channels
+    "LinkChannel",
+    "WorkerLink",
+    "ThreadWorkerLink",
+    "BatchingLink",
+    "ProcessWorkerLink",
+    "ReplyHub",
+    "ReplyReader",
+    "Outgoing",
+    "worker_env",
+    "worker_argv",
+    "spawn_worker",
+    "exit_reason",
+    "stop_worker",
+    "start_timeout",
+    "tee_stderr",
+    "StderrTee",
+    "Worker",
+    "command_stream",
+    # commands on the wire
+    "encode",
+    "decode",
+    "decode_untrusted",
+    "frame_head",
+    "write_frame",
+    "FrameReader",
+    "check_frame",
+    "FLAG_BATCH",
+    # CCLs
+    "CCL",
+    "Rendezvous",
+    "REDUCE_OPS",
+    "validate",
+    # network layer
+    "net",
+    "resolve_token",
+    "is_loopback",
+    "check_bind",
+    "Handshake",
+    "SessionKeys",
+    "SealedTransport",
+    "SocketTransport",
+    "SSLTransport",
+    "PipeTransport",
+    # devices and lookups
+    "Device",
+    "as_device",
+    "as_dtype",
+    "as_shape",
+    "to_host",
+    "empty",
+    "lookup",
+    "load_py",
+    "registry",
+]
