@@ -35,7 +35,6 @@ __all__ = [
 ]
 
 
-
 def start_timeout() -> float:
     """Seconds to wait for workers to start (``DISCO_START_TIMEOUT``, default 60)."""
     return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
