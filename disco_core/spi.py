@@ -62,6 +62,7 @@ from .loaders import load_py
 from .net.framing import FrameReader, check_frame
 from .net.io import PipeTransport, SocketTransport, SSLTransport
 from .net.protect import SealedTransport
+from .net.relay import relay
 from .net.security import Handshake, SessionKeys, check_bind, is_loopback, resolve_token
 from .net.spawn import spawn_worker, worker_argv
 from .plugins import lookup
@@ -120,6 +121,7 @@ __all__ = [
     "SocketTransport",
     "SSLTransport",
     "PipeTransport",
+    "relay",
     # devices and lookups
     "Device",
     "as_device",

@@ -285,3 +285,61 @@ def test_decode_untrusted_refuses_objects_and_garbage():
     with pytest.raises(UntrustedValueError, match="antigravity.fly"):
         protocol.decode_untrusted(payload)
     assert "antigravity" not in sys.modules
+
+
+# ----------------------------------------------------------------------------- relay
+def test_relay_reseals_between_two_protected_links():
+    from disco_core.net.relay import relay
+
+    c_sock, m1 = socket.socketpair()  # client <-> middle
+    m2, s_sock = socket.socketpair()  # middle <-> server
+    c1, s1 = _pair(hello=b"link1")
+    c2, s2 = _pair(hello=b"link2")
+    client = SealedTransport(SocketTransport(c_sock), c1.keys())
+    mid_in = SealedTransport(SocketTransport(m1), s1.keys())
+    mid_out = SealedTransport(SocketTransport(m2), c2.keys())
+    server = SealedTransport(SocketTransport(s_sock), s2.keys())
+    result = {}
+    t = threading.Thread(
+        target=lambda: result.setdefault("moved", relay(mid_in, mid_out, b"", b"")), daemon=True
+    )
+    t.start()
+    data = os.urandom(3 * LARGE_RECORD + 11)
+    sender = threading.Thread(target=client.send_parts, args=([data],))
+    sender.start()
+    assert _recv(server, len(data)) == data
+    sender.join()
+    server.send_parts([b"answer"])
+    assert _recv(client, 6) == b"answer"
+    c_sock.shutdown(socket.SHUT_WR)
+    t.join(10)
+    assert not t.is_alive()
+    assert result["moved"] == (len(data), 6)
+    for s in (c_sock, m1, m2, s_sock):
+        s.close()
+
+
+def test_relay_ends_on_a_forged_record_and_forwards_buffered_bytes():
+    from disco_core.net.relay import relay
+
+    c_sock, m1 = socket.socketpair()
+    m2, s_sock = socket.socketpair()
+    c1, s1 = _pair()
+    mid_in = SealedTransport(SocketTransport(m1), s1.keys())
+    mid_out = SocketTransport(m2)
+    done = threading.Event()
+
+    def run():
+        relay(mid_in, mid_out, b"", b"early")
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    client = SealedTransport(SocketTransport(c_sock), c1.keys())
+    assert _recv(client, 5) == b"early"  # owed to the client, sent first (sealed)
+    c_sock.sendall(struct.pack("<Q", 5) + b"evil!" + bytes(16))
+    assert done.wait(10), "the relay must end on a record that fails its check"
+    s_sock.settimeout(0.2)
+    with pytest.raises((TimeoutError, socket.timeout)):
+        s_sock.recv(5)  # nothing of the forged record reached the server
+    for s in (c_sock, m1, m2, s_sock):
+        s.close()
