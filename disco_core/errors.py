@@ -20,6 +20,12 @@ __all__ = [
     "FrameLimitError",
     "InsecureBindError",
     "UntrustedValueError",
+    "DiscoValueError",
+    "DiscoTypeError",
+    "DiscoKeyError",
+    "DiscoFileNotFoundError",
+    "DiscoPermissionError",
+    "DiscoTimeoutError",
 ]
 
 
@@ -159,3 +165,33 @@ class UntrustedValueError(NetworkError, ValueError):
     worker errors are rebuilt from bytes that came over a socket; nothing else
     is ever unpickled from one.
     """
+
+
+# The standard library's meaning with Disco's base: ``except ValueError`` and
+# ``except disco.DiscoError`` both catch a DiscoValueError. Plugins raise these
+# (or their own DiscoError subclasses), never a bare built-in exception.
+class DiscoValueError(DiscoError, ValueError):
+    """A value was wrong (an argument, a setting, a field of a message)."""
+
+
+class DiscoTypeError(DiscoError, TypeError):
+    """An argument or value was of the wrong type."""
+
+
+class DiscoKeyError(DiscoError, KeyError):
+    """A name was not found (a function of a module, an entry of a table)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; an error message should not
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class DiscoFileNotFoundError(DiscoError, FileNotFoundError):
+    """A file that was named does not exist."""
+
+
+class DiscoPermissionError(DiscoError, PermissionError):
+    """An operation is not allowed (a path outside the work folder, a refused bind)."""
+
+
+class DiscoTimeoutError(DiscoError, TimeoutError):
+    """A wait ran past its bound."""

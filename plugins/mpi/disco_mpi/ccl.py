@@ -61,7 +61,7 @@ import numpy as np
 
 from disco_core.ccl import validate
 from disco_core.ccl.base import CCL, Rendezvous
-from disco_core.errors import CCLError, CCLTimeoutError
+from disco_core.errors import CCLError, CCLTimeoutError, DiscoTypeError, DiscoValueError
 
 from . import _runtime
 
@@ -202,13 +202,13 @@ class MPICCL(CCL):
     ) -> MPIRendezvous:
         unknown = set(options) - {"timeout", "ordered", "connect_timeout"}
         if unknown:
-            raise TypeError(f"init_ccl('mpi'): unknown options {sorted(unknown)}")
+            raise DiscoTypeError(f"init_ccl('mpi'): unknown options {sorted(unknown)}")
         timeout = float(
             options.get("timeout", os.environ.get("DISCO_CCL_TIMEOUT", _DEFAULT_TIMEOUT))
         )
         connect_timeout = float(options.get("connect_timeout", _CONNECT_TIMEOUT))
         if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError("init_ccl('mpi'): timeout and connect_timeout must be > 0")
+            raise DiscoValueError("init_ccl('mpi'): timeout and connect_timeout must be > 0")
         payload = {
             "token": uuid.uuid4().hex,
             "timeout": timeout,

@@ -31,7 +31,7 @@ import threading
 from typing import Any
 
 from disco_core.channels.base import LinkChannel, Outgoing, ThreadWorkerLink, WorkerLink
-from disco_core.errors import DiscoError
+from disco_core.errors import DiscoError, DiscoValueError
 from disco_core.protocol import FLAG_BATCH, decode, encode, frame_head
 from disco_core.worker import Worker
 
@@ -132,7 +132,7 @@ class MPIChannel(LinkChannel):
                 f"the job has {size} ranks (start it with mpiexec -n {num_workers})"
             )
         if num_groups < 1 or size % num_groups:
-            raise ValueError(
+            raise DiscoValueError(
                 f"num_workers ({size}) must be a multiple of num_groups ({num_groups})"
             )
         comm = world.Dup()  # collective: every rank creates the channel

@@ -27,7 +27,7 @@ import numpy as np
 from disco_core.ccl import validate
 from disco_core.ccl.base import CCL, Rendezvous
 from disco_core.device import Device
-from disco_core.errors import CCLError
+from disco_core.errors import CCLError, DiscoTypeError
 
 from . import backend
 
@@ -140,7 +140,7 @@ class NCCLCCL(CCL):
     ) -> NCCLRendezvous:
         unknown = set(options) - {"validate"}
         if unknown:
-            raise TypeError(f"init_ccl({cls.name!r}): unknown options {sorted(unknown)}")
+            raise DiscoTypeError(f"init_ccl({cls.name!r}): unknown options {sorted(unknown)}")
         # The controller makes the unique ids (as TVM's does) and needs NCCL for
         # that, but not a GPU: a session's GPUs may all be on other nodes.
         cupy, nccl = backend.load(cls.name, need_gpu=False)
