@@ -13,7 +13,17 @@ Every link starts with the disco-rpc handshake (HMAC token, optional TLS) and
 then carries frames of the tagged wire format (no pickle), bounded by
 ``max_message_bytes`` (1 MiB by default).
 
-Requests wait in a queue per key: higher ``priority`` first, then first come.
+Requests wait in a queue per key: higher ``priority`` first, then first come. A
+request leaves its queue as soon as its client's link closes (cancelled, timed
+out, crashed).
+
+What anyone who can reach the port may cost the tracker is bounded: one thread
+accepts and runs every handshake (:class:`disco_core.net.accept.AcceptLoop`:
+at most :data:`MAX_PENDING` at once, :data:`HANDSHAKE_TIMEOUT` seconds each);
+an authenticated link gets a thread, up to :data:`MAX_LINKS`; keys are at most
+:data:`MAX_KEY_BYTES` bytes, a link has at most :data:`MAX_REQUESTS_PER_LINK`
+requests waiting, and ``summary()`` always fits in one frame (it lists fewer
+entries and says so under ``"truncated"`` when it must).
 """
 
 from __future__ import annotations
@@ -26,12 +36,16 @@ import secrets
 import select
 import signal
 import socket
+import ssl
+import struct
 import threading
 import time
 from typing import Any
 
+from disco_core.net.accept import AcceptLoop, Slots, SocketHandshake
+
 from . import auth, wire
-from ._service import ServiceProcess, accept_loop
+from ._service import ServiceProcess
 from .errors import RPCError, RPCRequestTimeoutError, RPCSessionTimeoutError
 from .wire import ERROR, REPLY, REQUEST
 
@@ -56,17 +70,69 @@ def ticket_key(key: str, ticket: str) -> str:
     return f"{key}{TICKET_SEP}{ticket}"
 
 
+# --------------------------------------------------------------------------- limits
+#: The longest key (kind of server) the tracker accepts, in UTF-8 bytes.
+MAX_KEY_BYTES = 256
+#: The longest host a server may register under, in UTF-8 bytes (a DNS name is at most 253).
+MAX_HOST_BYTES = 255
+#: Requests one connection may have waiting at once (a client waits for one at a time).
+MAX_REQUESTS_PER_LINK = 16
+#: Connections the tracker serves at once (registrations and clients, after their handshake).
+MAX_LINKS = 1024
+#: Connections still in their handshake, at most (the oldest is dropped to make room).
+MAX_PENDING = 64
+#: Seconds a connection has to finish its handshake.
+HANDSHAKE_TIMEOUT = 10.0
+#: Entries ``summary()`` lists at most; it also always fits in one frame (else it lists fewer).
+SUMMARY_MAX_SERVERS = 1000
+SUMMARY_MAX_KEYS = 1000
+#: Room left in a frame besides the summary's own bytes.
+_SUMMARY_SLACK = 4096
+#: Seconds a send to a peer that does not read may block before its link is dropped.
+_SEND_TIMEOUT = 2.0
+
+
+def _check_key(key: Any) -> str:
+    """``key`` if it is a string of at most :data:`MAX_KEY_BYTES` UTF-8 bytes; else ValueError."""
+    if not isinstance(key, str):
+        raise ValueError(f"a key must be a string, not {type(key).__name__}")
+    n = len(key.encode("utf-8", "surrogatepass"))
+    if n > MAX_KEY_BYTES:
+        raise ValueError(
+            f"the key is {n} bytes long; the tracker accepts keys of at most {MAX_KEY_BYTES} bytes"
+        )
+    return key
+
+
+def _check_host(host: Any) -> str:
+    if not isinstance(host, str):
+        raise ValueError(f"a host must be a string, not {type(host).__name__}")
+    n = len(host.encode("utf-8", "surrogatepass"))
+    if n > MAX_HOST_BYTES:
+        raise ValueError(
+            f"the host is {n} bytes long; the tracker accepts hosts of at most {MAX_HOST_BYTES} bytes"  # fmt: skip
+        )
+    return host
+
+
 # --------------------------------------------------------------------------- the tracker's state
 class _Link:
-    """One authenticated connection to the tracker, with a send lock."""
+    """One authenticated connection to the tracker, with a send lock.
 
-    def __init__(self, conn: wire.Conn, addr: Any) -> None:
+    ``waiting`` holds its requests still in a queue (at most
+    :data:`MAX_REQUESTS_PER_LINK`); they leave the queues when it closes.
+    """
+
+    def __init__(self, conn: wire.Conn, addr: Any, role: str = CLIENT_KEY) -> None:
         self.conn = conn
         self.addr = addr
+        self.role = role
         self.lock = threading.Lock()
         self.closed = False
+        self.waiting: set[_Waiting] = set()
 
     def send(self, kind: int, op: int, value: Any) -> bool:
+        """Send one frame; False (and the link shut down) when the peer is gone or stopped reading."""  # fmt: skip
         with self.lock:
             if self.closed:
                 return False
@@ -74,16 +140,23 @@ class _Link:
                 self.conn.send(kind, op, value)
                 return True
             except OSError:
+                # gone, or not reading for _SEND_TIMEOUT: a frame may be half sent, so the
+                # link is out of sync; shutting it down ends its reader, which cancels its
+                # requests
+                self.closed = True
+                try:
+                    self.conn.t.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 return False
 
     def close(self) -> None:
         with self.lock:
-            if not self.closed:
-                self.closed = True
-                try:
-                    self.conn.close()
-                except OSError:
-                    pass
+            self.closed = True
+            try:
+                self.conn.close()
+            except OSError:
+                pass
 
 
 class _ServerEntry:
@@ -101,27 +174,36 @@ class _ServerEntry:
 
 
 class _Waiting:
-    __slots__ = ("link", "key", "priority", "seq", "cancelled")
+    __slots__ = ("link", "key", "priority", "seq")
 
     def __init__(self, link: _Link, key: str, priority: int, seq: int) -> None:
         self.link = link
         self.key = key
         self.priority = priority
         self.seq = seq
-        self.cancelled = False
 
 
 class TrackerState:
-    """Servers, tickets and waiting requests, under one lock."""
+    """Servers, tickets and waiting requests, under one lock.
 
-    def __init__(self, match_timeout: float = 10.0) -> None:
+    Parameters
+    ----------
+    match_timeout : float
+        Seconds a client has to reach the server it was given.
+    max_summary_bytes : int
+        The frame limit :meth:`summary` fits in.
+    """
+
+    def __init__(self, match_timeout: float = 10.0, max_summary_bytes: int = TRACKER_MAX_MESSAGE_BYTES) -> None:  # fmt: skip
         self.lock = threading.Lock()
         self.servers: dict[int, _ServerEntry] = {}
+        self.by_key: dict[str, dict[int, _ServerEntry]] = {}
         self.by_ticket: dict[str, _ServerEntry] = {}
         self.queues: dict[str, list] = {}
         self.seq = itertools.count()
         self.next_sid = itertools.count(1)
         self.match_timeout = match_timeout
+        self.max_summary_bytes = int(max_summary_bytes)
 
     # all methods below run with self.lock held
     def put(self, link: _Link, key: str, addr: tuple, busy: str | None = None) -> int:
@@ -129,6 +211,7 @@ class TrackerState:
         again after a tracker restart in the middle of a session)."""
         sid = next(self.next_sid)
         e = self.servers[sid] = _ServerEntry(sid, key, addr, link)
+        self.by_key.setdefault(key, {})[sid] = e
         if busy and busy not in self.by_ticket:
             e.ticket, e.started = busy, True
             self.by_ticket[busy] = e
@@ -140,12 +223,24 @@ class TrackerState:
         e = self.servers.pop(sid, None)
         if e is None:
             return
+        pool = self.by_key.get(e.key)
+        if pool is not None:
+            pool.pop(sid, None)
+            if not pool:
+                del self.by_key[e.key]
         if e.ticket is not None:
             self.by_ticket.pop(e.ticket, None)
         logger.info("server %d (key %r) removed: %s", sid, e.key, reason)
 
     def request(self, link: _Link, key: str, priority: int) -> _Waiting:
+        """Queue a request of ``link`` for a server of ``key`` (ValueError beyond the link's cap)."""  # fmt: skip
+        if len(link.waiting) >= MAX_REQUESTS_PER_LINK:
+            raise ValueError(
+                f"this connection has {len(link.waiting)} requests waiting already, "
+                f"the most one connection may have"
+            )
         w = _Waiting(link, key, priority, next(self.seq))
+        link.waiting.add(w)
         heapq.heappush(self.queues.setdefault(key, []), (-priority, w.seq, w))
         self._match(key)
         return w
@@ -166,10 +261,18 @@ class TrackerState:
             e.started = True
 
     def cancel(self, link: _Link) -> None:
-        for q in self.queues.values():
-            for _p, _s, w in q:
-                if w.link is link:
-                    w.cancelled = True
+        """Take every request of ``link`` out of the queues now (it closed or was cancelled)."""
+        keys = {w.key for w in link.waiting}
+        link.waiting.clear()
+        for key in keys:
+            q = self.queues.get(key)
+            if q is None:
+                continue
+            q[:] = [item for item in q if item[2].link is not link]
+            if q:
+                heapq.heapify(q)
+            else:
+                del self.queues[key]
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -183,19 +286,23 @@ class TrackerState:
         q = self.queues.get(key)
         while q:
             _p, _s, w = q[0]
-            if w.cancelled or w.link.closed:
+            if w.link.closed:  # its reader is about to cancel it
                 heapq.heappop(q)
+                w.link.waiting.discard(w)
                 continue
-            free = [e for e in self.servers.values() if e.key == key and e.ticket is None]
+            pool = self.by_key.get(key)
+            free = [e for e in pool.values() if e.ticket is None] if pool else []
             if not free:
                 return
             e = min(free, key=lambda s: s.free_since)
             heapq.heappop(q)
+            w.link.waiting.discard(w)
             ticket = secrets.token_hex(16)
             # The server hears of the ticket before the client does.
             if not e.link.send(REQUEST, T_ASSIGN, ticket):
                 self.remove(e.sid, "its registration link broke")
                 heapq.heappush(q, (-w.priority, w.seq, w))
+                w.link.waiting.add(w)
                 continue
             e.ticket = ticket
             e.matched_at = time.monotonic()
@@ -207,61 +314,90 @@ class TrackerState:
         if q is not None and not q:
             self.queues.pop(key, None)
 
-    def summary(self) -> dict:
-        servers = []
-        queue: dict[str, dict] = {}
+    def summary(self, max_bytes: int | None = None) -> dict:
+        """TVM's summary: ``server_info`` (``"key": "server:<key>"``) and ``queue_info`` per key.
+
+        It always fits in one frame of ``max_bytes`` (default: ``max_summary_bytes``):
+        it lists at most :data:`SUMMARY_MAX_SERVERS` servers and
+        :data:`SUMMARY_MAX_KEYS` keys, fewer if their bytes need it, and then says
+        so in ``"truncated": {"server_info": [listed, total], "queue_info": [listed, total]}``
+        (absent when everything is listed).
+        """
+        budget = (self.max_summary_bytes if max_bytes is None else int(max_bytes)) - _SUMMARY_SLACK  # fmt: skip
+        counts: dict[str, dict] = {}
         for e in self.servers.values():
-            servers.append(
-                {
-                    "addr": [e.addr[0], e.addr[1]],
-                    "key": e.key,
-                    "free": e.ticket is None,
-                    "in_session": e.started,
-                }
-            )
-            qi = queue.setdefault(e.key, {"free": 0, "pending": 0, "total": 0})
+            qi = counts.setdefault(e.key, {"free": 0, "pending": 0, "total": 0})
             qi["total"] += 1
             qi["free"] += e.ticket is None
         for key, q in self.queues.items():
-            n = sum(1 for _p, _s, w in q if not w.cancelled and not w.link.closed)
-            queue.setdefault(key, {"free": 0, "pending": 0, "total": 0})["pending"] = n
-        return {"server_info": servers, "queue_info": queue}
+            n = sum(1 for _p, _s, w in q if not w.link.closed)
+            counts.setdefault(key, {"free": 0, "pending": 0, "total": 0})["pending"] = n
+        servers = list(self.servers.values())
+        ns = min(len(servers), SUMMARY_MAX_SERVERS)
+        nk = min(len(counts), SUMMARY_MAX_KEYS)
+        while True:
+            out: dict[str, Any] = {
+                "server_info": [
+                    {
+                        "addr": [e.addr[0], e.addr[1]],
+                        "key": f"server:{e.key}",
+                        "free": e.ticket is None,
+                        "in_session": e.started,
+                    }
+                    for e in servers[:ns]
+                ],
+                "queue_info": dict(itertools.islice(counts.items(), nk)),
+            }
+            if ns < len(servers) or nk < len(counts):
+                out["truncated"] = {
+                    "server_info": [ns, len(servers)],
+                    "queue_info": [nk, len(counts)],
+                }
+            if (ns == 0 and nk == 0) or wire.frame_size(*wire.encode(out)) <= budget:
+                return out
+            ns, nk = ns // 2, nk // 2
 
 
 # --------------------------------------------------------------------------- serving
-def _handle(sock: socket.socket, addr: Any, state: TrackerState, token: bytes | None, ssl_context: Any, max_bytes: int) -> None:  # fmt: skip
-    link = None
+def _tune_link(sock: socket.socket) -> None:
+    """Keepalive (a peer that vanished is noticed) and a bound on blocking sends."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 20), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        sec = int(_SEND_TIMEOUT)
+        usec = int((_SEND_TIMEOUT - sec) * 1e6)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec))
+    except OSError:
+        pass
+
+
+def _serve_link(link: _Link, state: TrackerState) -> None:
+    """One authenticated link's requests, until it closes (a thread of its own)."""
+    conn = link.conn
+    addr = link.addr
     sid = None
     try:
-        sock.settimeout(10.0)
-        if ssl_context is not None:
-            sock = ssl_context.wrap_socket(sock, server_side=True)
-            transport: Any = wire.SSLTransport(sock)
-        else:
-            transport = wire.SocketTransport(sock)
-        conn = wire.Conn(transport, max_bytes)
-        role: list = []
-
-        def check(kb: bytes) -> bool:
-            role.append(kb)
-            return kb in (REGISTRANT_KEY.encode(), CLIENT_KEY.encode())
-
-        if not auth.server_handshake(conn, "", token, key_check=check):
-            logger.warning("refused a connection from %s", addr)
-            return
-        sock.settimeout(None)
-        link = _Link(conn, addr)
         while True:
             try:
                 _k, op, value = conn.recv()
             except wire.ProtocolError as exc:
-                if isinstance(exc, wire.FrameTooLarge):
+                if isinstance(exc, wire.Desync):
                     return
                 link.send(ERROR, 0, ("ProtocolError", str(exc), ""))
                 continue
             try:
-                if op == T_PUT and role[0] == REGISTRANT_KEY.encode() and sid is None:
-                    key, host, port = str(value[0]), str(value[1]), int(value[2])
+                if op == T_PUT:
+                    if link.role != REGISTRANT_KEY:
+                        raise ValueError("only a registration link (a server's or a proxy's) may register a server")  # fmt: skip
+                    if sid is not None:
+                        raise ValueError("this link has registered a server already (one per link)")  # fmt: skip
+                    key = _check_key(value[0])
+                    host = _check_host(value[1])
+                    port = int(value[2])
+                    if not 0 < port < 65536:
+                        raise ValueError(f"port {port} is not a TCP port")
                     busy = str(value[3]) if len(value) > 3 and value[3] else None
                     if host in ("", "0.0.0.0", "::"):
                         host = addr[0]
@@ -278,7 +414,7 @@ def _handle(sock: socket.socket, addr: Any, state: TrackerState, token: bytes | 
                             else:
                                 state.release(ticket, "its session ended")
                 elif op == T_REQUEST:
-                    key, priority = str(value[0]), int(value[1])
+                    key, priority = _check_key(value[0]), int(value[1])
                     with state.lock:
                         state.request(link, key, priority)
                 elif op == T_FAIL:
@@ -303,37 +439,52 @@ def _handle(sock: socket.socket, addr: Any, state: TrackerState, token: bytes | 
     except (OSError, EOFError, wire.ProtocolError) as exc:
         logger.debug("link from %s ended: %s", addr, exc)
     finally:
-        if link is not None:
-            with state.lock:
-                state.cancel(link)
-                if sid is not None:
-                    state.remove(sid, "its registration link closed")
+        with state.lock:
+            link.closed = True
+            state.cancel(link)
+            if sid is not None:
+                state.remove(sid, "its registration link closed")
+        link.close()
+
+
+def _transport(sock: socket.socket) -> Any:
+    return wire.SSLTransport(sock) if isinstance(sock, ssl.SSLSocket) else wire.SocketTransport(sock)  # fmt: skip
+
+
+def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, watch_fd: int | None = None, *, max_links: int = MAX_LINKS, max_pending: int = MAX_PENDING, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:  # fmt: skip
+    """Serve the tracker on ``listen_sock`` until SIGTERM or ``watch_fd`` closes.
+
+    One thread accepts connections and runs their handshakes
+    (:class:`disco_core.net.accept.AcceptLoop`: at most ``max_pending`` at once,
+    ``handshake_timeout`` seconds each, no thread for them); each authenticated
+    link then gets a thread, up to ``max_links`` (beyond, it is told so and closed).
+    """
+    state = TrackerState(match_timeout, min(int(max_message_bytes), TRACKER_MAX_MESSAGE_BYTES))
+    slots = Slots(max_links)
+    roles = (REGISTRANT_KEY.encode(), CLIENT_KEY.encode())
+
+    def make_handshake(sock: socket.socket, addr: Any) -> SocketHandshake:
+        machine = auth.ServerHandshake("", token, key_check=lambda kb: kb in roles)
+        return SocketHandshake(sock, addr, machine, ssl_context)
+
+    def on_ready(hs: SocketHandshake) -> None:
+        sock = hs.detach(None)
+        _tune_link(sock)
+        link = _Link(wire.Conn(_transport(sock), max_message_bytes), hs.addr, hs.machine.peer_key)  # fmt: skip
+        if not slots.start_thread(_serve_link, link, state, name="tracker-link"):
+            logger.warning("refused a link from %s: %d links already", hs.addr, slots.limit)
+            link.send(ERROR, 0, ("RPCError", f"the tracker serves at most {slots.limit} connections at once; try again later", ""))  # fmt: skip
             link.close()
-        else:
-            try:
-                sock.close()
-            except OSError:
-                pass
 
+    def tick() -> None:
+        with state.lock:
+            state.expire()
 
-def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, watch_fd: int | None = None) -> None:  # fmt: skip
-    """Serve the tracker on ``listen_sock`` until SIGTERM or ``watch_fd`` closes."""
-    state = TrackerState(match_timeout)
-    stop = threading.Event()
-
-    def expire_loop() -> None:
-        while not stop.wait(0.25):
-            with state.lock:
-                state.expire()
-
-    threading.Thread(target=expire_loop, daemon=True, name="tracker-expire").start()
-    try:
-        accept_loop(
-            listen_sock, watch_fd,
-            lambda sock, addr: _handle(sock, addr, state, token, ssl_context, max_message_bytes),
-        )  # fmt: skip
-    finally:
-        stop.set()
+    AcceptLoop(
+        listen_sock, make_handshake, on_ready,
+        max_pending=max_pending, handshake_timeout=handshake_timeout,
+        watch_fd=watch_fd, on_tick=tick, tick_interval=0.25, name="tracker",
+    ).run()  # fmt: skip
 
 
 class Tracker(ServiceProcess):
@@ -429,7 +580,8 @@ class Registration:
         kind, _op, value = conn.recv()
         if kind != REPLY:
             conn.close()
-            raise RPCError(f"the tracker refused the registration: {value}")
+            why = value[1] if isinstance(value, (tuple, list)) and len(value) > 1 else value
+            raise RPCError(f"the tracker refused the registration of key {self.key[:64]!r}: {why}")
         self.conn = conn
         self.tickets.clear()
 
@@ -568,7 +720,13 @@ class TrackerSession:
             pass
 
     def summary(self) -> dict:
-        """``{"server_info": [...], "queue_info": {key: {"free", "pending", "total"}}}``."""
+        """``{"server_info": [...], "queue_info": {key: {"free", "pending", "total"}}}``.
+
+        ``server_info`` entries are ``{"addr": [host, port], "key": "server:<key>",
+        "free": bool, "in_session": bool}``. When the tracker has more than fits in
+        one reply, some are left out and ``"truncated"`` says
+        ``{"server_info": [listed, total], "queue_info": [listed, total]}``.
+        """
         return self._call(T_SUMMARY, None)
 
     def text_summary(self) -> str:
@@ -689,6 +847,12 @@ def format_summary(s: dict) -> str:
     for key, q in sorted(s.get("queue_info", {}).items()):
         lines.append(f"{key:<16} {q['total']:>6} {q['free']:>6} {q['pending']:>8}")
     lines.append("-" * 40)
+    cut = s.get("truncated")
+    if cut:
+        servers, keys = cut.get("server_info", (0, 0)), cut.get("queue_info", (0, 0))
+        lines.append(
+            f"(truncated: {servers[0]} of {servers[1]} servers and {keys[0]} of {keys[1]} keys listed)"  # fmt: skip
+        )
     return "\n".join(lines)
 
 
