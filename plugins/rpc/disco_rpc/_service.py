@@ -9,11 +9,8 @@ program handles it), and exits when the process that started it goes away (the
 from __future__ import annotations
 
 import os
-import select
 import signal
-import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -21,7 +18,7 @@ from typing import Any
 
 from . import wire
 
-__all__ = ["ServiceProcess", "stop_process", "accept_loop", "fork_session"]
+__all__ = ["ServiceProcess", "stop_process", "fork_session"]
 
 
 def stop_process(pid: int, grace: float = 3.0) -> None:
@@ -53,25 +50,6 @@ def stop_process(pid: int, grace: float = 3.0) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def accept_loop(listen_sock: socket.socket, watch_fd: int | None, handle: Callable[[socket.socket, Any], None]) -> None:  # fmt: skip
-    """Accept connections until ``watch_fd`` closes (or forever); each gets a thread
-    running ``handle(sock, addr)``."""
-    watch = [listen_sock] + ([watch_fd] if watch_fd is not None else [])
-    while True:
-        try:
-            ready, _, _ = select.select(watch, [], [], 1.0)
-        except InterruptedError:
-            continue
-        if watch_fd is not None and watch_fd in ready:
-            return
-        if listen_sock in ready:
-            try:
-                sock, addr = listen_sock.accept()
-            except OSError:
-                continue
-            threading.Thread(target=handle, args=(sock, addr), daemon=True).start()
 
 
 class ServiceProcess:

@@ -29,8 +29,10 @@ import threading
 import time
 from typing import Any
 
+from disco_core.net.accept import AcceptLoop, Slots, SocketHandshake
+
 from . import auth, wire
-from ._service import ServiceProcess, accept_loop, fork_session
+from ._service import ServiceProcess, fork_session
 from .errors import RPCError
 from .tracker import T_END, T_START, TICKET_SEP, Registration
 from .wire import REPLY, REQUEST
@@ -48,6 +50,12 @@ PROXY_MAX_MESSAGE_BYTES = 1 << 16
 DEFAULT_WAIT = 10.0
 #: Seconds a server has to come back after a session before it leaves the tracker.
 REJOIN_GRACE = 5.0
+#: Connections the proxy serves at once after their hello (servers, waiting and paired clients).
+MAX_CONNECTIONS = 1024
+#: Connections whose first hello is not read yet, at most (the oldest is dropped to make room).
+MAX_PENDING = 64
+#: Seconds a connection has to send its hello (a server: to prove the proxy's token too).
+HANDSHAKE_TIMEOUT = 10.0
 
 
 class _Backend:
@@ -129,26 +137,93 @@ def _relay(a: Any, b: Any, a_buffered: bytes = b"", b_buffered: bytes = b"") -> 
             s.close()
 
 
-def _handle(sock: socket.socket, addr: Any, state: _ProxyState, token: bytes | None, ssl_context: Any, wait: float) -> None:  # fmt: skip
+class _NeedBytes(Exception):
+    """A hello is not complete yet: ``args[0]`` more bytes are needed."""
+
+
+class _Replay:
+    """The bytes read so far, as the ``read_exact`` that :func:`auth.read_hello` reads from."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def read_exact(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise _NeedBytes(self.pos + n - len(self.data))
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+
+class _FirstHello:
+    """What the proxy reads before it hands a connection on (an ``AcceptLoop`` step machine).
+
+    A client's hello is read (:func:`auth.read_hello` decides its fields and
+    bounds) and kept as it came (``raw``), to be forwarded to the server; a
+    backend's (a server behind the proxy) is answered and its proof of the
+    proxy's token checked (:class:`auth.ServerHandshake`). Either way this
+    happens in the accept loop, without a thread, under its deadline.
+    """
+
+    def __init__(self, token: bytes | None) -> None:
+        self.token = token
+        self.raw = b""
+        self.hello: tuple[int, bytes, bytes] | None = None
+        self.backend = False
+        self.ok = False
+        self._server: auth.ServerHandshake | None = None
+        self._left = b""
+        self.want = self._parse()
+
+    def _parse(self) -> int:
+        """Bytes still needed for the hello (0 once it is read or refused)."""
+        try:
+            self.hello = auth.read_hello(_Replay(self.raw))
+        except _NeedBytes as need:
+            return int(need.args[0])
+        return 0
+
+    def step(self, data: bytes) -> bytes:
+        if self._server is not None:
+            return self._feed_server(data)
+        self.raw += data
+        self.want = self._parse()
+        if self.want:
+            return b""
+        if self.hello is None:  # not a disco-rpc hello: dropped without an answer
+            return b""
+        if self.hello[1] == PROXY_SERVER_KEY.encode():
+            self.backend = True
+            self._server = auth.ServerHandshake(PROXY_SERVER_KEY, self.token)
+            return self._feed_server(self.raw)
+        self.ok = True
+        return b""
+
+    def _feed_server(self, data: bytes) -> bytes:
+        hs = self._server
+        self._left += data
+        out = b""
+        while hs.want and len(self._left) >= hs.want:
+            chunk, self._left = self._left[: hs.want], self._left[hs.want :]
+            out += hs.step(chunk)
+        self.want = hs.want - len(self._left) if hs.want else 0
+        self.ok = bool(hs.ok) and not self.want
+        return out
+
+
+def _transport(sock: Any) -> Any:
+    return wire.SSLTransport(sock) if isinstance(sock, ssl.SSLSocket) else wire.SocketTransport(sock)  # fmt: skip
+
+
+def _handle(sock: socket.socket, addr: Any, state: _ProxyState, first: _FirstHello, wait: float) -> None:  # fmt: skip
+    """Serve a connection whose hello the accept loop has read (a thread of its own)."""
     try:
-        sock.settimeout(10.0)
-        if ssl_context is not None:
-            sock = ssl_context.wrap_socket(sock, server_side=True)
-        transport: Any = (
-            wire.SSLTransport(sock)
-            if isinstance(sock, ssl.SSLSocket)
-            else wire.SocketTransport(sock)
-        )
-        conn = wire.Conn(transport, PROXY_MAX_MESSAGE_BYTES)
-        hello = auth.read_hello(conn)
-        if hello is None:
-            sock.close()
-            return
-        version, kb, cnonce = hello
-        if kb == PROXY_SERVER_KEY.encode():
-            _serve_backend(conn, sock, addr, hello, state, token)
+        conn = wire.Conn(_transport(sock), PROXY_MAX_MESSAGE_BYTES)
+        if first.backend:
+            _serve_backend(conn, sock, addr, state)
         else:
-            _serve_client(conn, sock, addr, auth.pack_hello(version, kb, cnonce), kb, state, wait)
+            _serve_client(conn, sock, addr, first.raw, first.hello[1], state, wait)
     except (OSError, EOFError, wire.ProtocolError, ValueError) as exc:
         logger.debug("connection from %s ended: %s", addr, exc)
         try:
@@ -157,11 +232,8 @@ def _handle(sock: socket.socket, addr: Any, state: _ProxyState, token: bytes | N
             pass
 
 
-def _serve_backend(conn, sock, addr, hello, state: _ProxyState, token) -> None:
-    if not auth.server_handshake(conn, PROXY_SERVER_KEY, token, hello=hello):
-        logger.warning("refused a server from %s (proxy token)", addr)
-        sock.close()
-        return
+def _serve_backend(conn, sock, addr, state: _ProxyState) -> None:
+    """A server behind the proxy, authenticated already: its registration, then its idle wait."""
     _k, op, value = conn.recv()
     if op != P_REGISTER:
         sock.close()
@@ -277,18 +349,41 @@ def _janitor(state: _ProxyState, stop: threading.Event) -> None:
                         del state.backends[sid]
 
 
-def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes | None = None, ssl_context: Any = None, tracker_addr: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, watch_fd: int | None = None) -> None:  # fmt: skip
-    """Serve the proxy on ``listen_sock`` until ``watch_fd`` closes (or forever)."""
+def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes | None = None, ssl_context: Any = None, tracker_addr: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, watch_fd: int | None = None, *, max_connections: int = MAX_CONNECTIONS, max_pending: int = MAX_PENDING, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:  # fmt: skip
+    """Serve the proxy on ``listen_sock`` until ``watch_fd`` closes (or forever).
+
+    One thread accepts connections and reads their first hello
+    (:class:`disco_core.net.accept.AcceptLoop`: at most ``max_pending`` at once,
+    ``handshake_timeout`` seconds each, no thread for them; a backend also proves
+    the proxy's token there). Then each connection gets a thread, up to
+    ``max_connections`` (beyond, a client is told the servers are busy).
+    """
     state = _ProxyState(host, port, tracker_addr, tracker_token, tracker_ssl_context)
     stop = threading.Event()
     threading.Thread(target=_janitor, args=(state, stop), daemon=True).start()
+    slots = Slots(max_connections)
 
-    def handle(sock: socket.socket, addr: Any) -> None:
+    def make_handshake(sock: socket.socket, addr: Any) -> SocketHandshake:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _handle(sock, addr, state, token, ssl_context, wait)
+        return SocketHandshake(sock, addr, _FirstHello(token), ssl_context)
+
+    def on_ready(hs: SocketHandshake) -> None:
+        sock = hs.detach(10.0)
+        first = hs.machine
+        if slots.start_thread(_handle, sock, hs.addr, state, first, wait, name="proxy-conn"):
+            return
+        logger.warning("refused a connection from %s: %d connections already", hs.addr, slots.limit)  # fmt: skip
+        if first.backend:
+            sock.close()
+        else:
+            _refuse(sock, auth.SERVERS_BUSY)
 
     try:
-        accept_loop(listen_sock, watch_fd, handle)
+        AcceptLoop(
+            listen_sock, make_handshake, on_ready,
+            max_pending=max_pending, handshake_timeout=handshake_timeout,
+            watch_fd=watch_fd, name="proxy",
+        ).run()  # fmt: skip
     finally:
         stop.set()
 
