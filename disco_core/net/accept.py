@@ -15,9 +15,10 @@ service is bounded:
 * **A deadline** (``handshake_timeout`` seconds from the accept) for each
   handshake; a connection that has not finished by then is closed.
 * **Backoff on exhausted descriptors** (``EMFILE``, ``ENFILE``, ``ENOBUFS``,
-  ``ENOMEM``): the listener is left alone for a while (50 ms, doubling up to
-  1 s) and the oldest pending connection is dropped to free a descriptor, so
-  the loop sleeps instead of spinning on a listener it cannot accept from.
+  ``ENOMEM``): the oldest pending connection, if any, is dropped to free a
+  descriptor; when none is pending, the listener is left alone for a while
+  (50 ms, doubling up to 1 s), so the loop sleeps instead of spinning on a
+  listener it cannot accept from.
 
 Only a connection whose handshake succeeded is handed to ``on_ready``, which
 owns it from then on (it may start a thread, fork a process, or refuse it).
@@ -442,6 +443,10 @@ class AcceptLoop:
                 return
             except OSError as exc:
                 if exc.errno in _EXHAUSTED:
+                    if self._pending:
+                        # the pending handshakes hold the descriptors: the oldest makes room
+                        self._drop(next(iter(self._pending)), "dropped (out of descriptors)")
+                        continue
                     self._pause(exc)
                     return
                 # ECONNABORTED, EPROTO, EPERM (a firewall)...: that connection only
@@ -467,7 +472,7 @@ class AcceptLoop:
             self._advance(hs)  # the hello is often there already
 
     def _pause(self, exc: OSError) -> None:
-        """Descriptors ran out: leave the listener alone a while, free one descriptor."""
+        """Descriptors ran out and no pending handshake holds one: leave the listener alone a while."""  # fmt: skip
         delay = self._backoff
         self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
         logger.warning("%s: cannot accept (%s); pausing the listener for %.2f s", self.name, exc.strerror, delay)  # fmt: skip
@@ -476,8 +481,6 @@ class AcceptLoop:
         except (KeyError, ValueError):
             pass
         self._paused_until = time.monotonic() + delay
-        if self._pending:
-            self._drop(next(iter(self._pending)), "dropped (out of descriptors)")
 
     def _advance(self, hs: Any) -> None:
         ok = hs.advance()

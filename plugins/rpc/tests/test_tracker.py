@@ -582,3 +582,157 @@ def test_time_evaluator_zero_time_limit(monkeypatch, kind):
         sess.close()
         if srv is not None:
             srv.terminate()
+
+
+# --------------------------------------------------------------------------- issue 13, finding 4
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def _summary_bytes(summary: dict) -> int:
+    from disco_rpc import wire
+
+    return wire.frame_size(*wire.encode(summary))
+
+
+def test_abandoned_requests_leave_the_queue_at_once(tracker):
+    """3 x 300 requests whose clients left: the queues are empty at once, summary() small."""
+    from disco_rpc import tracker as T
+    from disco_rpc.wire import REQUEST
+
+    ts = rpc.connect_tracker(*tracker.addr)
+    base_threads = _threads(tracker.pid)
+    # two clients still waiting are counted; they must not be lost among the abandoned
+    live = []
+    for key in ("a0", "a1"):
+        c = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+        c.send(REQUEST, T.T_REQUEST, (key, 1))
+        live.append(c)
+    t0 = time.monotonic()
+    for i in range(3):
+        for _ in range(300):
+            c = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+            c.send(REQUEST, T.T_REQUEST, (f"a{i}", 1))
+            c.close()
+    # and requests cancelled by their own timeout
+    for _ in range(3):
+        with pytest.raises(TimeoutError):
+            ts.request("a2", wait_timeout=0.05)
+    assert time.monotonic() - t0 < 30
+    expected = {"a0": 1, "a1": 1}
+    assert _wait(
+        lambda: {k: q["pending"] for k, q in ts.summary()["queue_info"].items()} == expected,
+        timeout=2.0,
+    ), ts.summary()
+    s = ts.summary()
+    assert _summary_bytes(s) < 1024 and "truncated" not in s
+    # every abandoned link's thread ended: nothing holds their buffers any more
+    assert _wait(lambda: _threads(tracker.pid) <= base_threads + len(live) + 1, timeout=3.0)
+    for c in live:
+        c.close()
+    assert _wait(lambda: ts.summary()["queue_info"] == {}, timeout=2.0), ts.summary()
+    # a server that registers now is free: no abandoned request took it
+    srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tracker.addr, key="a0")
+    try:
+        time.sleep(0.3)
+        assert ts.summary()["queue_info"]["a0"] == {"free": 1, "pending": 0, "total": 1}
+    finally:
+        srv.terminate()
+        ts.close()
+
+
+def test_long_keys_refused_and_summary_still_works(tracker):
+    """A server registering with a 1 MB key is refused; summary() and query keep working."""
+    from disco_rpc import tracker as T
+
+    with pytest.raises(rpc.RPCError, match="at most 256 bytes"):
+        T.Registration(tracker.addr, "k" * 1_000_000, ("127.0.0.1", 1234))
+    with pytest.raises(rpc.RPCError, match="at most 255 bytes"):
+        T.Registration(tracker.addr, "k", ("h" * 300, 1234))
+    ok = T.Registration(tracker.addr, "k" * T.MAX_KEY_BYTES, ("127.0.0.1", 1234))
+    ts = rpc.connect_tracker(*tracker.addr)
+    try:
+        with pytest.raises(rpc.RPCError, match="the key is 257 bytes long"):
+            ts.request("é" * 128 + "x", wait_timeout=1)
+        s = ts.summary()
+        assert s["queue_info"] == {"k" * 256: {"free": 1, "pending": 0, "total": 1}}
+        assert s["server_info"] == [
+            {
+                "addr": ["127.0.0.1", 1234],
+                "key": "server:" + "k" * 256,
+                "free": True,
+                "in_session": False,
+            }
+        ]
+        assert "k" * 256 in ts.text_summary()
+        out = subprocess.run(
+            [sys.executable, "-m", "disco_rpc", "query", "--port", str(tracker.port)],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "Queue Status" in out.stdout and "127.0.0.1:1234" in out.stdout
+    finally:
+        ok.close()
+        ts.close()
+
+
+def test_requests_per_link_are_capped(tracker):
+    from disco_rpc import tracker as T
+    from disco_rpc.wire import ERROR, REQUEST
+
+    c = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+    try:
+        for _ in range(T.MAX_REQUESTS_PER_LINK + 1):
+            c.send(REQUEST, T.T_REQUEST, ("capped", 1))
+        c.t.settimeout(5)
+        kind, _op, value = c.recv()
+        assert kind == ERROR and "requests waiting already" in value[1]
+        ts = rpc.connect_tracker(*tracker.addr)
+        assert ts.summary()["queue_info"]["capped"]["pending"] == T.MAX_REQUESTS_PER_LINK
+        # a client may not register a server
+        c.send(REQUEST, T.T_PUT, ("x", "127.0.0.1", 1, None))
+        kind, _op, value = c.recv()
+        assert kind == ERROR and "only a registration link" in value[1]
+        ts.close()
+    finally:
+        c.close()
+
+
+class _FakeLink:
+    closed = False
+
+    def __init__(self):
+        self.waiting = set()
+
+    def send(self, *a):
+        return True
+
+
+def test_summary_always_fits_in_a_frame():
+    """Thousands of servers and keys of the longest kind: summary() is cut to fit, and says so."""
+    from disco_rpc import tracker as T
+
+    state = T.TrackerState()
+    link = _FakeLink()
+    host = "h" * T.MAX_HOST_BYTES
+    for i in range(3000):
+        state.put(link, f"{i:06d}".ljust(T.MAX_KEY_BYTES, "s"), (host, 1000 + i))
+    links = [_FakeLink() for _ in range(300)]
+    for i in range(3000):
+        state.request(links[i % 300], f"{i:06d}".ljust(T.MAX_KEY_BYTES, "q"), 1)
+    s = state.summary()
+    assert _summary_bytes(s) <= T.TRACKER_MAX_MESSAGE_BYTES
+    listed, total = s["truncated"]["server_info"]
+    assert total == 3000 and 0 < listed == len(s["server_info"]) < 3000
+    listed, total = s["truncated"]["queue_info"]
+    assert total == 6000 and 0 < listed == len(s["queue_info"]) < 6000
+    assert s["server_info"][0]["key"] == "server:" + "000000".ljust(T.MAX_KEY_BYTES, "s")
+    assert "(truncated:" in format_summary(s)
+    # a smaller frame limit: still fits
+    small = state.summary(max_bytes=64 * 1024)
+    assert _summary_bytes(small) <= 64 * 1024 and "truncated" in small
+    # cancelling a link's requests empties their queues at once
+    for lk in links:
+        state.cancel(lk)
+    assert state.queues == {} and all(not lk.waiting for lk in links)
+    assert "truncated" in state.summary()  # 3000 servers still do not all fit
