@@ -48,6 +48,7 @@ __all__ = [
     "Handshake",
     "StepMachine",
     "SocketHandshake",
+    "Drain",
     "Slots",
     "DEFAULT_MAX_PENDING",
     "DEFAULT_HANDSHAKE_TIMEOUT",
@@ -190,6 +191,48 @@ class SocketHandshake:
             pass
 
 
+class Drain:
+    """A connection being closed politely: handed to :meth:`AcceptLoop.adopt` after a refusal.
+
+    The write side is shut down at once (what was sent is followed by an end of
+    file); what the peer still sends is read and dropped until it closes or the
+    loop's deadline comes. Closing at once instead could make the peer's kernel
+    throw the refusal away when a reset answers a request it sent meanwhile.
+    """
+
+    def __init__(self, sock: socket.socket, addr: Any) -> None:
+        self.sock = sock
+        self.addr = addr
+        try:
+            sock.setblocking(False)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def fileno(self) -> int:
+        """The socket's descriptor."""
+        return self.sock.fileno()
+
+    def advance(self) -> bool | None:
+        """Drop what arrived: False once the peer closed (close it), None while it has not."""
+        try:
+            for _ in range(16):
+                if not self.sock.recv(65536):
+                    return False
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return None
+        except OSError:
+            return False
+        return None
+
+    def close(self) -> None:
+        """Close the socket."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
 class Slots:
     """A cap on what a service serves after the handshake (threads, sessions).
 
@@ -316,8 +359,7 @@ class AcceptLoop:
         self.on_tick = on_tick
         self.tick_interval = float(tick_interval)
         self.name = name
-        # pending handshakes, oldest first -> deadline (all deadlines are accept + timeout,
-        # so this order is also the order of the deadlines)
+        # pending handshakes, oldest first
         self._pending: dict[Any, tuple[float, int]] = {}  # handshake -> (deadline, fd)
         self._readers: dict[int, Callable[[int], None]] = {}
         self._sel = selectors.DefaultSelector()
@@ -351,6 +393,23 @@ class AcceptLoop:
             except (KeyError, ValueError):
                 pass
 
+    def adopt(self, hs: Any, timeout: float | None = None) -> None:
+        """Watch ``hs`` (a :class:`Handshake`, e.g. a :class:`Drain`) as a pending connection.
+
+        It counts against ``max_pending`` and is closed after ``timeout`` seconds
+        (default ``handshake_timeout``). Loop thread only (``on_ready`` may call it).
+        """
+        if len(self._pending) >= self.max_pending:
+            self._drop(next(iter(self._pending)), "dropped (too many pending)")
+        try:
+            fd = hs.fileno()
+            self._sel.register(fd, selectors.EVENT_READ, hs)
+        except (OSError, ValueError, KeyError):
+            hs.close()
+            return
+        wait = self.handshake_timeout if timeout is None else float(timeout)
+        self._pending[hs] = (time.monotonic() + wait, fd)
+
     def stop(self) -> None:
         """Make :meth:`run` return soon (from any thread)."""
         self._stopped = True
@@ -375,7 +434,7 @@ class AcceptLoop:
                 now = time.monotonic()
                 timeout = next_tick - now if self.on_tick is not None else 1.0
                 if self._pending:
-                    timeout = min(timeout, next(iter(self._pending.values()))[0] - now)
+                    timeout = min(timeout, min(d for d, _fd in self._pending.values()) - now)
                 if self._paused_until:
                     timeout = min(timeout, self._paused_until - now)
                 try:
@@ -495,8 +554,9 @@ class AcceptLoop:
             return
         self._forget(hs)
         if not ok:
-            logger.debug("%s: refused the connection from %s", self.name, hs.addr)
-            self._dropped.add("refused")
+            if not isinstance(hs, Drain):
+                logger.debug("%s: refused the connection from %s", self.name, hs.addr)
+                self._dropped.add("refused")
             hs.close()
             return
         try:
@@ -506,11 +566,9 @@ class AcceptLoop:
             hs.close()
 
     def _expire(self, now: float) -> None:
-        while self._pending:
-            hs, (deadline, _fd) = next(iter(self._pending.items()))
-            if deadline > now:
-                return
-            self._drop(hs, "timed out")
+        for hs, (deadline, _fd) in list(self._pending.items()):
+            if deadline <= now:
+                self._drop(hs, None if isinstance(hs, Drain) else "timed out")
 
     def _forget(self, hs: Any) -> None:
         entry = self._pending.pop(hs, None)

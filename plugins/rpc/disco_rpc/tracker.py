@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Any
 
-from disco_core.net.accept import AcceptLoop, Slots, SocketHandshake
+from disco_core.net.accept import AcceptLoop, Drain, Slots, SocketHandshake
 
 from . import auth, wire
 from ._service import ServiceProcess
@@ -474,17 +474,18 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
         if not slots.start_thread(_serve_link, link, state, name="tracker-link"):
             logger.warning("refused a link from %s: %d links already", hs.addr, slots.limit)
             link.send(ERROR, 0, ("RPCError", f"the tracker serves at most {slots.limit} connections at once; try again later", ""))  # fmt: skip
-            link.close()
+            loop.adopt(Drain(sock, hs.addr), timeout=2.0)
 
     def tick() -> None:
         with state.lock:
             state.expire()
 
-    AcceptLoop(
+    loop = AcceptLoop(
         listen_sock, make_handshake, on_ready,
         max_pending=max_pending, handshake_timeout=handshake_timeout,
         watch_fd=watch_fd, on_tick=tick, tick_interval=0.25, name="tracker",
-    ).run()  # fmt: skip
+    )  # fmt: skip
+    loop.run()
 
 
 class Tracker(ServiceProcess):
