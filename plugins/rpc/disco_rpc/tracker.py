@@ -476,16 +476,24 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
             link.send(ERROR, 0, ("RPCError", f"the tracker serves at most {slots.limit} connections at once; try again later", ""))  # fmt: skip
             loop.adopt(Drain(sock, hs.addr), timeout=2.0)
 
-    def tick() -> None:
-        with state.lock:
-            state.expire()
+    stop = threading.Event()
 
+    def expire_loop() -> None:
+        # a thread of its own: it takes the state's lock, which the accept loop never waits for
+        while not stop.wait(0.25):
+            with state.lock:
+                state.expire()
+
+    threading.Thread(target=expire_loop, daemon=True, name="tracker-expire").start()
     loop = AcceptLoop(
         listen_sock, make_handshake, on_ready,
         max_pending=max_pending, handshake_timeout=handshake_timeout,
-        watch_fd=watch_fd, on_tick=tick, tick_interval=0.25, name="tracker",
+        watch_fd=watch_fd, name="tracker",
     )  # fmt: skip
-    loop.run()
+    try:
+        loop.run()
+    finally:
+        stop.set()
 
 
 class Tracker(ServiceProcess):

@@ -207,3 +207,56 @@ def test_tracker_links_are_capped():
         th.join(5)
         lst.close()
     assert not th.is_alive()
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1: (server context, client context)."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if not shutil.which("openssl"):
+        pytest.skip("the openssl command is not available to make a certificate")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    r = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {r.stderr.decode()[:200]}")
+    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    sctx.load_cert_chain(str(cert), str(key))
+    return sctx, ssl.create_default_context(cafile=str(cert))
+
+
+def test_tls_handshakes_in_the_accept_loop(tls):
+    """TLS runs in the accept loop too, without blocking it: tracker and proxy over TLS."""
+    sctx, cctx = tls
+    tr = rpc.Tracker(port=9600, port_end=9700, token="t", ssl_context=sctx)
+    px = rpc.Proxy(port=9800, port_end=9900, token="p", ssl_context=sctx, wait=3.0)
+    try:
+        # a peer that opens TCP and never starts TLS does not block others
+        stuck = [socket.create_connection(("127.0.0.1", port)) for port in (tr.port, px.port)]
+        srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tr.addr, key="tls", token="s", tracker_token="t", tracker_ssl_context=cctx)  # fmt: skip
+        behind = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="nat", token="s", proxy_token="p", proxy_ssl_context=cctx)  # fmt: skip
+        try:
+            ts = rpc.connect_tracker(*tr.addr, token="t", ssl_context=cctx, server_token="s")
+            with ts.request("tls", wait_timeout=5) as s:
+                assert s.get_function("pre.add")(1, 2) == 3
+            ts.close()
+            with rpc.connect("127.0.0.1", px.port, key="nat", token="s", ssl_context=cctx) as s:
+                assert s.get_function("pre.add")(3, 4) == 7
+            with pytest.raises(rpc.RPCError, match="authentication failed"):
+                rpc.connect_tracker(*tr.addr, token="wrong", ssl_context=cctx).summary()
+        finally:
+            srv.terminate()
+            behind.terminate()
+            for s in stuck:
+                s.close()
+    finally:
+        tr.terminate()
+        px.terminate()
