@@ -298,3 +298,35 @@ def test_out_of_descriptors_drops_pending_first():
     finally:
         proc.kill()
         proc.wait(5)
+
+
+def test_extra_readers():
+    """add_reader: other descriptors share the loop (a failing callback does not end it)."""
+    svc = _Service()
+    r, w = os.pipe()
+    got = []
+
+    def on_read(fd):
+        got.append(os.read(fd, 10))
+        if len(got) == 1:
+            raise RuntimeError("a callback that fails")
+
+    try:
+        # from the loop's own thread, as the docstring asks: on_tick runs there
+        svc.loop.on_tick = lambda: svc.loop.add_reader(r, on_read) if r not in svc.loop._readers else None  # fmt: skip
+        time.sleep(0.2)
+        os.write(w, b"a")
+        time.sleep(0.2)
+        os.write(w, b"b")
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [b"a", b"b"]
+        c = svc.connect()  # still serving
+        c.sendall(b"PING")
+        assert c.recv(2) == b"ok"
+        c.close()
+    finally:
+        svc.close()
+        os.close(r)
+        os.close(w)

@@ -457,7 +457,10 @@ class AcceptLoop:
                     elif data in self._pending:
                         self._advance(data)
                     elif callable(data) and key.fd in self._readers:
-                        data(key.fd)
+                        try:
+                            data(key.fd)
+                        except Exception:
+                            logger.exception("%s: the reader of descriptor %d failed", self.name, key.fd)  # fmt: skip
                 if self._stopped:
                     return
                 now = time.monotonic()
