@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from disco_core.errors import DiscoError
-from disco_core.net.accept import AcceptConfigError, AcceptLoop, Slots, SocketHandshake
+from disco_core.errors import DiscoError, DiscoValueError
+from disco_core.net.accept import AcceptLoop, Slots, SocketHandshake
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,11 +139,11 @@ def test_stop_closes_pending_and_bad_arguments():
     time.sleep(0.1)
     svc.close()
     assert _closed_within(idle, 2.0)
-    with pytest.raises(AcceptConfigError, match="max_pending"):
+    with pytest.raises(DiscoValueError, match="max_pending"):
         AcceptLoop(svc.listener, None, None, max_pending=0)
-    with pytest.raises(AcceptConfigError, match="handshake_timeout"):
+    with pytest.raises(DiscoValueError, match="handshake_timeout"):
         AcceptLoop(svc.listener, None, None, handshake_timeout=0)
-    assert issubclass(AcceptConfigError, DiscoError) and issubclass(AcceptConfigError, ValueError)
+    assert issubclass(DiscoValueError, DiscoError) and issubclass(DiscoValueError, ValueError)
 
 
 def test_slots_cap_threads():
@@ -158,7 +158,7 @@ def test_slots_cap_threads():
     while slots.used and time.monotonic() < deadline:
         time.sleep(0.01)
     assert slots.used == 0
-    with pytest.raises(AcceptConfigError):
+    with pytest.raises(DiscoValueError):
         Slots(0)
 
 

@@ -6,7 +6,7 @@ service is bounded:
 
 * **No thread.** One thread runs a selector over the listener and every pending
   connection; each pending connection advances through a *handshake object*
-  that never blocks (:class:`Handshake`; :class:`SocketHandshake` drives the
+  that never blocks (:class:`PendingConnection`; :class:`SocketHandshake` drives the
   ``want``/``step`` state machines of the rpc handshake over a non-blocking
   socket, TLS included).
 * **A cap on pending connections** (``max_pending``). When it is reached, the
@@ -40,12 +40,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from disco_core.errors import DiscoError
+from disco_core.errors import DiscoValueError
 
 __all__ = [
     "AcceptLoop",
-    "AcceptConfigError",
-    "Handshake",
+    "PendingConnection",
     "StepMachine",
     "SocketHandshake",
     "Drain",
@@ -70,10 +69,6 @@ _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _LOG_EVERY = 10.0
 
 
-class AcceptConfigError(DiscoError, ValueError):
-    """An accept loop or a slot cap was given a value it cannot work with."""
-
-
 class StepMachine(Protocol):
     """A handshake as a state machine fed exact byte counts (``auth.ServerHandshake``).
 
@@ -89,7 +84,7 @@ class StepMachine(Protocol):
         ...
 
 
-class Handshake(Protocol):
+class PendingConnection(Protocol):
     """What :class:`AcceptLoop` drives: a connection's handshake that never blocks.
 
     ``advance`` uses whatever has arrived and returns True (done: hand the
@@ -244,7 +239,7 @@ class Slots:
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
-            raise AcceptConfigError(f"Slots needs a limit of at least 1, not {limit}")
+            raise DiscoValueError(f"Slots needs a limit of at least 1, not {limit}")
         self.limit = int(limit)
         self._used = 0
         self._lock = threading.Lock()
@@ -322,7 +317,7 @@ class AcceptLoop:
     listen_sock : socket.socket
         A listening socket (made non-blocking). The loop never closes it.
     make_handshake : callable
-        ``make_handshake(sock, addr) -> Handshake`` for each accepted connection;
+        ``make_handshake(sock, addr) -> PendingConnection`` for each accepted connection;
         an ``OSError`` or ``ValueError`` it raises closes the connection.
     on_ready : callable
         ``on_ready(handshake)`` once a handshake returned True: the connection
@@ -345,11 +340,11 @@ class AcceptLoop:
         The service's name in log messages.
     """
 
-    def __init__(self, listen_sock: socket.socket, make_handshake: Callable[[socket.socket, Any], Handshake], on_ready: Callable[[Any], None], *, max_pending: int = DEFAULT_MAX_PENDING, handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT, watch_fd: int | None = None, on_tick: Callable[[], None] | None = None, tick_interval: float = 1.0, name: str = "service") -> None:  # fmt: skip
+    def __init__(self, listen_sock: socket.socket, make_handshake: Callable[[socket.socket, Any], PendingConnection], on_ready: Callable[[Any], None], *, max_pending: int = DEFAULT_MAX_PENDING, handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT, watch_fd: int | None = None, on_tick: Callable[[], None] | None = None, tick_interval: float = 1.0, name: str = "service") -> None:  # fmt: skip
         if max_pending < 1:
-            raise AcceptConfigError(f"max_pending must be at least 1, not {max_pending}")
+            raise DiscoValueError(f"max_pending must be at least 1, not {max_pending}")
         if handshake_timeout <= 0:
-            raise AcceptConfigError(f"handshake_timeout must be positive, not {handshake_timeout}")
+            raise DiscoValueError(f"handshake_timeout must be positive, not {handshake_timeout}")
         self.listen_sock = listen_sock
         self.make_handshake = make_handshake
         self.on_ready = on_ready
@@ -394,7 +389,7 @@ class AcceptLoop:
                 pass
 
     def adopt(self, hs: Any, timeout: float | None = None) -> None:
-        """Watch ``hs`` (a :class:`Handshake`, e.g. a :class:`Drain`) as a pending connection.
+        """Watch ``hs`` (a :class:`PendingConnection`, e.g. a :class:`Drain`) as a pending connection.
 
         It counts against ``max_pending`` and is closed after ``timeout`` seconds
         (default ``handshake_timeout``). Loop thread only (``on_ready`` may call it).

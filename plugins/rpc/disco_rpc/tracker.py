@@ -42,6 +42,7 @@ import threading
 import time
 from typing import Any
 
+from disco_core.errors import DiscoValueError
 from disco_core.net.accept import AcceptLoop, Drain, Slots, SocketHandshake
 
 from . import auth, wire
@@ -95,10 +96,10 @@ _SEND_TIMEOUT = 2.0
 def _check_key(key: Any) -> str:
     """``key`` if it is a string of at most :data:`MAX_KEY_BYTES` UTF-8 bytes; else ValueError."""
     if not isinstance(key, str):
-        raise ValueError(f"a key must be a string, not {type(key).__name__}")
+        raise DiscoValueError(f"a key must be a string, not {type(key).__name__}")
     n = len(key.encode("utf-8", "surrogatepass"))
     if n > MAX_KEY_BYTES:
-        raise ValueError(
+        raise DiscoValueError(
             f"the key is {n} bytes long; the tracker accepts keys of at most {MAX_KEY_BYTES} bytes"
         )
     return key
@@ -106,10 +107,10 @@ def _check_key(key: Any) -> str:
 
 def _check_host(host: Any) -> str:
     if not isinstance(host, str):
-        raise ValueError(f"a host must be a string, not {type(host).__name__}")
+        raise DiscoValueError(f"a host must be a string, not {type(host).__name__}")
     n = len(host.encode("utf-8", "surrogatepass"))
     if n > MAX_HOST_BYTES:
-        raise ValueError(
+        raise DiscoValueError(
             f"the host is {n} bytes long; the tracker accepts hosts of at most {MAX_HOST_BYTES} bytes"  # fmt: skip
         )
     return host
@@ -235,7 +236,7 @@ class TrackerState:
     def request(self, link: _Link, key: str, priority: int) -> _Waiting:
         """Queue a request of ``link`` for a server of ``key`` (ValueError beyond the link's cap)."""  # fmt: skip
         if len(link.waiting) >= MAX_REQUESTS_PER_LINK:
-            raise ValueError(
+            raise DiscoValueError(
                 f"this connection has {len(link.waiting)} requests waiting already, "
                 f"the most one connection may have"
             )
@@ -390,14 +391,14 @@ def _serve_link(link: _Link, state: TrackerState) -> None:
             try:
                 if op == T_PUT:
                     if link.role != REGISTRANT_KEY:
-                        raise ValueError("only a registration link (a server's or a proxy's) may register a server")  # fmt: skip
+                        raise DiscoValueError("only a registration link (a server's or a proxy's) may register a server")  # fmt: skip
                     if sid is not None:
-                        raise ValueError("this link has registered a server already (one per link)")  # fmt: skip
+                        raise DiscoValueError("this link has registered a server already (one per link)")  # fmt: skip
                     key = _check_key(value[0])
                     host = _check_host(value[1])
                     port = int(value[2])
                     if not 0 < port < 65536:
-                        raise ValueError(f"port {port} is not a TCP port")
+                        raise DiscoValueError(f"port {port} is not a TCP port")
                     busy = str(value[3]) if len(value) > 3 and value[3] else None
                     if host in ("", "0.0.0.0", "::"):
                         host = addr[0]
@@ -433,7 +434,7 @@ def _serve_link(link: _Link, state: TrackerState) -> None:
                 elif op == T_PING:
                     link.send(REPLY, T_PING, None)
                 else:
-                    raise ValueError(f"unexpected tracker operation {op}")
+                    raise DiscoValueError(f"unexpected tracker operation {op}")
             except Exception as exc:  # a malformed request: answer it, keep serving
                 link.send(ERROR, op, (type(exc).__name__, f"bad tracker request: {exc}", ""))
     except (OSError, EOFError, wire.ProtocolError) as exc:
