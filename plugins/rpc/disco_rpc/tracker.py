@@ -89,6 +89,8 @@ SUMMARY_MAX_SERVERS = 1000
 SUMMARY_MAX_KEYS = 1000
 #: Room left in a frame besides the summary's own bytes.
 _SUMMARY_SLACK = 4096
+#: The longest ticket a server may say it is serving (the tracker hands out 32 hex digits).
+_MAX_TICKET_CHARS = 64
 #: Seconds a send to a peer that does not read may block before its link is dropped.
 _SEND_TIMEOUT = 2.0
 
@@ -399,7 +401,9 @@ def _serve_link(link: _Link, state: TrackerState) -> None:
                     port = int(value[2])
                     if not 0 < port < 65536:
                         raise DiscoValueError(f"port {port} is not a TCP port")
-                    busy = str(value[3]) if len(value) > 3 and value[3] else None
+                    busy = value[3] if len(value) > 3 and value[3] else None
+                    if busy is not None and (not isinstance(busy, str) or len(busy) > _MAX_TICKET_CHARS):  # fmt: skip
+                        raise DiscoValueError("the busy ticket is not a ticket this tracker hands out")  # fmt: skip
                     if host in ("", "0.0.0.0", "::"):
                         host = addr[0]
                     with state.lock:

@@ -644,11 +644,17 @@ def test_abandoned_requests_leave_the_queue_at_once(tracker):
 def test_long_keys_refused_and_summary_still_works(tracker):
     """A server registering with a 1 MB key is refused; summary() and query keep working."""
     from disco_rpc import tracker as T
+    from disco_rpc.wire import ERROR, REQUEST
 
     with pytest.raises(rpc.RPCError, match="at most 256 bytes"):
         T.Registration(tracker.addr, "k" * 1_000_000, ("127.0.0.1", 1234))
     with pytest.raises(rpc.RPCError, match="at most 255 bytes"):
         T.Registration(tracker.addr, "k", ("h" * 300, 1234))
+    raw = T._open(tracker.addr, T.REGISTRANT_KEY, None, None)
+    raw.send(REQUEST, T.T_PUT, ("k", "127.0.0.1", 1234, "t" * 100_000))  # a "busy" ticket
+    kind, _op, value = raw.recv()
+    assert kind == ERROR and "not a ticket this tracker hands out" in value[1]
+    raw.close()
     ok = T.Registration(tracker.addr, "k" * T.MAX_KEY_BYTES, ("127.0.0.1", 1234))
     ts = rpc.connect_tracker(*tracker.addr)
     try:
