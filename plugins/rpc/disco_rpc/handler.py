@@ -57,6 +57,12 @@ logger = logging.getLogger("disco_rpc")
 
 OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}
 
+#: What a client says in its INIT (4th argument) about the heartbeats it sends: none
+#: (an older or foreign client: its server notices only a closed connection), only
+#: between calls (TLS: an OpenSSL connection must not be written while another thread
+#: reads it), or always (README, "Liveness").
+BEATS_NONE, BEATS_IDLE, BEATS_ALWAYS = 0, 1, 2
+
 #: The environment variable through which PopenSession hands its child the session's
 #: work folder (made and removed by the client, so a crashed child leaves nothing).
 WORK_DIR_ENV = "DISCO_RPC_POPEN_WORK_DIR"
@@ -479,9 +485,17 @@ _SENT = object()  # the reply was sent already (a file stream)
 _STREAM_OPS = (OP_UPLOAD, OP_DOWNLOAD, OP_LINK)
 
 
-def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
-    """Answer requests on ``conn`` until the peer leaves. Errors go back as ERROR frames."""
+def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> None:
+    """Answer requests on ``conn`` until the peer leaves. Errors go back as ERROR frames.
+
+    ``live`` (the server's liveness watchdog, optional) has a ``gate``, a lock this
+    thread holds (from before the call) at every moment but while a request runs
+    (uploads excepted, which read ``conn``): the watchdog takes it to read
+    ``conn`` meanwhile. ``live.worker()`` is called when the session becomes a
+    Disco worker.
+    """
     resolve = handler.resolve
+    gate = live.gate if live is not None else None
     while True:
         try:
             _kind, op, payload = conn.recv(on_handle=resolve)
@@ -497,7 +511,14 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
         except OSError:
             return
         try:
-            result = _dispatch(conn, handler, op, payload)
+            if gate is None or op == OP_UPLOAD:
+                result = _dispatch(conn, handler, op, payload)
+            else:
+                gate.release()  # the watchdog may read conn while the request runs
+                try:
+                    result = _dispatch(conn, handler, op, payload)
+                finally:
+                    gate.acquire()
         except Desync as exc:
             _try_send_error(conn, op, exc)
             return
@@ -512,6 +533,8 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
         if result is _SENT:
             continue
         if op == OP_DISCO_WORKER:
+            if live is not None:
+                live.worker()
             _start_worker(conn, result)
             return
         if not _send_result(conn, handler, op, result):

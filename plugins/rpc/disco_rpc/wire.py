@@ -83,6 +83,10 @@ def close_inherited() -> None:
 
 # frame kinds
 REQUEST, REPLY, ERROR, CHUNK_FRAME = 1, 2, 3, 4
+#: A frame that only says "still here" (no op, no meta, no buffer): a client sends it
+#: when it has sent nothing for a while, so that its server can tell a live client
+#: from a dead or frozen one (README, "Liveness"). :meth:`Conn.recv` skips it.
+HEARTBEAT = 5
 #: flags of a CHUNK frame without buffer: the sender gave up (its meta is the reason,
 #: a str), or the stream is complete
 FLAG_ABORT, FLAG_END = 1, 2
@@ -118,6 +122,7 @@ _TI = struct.Struct("<BI")
 _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+HEARTBEAT_FRAME = _HEAD.pack(HEARTBEAT, 0, 0, 0, 0)
 _perf = time.perf_counter
 _yield = getattr(os, "sched_yield", lambda: None)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -718,6 +723,8 @@ class Conn:
         still in sync) or ``EOFError``.
         """
         kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
+        while kind == HEARTBEAT and not (meta_len or nbuf):  # "still here": nothing to do
+            kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
             raise FrameTooLarge(
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
@@ -898,6 +905,40 @@ class Conn:
             k = min(n, scratch.nbytes)
             self.read_into(scratch[:k])
             n -= k
+
+    # -- liveness (see HEARTBEAT) ----------------------------------------------
+    def send_heartbeat(self) -> None:
+        """Send one heartbeat frame (the caller holds whatever serialises this side's sends)."""
+        self.t.send_parts([HEARTBEAT_FRAME])
+
+    def drop_heartbeats(self) -> None:
+        """Read what has arrived, without blocking, and drop the heartbeat frames at its head.
+
+        For a thread other than the reader, while the reader is busy elsewhere (a
+        session running a long call): the heartbeats a live client sends meanwhile
+        would otherwise fill the socket's receive queue, after which the kernel
+        stops taking data and the client looks silent. Anything else stays in the
+        read buffer for the reader. Plain sockets only; the caller makes sure the
+        reader is not reading meanwhile.
+        """
+        sock = self.t.sock
+        size = _HEAD.size
+        while True:
+            while self.end - self.start >= size and self.buf[self.start : self.start + size] == HEARTBEAT_FRAME:  # fmt: skip
+                self.start += size
+            if self.end - self.start >= size:
+                return  # something else: the reader's
+            if self.start:
+                self.buf[: self.end - self.start] = self.buf[self.start : self.end]
+                self.end -= self.start
+                self.start = 0
+            try:
+                k = sock.recv_into(self.view[self.end :], 0, _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not k:
+                return  # the end of the stream: the reader sees it too
+            self.end += k
 
     def close(self) -> None:
         if self._pipe is not None:
