@@ -488,15 +488,20 @@ _STREAM_OPS = (OP_UPLOAD, OP_DOWNLOAD, OP_LINK)
 def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> None:
     """Answer requests on ``conn`` until the peer leaves. Errors go back as ERROR frames.
 
-    ``live`` (the server's liveness watchdog, optional) has a ``gate``, a lock this
-    thread holds (from before the call) at every moment but while a request runs
-    (uploads excepted, which read ``conn``): the watchdog takes it to read
-    ``conn`` meanwhile. ``live.worker()`` is called when the session becomes a
-    Disco worker.
+    ``live`` (the server's liveness watchdog, optional) has a ``gate``, a lock held
+    by this thread (from before the call) whenever it reads ``conn``: from the
+    start of each request to the start of its work, and through an upload. While
+    the gate is free (a request runs or its reply is being sent) the watchdog may
+    take it and read ``conn`` itself. ``live.worker()`` is called when the session
+    becomes a Disco worker.
     """
     resolve = handler.resolve
     gate = live.gate if live is not None else None
+    held = True
     while True:
+        if not held:
+            gate.acquire()
+            held = True
         try:
             _kind, op, payload = conn.recv(on_handle=resolve)
         except EOFError:
@@ -510,15 +515,11 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             continue
         except OSError:
             return
+        if gate is not None and op != OP_UPLOAD:
+            gate.release()  # not reading conn until the next request
+            held = False
         try:
-            if gate is None or op == OP_UPLOAD:
-                result = _dispatch(conn, handler, op, payload)
-            else:
-                gate.release()  # the watchdog may read conn while the request runs
-                try:
-                    result = _dispatch(conn, handler, op, payload)
-                finally:
-                    gate.acquire()
+            result = _dispatch(conn, handler, op, payload)
         except Desync as exc:
             _try_send_error(conn, op, exc)
             return
@@ -534,6 +535,7 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             continue
         if op == OP_DISCO_WORKER:
             if live is not None:
+                gate.acquire()  # the core's worker loop reads the socket from now on
                 live.worker()
             _start_worker(conn, result)
             return

@@ -420,12 +420,13 @@ class _Liveness:
     * no data arrived for ``timeout`` seconds: the client is frozen, or its
       machine or network is gone, since a live client sends a heartbeat frame
       when it has sent nothing for a while, during a long call included. A client
-      that beats only between calls (TLS) is not judged while a call runs; one
-      that does not beat at all (an older client) is judged by the first rule only.
+      that beats only between calls (TLS) is not judged while a request runs or its
+      reply is sent (the session's ``gate`` is free, see
+      :func:`~disco_rpc.handler.serve_conn`); one that does not beat at all (an
+      older client) is judged by the first rule only.
 
     While a call runs, the heartbeats pile up unread; past :data:`_DRAIN_BYTES`
-    it drops them itself (taking the session's ``gate``, see
-    :func:`~disco_rpc.handler.serve_conn`), so the socket's receive queue never
+    it drops them itself (taking the gate), so the socket's receive queue never
     fills, whatever the call's length.
     """
 
@@ -467,7 +468,7 @@ class _Liveness:
                 continue
             if self.worker_mode or self.beats == BEATS_NONE:
                 continue
-            if not self.gate.locked():  # a request is running
+            if not self.gate.locked():  # a request runs, or its reply is being sent
                 if self.beats == BEATS_IDLE:
                     in_call_at = now  # such a client cannot beat meanwhile
                 elif self.drain:
