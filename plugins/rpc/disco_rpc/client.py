@@ -901,7 +901,10 @@ class _Heartbeats:
                     return
                 wait = min(s._beat_every for s in live)
             for sess in live:
-                sess._heartbeat()
+                try:
+                    sess._heartbeat()
+                except Exception:  # one session's trouble must not stop the others' beats
+                    logger.debug("heartbeat on %s failed", sess._label, exc_info=True)
             del live, sess
             with self.cond:
                 self.cond.wait(wait)

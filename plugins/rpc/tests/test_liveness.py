@@ -27,6 +27,9 @@ from disco_rpc import wire
 pytestmark = pytest.mark.timeout(90)
 
 BOUND = 2.0  # the servers' liveness_timeout
+# A frozen client's session ends BOUND after the client's last sign of life, which may
+# be up to two heartbeat intervals (2 * BOUND / 4) before it was stopped: so not before
+# BOUND / 2 after the SIGSTOP (the tests check BOUND * 0.4, for a loaded machine).
 #: a frozen client's session ends within BOUND + one check (BOUND / 4) + a heartbeat gap;
 #: the rest is slack for a shared 2-core machine
 FROZEN_WITHIN = BOUND + 4.0
@@ -152,16 +155,25 @@ def test_client_frozen(server, what):
         t0 = c.signal(signal.SIGSTOP)
         assert _wait(lambda: _gone(c.session_pid), FROZEN_WITHIN), "a frozen client kept its session"  # fmt: skip
         took = time.monotonic() - t0
-        assert took >= BOUND * 0.9, f"ended after {took:.2f} s, before the bound"
+        assert took >= BOUND * 0.4, (
+            f"ended {took:.2f} s after the SIGSTOP: sooner than the silence rule allows"
+        )
     finally:
         c.close()
 
 
 # --------------------------------------------------------------------------- with a tracker
-@pytest.mark.parametrize("sig, what", [(signal.SIGKILL, "call"), (signal.SIGSTOP, "call"), (signal.SIGSTOP, "idle")])  # fmt: skip
-def test_tracker_slot_comes_back(tracker, sig, what):
-    """The tracker's slot of a dead or frozen client's server is free again within the bound."""
-    srv = rpc.Server(port=10200, port_end=10300, tracker_addr=tracker.addr, key="k", liveness_timeout=BOUND)  # fmt: skip
+@pytest.mark.parametrize(
+    "sig, what, no_fork",
+    [(signal.SIGKILL, "call", False), (signal.SIGSTOP, "call", False), (signal.SIGSTOP, "idle", False), (signal.SIGSTOP, "idle", True)],
+)  # fmt: skip
+def test_tracker_slot_comes_back(tracker, sig, what, no_fork):
+    """The tracker's slot of a dead or frozen client's server is free again within the bound.
+
+    (A ``no_fork`` session's thread cannot be stopped in the middle of a call: only the
+    idle case frees its slot within the bound.)
+    """
+    srv = rpc.Server(port=10200, port_end=10300, tracker_addr=tracker.addr, key="k", liveness_timeout=BOUND, no_fork=no_fork)  # fmt: skip
     ts = rpc.connect_tracker(*tracker.addr)
     c = None
     try:
@@ -192,7 +204,7 @@ def test_frozen_client_through_proxy():
         c = _Client("proxy", px.port, "call")
         t0 = c.signal(signal.SIGSTOP)
         assert _wait(lambda: _gone(c.session_pid), FROZEN_WITHIN)
-        assert time.monotonic() - t0 >= BOUND * 0.9
+        assert time.monotonic() - t0 >= BOUND * 0.4
         with rpc.connect("127.0.0.1", px.port, key="nat", token="t") as s:
             assert s.get_function("live.sleep")(0) == 0
     finally:
