@@ -368,6 +368,7 @@ class RPCSession:
 
     def _fail(self, op: int, exc: BaseException):
         elapsed = time.monotonic() - self._start
+        liveness = self._beat_every * 4  # the server's liveness_timeout (0: none)
         self._shutdown_transport()
         what = OP_NAMES.get(op, str(op))
         if self._timeout and elapsed >= self._timeout * 0.95:
@@ -382,9 +383,18 @@ class RPCSession:
                 f"limit of {self._server_timeout:g} s (Server(timeout=...)), and the server "
                 f"ended it (during {what})"
             ) from None
+        why = "the server process died or dropped the session"
+        stalled = _HEARTBEATS.stalled(max(5.0, liveness)) if liveness else 0.0
+        if liveness and stalled > liveness / 2:  # with the beats' spacing: silent > liveness
+            why = (
+                f"probably because this process could not run for {stalled:.1f} s (stopped, "
+                "suspended, or a thread held the GIL): the server heard nothing from it for "
+                f"its liveness_timeout of {liveness:g} s, took this client for frozen and ended "
+                "the session"
+            )
         raise RPCError(
             f"lost the connection to the RPC server {self._label} during {what}: "
-            f"{type(exc).__name__}: {exc} (the server process died or dropped the session)"
+            f"{type(exc).__name__}: {exc} ({why})"
         ) from exc
 
     def _shutdown_transport(self) -> None:
@@ -883,17 +893,25 @@ class _Heartbeats:
         self.sessions: weakref.WeakSet = weakref.WeakSet()
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
+        self.woke = time.monotonic()  # when the thread last ran
+        self.stall = (0.0, 0.0)  # the last time it could not run on time: (seconds, when it ended)
 
     def add(self, sess: RPCSession) -> None:
         with self.cond:
             self.sessions.add(sess)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="disco-rpc-heartbeats", daemon=True)  # fmt: skip
+                self.woke = time.monotonic()
                 self.thread.start()
             self.cond.notify()
 
     def _run(self) -> None:
+        wait = 0.0
         while True:
+            now = time.monotonic()
+            if wait and now - self.woke > 2 * wait:  # this process was stopped, or starved
+                self.stall = (now - self.woke, now)
+            self.woke = now
             with self.cond:
                 live = [s for s in self.sessions if s._beat_every]
                 if not live:
@@ -908,6 +926,13 @@ class _Heartbeats:
             del live, sess
             with self.cond:
                 self.cond.wait(wait)
+
+    def stalled(self, within: float) -> float:
+        """Seconds this process could not send heartbeats, now or in the last ``within`` s."""
+        now = time.monotonic()
+        current = now - self.woke if self.thread is not None else 0.0
+        seconds, ended = self.stall
+        return max(current, seconds if now - ended < within else 0.0)
 
     def after_fork(self) -> None:
         """In a forked child: the parent's sessions are not this process's to keep alive."""

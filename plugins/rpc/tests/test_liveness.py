@@ -64,11 +64,16 @@ CLIENT = textwrap.dedent(
     else:
         s = rpc.connect("127.0.0.1", port)
     print(s.get_function("live.pid")(), flush=True)
-    if what == "call":
-        print("CALLING", flush=True)
-        s.get_function("live.sleep")(15)
-    else:
-        time.sleep(60)
+    try:
+        if what == "call":
+            print("CALLING", flush=True)
+            s.get_function("live.sleep")(15)
+        else:
+            sys.stdin.readline()  # idle until told
+            s.get_function("live.pid")()
+        print("OK", flush=True)
+    except rpc.RPCError as exc:
+        print("ERROR", exc, flush=True)
     """
 )
 
@@ -101,6 +106,7 @@ class _Client:
     def __init__(self, how: str, port: int, what: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CLIENT, how, str(port), what],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -158,6 +164,15 @@ def test_client_frozen(server, what):
         assert took >= BOUND * 0.4, (
             f"ended {took:.2f} s after the SIGSTOP: sooner than the silence rule allows"
         )
+        # thawed, the client is told why its session is gone
+        time.sleep(max(0.0, t0 + BOUND - time.monotonic()))
+        c.signal(signal.SIGCONT)
+        if what == "idle":
+            c.proc.stdin.write("go\n")
+            c.proc.stdin.flush()
+        line = c.proc.stdout.readline()
+        assert line.startswith("ERROR") and "liveness_timeout of 2 s" in line, line
+        assert "could not run for" in line and "took this client for frozen" in line, line
     finally:
         c.close()
 
