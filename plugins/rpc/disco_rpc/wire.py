@@ -909,7 +909,7 @@ class Conn:
     # -- liveness (see HEARTBEAT) ----------------------------------------------
     def send_heartbeat(self) -> None:
         """Send one heartbeat frame (the caller holds whatever serialises this side's sends)."""
-        self.t.send_parts([HEARTBEAT_FRAME])
+        self.send_encoded(HEARTBEAT, 0, b"", [])  # the 12 bytes of HEARTBEAT_FRAME
 
     def drop_heartbeats(self) -> None:
         """Read what has arrived, without blocking, and drop the heartbeat frames at its head.
@@ -923,6 +923,8 @@ class Conn:
         """
         sock = self.t.sock
         size = _HEAD.size
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
         while True:
             while self.end - self.start >= size and self.buf[self.start : self.start + size] == HEARTBEAT_FRAME:  # fmt: skip
                 self.start += size
@@ -932,9 +934,11 @@ class Conn:
                 self.buf[: self.end - self.start] = self.buf[self.start : self.end]
                 self.end -= self.start
                 self.start = 0
+            if not poll.poll(0):
+                return  # nothing more has arrived (a socket with a timeout would wait)
             try:
                 k = sock.recv_into(self.view[self.end :], 0, _DONTWAIT)
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, TimeoutError):
                 return
             if not k:
                 return  # the end of the stream: the reader sees it too

@@ -405,3 +405,35 @@ def test_disco_worker_controller_killed(server):
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- the frame
+def test_heartbeat_frames_on_the_wire():
+    """Conn.recv skips heartbeats; drop_heartbeats drops those at the head, keeps the rest."""
+    import socket
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lst.getsockname())
+    b, _ = lst.accept()
+    lst.close()
+    a.settimeout(10)  # a test that goes wrong fails instead of hanging
+    b.settimeout(10)
+    try:
+        ca, cb = wire.Conn(wire.SocketTransport(a)), wire.Conn(wire.SocketTransport(b))
+        ca.send_heartbeat()
+        ca.send_heartbeat()
+        ca.send(wire.REQUEST, 7, ("x", 1))
+        assert cb.recv() == (wire.REQUEST, 7, ("x", 1))
+        for _ in range(3000):  # more than the read buffer (64 KiB) holds
+            ca.send_heartbeat()
+        ca.send(wire.REQUEST, 8, None)
+        ca.send_heartbeat()
+        time.sleep(0.2)  # all of it arrived
+        cb.drop_heartbeats()
+        assert cb.buffered() and bytes(cb.view[cb.start : cb.start + 1]) == bytes([wire.REQUEST])
+        assert cb.recv() == (wire.REQUEST, 8, None)
+        cb.drop_heartbeats()  # the last heartbeat; then nothing is there: it returns at once
+        assert cb.buffered() == 0
+    finally:
+        a.close()
+        b.close()
