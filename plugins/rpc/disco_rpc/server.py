@@ -357,9 +357,12 @@ _DRAIN_BYTES = 1 << 14
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
 _TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8  # tcpi_state: the peer reset or closed the connection
-#: ``struct tcp_info``: ``tcpi_state`` is byte 0, ``tcpi_last_data_recv`` (ms) the u32 at 52
+#: ``struct tcp_info``: ``tcpi_state`` is byte 0, ``tcpi_last_data_recv`` (ms) the u32 at 52,
+#: ``tcpi_bytes_acked`` the u64 at 120 (Linux 4.1 and later)
 _LAST_DATA_RECV = struct.Struct("<I")
 _LAST_DATA_RECV_OFFSET = 8 + 11 * 4
+_BYTES_ACKED = struct.Struct("<Q")
+_BYTES_ACKED_OFFSET = 120
 
 
 def resolve_liveness_timeout(value: Any = None) -> float:
@@ -397,10 +400,20 @@ def _can_watch(conn: wire.Conn) -> bool:
     return _TCP_INFO is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)  # fmt: skip
 
 
-def _tcp_state(sock: socket.socket) -> tuple[int, float]:
-    """``(tcpi_state, seconds since data last arrived)`` from the kernel (``TCP_INFO``)."""
-    info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 104)
-    return info[0], _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0] / 1000.0
+def _tcp_state(sock: socket.socket) -> tuple[int, float, int]:
+    """``(tcpi_state, seconds since data last arrived, bytes the peer acknowledged)`` from
+    the kernel (``TCP_INFO``; the last is -1 where the kernel does not tell)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 136)
+    idle = _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0] / 1000.0
+    acked = -1
+    if len(info) >= _BYTES_ACKED_OFFSET + 8:
+        acked = _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_OFFSET)[0]
+    return info[0], idle, acked
+
+
+def _unsent(sock: socket.socket) -> int:
+    """Bytes written and not yet acknowledged by the peer."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
 
 
 def _unread(sock: socket.socket) -> int:
@@ -422,8 +435,10 @@ class _Liveness:
       when it has sent nothing for a while, during a long call included. A client
       that beats only between calls (TLS) is not judged while a request runs or its
       reply is sent (the session's ``gate`` is free, see
-      :func:`~disco_rpc.handler.serve_conn`); one that does not beat at all (an
-      older client) is judged by the first rule only.
+      :func:`~disco_rpc.handler.serve_conn`), unless a reply waits to go out and
+      the client has taken none of it for ``timeout`` seconds (it stopped
+      reading); one that does not beat at all (an older client) is judged by the
+      first rule only.
 
     While a call runs, the heartbeats pile up unread; past :data:`_DRAIN_BYTES`
     it drops them itself (taking the gate), so the socket's receive queue never
@@ -453,14 +468,17 @@ class _Liveness:
 
     def _run(self) -> None:
         tick = min(1.0, self.timeout / 4)
-        in_call_at = time.monotonic()
+        in_call_at = acked_at = time.monotonic()
         closed_at = None
+        last_acked = -1
         while not self._stop.wait(tick):
             try:
-                state, idle = _tcp_state(self.sock)
+                state, idle, acked = _tcp_state(self.sock)
             except OSError:
                 return  # closed here: the session is ending
             now = time.monotonic()
+            if acked != last_acked:
+                last_acked, acked_at = acked, now
             if state in (_TCP_CLOSE_WAIT, _TCP_CLOSE):
                 closed_at = closed_at if closed_at is not None else now
                 if not self.worker_mode or now - closed_at >= self.timeout:
@@ -469,14 +487,24 @@ class _Liveness:
             if self.worker_mode or self.beats == BEATS_NONE:
                 continue
             if not self.gate.locked():  # a request runs, or its reply is being sent
-                if self.beats == BEATS_IDLE:
-                    in_call_at = now  # such a client cannot beat meanwhile
+                if self.beats == BEATS_IDLE:  # such a client cannot beat meanwhile...
+                    stuck = last_acked >= 0 and self._stuck(now - acked_at)
+                    in_call_at = acked_at if stuck else now  # ...but it must take its reply
                 elif self.drain:
                     self._drop_heartbeats()
             if self.beats == BEATS_IDLE:
                 idle = min(idle, now - in_call_at)
             if idle > self.timeout:
                 return self._dead(f"sent nothing for {idle:.1f} s (frozen, or its host is gone)")
+
+    def _stuck(self, unacked_for: float) -> bool:
+        """Whether a reply has waited to go out while the client took none of it."""
+        if unacked_for <= self.timeout:
+            return False
+        try:
+            return _unsent(self.sock) > 0
+        except OSError:
+            return False
 
     def _drop_heartbeats(self) -> None:
         try:

@@ -321,6 +321,51 @@ def test_tls_client_kept_and_frozen_noticed(tmp_path):
         srv.terminate()
 
 
+TLS_DOWNLOADER = textwrap.dedent(
+    """
+    import os, signal, ssl, sys
+    import disco_rpc as rpc
+    port, cert = int(sys.argv[1]), sys.argv[2]
+    s = rpc.connect("127.0.0.1", port, ssl_context=ssl.create_default_context(cafile=cert), token="tok")
+    s.upload(bytes(64 << 20), "big")
+    print(s.get_function("live.pid")(), flush=True)
+
+    def progress(done, total):
+        if done >= 8 << 20:  # freeze in the middle of the download
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    s.download("big", progress=progress)
+    """
+)
+
+
+def test_tls_client_frozen_mid_download(tmp_path):
+    """A frozen TLS client cannot beat during a call; one that stops taking its reply
+    (a download) is noticed all the same: its session ends within the bound."""
+    cert, key = _tls_files(tmp_path)
+    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    sctx.load_cert_chain(cert, key)
+    srv = rpc.Server(port=10200, port_end=10300, ssl_context=sctx, token="tok", liveness_timeout=BOUND)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TLS_DOWNLOADER, str(srv.port), cert], stdout=subprocess.PIPE, text=True
+    )  # fmt: skip
+    try:
+        pid = int(proc.stdout.readline())
+        assert _wait(lambda: _stopped(proc.pid), 20), "the client did not freeze itself"
+        t0 = time.monotonic()
+        assert _wait(lambda: _gone(pid), FROZEN_WITHIN), "a frozen TLS client kept its session"
+        assert time.monotonic() - t0 >= BOUND * 0.4
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        srv.terminate()
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "T"
+
+
 def _tls_files(d):
     cert, key = d / "cert.pem", d / "key.pem"
     r = subprocess.run(
