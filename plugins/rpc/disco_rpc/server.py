@@ -430,15 +430,18 @@ class _Liveness:
     * the connection is closed or reset by the peer (``CLOSE_WAIT``/``CLOSE``):
       the client is gone; the session ends at once (for a Disco worker, whose
       controller ends it by closing its side, after ``timeout`` more seconds);
+    * what this side sent waits to go out and the client has acknowledged none
+      of it for ``timeout`` seconds: it stopped reading (frozen) or its machine
+      or network is gone (the kernel's ``tcpi_bytes_acked`` and ``TIOCOUTQ``;
+      whatever the client is, a Disco worker's controller included);
     * no data arrived for ``timeout`` seconds: the client is frozen, or its
       machine or network is gone, since a live client sends a heartbeat frame
       when it has sent nothing for a while, during a long call included. A client
-      that beats only between calls (TLS) is not judged while a request runs or its
-      reply is sent (the session's ``gate`` is free, see
-      :func:`~disco_rpc.handler.serve_conn`), unless a reply waits to go out and
-      the client has taken none of it for ``timeout`` seconds (it stopped
-      reading); one that does not beat at all (an older client) is judged by the
-      first rule only.
+      that beats only between calls (TLS) is not judged by this rule while a
+      request runs or its reply is sent (the session's ``gate`` is free, see
+      :func:`~disco_rpc.handler.serve_conn`); one that does not beat at all (an
+      older client, a Disco worker's controller) is judged by the first two rules
+      only.
 
     While a call runs, the heartbeats pile up unread; past :data:`_DRAIN_BYTES`
     it drops them itself (taking the gate), so the socket's receive queue never
@@ -484,12 +487,16 @@ class _Liveness:
                 if not self.worker_mode or now - closed_at >= self.timeout:
                     return self._dead("closed its connection")
                 continue
+            if last_acked >= 0 and self._stuck(now - acked_at):
+                return self._dead(
+                    f"took none of what it was sent for {now - acked_at:.1f} s "
+                    "(frozen, or its host is gone)"
+                )
             if self.worker_mode or self.beats == BEATS_NONE:
                 continue
             if not self.gate.locked():  # a request runs, or its reply is being sent
-                if self.beats == BEATS_IDLE:  # such a client cannot beat meanwhile...
-                    stuck = last_acked >= 0 and self._stuck(now - acked_at)
-                    in_call_at = acked_at if stuck else now  # ...but it must take its reply
+                if self.beats == BEATS_IDLE:
+                    in_call_at = now  # such a client cannot beat meanwhile
                 elif self.drain:
                     self._drop_heartbeats()
             if self.beats == BEATS_IDLE:
