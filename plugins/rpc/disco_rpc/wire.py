@@ -911,15 +911,16 @@ class Conn:
         """Send one heartbeat frame (the caller holds whatever serialises this side's sends)."""
         self.send_encoded(HEARTBEAT, 0, b"", [])  # the 12 bytes of HEARTBEAT_FRAME
 
-    def drop_heartbeats(self) -> None:
+    def drop_heartbeats(self, limit: int = 4 << 20) -> None:
         """Read what has arrived, without blocking, and drop the heartbeat frames at its head.
 
         For a thread other than the reader, while the reader is busy elsewhere (a
         session running a long call): the heartbeats a live client sends meanwhile
         would otherwise fill the socket's receive queue, after which the kernel
         stops taking data and the client looks silent. Anything else stays in the
-        read buffer for the reader. Plain sockets only; the caller makes sure the
-        reader is not reading meanwhile.
+        read buffer for the reader. At most ``limit`` bytes are read (a peer that
+        floods heartbeats cannot keep the caller here). Plain sockets only; the
+        caller makes sure the reader is not reading meanwhile.
         """
         sock = self.t.sock
         size = _HEAD.size
@@ -934,7 +935,7 @@ class Conn:
                 self.buf[: self.end - self.start] = self.buf[self.start : self.end]
                 self.end -= self.start
                 self.start = 0
-            if not poll.poll(0):
+            if limit <= 0 or not poll.poll(0):
                 return  # nothing more has arrived (a socket with a timeout would wait)
             try:
                 k = sock.recv_into(self.view[self.end :], 0, _DONTWAIT)
@@ -943,6 +944,7 @@ class Conn:
             if not k:
                 return  # the end of the stream: the reader sees it too
             self.end += k
+            limit -= k
 
     def close(self) -> None:
         if self._pipe is not None:
