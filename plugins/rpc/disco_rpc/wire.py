@@ -23,6 +23,11 @@ link whose frames are bounded. A sender whose file fails in the middle completes
 the chunk under way with padding and sends a ``CHUNK`` frame with ``FLAG_ABORT``
 (its meta: the reason) instead of the rest and the end: the receiver drops what
 it got and the connection stays in sync.
+
+A ``HEARTBEAT`` frame (kind 5, no op, meta or buffer: 12 bytes) may come from a
+client between any two of its frames, never inside a frame or a file stream: it
+only says that the client is alive, and :meth:`Conn.recv` skips it (README,
+"Liveness").
 """
 
 from __future__ import annotations
