@@ -175,6 +175,8 @@ def test_client_frozen(server, what):
         assert "could not run for" in line and "took this client for frozen" in line, line
     finally:
         c.close()
+    with rpc.connect("127.0.0.1", server.port) as s:  # the server serves the next client
+        assert s.get_function("live.sleep")(0) == 0
 
 
 # --------------------------------------------------------------------------- with a tracker
