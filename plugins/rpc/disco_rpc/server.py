@@ -471,25 +471,30 @@ class _Liveness:
 
     def _run(self) -> None:
         tick = min(1.0, self.timeout / 4)
-        in_call_at = acked_at = time.monotonic()
-        closed_at = None
+        in_call_at = time.monotonic()
+        closed_at = waiting_since = None
         last_acked = -1
         while not self._stop.wait(tick):
             try:
                 state, idle, acked = _tcp_state(self.sock)
+                unsent = _unsent(self.sock) if acked >= 0 else 0
             except OSError:
                 return  # closed here: the session is ending
             now = time.monotonic()
-            if acked != last_acked:
-                last_acked, acked_at = acked, now
+            # bytes wait to go out and none was taken since the last check: count how long
+            if unsent > 0 and acked == last_acked:
+                waiting_since = now if waiting_since is None else waiting_since
+            else:
+                waiting_since = None
+            last_acked = acked
             if state in (_TCP_CLOSE_WAIT, _TCP_CLOSE):
                 closed_at = closed_at if closed_at is not None else now
                 if not self.worker_mode or now - closed_at >= self.timeout:
                     return self._dead("closed its connection")
                 continue
-            if last_acked >= 0 and self._stuck(now - acked_at):
+            if waiting_since is not None and now - waiting_since > self.timeout:
                 return self._dead(
-                    f"took none of what it was sent for {now - acked_at:.1f} s "
+                    f"took none of what it was sent for {now - waiting_since:.1f} s "
                     "(frozen, or its host is gone)"
                 )
             if self.worker_mode or self.beats == BEATS_NONE:
@@ -503,15 +508,6 @@ class _Liveness:
                 idle = min(idle, now - in_call_at)
             if idle > self.timeout:
                 return self._dead(f"sent nothing for {idle:.1f} s (frozen, or its host is gone)")
-
-    def _stuck(self, unacked_for: float) -> bool:
-        """Whether a reply has waited to go out while the client took none of it."""
-        if unacked_for <= self.timeout:
-            return False
-        try:
-            return _unsent(self.sock) > 0
-        except OSError:
-            return False
 
     def _drop_heartbeats(self) -> None:
         try:
