@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-fork", action="store_true")
     s.add_argument("--timeout", type=float, default=None, help="longest session, seconds")
     s.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=None,
+        help="seconds of silence after which a client is taken for frozen or gone and its "
+        "session ends (default $DISCO_RPC_LIVENESS_TIMEOUT, else 8; 0: never)",
+    )
+    s.add_argument(
         "--work-dir",
         default=None,
         help="a folder every session uses and that is kept (default: one temporary folder "
@@ -268,8 +275,9 @@ def _managed_server(args) -> int:
             max_message_bytes=args.max_message_bytes,
             ssl_context=_tls_server(args.tls_cert, args.tls_key),
             allow_insecure_bind=args.allow_insecure_bind,
+            liveness_timeout=args.liveness_timeout,
         )  # fmt: skip
-    except RPCError as exc:
+    except (RPCError, ValueError) as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)
         return 1
     print(f"disco-rpc server on {srv.host}:{srv.port}", flush=True)
@@ -279,7 +287,14 @@ def _managed_server(args) -> int:
 def _server(args) -> int:
     from . import auth
     from .errors import RPCError
-    from .server import ServerConfig, bind_listener, is_loopback, load_libraries, serve_forever
+    from .server import (
+        ServerConfig,
+        bind_listener,
+        is_loopback,
+        load_libraries,
+        resolve_liveness_timeout,
+        serve_forever,
+    )
 
     logging.basicConfig(
         level=logging.ERROR if args.silent else logging.INFO,
@@ -300,8 +315,9 @@ def _server(args) -> int:
         )
         return 2
     try:
+        liveness = resolve_liveness_timeout(args.liveness_timeout)
         sock = bind_listener(args.host, args.port, args.port_end)
-    except RPCError as exc:
+    except (RPCError, ValueError) as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)
         return 1
     cfg = ServerConfig(
@@ -313,6 +329,7 @@ def _server(args) -> int:
         timeout=args.timeout,
         no_fork=args.no_fork,
         libs=load_libraries(args.load_library),
+        liveness_timeout=liveness,
     )
     host, port = sock.getsockname()[:2]
     print(f"disco-rpc server listening on {host}:{port}", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import socket
 import stat
 import subprocess
@@ -23,6 +24,9 @@ from disco_core.device import Device, as_dtype, as_shape, to_host
 from . import auth, handler, wire
 from .errors import ProtocolError, RPCError, RPCSessionTimeoutError, StreamAborted
 from .handler import (
+    BEATS_ALWAYS,
+    BEATS_IDLE,
+    BEATS_NONE,
     OP_CALL,
     OP_DEV_EXIST,
     OP_DEV_SYNC,
@@ -271,6 +275,13 @@ class RPCSession:
         self._logging = enable_logging
         self._funcs: dict[str, RemoteFunction] = {}
         self.info: dict = {}
+        # liveness: requests are sent under _send_lock, so the heartbeat thread can
+        # slip a heartbeat between them (README, "Liveness")
+        self._send_lock = threading.Lock()
+        self._sends = 0  # requests sent; the heartbeat thread beats when it stands still
+        self._beat_seen = -1
+        self._beat_every = 0.0  # seconds between heartbeats; 0: none
+        self._beat_mutex = threading.Lock()  # a heartbeat being written, or the end of them
 
     # -- plumbing ---------------------------------------------------------------
     def _wrap(self, ref: HandleRef) -> Any:
@@ -322,9 +333,11 @@ class RPCSession:
             t0 = time.perf_counter() if self._logging else 0.0
             local_error = None
             try:
-                conn.send_encoded(REQUEST, op, meta, bufs)
-                if send_stream is not None:
-                    local_error = send_stream(conn)
+                with self._send_lock:  # no heartbeat inside a frame or a file stream
+                    self._sends += 1
+                    conn.send_encoded(REQUEST, op, meta, bufs)
+                    if send_stream is not None:
+                        local_error = send_stream(conn)
                 kind, _op, value = conn.recv(on_handle=self._wrap)
                 if kind == REPLY and recv_stream is not None:
                     value = recv_stream(conn, value)
@@ -355,6 +368,7 @@ class RPCSession:
 
     def _fail(self, op: int, exc: BaseException):
         elapsed = time.monotonic() - self._start
+        liveness = self._beat_every * 4  # the server's liveness_timeout (0: none)
         self._shutdown_transport()
         what = OP_NAMES.get(op, str(op))
         if self._timeout and elapsed >= self._timeout * 0.95:
@@ -369,13 +383,23 @@ class RPCSession:
                 f"limit of {self._server_timeout:g} s (Server(timeout=...)), and the server "
                 f"ended it (during {what})"
             ) from None
+        why = "the server process died or dropped the session"
+        stalled = _HEARTBEATS.stalled(max(5.0, liveness)) if liveness else 0.0
+        if liveness and stalled > liveness / 2:  # with the beats' spacing: silent > liveness
+            why = (
+                f"probably because this process could not run for {stalled:.1f} s (stopped, "
+                "suspended, or a thread held the GIL): the server heard nothing from it for "
+                f"its liveness_timeout of {liveness:g} s, took this client for frozen and ended "
+                "the session"
+            )
         raise RPCError(
             f"lost the connection to the RPC server {self._label} during {what}: "
-            f"{type(exc).__name__}: {exc} (the server process died or dropped the session)"
+            f"{type(exc).__name__}: {exc} ({why})"
         ) from exc
 
     def _shutdown_transport(self) -> None:
         self._closed = True
+        self._stop_heartbeats()
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -385,10 +409,54 @@ class RPCSession:
     def _init(self, session_timeout: float, constructor_args: Any) -> None:
         args = list(constructor_args) if constructor_args else []
         limit = self._conn.max if self._conn is not None else None
-        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit) or {}
+        beats = self._beats()
+        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit, beats) or {}
         if self._conn is not None and self.info.get("max_message_bytes"):
             self._conn.peer_max = int(self.info["max_message_bytes"])
         self._server_timeout = float(self.info.get("server_timeout") or 0)
+        liveness = float(self.info.get("liveness_timeout") or 0)
+        if beats and liveness > 0:
+            self._beat_every = liveness / 4
+            _HEARTBEATS.add(self)
+
+    # -- liveness -------------------------------------------------------------------
+    def _beats(self) -> int:
+        """The heartbeats this session can send (told to the server in INIT)."""
+        t = getattr(self._conn, "t", None)
+        if type(t) is wire.SocketTransport:
+            return BEATS_ALWAYS
+        if type(t) is wire.SSLTransport:
+            # OpenSSL forbids writing while another thread reads: only between calls
+            return BEATS_IDLE
+        return BEATS_NONE  # pipes: the server ends with this process anyway
+
+    def _heartbeat(self) -> None:
+        """Send a heartbeat if nothing was sent since the last look (the heartbeat thread)."""
+        sends = self._sends
+        if sends != self._beat_seen:
+            self._beat_seen = sends  # a request went out meanwhile: that was the sign of life
+            return
+        # on TLS, _lock: no request may be waiting for its reply (a reader in OpenSSL)
+        lock = self._lock if type(self._conn.t) is wire.SSLTransport else self._send_lock
+        if not lock.acquire(blocking=False):
+            return  # sending now (on TLS: in a call), which the server hears as well
+        try:
+            with self._beat_mutex:
+                if not self._beat_every or self._sends != sends:
+                    return
+                poll = select.poll()
+                poll.register(self._conn.t.sock.fileno(), select.POLLOUT)
+                if poll.poll(0):  # room for a few bytes: never block the shared thread
+                    self._conn.send_heartbeat()
+        except (OSError, ValueError):
+            pass  # a broken connection: the next request reports it
+        finally:
+            lock.release()
+
+    def _stop_heartbeats(self) -> None:
+        """No heartbeat from now on (one being written is finished first)."""
+        with self._beat_mutex:
+            self._beat_every = 0.0
 
     def close(self) -> None:
         """End the session; the server deletes its work folder. A second call does nothing."""
@@ -810,6 +878,72 @@ class PopenSession(RPCSession):
         workdir = getattr(self, "_workdir", None)
         if workdir is not None:
             workdir.cleanup()
+
+
+class _Heartbeats:
+    """One thread that keeps every open session's server hearing from this process.
+
+    Every ``min(interval)`` seconds it looks at each registered session (held
+    weakly) and sends a heartbeat frame on those that sent nothing since the last
+    look: a few bytes every ``liveness_timeout / 4`` seconds of silence, nothing on
+    the call path. It ends when no session is left, and starts again with the next.
+    """
+
+    def __init__(self) -> None:
+        self.sessions: weakref.WeakSet = weakref.WeakSet()
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.woke = time.monotonic()  # when the thread last ran
+        self.stall = (0.0, 0.0)  # the last time it could not run on time: (seconds, when it ended)
+
+    def add(self, sess: RPCSession) -> None:
+        with self.cond:
+            self.sessions.add(sess)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="disco-rpc-heartbeats", daemon=True)  # fmt: skip
+                self.woke = time.monotonic()
+                self.thread.start()
+            self.cond.notify()
+
+    def _run(self) -> None:
+        wait = 0.0
+        while True:
+            now = time.monotonic()
+            if wait and now - self.woke > 2 * wait:  # this process was stopped, or starved
+                self.stall = (now - self.woke, now)
+            self.woke = now
+            with self.cond:
+                live = [s for s in self.sessions if s._beat_every]
+                if not live:
+                    self.thread = None
+                    return
+                wait = min(s._beat_every for s in live)
+            for sess in live:
+                try:
+                    sess._heartbeat()
+                except Exception:  # one session's trouble must not stop the others' beats
+                    logger.debug("heartbeat on %s failed", sess._label, exc_info=True)
+            del live, sess
+            with self.cond:
+                self.cond.wait(wait)
+
+    def stalled(self, within: float) -> float:
+        """Seconds this process could not send heartbeats, now or in the last ``within`` s."""
+        now = time.monotonic()
+        current = now - self.woke if self.thread is not None else 0.0
+        seconds, ended = self.stall
+        return max(current, seconds if now - ended < within else 0.0)
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's sessions are not this process's to keep alive."""
+        self.sessions = weakref.WeakSet()
+        self.cond = threading.Condition()
+        self.thread = None
+
+
+_HEARTBEATS = _Heartbeats()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HEARTBEATS.after_fork)
 
 
 def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server") -> wire.Conn:  # fmt: skip

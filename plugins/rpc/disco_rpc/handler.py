@@ -57,6 +57,12 @@ logger = logging.getLogger("disco_rpc")
 
 OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}
 
+#: What a client says in its INIT (4th argument) about the heartbeats it sends: none
+#: (an older or foreign client: its server notices only a closed connection), only
+#: between calls (TLS: an OpenSSL connection must not be written while another thread
+#: reads it), or always (README, "Liveness").
+BEATS_NONE, BEATS_IDLE, BEATS_ALWAYS = 0, 1, 2
+
 #: The environment variable through which PopenSession hands its child the session's
 #: work folder (made and removed by the client, so a crashed child leaves nothing).
 WORK_DIR_ENV = "DISCO_RPC_POPEN_WORK_DIR"
@@ -479,10 +485,23 @@ _SENT = object()  # the reply was sent already (a file stream)
 _STREAM_OPS = (OP_UPLOAD, OP_DOWNLOAD, OP_LINK)
 
 
-def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
-    """Answer requests on ``conn`` until the peer leaves. Errors go back as ERROR frames."""
+def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> None:
+    """Answer requests on ``conn`` until the peer leaves. Errors go back as ERROR frames.
+
+    ``live`` (the server's liveness watchdog, optional) has a ``gate``, a lock held
+    by this thread (from before the call) whenever it reads ``conn``: from the
+    start of each request to the start of its work, and through an upload. While
+    the gate is free (a request runs or its reply is being sent) the watchdog may
+    take it and read ``conn`` itself. ``live.worker()`` is called when the session
+    becomes a Disco worker.
+    """
     resolve = handler.resolve
+    gate = live.gate if live is not None else None
+    held = True
     while True:
+        if not held:
+            gate.acquire()
+            held = True
         try:
             _kind, op, payload = conn.recv(on_handle=resolve)
         except EOFError:
@@ -496,6 +515,9 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
             continue
         except OSError:
             return
+        if gate is not None and op != OP_UPLOAD:
+            gate.release()  # not reading conn until the next request
+            held = False
         try:
             result = _dispatch(conn, handler, op, payload)
         except Desync as exc:
@@ -512,6 +534,9 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
         if result is _SENT:
             continue
         if op == OP_DISCO_WORKER:
+            if live is not None:
+                gate.acquire()  # the core's worker loop reads the socket from now on
+                live.worker()
             _start_worker(conn, result)
             return
         if not _send_result(conn, handler, op, result):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import ipaddress
 import logging
 import os
@@ -21,8 +22,10 @@ import shutil
 import signal
 import socket
 import ssl
+import struct
 import sys
 import tempfile
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +34,16 @@ from typing import Any
 from . import auth, wire
 from ._service import ServiceProcess, fork_session
 from .errors import ProtocolError, RPCError
-from .handler import OP_INIT, WORK_DIR_ENV, SessionHandler, error_value, serve_conn
+from .handler import (
+    BEATS_ALWAYS,
+    BEATS_IDLE,
+    BEATS_NONE,
+    OP_INIT,
+    WORK_DIR_ENV,
+    SessionHandler,
+    error_value,
+    serve_conn,
+)
 from .tracker import T_END, T_START, TICKET_SEP
 from .wire import ERROR, REPLY
 
@@ -62,6 +74,8 @@ class ServerConfig:
     registration: Any = None
     #: behind a proxy: accept ``key`` and ``key@ticket`` (the proxy checked the ticket)
     behind_proxy: bool = False
+    #: seconds of silence after which a session's client is dead or frozen (0: never)
+    liveness_timeout: float = 0.0
 
 
 def is_loopback(host: str) -> bool:
@@ -132,7 +146,7 @@ def run_session(sock: socket.socket, addr: Any, cfg: ServerConfig, forked: bool)
 
 def serve_session(conn: wire.Conn, addr: Any, cfg: ServerConfig, forked: bool, on_handler=None) -> None:  # fmt: skip
     """Serve an authenticated client until it leaves or its time is up."""
-    handler = None
+    handler = live = None
     sock = conn.t.sock
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT)
@@ -145,14 +159,17 @@ def serve_session(conn: wire.Conn, addr: Any, cfg: ServerConfig, forked: bool, o
         sock.settimeout(None)
         if timeout:
             _start_watchdog(timeout, sock, handler, forked)
+        live = _start_liveness(conn, addr, cfg, handler, forked, relay=inner is not None)
         logger.info("session from %s (pid %d)", addr, os.getpid())
         if inner is not None:
             _relay(conn, inner, log_relay)
         else:
-            serve_conn(conn, handler)
+            serve_conn(conn, handler, live)
     except (OSError, EOFError, ProtocolError) as exc:
         logger.info("session from %s ended: %s", addr, exc)
     finally:
+        if live is not None:
+            live.stop()
         if handler is not None:
             handler.close()
         try:
@@ -184,6 +201,8 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
         session_timeout, ctor = init[0], init[1]
         if len(init) > 2 and init[2]:
             conn.peer_max = int(init[2])
+        beats = int(init[3]) if len(init) > 3 and init[3] in (BEATS_IDLE, BEATS_ALWAYS) else 0
+        conn.peer_beats = beats  # read by _start_liveness
         timeout = _min_positive(session_timeout, cfg.timeout)
         inner, log_relay = None, False
         info = {
@@ -194,7 +213,11 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             "server_timeout": float(cfg.timeout or 0),
         }
         if ctor:
-            inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max)
+            inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max, beats)
+        own = cfg.liveness_timeout if _can_watch(conn) else 0.0
+        lt = _min_positive(own, info.get("liveness_timeout"))
+        if lt:
+            info["liveness_timeout"] = lt  # the client sends heartbeats well within it
         conn.send(REPLY, OP_INIT, info)
         return timeout, inner, log_relay
     except (EOFError, OSError):
@@ -235,7 +258,9 @@ def connect_args(args: list) -> tuple:
     return host, port, key, bool(enable_logging), options, rest
 
 
-def _construct(ctor: list, timeout: float, cfg: ServerConfig, client_max: int | None):
+def _construct(
+    ctor: list, timeout: float, cfg: ServerConfig, client_max: int | None, beats: int = 0
+):
     """Build the session ``ctor`` names; return ``(inner conn or None, info, log relay)``."""
     name, args = ctor[0], list(ctor[1:])
     if name in ("rpc.LocalSession", "LocalSession"):
@@ -251,7 +276,8 @@ def _construct(ctor: list, timeout: float, cfg: ServerConfig, client_max: int | 
         host, port, key, token=options.get("token"),
         max_message_bytes=cfg.max_message_bytes, peer="inner RPC server",
     )  # fmt: skip
-    inner.send(wire.REQUEST, OP_INIT, ((), (timeout, rest, client_max)))
+    # the client's heartbeats pass through the relay: the inner server may count on them
+    inner.send(wire.REQUEST, OP_INIT, ((), (timeout, rest, client_max, beats)))
     kind, _op, info = inner.recv()
     if kind != REPLY:
         exc_type, msg, _tb = info
@@ -315,6 +341,215 @@ def _start_watchdog(timeout: float, sock: socket.socket, handler: SessionHandler
     t.daemon = True
     t.start()
     return t
+
+
+# --------------------------------------------------------------------------- liveness
+#: ``$DISCO_RPC_LIVENESS_TIMEOUT``: seconds of silence after which a session's client is
+#: taken for dead or frozen (``Server(liveness_timeout=...)`` wins; 0 turns it off).
+LIVENESS_ENV = "DISCO_RPC_LIVENESS_TIMEOUT"
+#: The default of ``liveness_timeout``: with checks every second, a frozen client's
+#: session ends within 9 s, a dead client's (its socket closed) within 1 s.
+DEFAULT_LIVENESS_TIMEOUT = 8.0
+#: The shortest ``liveness_timeout`` accepted (a client beats every quarter of it).
+MIN_LIVENESS_TIMEOUT = 0.5
+#: Unread bytes past which the watchdog drops the heartbeats that piled up during a call.
+_DRAIN_BYTES = 1 << 14
+
+_TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
+_TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8  # tcpi_state: the peer reset or closed the connection
+#: ``struct tcp_info``: ``tcpi_state`` is byte 0, ``tcpi_last_data_recv`` (ms) the u32 at 52,
+#: ``tcpi_bytes_acked`` the u64 at 120 (Linux 4.1 and later)
+_LAST_DATA_RECV = struct.Struct("<I")
+_LAST_DATA_RECV_OFFSET = 8 + 11 * 4
+_BYTES_ACKED = struct.Struct("<Q")
+_BYTES_ACKED_OFFSET = 120
+
+
+def resolve_liveness_timeout(value: Any = None) -> float:
+    """The liveness timeout in seconds: ``value``, else ``$DISCO_RPC_LIVENESS_TIMEOUT``, else 8.
+
+    Parameters
+    ----------
+    value : float or str, optional
+        Seconds; 0 turns the checks off (a frozen client then holds its session
+        until it closes the connection).
+
+    Raises
+    ------
+    ValueError
+        Not a number, negative, or between 0 and :data:`MIN_LIVENESS_TIMEOUT`.
+    """
+    origin = "liveness_timeout"
+    if value is None:
+        value = os.environ.get(LIVENESS_ENV) or DEFAULT_LIVENESS_TIMEOUT
+        origin = f"${LIVENESS_ENV}"
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{origin} must be a number of seconds, got {value!r}") from None
+    if not (seconds == 0 or MIN_LIVENESS_TIMEOUT <= seconds < float("inf")):
+        raise ValueError(
+            f"{origin} must be 0 (off) or at least {MIN_LIVENESS_TIMEOUT:g} seconds, got {value!r}"
+        )
+    return seconds
+
+
+def _can_watch(conn: wire.Conn) -> bool:
+    """Whether this side can watch ``conn``'s peer (a TCP socket on Linux)."""
+    sock = getattr(conn.t, "sock", None)
+    return _TCP_INFO is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)  # fmt: skip
+
+
+def _tcp_state(sock: socket.socket) -> tuple[int, float, int]:
+    """``(tcpi_state, seconds since data last arrived, bytes the peer acknowledged)`` from
+    the kernel (``TCP_INFO``; the last is -1 where the kernel does not tell)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 136)
+    idle = _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0] / 1000.0
+    acked = -1
+    if len(info) >= _BYTES_ACKED_OFFSET + 8:
+        acked = _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_OFFSET)[0]
+    return info[0], idle, acked
+
+
+def _unsent(sock: socket.socket) -> int:
+    """Bytes written and not yet acknowledged by the peer."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes received and not read yet."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+class _Liveness:
+    """Ends a session whose client died or froze, from a thread of the session.
+
+    It reads the kernel's ``TCP_INFO`` on the client's socket once per check
+    (every ``timeout / 4`` seconds, at most 1 s), so a request costs nothing more:
+
+    * the connection is closed or reset by the peer (``CLOSE_WAIT``/``CLOSE``):
+      the client is gone; the session ends at once (for a Disco worker, whose
+      controller ends it by closing its side, after ``timeout`` more seconds);
+    * what this side sent waits to go out and the client has acknowledged none
+      of it for ``timeout`` seconds: it stopped reading (frozen) or its machine
+      or network is gone (the kernel's ``tcpi_bytes_acked`` and ``TIOCOUTQ``;
+      whatever the client is, a Disco worker's controller included);
+    * no data arrived for ``timeout`` seconds: the client is frozen, or its
+      machine or network is gone, since a live client sends a heartbeat frame
+      when it has sent nothing for a while, during a long call included. A client
+      that beats only between calls (TLS) is not judged by this rule while a
+      request runs or its reply is sent (the session's ``gate`` is free, see
+      :func:`~disco_rpc.handler.serve_conn`); one that does not beat at all (an
+      older client, a Disco worker's controller) is judged by the first two rules
+      only.
+
+    While a call runs, the heartbeats pile up unread; past :data:`_DRAIN_BYTES`
+    it drops them itself (taking the gate), so the socket's receive queue never
+    fills, whatever the call's length.
+    """
+
+    def __init__(self, conn: wire.Conn, addr: Any, timeout: float, beats: int, on_dead: Any, relay: bool) -> None:  # fmt: skip
+        self.conn = conn
+        self.sock = conn.t.sock
+        self.addr = addr
+        self.timeout = timeout
+        self.beats = BEATS_NONE if relay and beats != BEATS_ALWAYS else beats
+        self.on_dead = on_dead
+        self.drain = beats == BEATS_ALWAYS and type(conn.t) is wire.SocketTransport and not relay
+        self.gate = threading.Lock()
+        self.gate.acquire()  # by the serving thread (this constructor's caller)
+        self.worker_mode = False
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="disco-rpc-liveness", daemon=True)
+
+    def worker(self) -> None:
+        """The session became a Disco worker: no more heartbeats, only its end counts."""
+        self.worker_mode = True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        tick = min(1.0, self.timeout / 4)
+        in_call_at = time.monotonic()
+        closed_at = waiting_since = None
+        last_acked = -1
+        while not self._stop.wait(tick):
+            try:
+                state, idle, acked = _tcp_state(self.sock)
+                unsent = _unsent(self.sock) if acked >= 0 else 0
+            except OSError:
+                return  # closed here: the session is ending
+            now = time.monotonic()
+            # bytes wait to go out and none was taken since the last check: count how long
+            if unsent > 0 and acked == last_acked:
+                waiting_since = now if waiting_since is None else waiting_since
+            else:
+                waiting_since = None
+            last_acked = acked
+            if state in (_TCP_CLOSE_WAIT, _TCP_CLOSE):
+                closed_at = closed_at if closed_at is not None else now
+                if not self.worker_mode or now - closed_at >= self.timeout:
+                    return self._dead("closed its connection")
+                continue
+            if waiting_since is not None and now - waiting_since > self.timeout:
+                return self._dead(
+                    f"took none of what it was sent for {now - waiting_since:.1f} s "
+                    "(frozen, or its host is gone)"
+                )
+            if self.worker_mode or self.beats == BEATS_NONE:
+                continue
+            if not self.gate.locked():  # a request runs, or its reply is being sent
+                if self.beats == BEATS_IDLE:
+                    in_call_at = now  # such a client cannot beat meanwhile
+                elif self.drain:
+                    self._drop_heartbeats()
+            if self.beats == BEATS_IDLE:
+                idle = min(idle, now - in_call_at)
+            if idle > self.timeout:
+                return self._dead(f"sent nothing for {idle:.1f} s (frozen, or its host is gone)")
+
+    def _drop_heartbeats(self) -> None:
+        try:
+            if _unread(self.sock) < _DRAIN_BYTES or not self.gate.acquire(blocking=False):
+                return
+        except OSError:
+            return
+        try:
+            self.conn.drop_heartbeats()
+        except OSError:
+            pass
+        finally:
+            self.gate.release()
+
+    def _dead(self, why: str) -> None:
+        if self._stop.is_set():
+            return
+        logger.warning(
+            "ending the session of the client at %s: it %s (liveness timeout %g s)",
+            self.addr, why, self.timeout,
+        )  # fmt: skip
+        self.on_dead()
+
+
+def _start_liveness(conn: wire.Conn, addr: Any, cfg: ServerConfig, handler: SessionHandler, forked: bool, relay: bool = False) -> _Liveness | None:  # fmt: skip
+    """Watch the session's client (see :class:`_Liveness`); None when off or impossible."""
+    if not cfg.liveness_timeout or not _can_watch(conn):
+        return None
+    sock = conn.t.sock
+
+    def end() -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if forked:  # a call may be running: the process ends, the listener reaps it
+            handler.close()
+            os._exit(0)
+
+    live = _Liveness(conn, addr, cfg.liveness_timeout, getattr(conn, "peer_beats", 0), end, relay)
+    live.thread.start()
+    return live
 
 
 # --------------------------------------------------------------------------- the listener
@@ -766,11 +1001,18 @@ class Server(ServiceProcess):
     allow_insecure_bind : bool
         Allow a non-loopback address with neither token nor TLS (and ``is_proxy``
         without a token).
+    liveness_timeout : float, optional
+        Seconds without a sign of life after which a session's client counts as
+        frozen or gone: the session ends (its process exits, its tracker slot comes
+        back). Clients send heartbeats when they have sent nothing for a quarter of
+        it, during long calls too. A client that closed its connection (it died) is
+        noticed within a second. Default ``$DISCO_RPC_LIVENESS_TIMEOUT``, else 8;
+        0 turns the checks off. See the README, "Liveness".
     """
 
     _kind = "Server"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False, tracker_token: Any = None, tracker_ssl_context: Any = None, proxy_token: Any = None, proxy_ssl_context: Any = None) -> None:  # fmt: skip
+    def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False, tracker_token: Any = None, tracker_ssl_context: Any = None, proxy_token: Any = None, proxy_ssl_context: Any = None, liveness_timeout: float | None = None) -> None:  # fmt: skip
         self.host = host
         self.key = key
         self.custom_addr = custom_addr
@@ -789,6 +1031,7 @@ class Server(ServiceProcess):
             timeout=timeout,
             no_fork=no_fork,
             behind_proxy=is_proxy,
+            liveness_timeout=resolve_liveness_timeout(liveness_timeout),
         )
         self._sock = None
         reg = None

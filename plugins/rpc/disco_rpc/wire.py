@@ -23,11 +23,18 @@ link whose frames are bounded. A sender whose file fails in the middle completes
 the chunk under way with padding and sends a ``CHUNK`` frame with ``FLAG_ABORT``
 (its meta: the reason) instead of the rest and the end: the receiver drops what
 it got and the connection stays in sync.
+
+A ``HEARTBEAT`` frame (kind 5, no op, meta or buffer: 12 bytes) may come from a
+client between any two of its frames, never inside a frame or a file stream: it
+only says that the client is alive, and :meth:`Conn.recv` skips it (README,
+"Liveness").
 """
 
 from __future__ import annotations
 
 import os
+import select
+import socket
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -86,6 +93,10 @@ def close_inherited() -> None:
 
 # frame kinds
 REQUEST, REPLY, ERROR, CHUNK_FRAME = 1, 2, 3, 4
+#: A frame that only says "still here" (no op, no meta, no buffer): a client sends it
+#: when it has sent nothing for a while, so that its server can tell a live client
+#: from a dead or frozen one (README, "Liveness"). :meth:`Conn.recv` skips it.
+HEARTBEAT = 5
 #: flags of a CHUNK frame without buffer: the sender gave up (its meta is the reason,
 #: a str), or the stream is complete
 FLAG_ABORT, FLAG_END = 1, 2
@@ -121,6 +132,8 @@ _TI = struct.Struct("<BI")
 _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+HEARTBEAT_FRAME = _HEAD.pack(HEARTBEAT, 0, 0, 0, 0)
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
 class HandleRef:
@@ -542,6 +555,8 @@ class Conn:
         still in sync) or ``EOFError``.
         """
         kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
+        while kind == HEARTBEAT and not (meta_len or nbuf):  # "still here": nothing to do
+            kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
             raise FrameTooLarge(
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
@@ -722,6 +737,46 @@ class Conn:
             k = min(n, scratch.nbytes)
             self.read_into(scratch[:k])
             n -= k
+
+    # -- liveness (see HEARTBEAT) ----------------------------------------------
+    def send_heartbeat(self) -> None:
+        """Send one heartbeat frame (the caller holds whatever serialises this side's sends)."""
+        self.send_encoded(HEARTBEAT, 0, b"", [])  # the 12 bytes of HEARTBEAT_FRAME
+
+    def drop_heartbeats(self, limit: int = 4 << 20) -> None:
+        """Read what has arrived, without blocking, and drop the heartbeat frames at its head.
+
+        For a thread other than the reader, while the reader is busy elsewhere (a
+        session running a long call): the heartbeats a live client sends meanwhile
+        would otherwise fill the socket's receive queue, after which the kernel
+        stops taking data and the client looks silent. Anything else stays in the
+        read buffer for the reader. At most ``limit`` bytes are read (a peer that
+        floods heartbeats cannot keep the caller here). Plain sockets only; the
+        caller makes sure the reader is not reading meanwhile.
+        """
+        sock = self.t.sock
+        size = _HEAD.size
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
+        while True:
+            while self.end - self.start >= size and self.buf[self.start : self.start + size] == HEARTBEAT_FRAME:  # fmt: skip
+                self.start += size
+            if self.end - self.start >= size:
+                return  # something else: the reader's
+            if self.start:
+                self.buf[: self.end - self.start] = self.buf[self.start : self.end]
+                self.end -= self.start
+                self.start = 0
+            if limit <= 0 or not poll.poll(0):
+                return  # nothing more has arrived (a socket with a timeout would wait)
+            try:
+                k = sock.recv_into(self.view[self.end :], 0, _DONTWAIT)
+            except (BlockingIOError, InterruptedError, TimeoutError):
+                return
+            if not k:
+                return  # the end of the stream: the reader sees it too
+            self.end += k
+            limit -= k
 
     def close(self) -> None:
         if self._pipe is not None:
