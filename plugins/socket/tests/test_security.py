@@ -1,0 +1,548 @@
+"""disco-socket against impostors and relays: real agents, real sockets on 127.0.0.1.
+
+Each attack is scripted as an outsider would run it: a node without the token, a
+fake controller where the node connects, a relay between node and controller that
+alters or injects a command, hostile handshake bytes, a worker that returns an
+object whose unpickling would run code. With a token, none of them gets anything
+run, and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import subprocess
+import textwrap
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+from _socket_helpers import HOST, agent_cmd, children_of, wait_gone
+
+import disco_core as disco
+from disco_core import protocol as P
+from disco_core.errors import (
+    DiscoError,
+    InsecureBindError,
+    WorkerDiedError,
+    WorkerError,
+)
+from disco_core.net.security import Handshake
+from disco_socket import start_local_agents, wire
+from disco_socket.agent import EXIT_REFUSED, AgentError
+
+FUNCS = "disco_core.testing.funcs"
+
+
+# --------------------------------------------------------------------------- helpers
+@pytest.fixture
+def sec_module(tmp_path, monkeypatch):
+    """A module of test functions that the controller and every worker import."""
+    name = f"sock_sec_{os.getpid()}_{abs(hash(str(tmp_path))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            import numpy as np
+
+            from disco_core.registry import register_func
+
+
+            class Evil:
+                # Unpickling this opens (creates) a file: code run by whoever loads it.
+                def __init__(self, path):
+                    self.path = path
+
+                def __reduce__(self):
+                    return (open, (self.path, "w"))
+
+
+            class Opaque:
+                pass
+
+
+            def touch(path):
+                open(path, "w").close()
+                return path
+
+
+            register_func("sec.touch", touch, override=True)
+            register_func("sec.evil", lambda path: Evil(path), override=True)
+            register_func("sec.opaque", lambda: Opaque(), override=True)
+            register_func(
+                "sec.values",
+                lambda: (np.arange(5.0), np.float32(2.5), 7, "s", {"k": [1, 2]}, None),
+                override=True,
+            )
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__(name)
+    return name
+
+
+class Relay:
+    """A TCP relay between agents and a controller: what anyone on the path can do.
+
+    Every connection accepted is relayed to ``upstream``. On connection number
+    ``conn`` (0: the node's link; 1: its first reply connection), the bytes in
+    direction ``way`` ("down": controller to node, "up": node to controller) pass
+    through :meth:`_tamper`: when armed, it flips one byte of ``pattern``
+    (``mode="flip"``) or inserts ``forged`` before the next chunk
+    (``mode="inject"``).
+    """
+
+    def __init__(self, upstream: tuple[str, int], conn: int = 0, way: str = "down") -> None:
+        self.upstream = upstream
+        self.tamper_at = (conn, way)
+        self.listener = socket.create_server((HOST, 0))
+        self.port = self.listener.getsockname()[1]
+        self.mode: str | None = None
+        self.pattern = b""
+        self.forged = b""
+        self.done = threading.Event()
+        self.socks: list[socket.socket] = []
+        self.count = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, mode: str, pattern: bytes = b"", forged: bytes = b"") -> None:
+        self.pattern, self.forged = pattern, forged
+        self.mode = mode
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            self.socks += [down, up]
+            tamper_up = self.tamper_at == (self.count, "up")
+            tamper_down = self.tamper_at == (self.count, "down")
+            self.count += 1
+            threading.Thread(target=self._pump, args=(down, up, tamper_up), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, tamper_down), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if tamper:
+                    data = self._tamper(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _tamper(self, data: bytes) -> bytes:
+        if self.mode == "flip" and self.pattern in data:
+            i = data.index(self.pattern) + len(self.pattern) - 1
+            data = data[:i] + bytes([data[i] ^ 0x03]) + data[i + 1 :]  # "A" -> "B"
+            self.mode = None
+            self.done.set()
+        elif self.mode == "inject":
+            data = self.forged + data
+            self.mode = None
+            self.done.set()
+        return data
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            s.close()
+
+
+def _relayed_session(cluster, token, relays, conn=0, way="down", **options):
+    """A 2-node session (1 worker each) whose agent reaches the controller through a Relay."""
+
+    started = []
+
+    def on_listen(host, port):
+        relay = Relay((host, port), conn, way)
+        relays.append(relay)
+        started.extend(start_local_agents(host, relay.port, 1, 1, token=token))
+        cluster.agents.extend(started)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # loopback without a token
+        sess = disco.SocketSession(
+            2, 1, 1, HOST, 0, token=token, on_listen=on_listen, timeout=30, **options
+        )
+    cluster.sessions.append(sess)
+    sess.agents = started
+    return sess
+
+
+def _forged_call(func_reg: int, path: str) -> bytes:
+    """A whole relay message: run ``func(path)`` on every worker of the node."""
+    frame = P.encode((P.CALL_PACKED, 0, func_reg, (path,)))
+    return wire.MSG.pack(wire.K_FRAME, wire.ALL) + P.frame_head(frame) + b"".join(frame[1])
+
+
+def _on_listen_then(action):
+    """An on_listen that runs ``action(host, port)`` in a thread (the accept loop runs meanwhile)."""
+    done = threading.Event()
+
+    def on_listen(host, port):
+        def run():
+            try:
+                action(host, port)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    return on_listen, done
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float = 20) -> int:
+    return proc.wait(timeout)
+
+
+# --------------------------------------------------------------------------- the relay
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_relay_flipping_a_command_byte(cluster, sec_module, tmp_path, token):
+    relays: list[Relay] = []
+    sess = _relayed_session(cluster, token, relays)
+    relay = relays[0]
+    sess.import_python_module(sec_module)
+    touch = sess.get_global_func("sec.touch")
+    touch(str(tmp_path / "warmup")).debug_get_from_remote(1)
+    target = str(tmp_path / "marker-A")
+    relay.arm("flip", pattern=target.encode())
+    if token is None:
+        # Unsealed, the on-path relay rewrites the command: the node runs marker-B.
+        assert touch(target).debug_get_from_remote(1).endswith("marker-B")
+        assert relay.done.is_set() and (tmp_path / "marker-B").exists()
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"node 1 .*(integrity|disconnected)"):
+            touch(target).debug_get_from_remote(1)
+        assert time.monotonic() - t0 < 15
+        assert relay.done.is_set()
+        assert not (tmp_path / "marker-B").exists()
+        assert [a.wait(20) for a in sess.agents] == [1]  # the agent dropped the link
+    relay.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_relay_injecting_a_command(cluster, sec_module, tmp_path, token):
+    relays: list[Relay] = []
+    sess = _relayed_session(cluster, token, relays)
+    relay = relays[0]
+    sess.import_python_module(sec_module)
+    touch = sess.get_global_func("sec.touch")
+    assert touch(str(tmp_path / "warmup")).debug_get_from_remote(1)
+    injected = tmp_path / "injected"
+    forged = _forged_call(touch.reg_id, str(injected))
+    if token is not None:
+        # As a sealed record would look, with a made-up tag (the relay has no key).
+        forged = struct.pack("<Q", len(forged)) + forged + os.urandom(16)
+    relay.arm("inject", forged=forged)
+    ok = sess.get_global_func("disco.worker_id")
+    if token is None:
+        assert ok().debug_get_from_remote(1) == 1
+        deadline = time.monotonic() + 5
+        while not injected.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert injected.exists()  # unsealed, the injected command ran
+    else:
+        with pytest.raises(WorkerDiedError, match="node 1"):
+            ok().debug_get_from_remote(1)
+        assert relay.done.is_set()
+        assert [a.wait(20) for a in sess.agents] == [1]
+        assert not injected.exists()
+    relay.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_relay_flipping_a_reply_byte(cluster, token):
+    """A direct reply connection (worker -> controller) is sealed by the worker itself."""
+    relays: list[Relay] = []
+    sess = _relayed_session(cluster, token, relays, conn=1, way="up")
+    relay = relays[0]
+    assert relay.count == 2  # the node's link and worker 1's reply connection
+    sess.import_python_module(FUNCS)
+    echo = sess.get_global_func("testing.echo")
+    payload = "reply-" + "x" * 40 + "A"
+    assert echo(payload).debug_get_from_remote(1) == payload  # untampered, it arrives
+    relay.arm("flip", pattern=payload.encode())
+    if token is None:
+        assert echo(payload).debug_get_from_remote(1) == payload[:-1] + "B"  # forged
+    else:
+        with pytest.raises(WorkerDiedError, match="worker 1.*reply connection.*integrity"):
+            echo(payload).debug_get_from_remote(1)
+    assert relay.done.is_set()
+    relay.close()
+
+
+# --------------------------------------------------------------------------- impostors
+@pytest.mark.timeout(60)
+def test_node_without_the_token_is_refused(cluster):
+    out = {}
+
+    def action(host, port):
+        r = subprocess.run(
+            agent_cmd(host, port, 1, "-q"),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={k: v for k, v in os.environ.items() if k != "DISCO_TOKEN"},
+        )
+        out["rc"], out["err"] = r.returncode, r.stderr
+        cluster.agents.extend(start_local_agents(host, port, 1, 1, token="s3cret"))
+
+    on_listen, done = _on_listen_then(action)
+    sess = disco.SocketSession(2, 1, 1, HOST, 0, token="s3cret", on_listen=on_listen, timeout=30)
+    cluster.sessions.append(sess)
+    assert done.wait(10)
+    assert out["rc"] == EXIT_REFUSED
+    assert "requires a token" in out["err"]
+    assert any("requires a token" in r for r in sess.channel.rejected)
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+
+
+@pytest.mark.timeout(60)
+def test_node_with_a_token_refuses_a_controller_without_one(cluster):
+    out = {}
+
+    def action(host, port):
+        r = subprocess.run(
+            agent_cmd(host, port, 1, "-q"),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=dict(os.environ, DISCO_TOKEN="mine"),
+        )
+        out["rc"], out["err"] = r.returncode, r.stderr
+        cluster.agents.extend(start_local_agents(host, port, 1, 1))
+
+    on_listen, done = _on_listen_then(action)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        sess = disco.SocketSession(2, 1, 1, HOST, 0, on_listen=on_listen, timeout=30)
+    cluster.sessions.append(sess)
+    assert done.wait(10)
+    assert out["rc"] == EXIT_REFUSED
+    assert "has a token but this session has none" in out["err"]
+
+
+class FakeController:
+    """Listens where a node connects, without the token, and records what it gets."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.listener = socket.create_server((HOST, 0))
+        self.port = self.listener.getsockname()[1]
+        self.got: list[bytes] = []
+        self.after = b""
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(10)
+            head = wire.recv_exact(conn, wire.HELLO.size)
+            hello = wire.recv_json(conn)
+            self.got.append(head + json.dumps(hello).encode())
+            auth = self.behaviour != "no-auth"
+            nonce = os.urandom(32).hex()
+            wire.send_json(conn, {"version": wire.PROTOCOL_VERSION, "nonce": nonce, "auth": auth})
+            if auth:
+                self.got.append(json.dumps(wire.recv_json(conn)).encode())  # the node's proof
+                if self.behaviour == "bad-proof":
+                    wire.send_json(conn, {"proof": os.urandom(32).hex()})
+                else:  # "welcome": skip the proof, send a welcome as if all was well
+                    wire.send_json(
+                        conn,
+                        {"node_id": 1, "worker_ids": [1], "num_workers": 2, "num_groups": 1},
+                    )
+            # Then a command, as the controller would send it: the node must be gone.
+            try:
+                conn.sendall(_forged_call(1, "/nonexistent/never-run"))
+                self.after = conn.recv(100)
+            except OSError:
+                self.after = b""
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("behaviour", ["no-auth", "bad-proof", "welcome"])
+def test_fake_controller_gets_nothing(behaviour):
+    fake = FakeController(behaviour)
+    before = set(children_of(os.getpid()))
+    r = subprocess.run(
+        agent_cmd(HOST, fake.port, 1),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=dict(os.environ, DISCO_TOKEN="the-real-token"),
+    )
+    fake.close()
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert "joined" not in r.stderr  # no worker was started
+    if behaviour == "no-auth":
+        assert "refusing a controller that cannot prove" in r.stderr
+        assert len(fake.got) == 1  # the hello: a nonce, no proof
+    else:
+        assert "failed to authenticate" in r.stderr
+        assert len(fake.got) == 2  # a proof bound to the fake's own nonce: useless elsewhere
+    assert fake.after == b""
+    assert wait_gone(list(set(children_of(os.getpid())) - before), 5) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_proof_is_worthless_in_another_handshake():
+    node = Handshake(b"k", "client", wire.LABEL)
+    node.bind(b"hello", b"challenge-1")
+    other = Handshake(b"k", "server", wire.LABEL)
+    other.bind(b"hello", b"challenge-2")
+    assert not other.verify(node.proof())
+    a = wire.reply_secret(b"k", node.transcript)
+    assert a != wire.reply_secret(b"k", other.transcript)
+    assert a != wire.reply_secret(b"other", node.transcript)
+    assert wire.parse_proof({"proof": "zz" * 32}) is None
+    assert wire.parse_proof({"proof": 5}) is None
+
+
+# --------------------------------------------------------------------------- hostile bytes
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_deeply_nested_hello_is_refused_cleanly(cluster, caplog, token):
+    caplog.set_level(logging.WARNING, logger="disco_socket")
+    seen = {}
+
+    def action(host, port):
+        for magic in (wire.MAGIC, wire.DATA_MAGIC):
+            with socket.create_connection((host, port), timeout=10) as s:
+                payload = b"[" * 60_000
+                s.sendall(wire.HELLO.pack(magic, wire.PROTOCOL_VERSION))
+                s.sendall(wire.U32.pack(len(payload)) + payload)
+                try:
+                    seen[magic] = s.recv(100)  # closed without an answer
+                except ConnectionResetError:
+                    seen[magic] = b""
+        cluster.agents.extend(start_local_agents(host, port, 1, 1, token=token))
+
+    on_listen, done = _on_listen_then(action)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        sess = disco.SocketSession(2, 1, 1, HOST, 0, token=token, on_listen=on_listen, timeout=30)
+    cluster.sessions.append(sess)
+    assert done.wait(10)
+    assert seen == {wire.MAGIC: b"", wire.DATA_MAGIC: b""}
+    assert sum("nested too deeply" in r for r in sess.channel.rejected) == 2
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+
+
+def test_recv_json_refuses_deep_nesting_and_read_frame_checks_counts():
+    a, b = socket.socketpair()
+    with a, b:
+        payload = b"[" * 60_000
+        a.sendall(wire.U32.pack(len(payload)) + payload)
+        with pytest.raises(wire.HandshakeError, match="nested too deeply"):
+            wire.recv_json(b)
+        # A frame declaring 2**32-1 buffers is refused before 32 GiB are asked for.
+        a.sendall(wire.FRAME_PREFIX.pack(10, 0xFFFFFFFF, 0))
+        with pytest.raises(DiscoError, match="buffers"):
+            wire.StreamReader(b).read_frame()
+
+
+def test_errors_are_disco_errors():
+    assert issubclass(wire.HandshakeError, DiscoError)
+    assert issubclass(wire.HandshakeError, ConnectionError)
+    assert issubclass(AgentError, DiscoError)
+    assert AgentError("x", 2).code == 2
+
+
+# --------------------------------------------------------------------------- no unpickling
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_replies_are_never_unpickled(cluster, sec_module, tmp_path, token):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        sess = cluster.session(2, 2, token=token)
+    sess.import_python_module(sec_module)
+    marker = tmp_path / "pwned"
+    evil = sess.get_global_func("sec.evil")(str(marker))
+    with pytest.raises(WorkerError, match=r"refused.*open"):
+        evil.debug_get_from_remote(2)
+    assert not marker.exists()
+    opaque = sess.get_global_func("sec.opaque")()
+    with pytest.raises(WorkerError, match="refused a value from a network peer"):
+        opaque.debug_get_from_remote(3)
+    # Plain values still arrive, from both remote workers.
+    for w in (2, 3):
+        arr, f32, i, s, d, none = sess.get_global_func("sec.values")().debug_get_from_remote(w)
+        assert np.array_equal(arr, np.arange(5.0)) and f32 == np.float32(2.5)
+        assert (i, s, d, none) == (7, "s", {"k": [1, 2]}, None)
+    sess.import_python_module(FUNCS)
+    big = np.arange(1 << 18, dtype=np.float64)
+    assert np.array_equal(sess.get_global_func("testing.echo")(big).debug_get_from_remote(3), big)
+    with pytest.raises(WorkerError, match="raised on purpose"):
+        sess.get_global_func("testing.raise")().debug_get_from_remote(2)
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(3) == 3
+
+
+@pytest.mark.timeout(60)
+def test_agent_starts_workers_untrusted(cluster):
+    sess = cluster.session(2, 1, token="t")
+    (agent,) = sess.agents
+    deadline = time.monotonic() + 5
+    workers = []
+    while not workers and time.monotonic() < deadline:
+        workers = children_of(agent.pid)
+        time.sleep(0.05)
+    with open(f"/proc/{workers[0]}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    assert b"--untrusted" in argv and b"--reply-key-fd" in argv
+    with open(f"/proc/{workers[0]}/environ", "rb") as f:
+        assert not any(e.startswith(b"DISCO_TOKEN=") for e in f.read().split(b"\0"))
+
+
+# --------------------------------------------------------------------------- bind policy
+@pytest.mark.timeout(60)
+def test_bind_beyond_loopback_needs_a_token_or_tls():
+    before = set(children_of(os.getpid()))
+    t0 = time.monotonic()
+    with pytest.raises(InsecureBindError, match="refusing to listen on 0.0.0.0"):
+        disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=1)
+    assert time.monotonic() - t0 < 5
+    assert wait_gone(list(set(children_of(os.getpid())) - before), 5) == []
+    # The explicit opt-out listens, with a warning.
+    with pytest.warns(RuntimeWarning, match="neither token nor TLS"):
+        with pytest.raises(TimeoutError):
+            disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=0.5, allow_insecure_bind=True)
+    # A token is enough.
+    with pytest.raises(TimeoutError):
+        disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=0.5, token="t")
+
+
+def test_no_unpickling_in_the_plugin_source():
+    """No module of the plugin unpickles anything (the core's allow-list does it)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "disco_socket")
+    for name in os.listdir(root):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name)) as f:
+                text = f.read()
+            for bad in ("pickle.loads", "pickle.load(", "Unpickler", "protocol import decode\n"):
+                assert bad not in text, (name, bad)
