@@ -1,15 +1,18 @@
 """The node agent: ``disco-socket join HOST PORT --workers N``.
 
 It connects to the controller (retrying while the controller is not up yet),
-authenticates both ways, starts its N workers as child processes (the core's
-``python -m disco_core.worker``) and then only relays command frames from the
-socket to the workers' pipes, as bytes, never unpickled.
+authenticates both ways (with a token: the core's handshake, then every byte
+sealed), starts its N workers as child processes (the core's
+``python -m disco_core.worker --untrusted``: commands are rebuilt from an
+allow-list) and then only relays command frames from the socket to the workers'
+pipes, as bytes, never unpickled, each only once the record it came in verified.
 
 Replies: without TLS, the agent opens one authenticated reply connection per
-worker and hands it to the worker as its ``--reply-fd``, so the worker writes its
-replies straight to the controller (no pipe, no relay). With TLS (a worker cannot
-speak TLS on a raw file descriptor), replies go through a pipe and the agent
-relays them over its TLS connection. It exits, and its workers with it, when the
+worker and hands it to the worker as its ``--reply-fd`` (with a token, plus the
+key that worker seals its replies with, in a pipe: ``--reply-key-fd``), so the
+worker writes its replies straight to the controller (no pipe, no relay). With
+TLS (a worker cannot speak TLS on a raw file descriptor), replies go through a
+pipe and the agent relays them over its TLS connection. It exits, and its workers with it, when the
 session shuts down, the controller disappears or falls silent (heartbeat), or
 the agent gets SIGINT, SIGTERM or SIGHUP.
 

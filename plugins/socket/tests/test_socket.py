@@ -139,7 +139,8 @@ def test_load_vm_module_uses_the_nodes_own_copy(cluster, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path):
+@pytest.mark.parametrize("token", [None, "ship"])  # with a token: sealed records of the file
+def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path, token):
     if not _can_unshare_mount():
         pytest.skip("needs `unshare --mount` (root or user namespaces) to hide a folder from nodes")
     hidden = tmp_path / "only_on_controller"
@@ -147,6 +148,9 @@ def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path):
     path = hidden / "model_mod.py"
     path.write_text(_MODULE)
     agents = []
+    env = {k: v for k, v in os.environ.items() if k != "DISCO_TOKEN"}
+    if token:
+        env["DISCO_TOKEN"] = token
 
     def on_listen(host, port):
         # Each agent runs in its own mount namespace where `hidden` is an empty tmpfs.
@@ -156,10 +160,10 @@ def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path):
                 'mount -t tmpfs tmpfs "$0" && exec "$@"', str(hidden),
                 *agent_cmd(host, port, 2, "-q"),
             ]  # fmt: skip
-            agents.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            agents.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env))
 
     try:
-        sess = disco.SocketSession(3, 2, 1, HOST, 0, on_listen=on_listen, timeout=30)
+        sess = disco.SocketSession(3, 2, 1, HOST, 0, on_listen=on_listen, timeout=30, token=token)
     finally:
         cluster.agents.extend(agents)
     cluster.sessions.append(sess)
