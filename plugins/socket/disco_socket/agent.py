@@ -12,9 +12,10 @@ worker and hands it to the worker as its ``--reply-fd`` (with a token, plus the
 key that worker seals its replies with, in a pipe: ``--reply-key-fd``), so the
 worker writes its replies straight to the controller (no pipe, no relay). With
 TLS (a worker cannot speak TLS on a raw file descriptor), replies go through a
-pipe and the agent relays them over its TLS connection. It exits, and its workers with it, when the
-session shuts down, the controller disappears or falls silent (heartbeat), or
-the agent gets SIGINT, SIGTERM or SIGHUP.
+pipe and the agent relays them over its TLS connection. It exits, and its
+workers with it, when the session shuts down, the controller disappears or falls
+silent (heartbeat), a record from it fails its check, or the agent gets SIGINT,
+SIGTERM or SIGHUP.
 
 The workers' stderr goes through the agent (to its own stderr), which keeps the
 last bytes of each: a worker's death report carries them to the controller.

@@ -23,6 +23,8 @@ import warnings
 import numpy as np
 import pytest
 from _socket_helpers import HOST, agent_cmd, children_of, wait_gone
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import disco_core as disco
 from disco_core import protocol as P
@@ -546,3 +548,142 @@ def test_no_unpickling_in_the_plugin_source():
                 text = f.read()
             for bad in ("pickle.loads", "pickle.load(", "Unpickler", "protocol import decode\n"):
                 assert bad not in text, (name, bad)
+
+
+# --------------------------------------------------------------------------- fuzz
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+_hello_fields = st.fixed_dictionaries(
+    {"nonce": st.just("ab" * 32) | _json, "auth": st.booleans() | _json},
+    optional={
+        "workers": _json | st.just(1),
+        "host": _json,
+        "pid": _json,
+        "node_id": _json | st.just(1),
+        "worker": _json | st.just(1),
+        "proof": _json | st.just("cd" * 32),
+    },
+)
+
+
+def _message(obj_or_bytes) -> bytes:
+    data = obj_or_bytes if isinstance(obj_or_bytes, bytes) else json.dumps(obj_or_bytes).encode()
+    return wire.U32.pack(len(data)) + data
+
+
+_peer_bytes = st.one_of(
+    st.binary(max_size=200),  # anything at all
+    st.builds(  # a hello with fields of any type, then anything
+        lambda magic, version, hello, rest: (
+            wire.HELLO.pack(magic, version) + _message(hello) + rest
+        ),
+        st.sampled_from([wire.MAGIC, wire.DATA_MAGIC]),
+        st.sampled_from([wire.PROTOCOL_VERSION] * 4 + [3, 0xFFFFFFFF]),
+        _hello_fields,
+        st.binary(max_size=40) | _hello_fields.map(_message),
+    ),
+    st.builds(  # a well-formed hello, then a malformed or deep second message
+        lambda rest: (
+            wire.HELLO.pack(wire.MAGIC, wire.PROTOCOL_VERSION)
+            + _message({"workers": 1, "nonce": "ab" * 32, "auth": True})
+            + rest
+        ),
+        st.binary(max_size=100)
+        | st.integers(1, 40_000).map(lambda n: _message(b"[" * n))
+        | _hello_fields.map(_message),
+    ),
+)
+
+
+@pytest.mark.timeout(120)
+def test_fuzz_the_controller_handshake(cluster):
+    """Seeded: whatever a peer sends before authenticating, the controller answers
+    at most with a JSON error, closes the connection, keeps no thread, and still
+    takes a real node afterwards."""
+    box: dict = {}
+    ready = threading.Event()
+
+    def on_listen(host, port):
+        box["addr"] = (host, port)
+        ready.set()
+
+    def start():
+        try:
+            box["sess"] = disco.SocketSession(
+                2, 1, 1, HOST, 0, token="fuzz", on_listen=on_listen, timeout=100,
+                handshake_timeout=5,
+            )  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            box["error"] = exc
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    assert ready.wait(30)
+    sent = []
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None)
+    @given(_peer_bytes)
+    def attack(data):
+        with socket.create_connection(box["addr"], timeout=10) as s:
+            try:
+                s.sendall(data)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(1 << 16):  # a JSON error at most, then the end
+                    pass
+            except OSError:  # reset, or closed before this side's shutdown
+                pass
+        sent.append(data)
+
+    attack()
+    cluster.agents.extend(start_local_agents(*box["addr"], 1, 1, token="fuzz"))
+    starter.join(60)
+    assert "error" not in box, box.get("error")
+    sess = box["sess"]
+    cluster.sessions.append(sess)
+    deadline = time.monotonic() + 10
+    while len(sess.channel.rejected) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(sess.channel.rejected) == len(sent)
+    alive = [t for t in threading.enumerate() if t.name == "disco-socket-handshake"]
+    assert alive == []
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+
+
+_controller_bytes = st.one_of(
+    st.binary(max_size=200),
+    st.builds(  # a challenge with fields of any type, then anything
+        lambda challenge, rest: _message(challenge) + rest,
+        st.fixed_dictionaries(
+            {
+                "version": st.just(wire.PROTOCOL_VERSION) | _json,
+                "nonce": st.just("ab" * 32) | _json,
+                "auth": st.booleans() | _json,
+            },
+            optional={"error": _json},
+        ),
+        st.binary(max_size=60)
+        | _hello_fields.map(_message)
+        | st.integers(1, 40_000).map(lambda n: _message(b"{" * n)),
+    ),
+)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(data=_controller_bytes, token=st.sampled_from([None, b"fuzz"]))
+def test_fuzz_the_node_handshake(data, token):
+    """Seeded: whatever a controller without the token sends, the node's handshake
+    ends in a HandshakeError or the connection's end, never another exception, and
+    never proceeds (a malformed welcome is refused even without a token)."""
+    from disco_socket.agent import handshake
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(5)
+        b.sendall(data)
+        b.shutdown(socket.SHUT_WR)
+        with pytest.raises((wire.HandshakeError, OSError)):
+            handshake(a, token, 1)
