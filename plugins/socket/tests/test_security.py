@@ -15,6 +15,7 @@ import os
 import socket
 import struct
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -687,3 +688,62 @@ def test_fuzz_the_node_handshake(data, token):
         b.shutdown(socket.SHUT_WR)
         with pytest.raises((wire.HandshakeError, OSError)):
             handshake(a, token, 1)
+
+
+@pytest.mark.timeout(60)
+def test_worker_seals_its_replies_with_the_key_from_its_pipe():
+    """``python -m disco_core.worker --reply-key-fd``: every reply frame is one sealed record."""
+    from disco_core.net.security import SessionKeys
+
+    a, b = socket.socketpair()
+    cmd_r, cmd_w = os.pipe()
+    key = os.urandom(64)
+    key_r, key_w = os.pipe()
+    os.write(key_w, key)
+    os.close(key_w)
+    argv = [
+        sys.executable, "-m", "disco_core.worker", "--worker-id", "1", "--num-workers", "2",
+        "--cmd-fd", str(cmd_r), "--reply-fd", str(b.fileno()), "--untrusted",
+        "--reply-key-fd", str(key_r),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, pass_fds=(cmd_r, b.fileno(), key_r))
+    for fd in (cmd_r, key_r):
+        os.close(fd)
+    b.close()
+    try:
+        a.settimeout(30)
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        assert key.hex().encode() not in cmdline and key not in cmdline
+        # With the wrong key the very first record fails its check...
+        raw = bytearray()
+        while len(raw) < 8:
+            raw += a.recv(8 - len(raw))
+        (length,) = struct.unpack("<Q", raw)
+        body = wire.recv_exact(a, length + 16)
+        good = wire.seal(_Replay(raw + body), SessionKeys(send=os.urandom(64), recv=key))
+        header, bufs, _ = wire.StreamReader(good).read_frame()
+        assert P.decode_untrusted(header, bufs) == ("ready", proc.pid)
+        bad = wire.seal(_Replay(raw + body), SessionKeys(send=key, recv=os.urandom(64)))
+        with pytest.raises(DiscoError, match="integrity"):
+            wire.StreamReader(bad).read_frame()
+    finally:
+        os.close(cmd_w)  # end of commands: the worker exits
+        assert proc.wait(20) == 0
+        a.close()
+
+
+class _Replay:
+    """A transport that serves recorded bytes."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = memoryview(bytes(data))
+
+    def recv_into(self, view) -> int:
+        n = min(len(view), len(self.data))
+        view[:n] = self.data[:n]
+        self.data = self.data[n:]
+        return n
+
+    def send_parts(self, parts) -> None:
+        raise AssertionError("nothing is sent")
