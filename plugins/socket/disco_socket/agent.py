@@ -50,7 +50,14 @@ from disco_core.channels.process import exit_reason, stop_worker, worker_env
 from disco_core.channels.stderr_tee import StderrTee
 from disco_core.errors import DiscoError
 from disco_core.net.io import new_pipe, send_all
-from disco_core.net.security import TOKEN_ENV, Handshake, SessionKeys, new_nonce, resolve_token
+from disco_core.net.security import (
+    TOKEN_ENV,
+    Handshake,
+    SessionKeys,
+    is_loopback,
+    new_nonce,
+    resolve_token,
+)
 
 from . import wire
 from .wire import (
@@ -970,13 +977,18 @@ def _join(
     server_hostname: str | None,
 ) -> Agent:
     """Connect, authenticate, open the reply connections and start the workers."""
+    if key is None and ssl_context is None and not is_loopback(host):
+        log.warning(
+            "disco-socket: joining %s:%d with neither a token nor TLS: anyone on the path "
+            "can run code on this node (set DISCO_TOKEN to the session's token)", host, port,
+        )  # fmt: skip
     sock = connect(host, port, connect_timeout, retry_interval, ssl_context, server_hostname)
     try:
         welcome, tx = handshake(sock, key, workers)
     except (HandshakeError, OSError, ValueError) as exc:
         sock.close()
         raise AgentError(
-            f"the controller at {host}:{port} refused this node: {exc}", EXIT_REFUSED
+            f"the handshake with the controller at {host}:{port} failed: {exc}", EXIT_REFUSED
         ) from None
     except BaseException:
         sock.close()

@@ -747,3 +747,35 @@ class _Replay:
 
     def send_parts(self, parts) -> None:
         raise AssertionError("nothing is sent")
+
+
+@pytest.mark.timeout(60)
+def test_insecure_opt_out_warns_on_both_sides(cluster):
+    from disco_socket.controller import reachable_host
+
+    addr = reachable_host("0.0.0.0")
+    if addr == socket.gethostname():
+        pytest.skip("this machine has no non-loopback address")
+    agents = []
+
+    def on_listen(host, port):
+        agents.append(
+            subprocess.Popen(
+                agent_cmd(addr, port, 1),
+                stdin=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={k: v for k, v in os.environ.items() if k != "DISCO_TOKEN"},
+            )
+        )
+
+    with pytest.warns(RuntimeWarning, match="neither token nor TLS"):
+        sess = disco.SocketSession(
+            2, 1, 1, "0.0.0.0", 0, on_listen=on_listen, timeout=30, allow_insecure_bind=True
+        )
+    cluster.agents.extend(agents)
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+    sess.shutdown()
+    (agent,) = agents
+    assert agent.wait(10) == 0
+    assert "with neither a token nor TLS" in agent.stderr.read()
