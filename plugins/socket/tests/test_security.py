@@ -53,6 +53,7 @@ def sec_module(tmp_path, monkeypatch):
             import numpy as np
 
             from disco_core.registry import register_func
+            from disco_core.worker import current
 
 
             class Evil:
@@ -69,7 +70,8 @@ def sec_module(tmp_path, monkeypatch):
 
 
             def touch(path):
-                open(path, "w").close()
+                # One file per worker: worker 0 runs in the controller's process.
+                open(f"{path}.{current().worker_id}", "w").close()
                 return path
 
 
@@ -96,8 +98,9 @@ class Relay:
     ``conn`` (0: the node's link; 1: its first reply connection), the bytes in
     direction ``way`` ("down": controller to node, "up": node to controller) pass
     through :meth:`_tamper`: when armed, it flips one byte of ``pattern``
-    (``mode="flip"``) or inserts ``forged`` before the next chunk
-    (``mode="inject"``).
+    (``mode="flip"``), inserts ``forged`` before the next chunk
+    (``mode="inject"``), keeps a copy of the chunk holding ``pattern``
+    (``mode="record"``) and sends it again before the next one (``mode="replay"``).
     """
 
     def __init__(self, upstream: tuple[str, int], conn: int = 0, way: str = "down") -> None:
@@ -108,6 +111,7 @@ class Relay:
         self.mode: str | None = None
         self.pattern = b""
         self.forged = b""
+        self.recorded = b""
         self.done = threading.Event()
         self.socks: list[socket.socket] = []
         self.count = 0
@@ -157,6 +161,13 @@ class Relay:
             self.done.set()
         elif self.mode == "inject":
             data = self.forged + data
+            self.mode = None
+            self.done.set()
+        elif self.mode == "record" and self.pattern in data:
+            self.recorded = data  # forwarded as is, kept for later
+            self.mode = None
+        elif self.mode == "replay":
+            data = self.recorded + data  # old records again, before the new ones
             self.mode = None
             self.done.set()
         return data
@@ -229,14 +240,15 @@ def test_relay_flipping_a_command_byte(cluster, sec_module, tmp_path, token):
     if token is None:
         # Unsealed, the on-path relay rewrites the command: the node runs marker-B.
         assert touch(target).debug_get_from_remote(1).endswith("marker-B")
-        assert relay.done.is_set() and (tmp_path / "marker-B").exists()
+        assert relay.done.is_set() and (tmp_path / "marker-B.1").exists()
     else:
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"node 1 .*(integrity|disconnected)"):
             touch(target).debug_get_from_remote(1)
         assert time.monotonic() - t0 < 15
         assert relay.done.is_set()
-        assert not (tmp_path / "marker-B").exists()
+        assert not (tmp_path / "marker-B.1").exists()
+        assert not (tmp_path / "marker-A.1").exists()
         assert [a.wait(20) for a in sess.agents] == [1]  # the agent dropped the link
     relay.close()
 
@@ -250,8 +262,8 @@ def test_relay_injecting_a_command(cluster, sec_module, tmp_path, token):
     sess.import_python_module(sec_module)
     touch = sess.get_global_func("sec.touch")
     assert touch(str(tmp_path / "warmup")).debug_get_from_remote(1)
-    injected = tmp_path / "injected"
-    forged = _forged_call(touch.reg_id, str(injected))
+    forged = _forged_call(touch.reg_id, str(tmp_path / "injected"))
+    injected = tmp_path / "injected.1"  # the file of worker 1, on the node
     if token is not None:
         # As a sealed record would look, with a made-up tag (the relay has no key).
         forged = struct.pack("<Q", len(forged)) + forged + os.urandom(16)
@@ -269,6 +281,28 @@ def test_relay_injecting_a_command(cluster, sec_module, tmp_path, token):
         assert relay.done.is_set()
         assert [a.wait(20) for a in sess.agents] == [1]
         assert not injected.exists()
+    relay.close()
+
+
+@pytest.mark.timeout(90)
+def test_relay_replaying_a_command(cluster, sec_module, tmp_path):
+    relays: list[Relay] = []
+    sess = _relayed_session(cluster, "s3cret", relays)
+    relay = relays[0]
+    sess.import_python_module(sec_module)
+    touch = sess.get_global_func("sec.touch")
+    first, second = tmp_path / "first", tmp_path / "second"
+    relay.arm("record", pattern=str(first).encode())
+    assert touch(str(first)).debug_get_from_remote(1) == str(first)
+    assert relay.recorded
+    (tmp_path / "first.1").unlink()
+    relay.arm("replay")
+    with pytest.raises(WorkerDiedError, match="node 1"):
+        touch(str(second)).debug_get_from_remote(1)
+    assert relay.done.is_set()
+    assert [a.wait(20) for a in sess.agents] == [1]
+    # On the node, neither the replayed command nor the new one ran.
+    assert not (tmp_path / "first.1").exists() and not (tmp_path / "second.1").exists()
     relay.close()
 
 
