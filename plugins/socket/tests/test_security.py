@@ -813,3 +813,58 @@ def test_insecure_opt_out_warns_on_both_sides(cluster):
     (agent,) = agents
     assert agent.wait(10) == 0
     assert "with neither a token nor TLS" in agent.stderr.read()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "relay_bytes, says",
+    [
+        (wire.MSG.pack(wire.K_FRAME, 0xFFFFFFF0), "a command for 4294967280 of 1 workers"),
+        (
+            wire.MSG.pack(wire.K_FRAME, wire.ALL) + wire.FRAME_PREFIX.pack(10, 0xFFFFFFFF, 0),
+            "frame declares 4294967295 buffers",
+        ),
+        (
+            wire.MSG.pack(wire.K_FRAME, wire.ALL) + wire.FRAME_PREFIX.pack(1 << 50, 1, 0),
+            "frame declares a header of",
+        ),
+    ],
+)
+def test_node_checks_declared_counts_before_allocating(relay_bytes, says):
+    """A controller (here one without a token, joined by a node without one) that
+    declares absurd counts is dropped at once, nothing allocated for them."""
+    listener = socket.create_server((HOST, 0))
+    port = listener.getsockname()[1]
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(20)
+            wire.recv_exact(conn, wire.HELLO.size)
+            wire.recv_json(conn)
+            nonce = os.urandom(32).hex()
+            wire.send_json(conn, {"version": wire.PROTOCOL_VERSION, "nonce": nonce, "auth": False})
+            welcome = {"node_id": 1, "worker_ids": [1], "num_workers": 2, "num_groups": 1}
+            wire.send_json(conn, {**welcome, "direct": False, "heartbeat_timeout": 0})
+            time.sleep(1.0)  # the workers start
+            conn.sendall(relay_bytes)
+            try:
+                while conn.recv(1 << 16):
+                    pass
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    r = subprocess.run(
+        agent_cmd(HOST, port, 1),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "DISCO_TOKEN"},
+    )
+    listener.close()
+    t.join(5)
+    assert r.returncode == 1, r.stderr
+    assert says in r.stderr
+    assert "Traceback" not in r.stderr
