@@ -334,6 +334,34 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
+def _sealed_sender(reply_fd: int, key_fd: int) -> Callable[[tuple], None]:
+    """``send(msg)`` that writes each reply frame to ``reply_fd`` as one sealed record.
+
+    The key (64 bytes, the sending half of a handshake's
+    :class:`~disco_core.net.security.SessionKeys`) is read from the pipe
+    ``key_fd``, which is then closed: it never appears on a command line.
+    """
+    from ..net.io import PipeTransport
+    from ..net.protect import SealedTransport
+    from ..net.security import SessionKeys
+
+    key = b""
+    while len(key) < 64:
+        chunk = os.read(key_fd, 64 - len(key))
+        if not chunk:
+            raise SystemExit("disco worker: --reply-key-fd held fewer than 64 bytes")
+        key += chunk
+    os.close(key_fd)
+    # Only the sending half is used: nothing is read from the reply connection.
+    sealed = SealedTransport(PipeTransport(reply_fd, reply_fd), SessionKeys(send=key, recv=key))
+
+    def send(msg: tuple) -> None:
+        frame = encode(msg)
+        sealed.send_parts([P.frame_head(frame), *frame[1]])
+
+    return send
+
+
 def command_stream(reader: FrameReader, untrusted: bool = False) -> Iterator[tuple]:
     """The commands in the frames ``reader`` reads, batches unpacked, in order.
 
@@ -367,6 +395,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="commands crossed a socket: rebuild them from an allow-list, never unpickle",
     )
+    p.add_argument(
+        "--reply-key-fd",
+        type=int,
+        default=None,
+        help="a pipe holding the 64-byte key to seal every reply with "
+        "(disco_core.net.protect): replies cross a socket that must carry nothing unsealed",
+    )
     args = p.parse_args(argv)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
@@ -378,9 +413,13 @@ def main(argv: list[str] | None = None) -> None:
     ).start()
 
     reply_fd = args.reply_fd
+    if args.reply_key_fd is None:
 
-    def send(msg: tuple) -> None:
-        write_frame(reply_fd, encode(msg))
+        def send(msg: tuple) -> None:
+            write_frame(reply_fd, encode(msg))
+
+    else:
+        send = _sealed_sender(reply_fd, args.reply_key_fd)
 
     worker = Worker(args.worker_id, args.num_workers, args.num_groups, send)
     reader = FrameReader(args.cmd_fd)

@@ -3,6 +3,8 @@
 Measures, in one run:
 
 * round trip ``call_packed`` + ``sync_worker_0`` (µs);
+* remote round trip: ``call_packed`` on every worker, then ``debug_get_from_remote``
+  of its small result from worker 2 (µs; best of 3 runs of 2000);
 * copy bandwidth ``copy_to_worker_0`` + ``copy_from_worker_0`` (worker 0 is in the
   controller's process in both sessions);
 * ``debug_get_from_remote`` of a 64 MiB array from worker 2: a worker on the remote
@@ -11,6 +13,9 @@ Measures, in one run:
 * 64 MiB sent to every worker as a ``call_packed`` argument;
 * raw loopback TCP bandwidth (one process ``sendall``, another ``recv_into``), the
   yardstick the remote ``debug_get_from_remote`` is compared against.
+
+The socket session runs twice: without a token (plain records, ``splice``) and
+with one (every record sealed, see the README's Security section).
 
 Usage: ``python bench_socket.py [--mib 64] [--repeat 5] [--json out.json]``
 """
@@ -22,6 +27,7 @@ import json
 import multiprocessing as mp
 import socket
 import time
+import warnings
 
 import numpy as np
 
@@ -82,6 +88,15 @@ def bench_session(name: str, sess: disco.Session, nbytes: int, repeat: int) -> d
         echo(i)
         sess.sync_worker_0()
     out["round_trip_us"] = (time.perf_counter() - t0) / n * 1e6
+    for i in range(200):
+        echo(i).debug_get_from_remote(2)
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(n):
+            echo(i).debug_get_from_remote(2)
+        runs.append((time.perf_counter() - t0) / n * 1e6)
+    out["remote_round_trip_us"] = min(runs)
 
     host = np.random.default_rng(0).standard_normal(nbytes // 8)
     back = np.empty_like(host)
@@ -123,25 +138,31 @@ def main() -> None:
     results = []
     with disco.ProcessSession(4) as sess:
         results.append(bench_session("process (4 workers)", sess, nbytes, args.repeat))
-    agents = []
-    with disco.SocketSession(
-        2,
-        2,
-        1,
-        "127.0.0.1",
-        0,
-        on_listen=lambda h, p: agents.extend(start_local_agents(h, p, 1, 2, extra_args=("-q",))),
-    ) as sess:
-        results.append(bench_session("socket (2 nodes x 2, loopback)", sess, nbytes, args.repeat))
-    for a in agents:
-        a.wait(10)
+    for token, name in ((None, "socket (2x2, loopback)"), ("bench", "socket + token (sealed)")):
+        agents: list = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # loopback without a token
+            with disco.SocketSession(
+                2,
+                2,
+                1,
+                "127.0.0.1",
+                0,
+                token=token,
+                on_listen=lambda h, p, t=token, a=agents: a.extend(
+                    start_local_agents(h, p, 1, 2, token=t, extra_args=("-q",))
+                ),
+            ) as sess:
+                results.append(bench_session(name, sess, nbytes, args.repeat))
+        for a in agents:
+            a.wait(10)
     raw = raw_loopback_bandwidth(nbytes, args.repeat)
 
     keys = [k for k in results[0] if k != "session"]
     width = max(len(k) for k in keys) + 2
-    print(f"{'':{width}}" + "".join(f"{r['session']:>34}" for r in results))
+    print(f"{'':{width}}" + "".join(f"{r['session']:>26}" for r in results))
     for k in keys:
-        print(f"{k:{width}}" + "".join(f"{r[k]:>34.3f}" for r in results))
+        print(f"{k:{width}}" + "".join(f"{r[k]:>26.3f}" for r in results))
     ratio = results[1]["debug_get_worker2_GBps"] / raw
     print(f"\nraw loopback TCP bandwidth ({args.mib} MiB, best of {args.repeat}): {raw:.3f} GB/s")
     print(

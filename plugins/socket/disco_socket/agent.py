@@ -1,17 +1,21 @@
 """The node agent: ``disco-socket join HOST PORT --workers N``.
 
 It connects to the controller (retrying while the controller is not up yet),
-authenticates both ways, starts its N workers as child processes (the core's
-``python -m disco_core.worker``) and then only relays command frames from the
-socket to the workers' pipes, as bytes, never unpickled.
+authenticates both ways (with a token: the core's handshake, then every byte
+sealed), starts its N workers as child processes (the core's
+``python -m disco_core.worker --untrusted``: commands are rebuilt from an
+allow-list) and then only relays command frames from the socket to the workers'
+pipes, as bytes, never unpickled, each only once the record it came in verified.
 
 Replies: without TLS, the agent opens one authenticated reply connection per
-worker and hands it to the worker as its ``--reply-fd``, so the worker writes its
-replies straight to the controller (no pipe, no relay). With TLS (a worker cannot
-speak TLS on a raw file descriptor), replies go through a pipe and the agent
-relays them over its TLS connection. It exits, and its workers with it, when the
-session shuts down, the controller disappears or falls silent (heartbeat), or
-the agent gets SIGINT, SIGTERM or SIGHUP.
+worker and hands it to the worker as its ``--reply-fd`` (with a token, plus the
+key that worker seals its replies with, in a pipe: ``--reply-key-fd``), so the
+worker writes its replies straight to the controller (no pipe, no relay). With
+TLS (a worker cannot speak TLS on a raw file descriptor), replies go through a
+pipe and the agent relays them over its TLS connection. It exits, and its
+workers with it, when the session shuts down, the controller disappears or falls
+silent (heartbeat), a record from it fails its check, or the agent gets SIGINT,
+SIGTERM or SIGHUP.
 
 The workers' stderr goes through the agent (to its own stderr), which keeps the
 last bytes of each: a worker's death report carries them to the controller.
@@ -44,6 +48,16 @@ from typing import Any
 
 from disco_core.channels.process import exit_reason, stop_worker, worker_env
 from disco_core.channels.stderr_tee import StderrTee
+from disco_core.errors import DiscoError
+from disco_core.net.io import new_pipe, send_all
+from disco_core.net.security import (
+    TOKEN_ENV,
+    Handshake,
+    SessionKeys,
+    is_loopback,
+    new_nonce,
+    resolve_token,
+)
 
 from . import wire
 from .wire import (
@@ -87,7 +101,9 @@ _CACHE_PREFIX = "disco-socket-node"
 _CACHE_LOCK = ".owner.lock"
 
 
-class AgentError(Exception):
+class AgentError(DiscoError):
+    """The agent cannot join or stay in its session; ``code`` is its exit code."""
+
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
@@ -106,19 +122,7 @@ class _Interrupted(BaseException):
 
 
 def _writev_all(fd: int, parts: list) -> None:
-    views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in parts]
-    views = [v for v in views if len(v)]
-    i = 0
-    while i < len(views):
-        n = os.writev(fd, views[i : i + 512])
-        while n and i < len(views):
-            v = views[i]
-            if n >= len(v):
-                n -= len(v)
-                i += 1
-            else:
-                views[i] = memoryview(v)[n:]
-                n = 0
+    send_all(lambda views: os.writev(fd, views), parts)
 
 
 def _sha256(path: str) -> str:
@@ -186,102 +190,158 @@ def _connect_failure(host: str, port: int, exc: OSError) -> str:
     return f"{host}:{port}: {exc}"
 
 
-def handshake(sock: socket.socket, token: bytes, workers: int) -> dict:
-    """Authenticate both ways; return the controller's welcome (node id, session shape)."""
-    nonce_node = wire.new_nonce()
+def handshake(sock: socket.socket, token: bytes | None, workers: int) -> tuple[dict, Any]:
+    """Authenticate both ways; return the controller's welcome and the link's transport.
+
+    With a token the node proves it first, then checks the controller's proof,
+    and the returned transport seals every record; a controller that does not
+    ask for a token (it cannot prove anything) is refused. Without a token, a
+    controller that asks for one is refused.
+
+    Raises
+    ------
+    HandshakeError
+        The controller refused this node, failed to prove the token, or sent
+        something malformed.
+    """
+    tx: Any = wire.transport(sock)
     hello = {
         "workers": workers,
-        "nonce": nonce_node,
+        "nonce": new_nonce().hex(),
+        "auth": token is not None,
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
-    data = json.dumps(hello).encode()
-    sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION) + wire.U32.pack(len(data)) + data)
-    challenge = wire.recv_json(sock)
+    data = json.dumps(hello, separators=(",", ":")).encode()
+    sent = HELLO.pack(MAGIC, PROTOCOL_VERSION) + wire.U32.pack(len(data)) + data
+    tx.send_parts([sent])
+    challenge, raw = wire.recv_json_raw(tx)
     if "error" in challenge:
-        raise HandshakeError(str(challenge["error"]))
+        raise HandshakeError(str(challenge["error"])[:2000])
     if challenge.get("version") != PROTOCOL_VERSION:
         raise HandshakeError(
             f"protocol version mismatch: the node speaks {PROTOCOL_VERSION}, "
-            f"the controller {challenge.get('version')}"
+            f"the controller {challenge.get('version')!r}"
         )
-    nonce_ctrl = challenge.get("nonce")
-    if not isinstance(nonce_ctrl, str) or not 32 <= len(nonce_ctrl) <= 128:
-        raise HandshakeError("malformed challenge")
-    wire.send_json(sock, {"proof": wire.proof(token, "node", nonce_node, nonce_ctrl)})
-    welcome = wire.recv_json(sock)
+    wire.nonce_hex(challenge.get("nonce"), "challenge")
+    ctrl_auth = challenge.get("auth")
+    if token is not None and ctrl_auth is not True:
+        raise HandshakeError(
+            "the controller does not ask for a token, but this node has one: refusing a "
+            "controller that cannot prove it holds the session's token (it may be an impostor; "
+            "if not, start the session with the same token)"
+        )
+    if token is None and ctrl_auth is not False:
+        raise HandshakeError(
+            "the controller requires a token and this node has none (set DISCO_TOKEN to the "
+            "session's token)"
+        )
+    hs = None
+    if token is not None:
+        hs = Handshake(token, "client", wire.LABEL)
+        hs.bind(sent, raw)
+        wire.send_json(tx, {"proof": hs.proof().hex()})
+        answer = wire.recv_json(tx)
+        if "error" in answer:
+            raise HandshakeError(str(answer["error"])[:2000])
+        got = wire.parse_proof(answer)
+        if got is None or not hs.verify(got):
+            raise HandshakeError("the controller failed to authenticate (its token differs)")
+        tx = wire.seal(tx, hs.keys())  # from here on every byte is a sealed record
+    welcome = wire.recv_json(tx)
     if "error" in welcome:
-        raise HandshakeError(str(welcome["error"]))
-    expected = wire.proof(token, "controller", nonce_node, nonce_ctrl)
-    if not wire.check_proof(expected, welcome.get("proof")):
-        raise HandshakeError("the controller failed to authenticate (its token differs)")
+        raise HandshakeError(str(welcome["error"])[:2000])
     ids = welcome.get("worker_ids")
-    if not isinstance(ids, list) or len(ids) != workers or not all(isinstance(i, int) for i in ids):
+    if (
+        not isinstance(ids, list)
+        or len(ids) != workers
+        or not all(type(i) is int and i >= 0 for i in ids)
+        or type(welcome.get("node_id")) is not int
+        or not all(type(welcome.get(k)) is int for k in ("num_workers", "num_groups"))
+    ):
         raise HandshakeError("malformed welcome")
     try:
         welcome["heartbeat_timeout"] = wire.heartbeat_timeout(welcome.get("heartbeat_timeout"))
     except (TypeError, ValueError):
         raise HandshakeError("malformed welcome (heartbeat_timeout)") from None
-    welcome["data_key"] = wire.data_key(token, nonce_node, nonce_ctrl)
-    return welcome
+    welcome["reply_secret"] = wire.reply_secret(token, hs.transcript) if hs is not None else None
+    return welcome, tx
 
 
 def open_reply_connection(
     host: str,
     port: int,
-    key: bytes,
+    secret: bytes | None,
     node_id: int,
     gid: int,
     timeout: float = 30.0,
     heartbeat_timeout: float = wire.DEFAULT_HEARTBEAT_TIMEOUT,
-) -> socket.socket:
-    """Open and authenticate worker ``gid``'s reply connection (see :mod:`disco_socket.wire`)."""
+) -> tuple[socket.socket, SessionKeys | None]:
+    """Open and authenticate worker ``gid``'s reply connection (see :mod:`disco_socket.wire`).
+
+    Returns the socket and, with a token (``secret``: the node's
+    :func:`~disco_socket.wire.reply_secret`), the keys the worker seals its
+    replies with.
+    """
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         wire.tune_socket(sock, heartbeat_timeout)
-        nonce_node = wire.new_nonce()
-        data = json.dumps({"node_id": node_id, "worker": gid, "nonce": nonce_node}).encode()
-        sock.sendall(HELLO.pack(DATA_MAGIC, PROTOCOL_VERSION) + wire.U32.pack(len(data)) + data)
-        challenge = wire.recv_json(sock)
+        tx = wire.transport(sock)
+        hello = {"node_id": node_id, "worker": gid, "nonce": new_nonce().hex()}
+        hello["auth"] = secret is not None
+        data = json.dumps(hello, separators=(",", ":")).encode()
+        sent = HELLO.pack(DATA_MAGIC, PROTOCOL_VERSION) + wire.U32.pack(len(data)) + data
+        tx.send_parts([sent])
+        challenge, raw = wire.recv_json_raw(tx)
         if "error" in challenge:
-            raise HandshakeError(str(challenge["error"]))
-        nonce_ctrl = challenge.get("nonce")
-        if not isinstance(nonce_ctrl, str) or not 32 <= len(nonce_ctrl) <= 128:
-            raise HandshakeError("malformed reply-connection challenge")
-        wire.send_json(sock, {"proof": wire.proof(key, f"data-node/{gid}", nonce_node, nonce_ctrl)})
-        answer = wire.recv_json(sock)
-        if "error" in answer:
-            raise HandshakeError(str(answer["error"]))
-        expected = wire.proof(key, f"data-controller/{gid}", nonce_node, nonce_ctrl)
-        if not wire.check_proof(expected, answer.get("proof")):
-            raise HandshakeError("the controller failed to authenticate a reply connection")
+            raise HandshakeError(str(challenge["error"])[:2000])
+        wire.nonce_hex(challenge.get("nonce"), "reply-connection challenge")
+        if challenge.get("auth") is not (secret is not None):
+            raise HandshakeError("the controller's reply-connection challenge does not match")
+        keys = None
+        if secret is not None:
+            hs = Handshake(secret, "client", wire.LABEL + b" reply")
+            hs.bind(sent, raw)
+            wire.send_json(tx, {"proof": hs.proof().hex()})
+            answer = wire.recv_json(tx)
+            if "error" in answer:
+                raise HandshakeError(str(answer["error"])[:2000])
+            got = wire.parse_proof(answer)
+            if got is None or not hs.verify(got):
+                raise HandshakeError("the controller failed to authenticate a reply connection")
+            keys = hs.keys()
         sock.settimeout(None)  # blocking: the worker writes to it with os.write
-        return sock
+        return sock, keys
     except BaseException:
         sock.close()
         raise
 
 
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-
-
-def _pipe() -> tuple[int, int]:
+def _key_pipe(key: bytes) -> int:
+    """A pipe holding ``key`` (its read end): how a worker gets its reply key, off its argv."""
     r, w = os.pipe()
-    try:  # bigger pipes move large arrays in fewer wake-ups
-        fcntl.fcntl(w, _F_SETPIPE_SZ, 1 << 20)
-    except OSError:
-        pass
-    return r, w
+    try:
+        os.write(w, key)  # 64 bytes: far below the pipe's capacity
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return r
 
 
 class WorkerProc:
     """One local worker process: a command pipe, and replies to ``reply_sock`` or a pipe.
 
     With ``reply_sock`` (a reply connection) the worker writes its replies to the
-    controller itself; the agent keeps no copy of the socket and watches the worker
-    through a pipe whose write end only the worker holds (end of file: it exited).
-    Without, replies come up the pipe ``reply_r`` for the agent to relay. The
-    worker's stderr is the pipe ``err_r`` (see :class:`disco_core.channels.stderr_tee.StderrTee`).
+    controller itself, sealed under ``reply_key`` when the session has a token; the
+    agent keeps no copy of the socket and watches the worker through a pipe whose
+    write end only the worker holds (end of file: it exited). Without, replies
+    come up the pipe ``reply_r`` for the agent to relay. The worker's stderr is the
+    pipe ``err_r`` (see :class:`disco_core.channels.stderr_tee.StderrTee`).
+
+    Workers run with ``--untrusted``: their commands crossed a socket, so they
+    are rebuilt from the core's allow-list, never unpickled.
     """
 
     def __init__(
@@ -292,13 +352,14 @@ class WorkerProc:
         entrypoint: str,
         env: dict,
         reply_sock: socket.socket | None = None,
+        reply_key: bytes | None = None,
     ) -> None:
         self.gid = gid
         self.err_r, err_w = os.pipe()
-        cmd_r, self.cmd_w = _pipe()
+        cmd_r, self.cmd_w = new_pipe()
         self.reply_r: int | None = None
         if reply_sock is None:
-            self.reply_r, reply_w = _pipe()
+            self.reply_r, reply_w = new_pipe()
             self.watch_r = self.reply_r
             keep: tuple[int, ...] = ()
         else:
@@ -309,7 +370,12 @@ class WorkerProc:
             sys.executable, "-m", entrypoint,
             "--worker-id", str(gid), "--num-workers", str(num_workers),
             "--num-groups", str(num_groups), "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w),
+            "--untrusted",
         ]  # fmt: skip
+        if reply_sock is not None and reply_key is not None:
+            key_r = _key_pipe(reply_key)
+            keep = (*keep, key_r)
+            argv += ["--reply-key-fd", str(key_r)]
         try:
             self.proc = subprocess.Popen(
                 argv,
@@ -408,8 +474,9 @@ class _ReplyRelay:
     The frame's head (prefix, lengths, pickle header) is parsed here; its
     out-of-band buffers go from the pipe to the socket with ``splice`` (kernel to
     kernel, no copy in this process, and streaming: the worker is still writing the
-    end of an array while its start is on the wire). Over TLS they are read into
-    memory and sent from there.
+    end of an array while its start is on the wire). Over TLS, or when the link is
+    sealed (a token: nothing may bypass the seal), they are read into memory and
+    the whole message is sent as one record.
     """
 
     _CHUNK = 1 << 16
@@ -448,12 +515,12 @@ class _ReplyRelay:
         agent = self.agent
         with agent.send_lock:
             self.sending = True
-            sock = agent.sock
+            tx = agent.tx
             if not left:
-                sock.sendall(self.tag + first)
+                tx.send_parts([self.tag + first])
             elif self.splice:
-                sock.sendall(self.tag + first)
-                sfd = sock.fileno()
+                tx.send_parts([self.tag + first])
+                sfd = agent.sock.fileno()
                 while left:
                     n = os.splice(self.fd, sfd, min(left, 1 << 30), flags=_SPLICE_FLAGS)
                     if not n:
@@ -468,7 +535,7 @@ class _ReplyRelay:
                     if not n:
                         raise EOFError("worker closed its reply pipe in the middle of a frame")
                     got += n
-                wire.send_views(sock, [self.tag + first, rest])
+                tx.send_parts([self.tag + first, rest])
             self.sending = False
 
     def _need_exact(self, n: int) -> None:
@@ -478,6 +545,17 @@ class _ReplyRelay:
             if not chunk:
                 raise EOFError("worker closed its reply pipe")
             self.buf += chunk
+
+
+def _meta(data: bytes) -> dict:
+    """A module-file request's JSON object (``ValueError`` if malformed)."""
+    try:
+        meta = json.loads(data)
+    except RecursionError:
+        raise ValueError("protocol error: a JSON message nested too deeply") from None
+    if not isinstance(meta, dict):
+        raise ValueError("protocol error: a module-file request is not an object")
+    return meta
 
 
 class _ExitWatch:
@@ -502,8 +580,13 @@ class Agent:
         welcome: dict,
         peer: str,
         reply_socks: dict[int, socket.socket] | None = None,
+        tx: Any = None,
+        reply_keys: dict[int, SessionKeys] | None = None,
     ) -> None:
         self.sock = sock
+        #: every byte to and from the controller goes through this (sealed with a token)
+        self.tx = tx if tx is not None else wire.transport(sock)
+        self.sealed = hasattr(self.tx, "at_boundary")
         self.peer = peer
         self.node_id = int(welcome["node_id"])
         self.ids: list[int] = welcome["worker_ids"]
@@ -515,6 +598,7 @@ class Agent:
         self._cache: str | None = None  # made on the first shipped file
         self._cache_lock = -1
         env = worker_env()
+        env.pop(TOKEN_ENV, None)  # the workers never need the token
         # The controller's import path first where it exists here (same layout on
         # every node is common); then the agent's own.
         extra = [p for p in welcome.get("sys_path", []) if isinstance(p, str) and os.path.isdir(p)]
@@ -525,10 +609,14 @@ class Agent:
             raise HandshakeError(f"bad worker entry point {entrypoint!r}")
         nw, ng = int(welcome["num_workers"]), int(welcome["num_groups"])
         socks = dict(reply_socks or {})
+        keys = dict(reply_keys or {})
         self.links: list[WorkerProc] = []
         try:
             for gid in self.ids:
-                self.links.append(WorkerProc(gid, nw, ng, entrypoint, env, socks.pop(gid, None)))
+                key = keys[gid].send if gid in keys else None
+                self.links.append(
+                    WorkerProc(gid, nw, ng, entrypoint, env, socks.pop(gid, None), key)
+                )
         except BaseException:
             for s in socks.values():
                 s.close()
@@ -551,7 +639,12 @@ class Agent:
         self.heartbeat: wire.Heartbeat | None = None
         if self.heartbeat_timeout > 0:
             self.heartbeat = wire.Heartbeat(
-                sock, self.send_lock, self.heartbeat_timeout, self._silent, "heartbeat"
+                sock,
+                self.send_lock,
+                self.heartbeat_timeout,
+                self._silent,
+                "heartbeat",
+                send=self.tx.send_parts,
             ).start()
 
     def _silent(self, idle: float) -> None:
@@ -595,12 +688,13 @@ class Agent:
     # ------------------------------------------------------------------ to the controller
     def _send(self, parts: list) -> None:
         with self.send_lock:
-            wire.send_views(self.sock, parts)
+            self.tx.send_parts(parts)  # one record: one whole message
 
     def _reply_loop(self) -> None:
         sel = selectors.DefaultSelector()
         relays = {}
-        splice = _CAN_SPLICE and not isinstance(self.sock, ssl.SSLSocket)
+        # splice would put bytes on the wire around the seal: only on a plain link
+        splice = _CAN_SPLICE and not isinstance(self.sock, ssl.SSLSocket) and not self.sealed
         for i, link in enumerate(self.links):
             if link.reply_r is None:
                 relays[link.watch_r] = _ExitWatch(link.watch_r)
@@ -679,14 +773,27 @@ class Agent:
         except (OSError, ValueError) as exc:
             error, fd, tmp, target = f"{type(exc).__name__}: {exc}", -1, "", ""
         left = size
-        with memoryview(chunk) as view:
-            while left:  # always consume the bytes, so the stream stays in step
-                n = min(left, len(chunk))
-                reader.read_into(view[:n])
-                h.update(view[:n])
-                if fd >= 0:
-                    _writev_all(fd, [view[:n]])
-                left -= n
+        try:
+            with memoryview(chunk) as view:
+                while left:  # always consume the bytes, so the stream stays in step
+                    n = min(left, len(chunk))
+                    reader.read_into(view[:n])
+                    h.update(view[:n])
+                    if fd >= 0:
+                        try:
+                            _writev_all(fd, [view[:n]])
+                        except OSError as exc:  # a full disk: keep reading, answer the error
+                            error = f"{type(exc).__name__}: {exc}"
+                            os.close(fd)
+                            os.unlink(tmp)
+                            fd = -1
+                    left -= n
+            reader.settle()  # the file's last record verified
+        except BaseException:  # the link broke or a record was forged: keep nothing
+            if fd >= 0:
+                os.close(fd)
+                os.unlink(tmp)
+            raise
         if fd >= 0:
             os.close(fd)
             if h.hexdigest() != meta.get("sha256"):
@@ -701,7 +808,8 @@ class Agent:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
-        reader = StreamReader(self.sock)
+        reader = StreamReader(self.tx)
+        settle = reader.settle  # act on a message only once its record verified
         queues = self.queues
         n = len(queues)
         code = EXIT_LOST
@@ -710,21 +818,30 @@ class Agent:
                 kind, arg = reader.read_msg()
                 if kind == K_FRAME:
                     if arg == ALL:
-                        targets = range(n)
+                        targets: Any = range(n)
+                    elif arg > n:
+                        raise EOFError(f"protocol error: a command for {arg} of {n} workers")
                     else:
                         targets = struct.unpack(f"<{arg}I", reader.take(4 * arg))
+                        if any(t >= n for t in targets):
+                            raise EOFError("protocol error: a command for a worker not here")
                     header, buffers, flags = reader.read_frame()
+                    settle()
                     item = (wire.frame_head(header, buffers, flags), *buffers)
                     for t in targets:
                         queues[t].put(item)
                 elif kind == K_PING:
-                    pass  # the kernel's receive time is the heartbeat (wire.idle_seconds)
+                    settle()  # the kernel's receive time is the heartbeat (wire.idle_seconds)
                 elif kind == K_STAT:
-                    self._answer(K_STAT, arg, self._stat(json.loads(reader.read_blob())))
+                    meta = _meta(reader.read_blob())
+                    settle()
+                    self._answer(K_STAT, arg, self._stat(meta))
                 elif kind == K_FILE:
-                    meta = json.loads(reader.read_blob())
+                    meta = _meta(reader.read_blob())
+                    settle()
                     self._answer(K_FILE, arg, self._receive_file(reader, meta))
                 elif kind == K_BYE:
+                    settle()
                     self.stopping = True
                     self.bye.set()
                     code = EXIT_OK
@@ -800,7 +917,7 @@ def run_agent(
     """
     if workers < 1:
         raise ValueError("workers must be >= 1")
-    key = wire.resolve_token(token)
+    key = resolve_token(token)
     for path in remove_stale_caches():
         log.info("disco-socket: removed %s, left behind by an agent that died", path)
     state: dict[str, Any] = {"agent": None, "fired": False}
@@ -853,20 +970,25 @@ def _join(
     host: str,
     port: int,
     workers: int,
-    key: bytes,
+    key: bytes | None,
     connect_timeout: float,
     retry_interval: float,
     ssl_context: ssl.SSLContext | None,
     server_hostname: str | None,
 ) -> Agent:
     """Connect, authenticate, open the reply connections and start the workers."""
+    if key is None and ssl_context is None and not is_loopback(host):
+        log.warning(
+            "disco-socket: joining %s:%d with neither a token nor TLS: anyone on the path "
+            "can run code on this node (set DISCO_TOKEN to the session's token)", host, port,
+        )  # fmt: skip
     sock = connect(host, port, connect_timeout, retry_interval, ssl_context, server_hostname)
     try:
-        welcome = handshake(sock, key, workers)
+        welcome, tx = handshake(sock, key, workers)
     except (HandshakeError, OSError, ValueError) as exc:
         sock.close()
         raise AgentError(
-            f"the controller at {host}:{port} refused this node: {exc}", EXIT_REFUSED
+            f"the handshake with the controller at {host}:{port} failed: {exc}", EXIT_REFUSED
         ) from None
     except BaseException:
         sock.close()
@@ -874,13 +996,16 @@ def _join(
     beat = welcome["heartbeat_timeout"]
     wire.tune_socket(sock, beat)
     reply_socks: dict[int, socket.socket] = {}
+    reply_keys: dict[int, SessionKeys] = {}
     try:
         if welcome.get("direct") and ssl_context is None:
             for gid in welcome["worker_ids"]:
-                reply_socks[gid] = open_reply_connection(
-                    host, port, welcome["data_key"], int(welcome["node_id"]), gid,
+                reply_socks[gid], keys = open_reply_connection(
+                    host, port, welcome["reply_secret"], int(welcome["node_id"]), gid,
                     heartbeat_timeout=beat,
                 )  # fmt: skip
+                if keys is not None:
+                    reply_keys[gid] = keys
     except BaseException as exc:
         for s in [sock, *reply_socks.values()]:
             s.close()
@@ -896,4 +1021,4 @@ def _join(
         host, port, welcome["node_id"], welcome["worker_ids"],
         ", direct replies" if reply_socks else "",
     )  # fmt: skip
-    return Agent(sock, welcome, f"{host}:{port}", reply_socks)
+    return Agent(sock, welcome, f"{host}:{port}", reply_socks, tx, reply_keys)

@@ -41,7 +41,8 @@ from disco_core.channels.process import (
     worker_env,
 )
 from disco_core.errors import DiscoError, WorkerDiedError, WorkerError
-from disco_core.protocol import decode, frame_head
+from disco_core.net.security import Handshake, SessionKeys, check_bind, new_nonce, resolve_token
+from disco_core.protocol import decode_untrusted, frame_head
 
 from . import wire
 from .wire import (
@@ -75,6 +76,14 @@ WAIT_NOTICE_DELAY = 3.0
 _LATE_TIMEOUT = 2.0
 #: The core's built-in function that loads module files (intercepted to ship the file).
 _LOAD_MODULE = "disco.load_module"
+
+
+def _loads(data: bytes) -> Any:
+    """A JSON message from the agent (``ValueError`` if malformed, however deeply nested)."""
+    try:
+        return json.loads(data.decode(errors="replace"))
+    except RecursionError:
+        raise ValueError("protocol error: a JSON message nested too deeply") from None
 
 
 def _span(ids: Sequence[int]) -> str:
@@ -129,10 +138,15 @@ class NodeLink(BatchingLink):
         info: dict,
         data: dict[int, socket.socket] | None = None,
         heartbeat_timeout: float = wire.DEFAULT_HEARTBEAT_TIMEOUT,
+        tx: Any = None,
+        data_keys: dict[int, SessionKeys] | None = None,
     ) -> None:
         super().__init__()
         self.node_id = node_id
         self.sock = sock
+        #: every byte to and from the node goes through this (sealed with a token)
+        self.tx = tx if tx is not None else wire.transport(sock)
+        self.data_keys = dict(data_keys or {})
         self.peer = peer
         self.worker_ids = tuple(worker_ids)
         self.first = self.worker_ids[0]
@@ -156,7 +170,12 @@ class NodeLink(BatchingLink):
         self.heartbeat: wire.Heartbeat | None = None
         if heartbeat_timeout > 0:
             self.heartbeat = wire.Heartbeat(
-                sock, self.lock, heartbeat_timeout, self._silent, f"disco-socket-beat{node_id}"
+                sock,
+                self.lock,
+                heartbeat_timeout,
+                self._silent,
+                f"disco-socket-beat{node_id}",
+                send=self.tx.send_parts,
             )
         self.reader.start()
         for t in self.data_readers:
@@ -188,10 +207,10 @@ class NodeLink(BatchingLink):
         self.send_head(self._route(targets) + frame_head(frame, out.flags), frame[1])
 
     def _write(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        self.tx.send_parts([data])  # one record: a batch of whole messages
 
     def _write_views(self, head: bytes, buffers: Sequence[Any]) -> None:
-        wire.send_views(self.sock, [head, *buffers])
+        self.tx.send_parts([head, *buffers])  # one record: one whole message
 
     def _died(self, exc: BaseException) -> WorkerDiedError:
         if self.dead_reason is None:
@@ -206,7 +225,7 @@ class NodeLink(BatchingLink):
             self._next_request += 1
             self._requests[rid] = queue.SimpleQueue()
             self._flush_locked()
-            self.sock.sendall(MSG.pack(kind, rid) + wire.blob(json.dumps(meta).encode()))
+            self.tx.send_parts([MSG.pack(kind, rid) + wire.blob(json.dumps(meta).encode())])
             if payload is not None:
                 payload()
         return rid
@@ -246,8 +265,7 @@ class NodeLink(BatchingLink):
             if answer.get("need"):
 
                 def payload() -> None:
-                    with open(path, "rb") as f:
-                        self.sock.sendfile(f)
+                    self._send_file(path, size)
 
                 answer = self._answer(self._request(K_FILE, meta, payload), timeout)
         except OSError as exc:
@@ -258,28 +276,56 @@ class NodeLink(BatchingLink):
         self._staged[key] = staged
         return staged
 
+    def _send_file(self, path: str, size: int) -> None:
+        """The bytes of a module file, after its ``FILE`` message (sealed with a token).
+
+        Unsealed, the kernel sends the file (``sendfile``); sealed, it goes in
+        records of at most 1 MiB, each checked by the agent as it arrives (and
+        the whole file against its SHA-256, which travelled sealed).
+        """
+        with open(path, "rb") as f:
+            sent = self.tx.sendfile(f, size)
+            if sent:
+                return
+            left = size
+            chunk = bytearray(min(size, 1 << 20) or 1)
+            with memoryview(chunk) as view:
+                while left:
+                    n = f.readinto(view[: min(left, len(chunk))])
+                    if not n:
+                        raise OSError(f"{path} shrank while it was being sent")
+                    self.tx.send_parts([view[:n]])
+                    left -= n
+
     # ------------------------------------------------------------------ receiving
     def _deliver(self, gid: int, header: bytes, buffers: list) -> None:
+        # Bytes from a socket are never unpickled: only plain values, arrays,
+        # dtypes, devices and worker errors are rebuilt (the core's allow-list).
         try:
-            msg = decode(header, buffers)
-        except Exception as exc:  # noqa: BLE001 - a reply this process cannot load
+            msg = decode_untrusted(header, buffers)
+        except Exception as exc:  # noqa: BLE001 - a reply this process does not accept
             msg = (
                 "fail",
                 WorkerError(
                     gid,
                     type(exc).__name__,
-                    f"the worker's reply could not be unpickled on the controller: {exc}",
+                    f"the worker's reply was refused by the controller: {exc}",
                 ),
             )
         self.hub.deliver(gid, msg)
 
     def _data_loop(self, gid: int, conn: socket.socket) -> None:
         """Replies of worker ``gid`` from its own (authenticated) reply connection."""
-        reader = StreamReader(conn)
+        tx: Any = wire.transport(conn)
+        keys = self.data_keys.get(gid)
+        if keys is not None:
+            tx = wire.seal(tx, keys)  # the worker seals every reply frame itself
+        reader = StreamReader(tx)
         hub = self.hub
         try:
             while True:
                 header, buffers, _ = reader.read_frame()
+                reader.settle()
                 self._deliver(gid, header, buffers)
         except (EOFError, OSError, ValueError, struct.error) as exc:
             if hub.closing:
@@ -297,31 +343,37 @@ class NodeLink(BatchingLink):
             hub.mark_dead([gid], reason)
 
     def _read_loop(self) -> None:
-        reader = StreamReader(self.sock)
+        reader = StreamReader(self.tx)
+        settle = reader.settle  # act on a message only once its record verified
         hub = self.hub
         ids = set(self.worker_ids)
         try:
             while True:
                 kind, arg = reader.read_msg()
                 if kind == K_FRAME:
-                    header, buffers, _ = reader.read_frame()
                     if arg not in ids or arg in self.data:
                         raise EOFError(f"protocol error: a reply tagged worker {arg}")
+                    header, buffers, _ = reader.read_frame()
+                    settle()
                     self._deliver(arg, header, buffers)
                 elif kind == K_PING:
-                    pass  # the kernel's receive time is the heartbeat (wire.idle_seconds)
+                    settle()  # the kernel's receive time is the heartbeat (wire.idle_seconds)
                 elif kind == K_DIED:
-                    report = json.loads(reader.read_blob().decode(errors="replace"))
+                    report = _loads(reader.read_blob())
+                    settle()
                     if arg in ids and not hub.closing:
                         hub.mark_dead([arg], self._death_reason(report))
                 elif kind in (K_STAT, K_FILE):
-                    answer = json.loads(reader.read_blob().decode())
+                    answer = _loads(reader.read_blob())
+                    settle()
+                    if not isinstance(answer, dict):
+                        raise ValueError("protocol error: a module-file answer is not an object")
                     q = self._requests.get(arg)
                     if q is not None:
                         q.put(answer)
                 else:
                     raise EOFError(f"protocol error: unknown message kind {kind}")
-        except (EOFError, OSError, ValueError, struct.error) as exc:
+        except (EOFError, OSError, ValueError, RecursionError, struct.error) as exc:
             if isinstance(exc, EOFError) and str(exc) == "connection closed":
                 what = "disconnected (the node agent exited or its machine went away)"
             else:
@@ -365,7 +417,7 @@ class NodeLink(BatchingLink):
         try:
             with self.lock:
                 self._flush_locked()
-                self.sock.sendall(MSG.pack(K_BYE, 0))
+                self.tx.send_parts([MSG.pack(K_BYE, 0)])
         except OSError:
             pass
         # The agent stops its workers, then closes the connection.
@@ -404,21 +456,19 @@ class NodeLink(BatchingLink):
 
 
 class _PendingNode:
-    """A node between its welcome and the arrival of all its reply connections."""
+    """A node between its welcome and the arrival of all its reply connections.
 
-    def __init__(self, key: bytes, ids: set[int], peer: str) -> None:
-        self.key = key
+    ``secret`` is :func:`~disco_socket.wire.reply_secret` of the node's handshake
+    (None without a token); ``keys`` the record keys of each reply connection.
+    """
+
+    def __init__(self, secret: bytes | None, ids: set[int], peer: str) -> None:
+        self.secret = secret
         self.ids = ids
         self.peer = peer
         self.socks: dict[int, socket.socket] = {}
+        self.keys: dict[int, SessionKeys] = {}
         self.done = threading.Event()
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class SocketChannel(LinkChannel):
@@ -436,11 +486,18 @@ class SocketChannel(LinkChannel):
     host, port
         Where to listen for node agents (``port=0``: any free port; see ``address``).
     token : str or bytes, optional
-        The shared secret (default ``$DISCO_TOKEN``; empty means no authentication,
-        accepted with a warning on a non-loopback address).
+        The shared secret (default ``$DISCO_TOKEN``; empty means none). With a
+        token, every node proves it holds it, the controller proves it back, and
+        every byte after the handshake is a sealed record (see the README's threat
+        model). Without one, a loopback session warns once and a session beyond
+        loopback is refused (:class:`~disco_core.errors.InsecureBindError`) unless
+        it has TLS or ``allow_insecure_bind``.
     ssl_context : ssl.SSLContext, optional
         A server-side TLS context; the agents then need ``--tls-ca`` (and, for mutual
         TLS, ``--tls-cert/--tls-key``).
+    allow_insecure_bind : bool
+        Listen beyond loopback with neither a token nor TLS (a warning): anyone who
+        reaches the port can run code on every node. For trusted networks only.
     timeout : float
         Seconds to wait for every node to join (default 60); then ``TimeoutError``.
     on_listen : callable, optional
@@ -482,6 +539,7 @@ class SocketChannel(LinkChannel):
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         direct_replies: bool = True,
         heartbeat_timeout: float | None = None,
+        allow_insecure_bind: bool = False,
     ) -> None:
         for name, value in (
             ("num_nodes", num_nodes),
@@ -501,7 +559,8 @@ class SocketChannel(LinkChannel):
         self.timeout = float(timeout)
         self.entrypoint = entrypoint
         self.ship_modules = ship_modules
-        self._token = wire.resolve_token(token)
+        self._token = resolve_token(token)
+        self._allow_insecure_bind = bool(allow_insecure_bind)
         self._ssl = ssl_context
         self._handshake_timeout = float(handshake_timeout)
         self.heartbeat_timeout = wire.heartbeat_timeout(heartbeat_timeout)
@@ -530,14 +589,17 @@ class SocketChannel(LinkChannel):
     def _start(self, host: str, port: int, on_listen: Callable | None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         if self.num_nodes > 1:
+            # The core's one bind policy: beyond loopback, a token or TLS (or the
+            # explicit, warned-about opt-out); on loopback without a token, one warning.
+            check_bind(
+                host,
+                token=self._token,
+                tls=self._ssl is not None,
+                allow_insecure_bind=self._allow_insecure_bind,
+                what="disco-socket controller",
+            )
             self._listener = socket.create_server((host, port), family=family, backlog=64)
             self.address: tuple[str, int] = self._listener.getsockname()[:2]
-            if not self._token and not _is_loopback(host):
-                log.warning(
-                    "disco-socket: listening on %s:%d without a token: anyone who can reach "
-                    "it can run code here; set DISCO_TOKEN (or token=) on every node",
-                    *self.address,
-                )
         else:
             self.address = (host, port)
         env = worker_env()
@@ -659,7 +721,7 @@ class SocketChannel(LinkChannel):
                 wire.send_json(conn, {"error": reason})
                 conn.shutdown(socket.SHUT_WR)
             log.warning("disco-socket: turned away %s: %s", peer, reason)
-        except (HandshakeError, OSError, ValueError, struct.error) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever it sent, it is dropped
             log.warning("disco-socket: dropped a late connection from %s: %s", peer, exc)
         finally:
             conn.close()
@@ -673,6 +735,12 @@ class SocketChannel(LinkChannel):
             heapq.heappush(self._free_ids, node_id)
 
     def _handshake(self, conn: socket.socket, addr: Any) -> None:
+        """Authenticate one connection (a node, or one of its reply connections).
+
+        Whatever goes wrong, the connection is closed and the reason kept in
+        :attr:`rejected` (and logged): a peer that sends garbage, however
+        malformed or deeply nested, never leaves a thread or a socket behind.
+        """
         peer = f"{addr[0]}:{addr[1]}"
         node_id = None
         try:
@@ -680,14 +748,16 @@ class SocketChannel(LinkChannel):
             wire.tune_socket(conn, self.heartbeat_timeout)
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(conn, server_side=True)
-            magic, version = HELLO.unpack(wire.recv_exact(conn, HELLO.size))
+            tx: Any = wire.transport(conn)
+            head = wire.recv_exact(tx, HELLO.size)
+            magic, version = HELLO.unpack(head)
             if magic == DATA_MAGIC and self._direct and version == PROTOCOL_VERSION:
-                self._data_handshake(conn)
+                self._data_handshake(conn, tx, head)
                 return
             if magic not in (MAGIC, DATA_MAGIC):
                 raise HandshakeError("not a disco-socket node agent (bad magic bytes)")
             if magic == DATA_MAGIC and version == PROTOCOL_VERSION:
-                wire.send_json(conn, {"error": "this session takes no reply connections"})
+                wire.send_json(tx, {"error": "this session takes no reply connections"})
                 raise HandshakeError("a reply connection, but this session relays replies")
             if version != PROTOCOL_VERSION:
                 msg = (
@@ -695,51 +765,72 @@ class SocketChannel(LinkChannel):
                     f"{PROTOCOL_VERSION}, the node speaks {version}; install the same "
                     "disco-socket version on every node"
                 )
-                wire.send_json(conn, {"error": msg})
+                wire.send_json(tx, {"error": msg})
                 raise HandshakeError(msg)
-            hello = wire.recv_json(conn)
-            nonce_node = hello.get("nonce")
-            if not isinstance(nonce_node, str) or not 32 <= len(nonce_node) <= 128:
-                raise HandshakeError("malformed hello (nonce)")
-            nonce_ctrl = wire.new_nonce()
-            wire.send_json(conn, {"version": PROTOCOL_VERSION, "nonce": nonce_ctrl})
-            auth = wire.recv_json(conn)
-            expected = wire.proof(self._token, "node", nonce_node, nonce_ctrl)
-            if not wire.check_proof(expected, auth.get("proof")):
-                wire.send_json(
-                    conn,
-                    {
-                        "error": "authentication failed: the node's token differs from the "
-                        "controller's (use the same --token or DISCO_TOKEN everywhere)"
-                    },
-                )
-                raise HandshakeError("authentication failed (wrong token)")
-            workers = hello.get("workers")
-            if workers != self.per_node:
+            hello, raw = wire.recv_json_raw(tx)
+            wire.nonce_hex(hello.get("nonce"), "hello")
+            token = self._token
+            node_auth = hello.get("auth")
+            if token is not None and node_auth is not True:
                 msg = (
-                    f"the node offers {workers} workers but this session has "
+                    "authentication failed: this session requires a token and the node has "
+                    "none (give it the session's token in DISCO_TOKEN)"
+                )
+                wire.send_json(tx, {"error": msg})
+                raise HandshakeError(msg)
+            if token is None and node_auth is not False:
+                msg = (
+                    "the node has a token but this session has none (start the session "
+                    "with the same token=, or DISCO_TOKEN)"
+                )
+                wire.send_json(tx, {"error": msg})
+                raise HandshakeError(msg)
+            challenge = {
+                "version": PROTOCOL_VERSION,
+                "nonce": new_nonce().hex(),
+                "auth": token is not None,
+            }
+            sent = wire.send_json(tx, challenge)
+            hs = None
+            if token is not None:
+                hs = Handshake(token, "server", wire.LABEL)
+                hs.bind(head + raw, sent)
+                got = wire.parse_proof(wire.recv_json(tx))
+                if got is None or not hs.verify(got):
+                    wire.send_json(
+                        tx,
+                        {
+                            "error": "authentication failed: the node's token differs from "
+                            "the controller's (use the same --token or DISCO_TOKEN everywhere)"
+                        },
+                    )
+                    raise HandshakeError("authentication failed (wrong token)")
+                wire.send_json(tx, {"proof": hs.proof().hex()})
+                tx = wire.seal(tx, hs.keys())  # from here on every byte is a sealed record
+            workers = hello.get("workers")
+            if type(workers) is not int or workers != self.per_node:
+                msg = (
+                    f"the node offers {workers!r} workers but this session has "
                     f"{self.per_node} workers per node (--workers {self.per_node})"
                 )
-                wire.send_json(conn, {"error": msg})
+                wire.send_json(tx, {"error": msg})
                 raise HandshakeError(msg)
             node_id = self._claim_id()
             if node_id is None:
-                wire.send_json(conn, {"error": "the session already has all its nodes"})
+                wire.send_json(tx, {"error": "the session already has all its nodes"})
                 raise HandshakeError("the session already has all its nodes")
             first = node_id * self.per_node
             ids = list(range(first, first + self.per_node))
             pending = None
             if self._direct:
                 # Registered before the welcome: the node's reply connections follow it.
-                pending = _PendingNode(
-                    wire.data_key(self._token, nonce_node, nonce_ctrl), set(ids), peer
-                )
+                secret = wire.reply_secret(token, hs.transcript) if hs is not None else None
+                pending = _PendingNode(secret, set(ids), peer)
                 with self._ids_lock:
                     self._pending[node_id] = pending
             wire.send_json(
-                conn,
+                tx,
                 {
-                    "proof": wire.proof(self._token, "controller", nonce_node, nonce_ctrl),
                     "node_id": node_id,
                     "num_nodes": self.num_nodes,
                     "num_workers": self.num_workers,
@@ -751,7 +842,7 @@ class SocketChannel(LinkChannel):
                     "heartbeat_timeout": self.heartbeat_timeout,
                 },
             )
-            data = None
+            data = data_keys = None
             if pending is not None:
                 if not pending.done.wait(self._handshake_timeout):
                     raise HandshakeError(
@@ -760,26 +851,32 @@ class SocketChannel(LinkChannel):
                     )
                 with self._ids_lock:
                     del self._pending[node_id]
-                    data = dict(pending.socks)
+                    data, data_keys = dict(pending.socks), dict(pending.keys)
             conn.settimeout(None)
             info = {
                 "node_id": node_id,
                 "peer": peer,
-                "hostname": str(hello.get("host", "?")),
-                "pid": hello.get("pid"),
+                "hostname": str(hello.get("host", "?"))[:256],
+                "pid": hello.get("pid") if type(hello.get("pid")) is int else None,
                 "worker_ids": ids,
+                "sealed": hs is not None,
             }
-            link = NodeLink(node_id, conn, peer, ids, self.hub, info, data, self.heartbeat_timeout)
+            link = NodeLink(
+                node_id, conn, peer, ids, self.hub, info, data, self.heartbeat_timeout,
+                tx=tx, data_keys=data_keys,
+            )  # fmt: skip
             node_id = None
             log.info("disco-socket: %s joined (agent pid %s)", link.describe(), info["pid"])
             self._joined.put(link)
-        except (HandshakeError, OSError, ValueError, struct.error) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is this peer's rejection
             if node_id is not None:
                 with self._ids_lock:
                     left = self._pending.pop(node_id, None)
                 for sock in left.socks.values() if left is not None else ():
                     sock.close()
                 self._release_id(node_id)
+            if not isinstance(exc, (HandshakeError, OSError)):
+                exc = HandshakeError(f"malformed handshake ({type(exc).__name__}: {exc})")
             self.rejected.append(f"{peer}: {exc}")
             log.warning("disco-socket: rejected the connection from %s: %s", peer, exc)
             try:
@@ -787,40 +884,51 @@ class SocketChannel(LinkChannel):
             except OSError:
                 pass
 
-    def _data_handshake(self, conn: socket.socket) -> None:
+    def _data_handshake(self, conn: socket.socket, tx: Any, head: bytes) -> None:
         """Authenticate a worker's reply connection (raises :class:`HandshakeError`).
 
         Only JSON is read: the peer must name a node whose handshake is under way
-        and one of its workers not yet connected, and prove it knows that node's
-        :func:`~disco_socket.wire.data_key`; otherwise it is dropped.
+        and one of its workers not yet connected, and, with a token, prove it
+        holds that node's :func:`~disco_socket.wire.reply_secret`; otherwise it
+        is dropped. With a token the worker then seals every reply frame under
+        this handshake's keys.
         """
-        hello = wire.recv_json(conn)
-        node_id, gid, nonce_node = hello.get("node_id"), hello.get("worker"), hello.get("nonce")
-        if not isinstance(nonce_node, str) or not 32 <= len(nonce_node) <= 128:
-            raise HandshakeError("malformed reply-connection hello (nonce)")
+        hello, raw = wire.recv_json_raw(tx)
+        node_id, gid = hello.get("node_id"), hello.get("worker")
+        wire.nonce_hex(hello.get("nonce"), "reply-connection hello")
         with self._ids_lock:
-            pending = self._pending.get(node_id) if isinstance(node_id, int) else None
-        if pending is None or gid not in pending.ids or gid in pending.socks:
-            wire.send_json(conn, {"error": "unexpected reply connection"})
+            pending = self._pending.get(node_id) if type(node_id) is int else None
+        if (
+            pending is None
+            or type(gid) is not int
+            or gid not in pending.ids
+            or gid in pending.socks
+        ):
+            wire.send_json(tx, {"error": "unexpected reply connection"})
             raise HandshakeError(
                 f"an unexpected reply connection (node {node_id!r}, worker {gid!r})"
             )
-        nonce_ctrl = wire.new_nonce()
-        wire.send_json(conn, {"nonce": nonce_ctrl})
-        auth = wire.recv_json(conn)
-        expected = wire.proof(pending.key, f"data-node/{gid}", nonce_node, nonce_ctrl)
-        if not wire.check_proof(expected, auth.get("proof")):
-            wire.send_json(conn, {"error": "authentication failed"})
-            raise HandshakeError("authentication failed on a reply connection (wrong proof)")
-        wire.send_json(
-            conn,
-            {"proof": wire.proof(pending.key, f"data-controller/{gid}", nonce_node, nonce_ctrl)},
-        )
+        if hello.get("auth") is not (pending.secret is not None):
+            wire.send_json(tx, {"error": "authentication failed"})
+            raise HandshakeError("a reply connection that does not match its node's auth")
+        sent = wire.send_json(tx, {"nonce": new_nonce().hex(), "auth": pending.secret is not None})
+        keys = None
+        if pending.secret is not None:
+            hs = Handshake(pending.secret, "server", wire.LABEL + b" reply")
+            hs.bind(head + raw, sent)
+            got = wire.parse_proof(wire.recv_json(tx))
+            if got is None or not hs.verify(got):
+                wire.send_json(tx, {"error": "authentication failed"})
+                raise HandshakeError("authentication failed on a reply connection (wrong proof)")
+            wire.send_json(tx, {"proof": hs.proof().hex()})
+            keys = hs.keys()
         conn.settimeout(None)
         with self._ids_lock:
             if gid in pending.socks or self._pending.get(node_id) is not pending:
                 raise HandshakeError(f"a second reply connection for worker {gid}")
             pending.socks[gid] = conn
+            if keys is not None:
+                pending.keys[gid] = keys
             if len(pending.socks) == len(pending.ids):
                 pending.done.set()
 

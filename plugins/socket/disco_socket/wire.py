@@ -1,39 +1,52 @@
 """The wire protocol between a controller and its node agents.
 
-A connection has two phases.
+A connection has two phases: a handshake of fixed binary and JSON messages
+(nothing is unpickled, each message at most :data:`MAX_HANDSHAKE_BYTES`), then
+the relay. The cryptography is the core's one policy,
+:mod:`disco_core.net.security` (proofs, keys) and :mod:`disco_core.net.protect`
+(sealed records); this module holds only disco-socket's own messages.
 
-**Handshake** (fixed binary and JSON messages only; nothing is unpickled)::
+**Handshake** (every JSON message is ``u32 length | UTF-8 JSON object``)::
 
     node -> controller   MAGIC (8 bytes) | u32 protocol version | JSON hello
-                         {"workers": N, "nonce": hex, "host": ..., "pid": ...}
-    controller -> node   JSON {"version": V, "nonce": hex}   or   {"error": ...}
-    node -> controller   JSON {"proof": HMAC(token, "node" | nonce_node | nonce_ctrl)}
-    controller -> node   JSON {"proof": HMAC(token, "controller" | ...), "node_id": k, ...}
-                         or {"error": "authentication failed"}
+                         {"workers": N, "nonce": hex, "auth": bool, "host": ..., "pid": ...}
+    controller -> node   JSON challenge {"version": V, "nonce": hex, "auth": bool}
+                         or {"error": ...}
 
-**Reply connections** (without TLS): right after its welcome, the node
-opens one more connection per worker to the same address, and the controller
-holds the node back until every one of them has authenticated::
+``auth`` says whether that side holds a token. A side with a token refuses a peer
+whose ``auth`` is false (it cannot prove anything), and a side without one
+refuses a peer that asks for one. With a token, :class:`~disco_core.net.security.Handshake`
+(label :data:`LABEL`) is bound to the hello and the challenge exactly as sent
+(both nonces, both ``auth`` flags, the version and everything else in them)::
+
+    node -> controller   JSON {"proof": hex}    the node proves first
+    controller -> node   JSON {"proof": hex}    only once the node's proof checked out
+                         or {"error": "authentication failed ..."}
+
+From here on, with a token, every byte either side sends is a sealed record
+(:class:`~disco_core.net.protect.SealedTransport`, keys from the handshake): a
+relay can neither inject, alter, reorder nor replay anything. Then::
+
+    controller -> node   JSON welcome {"node_id": k, "worker_ids": [...], ...} or {"error": ...}
+
+**Reply connections** (without TLS): right after its welcome, the node opens one
+more connection per worker to the same address, and the controller holds the
+node back until every one of them has authenticated::
 
     node -> controller   DATA_MAGIC | u32 protocol version | JSON
-                         {"node_id": k, "worker": global id, "nonce": hex}
-    controller -> node   JSON {"nonce": hex}   or   {"error": ...}
-    node -> controller   JSON {"proof": HMAC(key, "data-node/<id>" | nonces)}
-    controller -> node   JSON {"proof": HMAC(key, "data-controller/<id>" | nonces)}
+                         {"node_id": k, "worker": global id, "nonce": hex, "auth": bool}
+    controller -> node   JSON {"nonce": hex, "auth": bool}   or   {"error": ...}
 
-``key`` = :func:`data_key` of the token and the node's handshake nonces, so a reply
-connection is bound to its node's authenticated session. The node then hands the
-socket to the worker as its ``--reply-fd``: the worker's reply frames (exactly as
-:mod:`disco_core.protocol` writes them) go straight to the controller, without
-the agent in between. With TLS there are no reply connections: replies are
-relayed over the node's TLS connection.
+and, with a token, the same two proofs under :func:`reply_secret` (derived from the
+token and the node's own handshake transcript, so a reply connection is bound to
+its node's authenticated session). The node then hands the socket to the worker
+as its ``--reply-fd`` (and, with a token, the sending key through
+``--reply-key-fd``): the worker's reply frames go straight to the controller,
+without the agent in between, one sealed record per frame. With TLS there are no
+reply connections: replies are relayed over the node's connection.
 
-Every JSON message is ``u32 length | UTF-8 JSON object`` of at most
-:data:`MAX_HANDSHAKE_BYTES`. Both sides prove they know the shared token; the token
-itself never travels. A peer that fails any step is dropped.
-
-**Relay** (after both sides are authenticated). Every message starts with
-``u32 kind | u32 arg`` (little endian):
+**Relay** (after the handshake). Every message starts with ``u32 kind | u32 arg``
+(little endian):
 
 ``FRAME`` (controller -> node)
     ``arg`` = number of target workers (:data:`ALL` for every worker of the node),
@@ -57,7 +70,11 @@ itself never travels. A peer that fails any step is dropped.
     side that receives no bytes at all for the heartbeat timeout declares the peer
     dead (see :class:`Heartbeat`).
 
-Frames are relayed as bytes: the agent never unpickles them.
+Each sender puts whole messages in a record, and a receiver acts on a message
+only once the record it ended in has verified (:meth:`StreamReader.settle`).
+Frames are relayed as bytes: the agent never unpickles them; the workers rebuild
+commands with the core's allow-list (``--untrusted``) and the controller rebuilds
+replies with :func:`disco_core.protocol.decode_untrusted`.
 """
 
 from __future__ import annotations
@@ -72,31 +89,46 @@ import ssl
 import struct
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from disco_core.errors import NetworkError
+from disco_core.net.framing import PREFIX as FRAME_PREFIX
+from disco_core.net.framing import check_frame, frame_head
+from disco_core.net.io import SocketTransport, SSLTransport
+from disco_core.net.protect import SealedTransport
+from disco_core.net.security import SessionKeys
+
 __all__ = [
     "PROTOCOL_VERSION",
+    "LABEL",
     "MAGIC",
+    "DATA_MAGIC",
     "HandshakeError",
     "StreamReader",
-    "send_views",
+    "transport",
+    "seal",
     "send_json",
     "recv_json",
-    "proof",
-    "new_nonce",
-    "data_key",
+    "recv_json_raw",
+    "recv_exact",
+    "nonce_hex",
+    "parse_proof",
+    "reply_secret",
+    "frame_head",
     "alloc",
-    "resolve_token",
     "Heartbeat",
     "heartbeat_timeout",
     "idle_seconds",
 ]
 
-#: 3: heartbeats (``PING``) and JSON death reports.
-PROTOCOL_VERSION = 3
+#: 3: heartbeats (``PING``) and JSON death reports. 4: the core's handshake
+#: (transcript-bound proofs, ``auth`` flags) and sealed records with a token.
+PROTOCOL_VERSION = 4
+#: The label of this protocol's handshakes (proofs and keys of other protocols never fit).
+LABEL = b"disco-socket/4"
 MAGIC = b"DISCOSOK"
 #: First bytes of a reply connection (one per worker, after the node's handshake).
 DATA_MAGIC = b"DISCODAT"
@@ -105,9 +137,9 @@ MAX_HANDSHAKE_BYTES = 64 * 1024
 
 MSG = struct.Struct("<II")
 U32 = struct.Struct("<I")
-#: Same layout as ``disco_core.protocol``'s frame prefix (checked by the tests).
-FRAME_PREFIX = struct.Struct("<QII")
 MAX_FRAME_BYTES = 1 << 40
+#: The largest sealed record a side accepts (a frame with its routing, or a batch).
+MAX_RECORD_BYTES = MAX_FRAME_BYTES + (1 << 20)
 
 K_FRAME, K_DIED, K_STAT, K_FILE, K_BYE, K_PING = 1, 2, 3, 4, 5, 6
 ALL = 0xFFFFFFFF
@@ -118,84 +150,143 @@ DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 #: ``TCP_USER_TIMEOUT`` when heartbeats are off (unacknowledged data for this long).
 _USER_TIMEOUT_OFF = 15.0
 
-_IOV_MAX = 512
+
+class HandshakeError(NetworkError):
+    """The peer failed the handshake (wrong version, wrong or missing token, malformed message)."""
 
 
-class HandshakeError(ConnectionError):
-    """The peer failed the handshake (wrong version, wrong token, malformed message)."""
+# --------------------------------------------------------------------------- handshake
+def nonce_hex(value: Any, what: str) -> str:
+    """``value`` if it is a well-formed nonce (64 hex digits), else :class:`HandshakeError`."""
+    if not isinstance(value, str) or len(value) != 64:
+        raise HandshakeError(f"malformed {what} (nonce)")
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        raise HandshakeError(f"malformed {what} (nonce)") from None
+    return value
 
 
-def resolve_token(token: str | bytes | None) -> bytes:
-    """The shared token: ``token`` itself, else ``$DISCO_TOKEN``, else empty (no secret)."""
-    if token is None:
-        token = os.environ.get("DISCO_TOKEN", "")
-    return token.encode() if isinstance(token, str) else bytes(token)
+def parse_proof(msg: dict) -> bytes | None:
+    """The proof in a JSON message (bytes), or None when it is missing or malformed."""
+    value = msg.get("proof")
+    if not isinstance(value, str) or len(value) != 64:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return None
 
 
-def new_nonce() -> str:
-    return os.urandom(32).hex()
+def reply_secret(token: bytes, transcript: bytes) -> bytes:
+    """The secret a node's reply connections authenticate with.
 
-
-def proof(token: bytes, role: str, nonce_node: str, nonce_ctrl: str) -> str:
-    """HMAC-SHA256 proof that the ``role`` side knows ``token`` (bound to both nonces)."""
-    msg = f"disco-socket/{PROTOCOL_VERSION}/{role}\0{nonce_node}\0{nonce_ctrl}".encode()
-    return hmac.new(token, msg, hashlib.sha256).hexdigest()
-
-
-def data_key(token: bytes, nonce_node: str, nonce_ctrl: str) -> bytes:
-    """The key a node's reply connections authenticate with (bound to its handshake)."""
-    msg = f"disco-socket/{PROTOCOL_VERSION}/data-key\0{nonce_node}\0{nonce_ctrl}".encode()
+    Derived from the token and the transcript of the node's own handshake
+    (:attr:`disco_core.net.security.Handshake.transcript`), so a reply connection
+    only ever joins the session of the node that opened it.
+    """
+    msg = LABEL + b" reply connections\0" + transcript
     return hmac.new(token, msg, hashlib.sha256).digest()
 
 
-def check_proof(expected: str, got: Any) -> bool:
-    return isinstance(got, str) and hmac.compare_digest(expected.encode(), got.encode())
+def transport(sock: socket.socket) -> SocketTransport:
+    """The core transport of a connected socket (TLS or plain)."""
+    if isinstance(sock, ssl.SSLSocket):
+        return SSLTransport(sock)
+    return SocketTransport(sock)
 
 
-# --------------------------------------------------------------------------- handshake I/O
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+class _Sealed(SealedTransport):
+    """A :class:`~disco_core.net.protect.SealedTransport` that says where its records end."""
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when every byte received so far belongs to a record whose tag verified."""
+        return not self._left
+
+
+def seal(tx: Any, keys: SessionKeys) -> SealedTransport:
+    """``tx`` with every record sealed under ``keys`` (after a token handshake)."""
+    return _Sealed(tx, keys, MAX_RECORD_BYTES)
+
+
+def recv_exact(tx: Any, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``tx`` (a socket or a transport) during the handshake."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        k = tx.recv_into(view[got:])
         if not k:
             raise HandshakeError("the peer closed the connection during the handshake")
         got += k
     return bytes(buf)
 
 
-def send_json(sock: socket.socket, obj: dict) -> None:
+def send_json(tx: Any, obj: dict) -> bytes:
+    """Send one JSON message (to a socket or a transport); return its bytes exactly as sent."""
     data = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(U32.pack(len(data)) + data)
+    msg = U32.pack(len(data)) + data
+    if hasattr(tx, "send_parts"):
+        tx.send_parts([msg])
+    else:
+        tx.sendall(msg)
+    return msg
 
 
-def recv_json(sock: socket.socket) -> dict:
-    (n,) = U32.unpack(recv_exact(sock, 4))
+def recv_json_raw(tx: Any) -> tuple[dict, bytes]:
+    """One JSON message and its bytes exactly as received (for a handshake transcript).
+
+    Raises
+    ------
+    HandshakeError
+        The message is larger than :data:`MAX_HANDSHAKE_BYTES`, not UTF-8, not
+        JSON, nested too deeply, or not a JSON object.
+    """
+    head = recv_exact(tx, 4)
+    (n,) = U32.unpack(head)
     if n > MAX_HANDSHAKE_BYTES:
-        raise HandshakeError(f"handshake message too large ({n} bytes)")
+        raise HandshakeError(
+            f"handshake message too large ({n} bytes, at most {MAX_HANDSHAKE_BYTES})"
+        )
+    data = recv_exact(tx, n)
     try:
-        obj = json.loads(recv_exact(sock, n).decode())
+        obj = json.loads(data.decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise HandshakeError(f"malformed handshake message: {exc}") from None
+    except RecursionError:
+        raise HandshakeError("malformed handshake message: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise HandshakeError("malformed handshake message: not a JSON object")
-    return obj
+    return obj, head + data
+
+
+def recv_json(tx: Any) -> dict:
+    """One JSON message (see :func:`recv_json_raw`)."""
+    return recv_json_raw(tx)[0]
 
 
 # --------------------------------------------------------------------------- relay I/O
 class StreamReader:
-    """Buffered reads from a (possibly TLS) socket; large payloads go straight to their memory.
+    """Buffered reads from a transport; large payloads go straight to their memory.
 
     Small fields (message heads, pickle headers) are parsed out of a 64 KiB buffer
-    (several messages may arrive in one ``recv``); an out-of-band buffer is received
-    with ``recv_into`` directly into its final ``bytearray``.
+    (several messages may arrive in one read); an out-of-band buffer is received
+    with ``recv_into`` directly into its final memory. Over a sealed transport,
+    call :meth:`settle` after a message is read and before acting on it.
+
+    Parameters
+    ----------
+    tx : transport or socket
+        Anything with ``recv_into``; a sealed one also has ``at_boundary``.
     """
 
     _CHUNK = 1 << 16
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.recv_into = sock.recv_into
+    def __init__(self, tx: Any) -> None:
+        self.tx = tx
+        self.recv_into = tx.recv_into
+        self.sealed = hasattr(tx, "at_boundary")
         self.buf = bytearray(self._CHUNK)
         self.start = 0
         self.end = 0
@@ -222,6 +313,32 @@ class StreamReader:
         finally:
             view.release()
 
+    def settle(self) -> None:
+        """Read on to the end of the current sealed record, so what was read is verified.
+
+        A record may hold several messages (a batch); the bytes of one that ends
+        before its record does arrive before the record's tag. They are acted on
+        only after this returns; the rest of the record waits in the buffer.
+        Raises :class:`~disco_core.errors.IntegrityError` for a forged record. Does
+        nothing on an unsealed link.
+        """
+        if not self.sealed:
+            return
+        tx = self.tx
+        while not tx.at_boundary:
+            if self.end == len(self.buf):
+                if self.start:
+                    n = self.end - self.start
+                    self.buf[:n] = self.buf[self.start : self.end]
+                    self.start, self.end = 0, n
+                else:
+                    self.buf.extend(bytes(self._CHUNK))
+            with memoryview(self.buf) as view:
+                k = self.recv_into(view[self.end :])
+            if not k:
+                raise EOFError("connection closed")
+            self.end += k
+
     def take(self, n: int) -> bytes:
         self._fill(n)
         data = bytes(self.buf[self.start : self.start + n])
@@ -244,11 +361,16 @@ class StreamReader:
         return MSG.unpack(self.take(MSG.size))
 
     def read_frame(self) -> tuple[bytes, list[Any], int]:
-        """One frame: ``(header, buffers, flags)``; buffers are fresh memory (:func:`alloc`)."""
+        """One frame: ``(header, buffers, flags)``; buffers are fresh memory (:func:`alloc`).
+
+        Every declared count and length is checked before anything is allocated
+        for it (:func:`disco_core.net.framing.check_frame`;
+        :class:`~disco_core.errors.FrameLimitError` past a limit).
+        """
         hlen, nbuf, flags = FRAME_PREFIX.unpack(self.take(FRAME_PREFIX.size))
+        check_frame(hlen, nbuf, max_frame=MAX_FRAME_BYTES)
         lens = struct.unpack(f"<{nbuf}Q", self.take(8 * nbuf)) if nbuf else ()
-        if hlen > MAX_FRAME_BYTES or sum(lens) > MAX_FRAME_BYTES or nbuf > 1 << 20:
-            raise EOFError(f"corrupt frame: declared size {hlen + sum(lens)} bytes")
+        check_frame(hlen, nbuf, lens, max_frame=MAX_FRAME_BYTES)
         header = self.take(hlen)
         buffers = []
         for n in lens:
@@ -277,37 +399,8 @@ def alloc(n: int) -> Any:
     return np.empty(n, np.uint8)
 
 
-def frame_head(header: bytes, buffers: Sequence[Any], flags: int) -> bytes:
-    lens = b"".join(struct.pack("<Q", memoryview(b).nbytes) for b in buffers)
-    return FRAME_PREFIX.pack(len(header), len(buffers), flags) + lens + header
-
-
 def blob(data: bytes) -> bytes:
     return U32.pack(len(data)) + data
-
-
-def send_views(sock: socket.socket, parts: Sequence[Any]) -> None:
-    """Send every buffer of ``parts`` in order, without copying (``sendmsg``; TLS: ``sendall``)."""
-    views = []
-    for p in parts:
-        m = p if isinstance(p, bytes) else memoryview(p).cast("B")
-        if len(m):
-            views.append(m)
-    if isinstance(sock, ssl.SSLSocket):
-        for m in views:
-            sock.sendall(m)
-        return
-    i = 0
-    while i < len(views):
-        n = sock.sendmsg(views[i : i + _IOV_MAX])
-        while n and i < len(views):
-            m = views[i]
-            if n >= len(m):
-                n -= len(m)
-                i += 1
-            else:
-                views[i] = memoryview(m)[n:]
-                n = 0
 
 
 def tune_socket(sock: socket.socket, timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
@@ -390,9 +483,12 @@ class Heartbeat:
     Parameters
     ----------
     sock : socket.socket
-        The connection (plain or TLS).
+        The connection (plain or TLS): its kernel state is watched.
     lock : threading.Lock
         The lock every writer of ``sock`` holds while it writes.
+    send : callable, optional
+        ``send(parts)`` writes a ping (the link's transport's ``send_parts``, so a
+        ping is a sealed record like any other); default ``sock.sendall``.
     timeout : float
         Seconds without incoming data after which the peer is dead (> 0).
     on_silence : callable
@@ -408,8 +504,10 @@ class Heartbeat:
         timeout: float,
         on_silence: Callable[[float], None],
         name: str,
+        send: Callable[[list], None] | None = None,
     ) -> None:
         self.sock = sock
+        self.send = send if send is not None else (lambda parts: sock.sendall(b"".join(parts)))
         self.lock = lock
         self.timeout = timeout
         self.interval = heartbeat_interval(timeout)
@@ -445,7 +543,7 @@ class Heartbeat:
         try:
             # Checked under the lock: after stop() (e.g. before BYE) nothing more is sent.
             if not self._stop.is_set() and self._poll.poll(0):
-                self.sock.sendall(PING)
+                self.send([PING])
         except OSError:
             pass  # a broken connection: the reader reports it
         finally:

@@ -139,7 +139,8 @@ def test_load_vm_module_uses_the_nodes_own_copy(cluster, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path):
+@pytest.mark.parametrize("token", [None, "ship"])  # with a token: sealed records of the file
+def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path, token):
     if not _can_unshare_mount():
         pytest.skip("needs `unshare --mount` (root or user namespaces) to hide a folder from nodes")
     hidden = tmp_path / "only_on_controller"
@@ -147,6 +148,9 @@ def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path):
     path = hidden / "model_mod.py"
     path.write_text(_MODULE)
     agents = []
+    env = {k: v for k, v in os.environ.items() if k != "DISCO_TOKEN"}
+    if token:
+        env["DISCO_TOKEN"] = token
 
     def on_listen(host, port):
         # Each agent runs in its own mount namespace where `hidden` is an empty tmpfs.
@@ -156,10 +160,10 @@ def test_load_vm_module_ships_a_file_the_nodes_lack(cluster, tmp_path):
                 'mount -t tmpfs tmpfs "$0" && exec "$@"', str(hidden),
                 *agent_cmd(host, port, 2, "-q"),
             ]  # fmt: skip
-            agents.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            agents.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env))
 
     try:
-        sess = disco.SocketSession(3, 2, 1, HOST, 0, on_listen=on_listen, timeout=30)
+        sess = disco.SocketSession(3, 2, 1, HOST, 0, on_listen=on_listen, timeout=30, token=token)
     finally:
         cluster.agents.extend(agents)
     cluster.sessions.append(sess)
@@ -287,7 +291,7 @@ def test_timeout_when_nodes_never_come():
 @pytest.mark.timeout(60)
 def test_wildcard_host_suggests_a_reachable_address():
     with pytest.raises(TimeoutError) as info:
-        disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=1)
+        disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=1, token="t")  # beyond loopback
     msg = str(info.value)
     hint = reachable_host("0.0.0.0")
     assert hint != "0.0.0.0" and "join 0.0.0.0" not in msg
@@ -950,12 +954,3 @@ def test_cli_short_form_is_documented_and_checked():
     # Both spellings of the worker count parse (then find no controller: exit code 3).
     assert run(HOST, port, "1", "--connect-timeout", "0.3", "-q").returncode == 3
     assert run(HOST, port, "--workers", "1", "--connect-timeout", "0.3", "-q").returncode == 3
-
-
-def test_handshake_proofs_bind_roles_and_nonces():
-    a, b = wire.new_nonce(), wire.new_nonce()
-    node = wire.proof(b"k", "node", a, b)
-    assert node != wire.proof(b"k", "controller", a, b)
-    assert node != wire.proof(b"k", "node", b, a)
-    assert node != wire.proof(b"other", "node", a, b)
-    assert wire.check_proof(node, node) and not wire.check_proof(node, None)
