@@ -812,10 +812,13 @@ class PopenSession(RPCSession):
             workdir.cleanup()
 
 
-def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server") -> wire.Conn:  # fmt: skip
-    """Connect and authenticate; return the framed connection (no session yet).
+def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server", strict: bool = True) -> wire.Conn:  # fmt: skip
+    """Connect and authenticate; return the framed connection (no session yet), sealed
+    when a token was used.
 
     ``peer`` names what is at ``url:port`` in error messages ("tracker", "proxy"...).
+    ``strict=False`` only offers the token: a peer that requires none is accepted
+    (for a service link whose token was defaulted from another's, never a session).
     """
     try:
         sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
@@ -830,7 +833,7 @@ def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_cont
         else:
             transport = wire.SocketTransport(sock)
         conn = wire.Conn(transport, max_message_bytes)
-        auth.client_handshake(conn, key, auth.resolve_token(token))
+        auth.client_handshake(conn, key, auth.resolve_token(token), strict=strict, peer=peer)
     except BaseException as exc:
         sock.close()
         if isinstance(exc, RPCError):

@@ -23,6 +23,7 @@ import numpy as np
 from disco_core import registry
 from disco_core.device import Device, as_device, as_dtype, as_shape, to_host
 from disco_core.device import empty as dev_empty
+from disco_core.errors import IntegrityError
 
 from . import wire
 from .errors import Desync, ProtocolError
@@ -487,6 +488,9 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
             _kind, op, payload = conn.recv(on_handle=resolve)
         except EOFError:
             return
+        except IntegrityError as exc:
+            logger.warning("dropped the session: %s", exc)
+            return
         except Desync as exc:
             _try_send_error(conn, 0, exc)
             return
@@ -500,6 +504,9 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler) -> None:
             result = _dispatch(conn, handler, op, payload)
         except Desync as exc:
             _try_send_error(conn, op, exc)
+            return
+        except IntegrityError as exc:
+            logger.warning("dropped the session during %s: %s", OP_NAMES.get(op, op), exc)
             return
         except Exception as exc:
             # a file stream that broke is this connection's end; anything else

@@ -41,9 +41,11 @@ from disco_core.net.io import (
     SinkFailedError,
     SocketTransport,
     SSLTransport,
+    as_views,
     new_pipe,
     splice_exact,
 )
+from disco_core.net.protect import SealedTransport
 
 from .errors import Desync, FrameTooLarge, MessageTooLarge, ProtocolError, StreamAborted
 
@@ -56,7 +58,9 @@ __all__ = [
     "SocketTransport",
     "SSLTransport",
     "PipeTransport",
+    "SealedLink",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "RECORD_BYTES",
 ]
 
 #: Default bound on one frame (header plus buffers).
@@ -69,6 +73,10 @@ MAX_DEPTH = 64
 MAX_BUFFERS = 1 << 16
 #: Largest chunk of a file stream (smaller when the receiver's frames are bounded lower).
 CHUNK = 8 << 20
+
+#: The largest sealed record a disco-rpc peer sends or accepts: a file chunk with its
+#: frame heads fits in one; a larger frame is cut into several records.
+RECORD_BYTES = CHUNK + (1 << 12)
 
 #: File descriptors that processes forked by disco-rpc close at once (the pipes of
 #: PopenSessions, so that a forked server does not keep them open).
@@ -447,6 +455,47 @@ def _real_fd(sink: Any) -> int | None:
     return fd if isinstance(fd, int) else None
 
 
+# --------------------------------------------------------------------------- sealing
+class SealedLink(SealedTransport):
+    """A :class:`~disco_core.net.protect.SealedTransport` with records of bounded size.
+
+    A ``send_parts`` larger than :data:`RECORD_BYTES` leaves as several records, so
+    a receiver (or a relay, which forwards only whole verified records) never
+    holds more than one record's worth of unverified bytes, and records from the
+    peer larger than that are refused before they are read.
+    :attr:`record_left` tells a reader whether the bytes it has are all verified.
+    """
+
+    def __init__(self, inner: Any, keys: Any) -> None:
+        super().__init__(inner, keys, max_record=RECORD_BYTES)
+
+    @property
+    def record_left(self) -> int:
+        """Bytes of the record being received that are still to come (0 between records)."""
+        return self._left
+
+    def send_parts(self, parts: list) -> None:
+        """Send ``parts`` as one record, or as several of at most :data:`RECORD_BYTES`."""
+        views = as_views(parts)
+        total = sum(v.nbytes for v in views)
+        if total <= RECORD_BYTES:
+            super().send_parts(views)
+            return
+        group: list = []
+        size = 0
+        for v in views:
+            while v.nbytes:
+                take = min(v.nbytes, RECORD_BYTES - size)
+                group.append(v[:take])
+                size += take
+                v = v[take:]
+                if size == RECORD_BYTES:
+                    super().send_parts(group)
+                    group, size = [], 0
+        if group:
+            super().send_parts(group)
+
+
 # --------------------------------------------------------------------------- connection
 class Conn:
     """Frames over a transport, with a read buffer and a bound on frame sizes.
@@ -485,6 +534,10 @@ class Conn:
             out = bytearray(n)
             self.read_into(memoryview(out))
             return out
+        if self.start == self.end and len(self.buf) > self._BUF:  # grown by settle()
+            self.buf = bytearray(self._BUF)
+            self.view = memoryview(self.buf)
+            self.start = self.end = 0
         if self.start:
             self.buf[: self.end - self.start] = self.buf[self.start : self.end]
             self.end -= self.start
@@ -510,6 +563,30 @@ class Conn:
 
     def buffered(self) -> int:
         return self.end - self.start
+
+    def settle(self) -> None:
+        """Make every byte handed out so far verified: finish the sealed record under way.
+
+        Called before a frame is acted on. A frame sent as one record ends with it
+        and costs nothing here; when a record goes on past the frame (a relay
+        that re-sealed the stream), the rest of it is read into the buffer, where
+        the next frames will find it, so its tag is checked first.
+        :class:`~disco_core.errors.IntegrityError` if it fails.
+        """
+        left = getattr(self.t, "record_left", 0)
+        if not left:
+            return
+        have = self.end - self.start
+        if have + left > len(self.buf):
+            nb = bytearray(max(have + left, self._BUF))
+            nb[:have] = self.view[self.start : self.end]
+            self.buf, self.view = nb, memoryview(nb)
+        elif self.start:
+            self.buf[:have] = self.buf[self.start : self.end]
+        self.start, self.end = 0, have
+        while left:
+            self.end += self._recv(self.view[self.end : self.end + left])
+            left = self.t.record_left
 
     # -- frames ---------------------------------------------------------------
     def send(self, kind: int, op: int, value: Any, export=None, flags: int = 0) -> None:
@@ -555,15 +632,18 @@ class Conn:
             )
         if kind == CHUNK_FRAME:
             self._skip(total)
+            self.settle()
             raise ProtocolError("a file chunk where no file transfer was going on")
         meta = bytes(self.read_exact(meta_len))
         try:
             value, fills, has_bytes = decode(meta, lens, on_handle)
         except BaseException:
             self._skip(sum(lens))
+            self.settle()
             raise
         for _idx, view in fills:
             self.read_into(view)
+        self.settle()
         return kind, op, (_freeze(value) if has_bytes else value)
 
     # -- file streams ---------------------------------------------------------
@@ -652,6 +732,7 @@ class Conn:
             if progress is not None:
                 progress(done, size)
         self._chunk_head(op, 0)  # the end (or an abort that comes with the last chunk)
+        self.settle()  # nothing of the stream counts before its last record verified
         if failed is not None:
             raise failed
 
@@ -672,6 +753,7 @@ class Conn:
                 reason, _f, _b = decode(bytes(self.read_exact(meta_len)))
             except ProtocolError:
                 reason = "(unreadable reason)"
+            self.settle()
             raise StreamAborted(str(reason))
         if left == 0:
             if flags != FLAG_END or nbuf or meta_len:

@@ -58,7 +58,7 @@ def test_unauthenticated_frames_are_never_read(token_server):
     """A peer that skips authentication and sends a frame gets dropped."""
     sock = socket.create_connection(("127.0.0.1", token_server.port))
     sock.settimeout(5)
-    sock.sendall(struct.pack("<8sII", b"DISCORPC", 1, 5) + b"board" + os.urandom(32))
+    sock.sendall(struct.pack("<8sII", b"DISCORPC", auth.VERSION, 5) + b"board" + os.urandom(32))
     reply = sock.recv(64)
     assert reply[:8] == b"DISCORPC" and reply[13] == 1  # auth required
     meta, bufs = wire.encode(((), ("sectest.add",)))
@@ -72,7 +72,7 @@ def test_unauthenticated_frames_are_never_read(token_server):
 
 def test_refuse_public_bind(monkeypatch):
     monkeypatch.delenv("DISCO_TOKEN", raising=False)
-    with pytest.raises(rpc.RPCError, match="refusing to listen"):
+    with pytest.raises(disco.errors.InsecureBindError, match="refusing to listen"):
         rpc.Server(host="0.0.0.0", port=10050, port_end=10100)
     srv = rpc.Server(host="0.0.0.0", port=10050, port_end=10100, token="t")
     try:
@@ -269,7 +269,7 @@ def test_unauthenticated_peers_get_no_process(token_server):
     liars = []
     for _ in range(10):  # a hello, then a wrong MAC
         s = socket.create_connection(("127.0.0.1", token_server.port))
-        s.sendall(struct.pack("<8sII", b"DISCORPC", 1, 5) + b"board" + os.urandom(32))
+        s.sendall(struct.pack("<8sII", b"DISCORPC", auth.VERSION, 5) + b"board" + os.urandom(32))
         liars.append(s)
     try:
         for s in liars:
