@@ -78,13 +78,15 @@ class LinkFrames:
     def read(self) -> tuple:
         """The next frame ``(header, buffers, flags)``; raises ``IntegrityError`` if forged."""
         frame = self.reader.read()
-        left = getattr(self.t, "record_left", 0)
+        # the rest of the record under way (so it is verified), and verified bytes the
+        # transport holds (so that has_buffered() sees them before select() waits)
+        left = getattr(self.t, "record_left", 0) + getattr(self.t, "pending", 0)
         while left:
             chunk = self._read(left)
             if not chunk:
                 raise EOFError("the peer closed the connection in the middle of a record")
             self.reader.buf += chunk
-            left = self.t.record_left
+            left = self.t.record_left + self.t.pending
         return frame
 
 

@@ -463,24 +463,18 @@ class SealedLink(SealedTransport):
     a receiver (or a relay, which forwards only whole verified records) never
     holds more than one record's worth of unverified bytes, and records from the
     peer larger than that are refused before they are read.
-    :attr:`record_left` tells a reader whether the bytes it has are all verified.
+    Its :attr:`record_left` tells a reader whether the bytes it has are all verified.
     """
 
     def __init__(self, inner: Any, keys: Any) -> None:
         super().__init__(inner, keys, max_record=RECORD_BYTES)
 
-    @property
-    def record_left(self) -> int:
-        """Bytes of the record being received that are still to come (0 between records)."""
-        return self._left
-
     def send_parts(self, parts: list) -> None:
         """Send ``parts`` as one record, or as several of at most :data:`RECORD_BYTES`."""
-        views = as_views(parts)
-        total = sum(v.nbytes for v in views)
-        if total <= RECORD_BYTES:
-            super().send_parts(views)
+        if sum(_buffer_size(p) for p in parts) <= RECORD_BYTES:
+            super().send_parts(parts)
             return
+        views = as_views(parts)
         group: list = []
         size = 0
         for v in views:
@@ -573,7 +567,12 @@ class Conn:
         the next frames will find it, so its tag is checked first.
         :class:`~disco_core.errors.IntegrityError` if it fails.
         """
-        left = getattr(self.t, "record_left", 0)
+        # verified bytes the transport holds go to the buffer too, where select()-driven
+        # callers look (``buffered()``) before they wait on the socket
+        t = self.t
+        if not isinstance(t, SealedTransport):
+            return
+        left = t.record_left + t.pending
         if not left:
             return
         have = self.end - self.start
@@ -586,7 +585,7 @@ class Conn:
         self.start, self.end = 0, have
         while left:
             self.end += self._recv(self.view[self.end : self.end + left])
-            left = self.t.record_left
+            left = self.t.record_left + self.t.pending
 
     # -- frames ---------------------------------------------------------------
     def send(self, kind: int, op: int, value: Any, export=None, flags: int = 0) -> None:
