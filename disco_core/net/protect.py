@@ -195,6 +195,32 @@ class SealedTransport:
             self._finish()
         return n
 
+    def absorb(self, data: Any) -> None:
+        """Count payload bytes the caller moved around this transport into the current record.
+
+        For a caller that splices a large record's payload from the socket straight
+        into a file: ``data`` holds those bytes as received, in order (e.g. a map of
+        the file's pages); they go into the record's MAC as if :meth:`recv_into` had
+        delivered them, and the tag is checked when the record ends
+        (:class:`~disco_core.errors.IntegrityError`).
+
+        Raises
+        ------
+        ValueError
+            No large record is under way, or ``data`` is longer than what is left of it.
+        """
+        v = data if type(data) is memoryview else memoryview(data)
+        if v.format != "B" or v.ndim != 1:
+            v = v.cast("B")
+        if self._held is not None or v.nbytes > self._left:
+            raise ValueError(
+                f"absorb() of {v.nbytes} bytes where the current large record has {self._left} left"
+            )
+        self._mac.update(v)
+        self._left -= v.nbytes
+        if not self._left:
+            self._finish()
+
     def _serve(self, view: Any) -> int:
         held = self._held
         v = view if type(view) is memoryview else memoryview(view)

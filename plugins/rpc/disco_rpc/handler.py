@@ -390,7 +390,8 @@ class SessionHandler:
         dfd = target.dir_fd
         tmp = PART_PREFIX + secrets.token_hex(8)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=dfd)  # fmt: skip
+            # read-write: a sealed stream spliced in is checked from the file's pages
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=dfd)  # fmt: skip
             try:
                 with os.fdopen(fd, "wb") as f:
                     fill(f)

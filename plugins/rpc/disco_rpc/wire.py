@@ -27,7 +27,10 @@ it got and the connection stays in sync.
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
+import select
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +40,7 @@ import numpy as np
 from disco_core.device import Device, as_dtype
 from disco_core.net.io import (
     CAN_SPLICE,
+    PIPE_BYTES,
     PipeTransport,
     SinkFailedError,
     SocketTransport,
@@ -490,6 +494,73 @@ class SealedLink(SealedTransport):
             super().send_parts(group)
 
 
+def _splices_sealed(t: Any) -> bool:
+    """Whether ``t`` is sealed over a plain socket and a large record is under way."""
+    return (
+        CAN_SPLICE
+        and isinstance(t, SealedTransport)
+        and type(t.inner) is SocketTransport
+        and t.record_left > 0
+    )
+
+
+def _readable(fd: int) -> bool:
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    except OSError:
+        return False
+
+
+def _absorb_file(t: SealedTransport, fd: int, pos: int, k: int) -> None:
+    """Feed the ``k`` bytes at ``pos`` of ``fd`` (just spliced there) to ``t``'s record MAC."""
+    off = pos - pos % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with mmap.mmap(fd, pos + k - off, flags, mmap.PROT_READ, offset=off) as mm:
+        with memoryview(mm) as v:
+            t.absorb(v[pos - off :])
+
+
+def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size: int) -> None:
+    """Splice ``size`` payload bytes of ``t``'s current record from its socket into ``out_fd``.
+
+    The bytes never pass through Python on their way (socket -> pipe -> file); each
+    piece is then fed to the record's MAC from the file's pages (a read-only map, no
+    copy), so the tag is checked exactly as if the bytes had been received. A file
+    that fails mid-way raises :class:`SinkFailedError` after the bytes still in the
+    pipe were read and counted: the connection stays in sync.
+    """
+    sock = t.inner.sock
+    sfd = sock.fileno()
+    timeout = sock.gettimeout()
+    r, w = pipe
+    pos = os.lseek(out_fd, 0, os.SEEK_CUR)
+    left = size
+    while left:
+        try:
+            k = os.splice(sfd, w, min(left, PIPE_BYTES))
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+            if not select.select([sfd], [], [], timeout)[0]:
+                raise TimeoutError("timed out receiving a transfer") from None
+            continue
+        if not k:
+            raise EOFError("the peer closed the connection in the middle of a transfer")
+        left -= k
+        moved = 0
+        try:
+            while moved < k:
+                moved += os.splice(r, out_fd, k - moved)
+        except OSError as exc:
+            rest = bytearray()
+            while len(rest) < k - moved:  # what the file refused, still in the pipe
+                rest += os.read(r, k - moved - len(rest))
+            if moved:
+                _absorb_file(t, out_fd, pos, moved)
+            t.absorb(rest)
+            raise SinkFailedError(exc, left) from None
+        _absorb_file(t, out_fd, pos, k)
+        pos += k
+
+
 # --------------------------------------------------------------------------- connection
 class Conn:
     """Frames over a transport, with a read buffer and a bound on frame sizes.
@@ -767,7 +838,15 @@ class Conn:
 
     def _chunk_to_file(self, sink: Any, n: int) -> None:
         """Write the ``n`` bytes of a chunk to ``sink``, spliced when it is a real file."""
-        out_fd = _real_fd(sink) if n >= _SPLICE_MIN and type(self.t) is SocketTransport else None
+        t = self.t
+        sealed = None
+        out_fd = _real_fd(sink) if n >= _SPLICE_MIN and type(t) is SocketTransport else None
+        if out_fd is None and n >= _SPLICE_MIN and _splices_sealed(t):
+            out_fd = _real_fd(sink)
+            if out_fd is not None and _readable(out_fd):
+                sealed = t  # spliced too, its MAC fed from the file's pages
+            else:
+                out_fd = None
         have = min(n, self.end - self.start)
         try:
             if have:
@@ -782,10 +861,16 @@ class Conn:
                 raise SinkFailedError(exc, n - have) from None
             if self._pipe is None:
                 self._pipe = new_pipe()
-            splice_exact(self.t.sock, self._pipe, out_fd, n - have)
-            return
-        scratch = memoryview(bytearray(min(n - have, CHUNK) or 1))
+            if sealed is None:
+                splice_exact(self.t.sock, self._pipe, out_fd, n - have)
+                return
+            # what the current record holds is spliced; the rest (a chunk sent in several
+            # records) is read below
+            k = min(n - have, sealed.record_left)
+            _splice_sealed(sealed, self._pipe, out_fd, k)
+            have += k
         left = n - have
+        scratch = memoryview(bytearray(min(left, CHUNK) or 1))
         while left:
             k = min(left, scratch.nbytes)
             self.read_into(scratch[:k])

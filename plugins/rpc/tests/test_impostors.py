@@ -118,6 +118,31 @@ def test_client_with_token_refuses_server_that_proves_nothing():
     assert issubclass(rpc.RPCAuthError, disco.errors.AuthenticationError)
 
 
+def test_fake_server_at_a_token_less_tracker_is_refused(monkeypatch):
+    """Finding 1 through a tracker: an impostor registers under the key; the client refuses it."""
+    from disco_rpc.tracker import Registration
+
+    monkeypatch.delenv("DISCO_TOKEN", raising=False)
+    imp = _NoAuthImpostor()
+    imp.start()
+    tr = rpc.Tracker(port=9600, port_end=9700)
+    reg = None
+    try:
+        reg = Registration(tr.addr, "gpu", ("127.0.0.1", imp.port))
+        ts = rpc.connect_tracker(*tr.addr, server_token=TOKEN)
+        try:
+            with pytest.raises(rpc.RPCError, match="requires no authentication"):
+                ts.request("gpu", max_retry=1, wait_timeout=10)
+        finally:
+            ts.close()
+        assert all(d == b"" for d in imp.after_hello), imp.after_hello
+    finally:
+        if reg is not None:
+            reg.close()
+        tr.terminate()
+        imp.lst.close()
+
+
 def test_client_with_token_refuses_token_less_server(monkeypatch):
     monkeypatch.delenv("DISCO_TOKEN", raising=False)
     srv = rpc.Server(port=10150, port_end=10200)
@@ -399,7 +424,7 @@ def test_altered_upload_leaves_no_file(token_server):
         s.remove("big.bin")
 
 
-def test_sealed_session_moves_large_data(token_server):
+def test_sealed_session_moves_large_data(token_server, tmp_path):
     """Frames larger than one record (a 20 MiB tensor) and chunked files both ways."""
     with rpc.connect("127.0.0.1", token_server.port, token=TOKEN) as s:
         assert isinstance(s._conn.t, wire.SealedLink)
@@ -409,7 +434,13 @@ def test_sealed_session_moves_large_data(token_server):
         blob = os.urandom((17 << 20) + 5)
         s.upload(blob, "blob.bin")
         assert bytes(s.download("blob.bin")) == blob
+        src = tmp_path / "src.bin"  # from a file and into one (spliced, then checked)
+        src.write_bytes(blob[: 9 << 20])
+        s.upload(str(src), "from_file.bin")
+        s.download("from_file.bin", target=str(tmp_path / "back.bin"))
+        assert (tmp_path / "back.bin").read_bytes() == blob[: 9 << 20]
         s.remove("blob.bin")
+        s.remove("from_file.bin")
 
 
 def test_chained_session_with_tokens_on_both_links():
