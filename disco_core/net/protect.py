@@ -46,6 +46,9 @@ TAG_BYTES = 16
 #: Records at least this long are tagged with Poly1305, shorter ones with BLAKE2b.
 LARGE_RECORD = 64 << 10
 
+#: A large record leaves in pieces of this size (hashed, then sent, one after the other).
+_PIECE = 1 << 20
+
 _LEN = struct.Struct("<Q")
 _SEQ_LEN = struct.Struct("<QQ")
 
@@ -163,9 +166,27 @@ class SealedTransport:
         if not total:
             return
         mac = self._out.start(total)
+        if total < LARGE_RECORD:
+            for v in views:
+                mac.update(v)
+            self.inner.send_parts([_LEN.pack(total), *views, _tag(mac)])
+            return
+        # a large record leaves piece by piece, each tagged into the MAC just before it
+        # goes: the peer checks one piece while this side hashes the next
+        out: list = [_LEN.pack(total)]
+        size = 0
         for v in views:
-            mac.update(v)
-        self.inner.send_parts([_LEN.pack(total), *views, _tag(mac)])
+            while v.nbytes:
+                take = v[: _PIECE - size]
+                mac.update(take)
+                out.append(take)
+                size += take.nbytes
+                v = v[take.nbytes :]
+                if size == _PIECE:
+                    self.inner.send_parts(out)
+                    out, size = [], 0
+        out.append(_tag(mac))
+        self.inner.send_parts(out)
 
     # -- receiving ------------------------------------------------------------------
     def recv_into(self, view: Any) -> int:

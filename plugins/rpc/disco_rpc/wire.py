@@ -511,6 +511,10 @@ def _readable(fd: int) -> bool:
         return False
 
 
+#: Spliced bytes are fed to the record's MAC this many at a time (one map of the file each).
+_ABSORB_BYTES = 4 << 20
+
+
 def _absorb_file(t: SealedTransport, fd: int, pos: int, k: int) -> None:
     """Feed the ``k`` bytes at ``pos`` of ``fd`` (just spliced there) to ``t``'s record MAC."""
     off = pos - pos % mmap.ALLOCATIONGRANULARITY
@@ -533,7 +537,7 @@ def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size:
     sfd = sock.fileno()
     timeout = sock.gettimeout()
     r, w = pipe
-    pos = os.lseek(out_fd, 0, os.SEEK_CUR)
+    pos = done = os.lseek(out_fd, 0, os.SEEK_CUR)  # spliced up to pos, hashed up to done
     left = size
     while left:
         try:
@@ -553,12 +557,14 @@ def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size:
             rest = bytearray()
             while len(rest) < k - moved:  # what the file refused, still in the pipe
                 rest += os.read(r, k - moved - len(rest))
-            if moved:
-                _absorb_file(t, out_fd, pos, moved)
+            if pos + moved > done:
+                _absorb_file(t, out_fd, done, pos + moved - done)
             t.absorb(rest)
             raise SinkFailedError(exc, left) from None
-        _absorb_file(t, out_fd, pos, k)
         pos += k
+        if pos - done >= _ABSORB_BYTES or not left:  # hashed in large pieces: one map each
+            _absorb_file(t, out_fd, done, pos - done)
+            done = pos
 
 
 # --------------------------------------------------------------------------- connection
