@@ -60,12 +60,17 @@ class LinkFrames:
     def __init__(self, conn: wire.Conn) -> None:
         self.t = conn.t
         self.fd = conn.t.fileno()
+        self._scratch = bytearray(FrameReader._CHUNK)
+        self._scratch_view = memoryview(self._scratch)
         self.reader = FrameReader(self.fd, read=self._read, readinto=self.t.recv_into)
         if conn.buffered():  # bytes already read past the last RPC frame (verified)
             self.reader.buf += bytes(conn.view[conn.start : conn.end])
             conn.start = conn.end
 
     def _read(self, n: int) -> bytes:
+        if n <= len(self._scratch):  # headers: into a reused buffer, copied out as received
+            k = self.t.recv_into(self._scratch_view[:n])
+            return self._scratch[:k]
         buf = bytearray(n)
         k = self.t.recv_into(memoryview(buf))
         del buf[k:]
