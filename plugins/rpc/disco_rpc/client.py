@@ -553,7 +553,8 @@ class _replacing:
         self.tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.part")
 
     def __enter__(self) -> Any:
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        # read-write: a sealed stream spliced in is read back into its MAC
+        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         self.file = os.fdopen(fd, "wb")
         return self.file
 
@@ -866,7 +867,9 @@ def connect(url: str, port: int, key: str = "", session_timeout: float = 0, sess
     enable_logging : bool
         Log every request and its duration on the ``disco_rpc.client`` logger.
     token : str or bytes, optional
-        The shared secret for the HMAC challenge-response (default ``$DISCO_TOKEN``).
+        The shared secret (default ``$DISCO_TOKEN``): both sides prove they hold it
+        and every frame is then sealed. A server that does not prove it, e.g. one
+        that answers "no authentication required", is refused (:class:`RPCAuthError`).
     ssl_context : ssl.SSLContext, optional
         Speak TLS (a client context, e.g. ``ssl.create_default_context(cafile=...)``).
     max_message_bytes : int

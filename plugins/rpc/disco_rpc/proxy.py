@@ -7,8 +7,11 @@ server (``rpc.connect(proxy_host, proxy_port, key=...)``): the proxy reads the
 client's hello (fixed-size fields and a key of at most 4 KiB), picks an idle
 server registered under that key, tells it a client arrived, forwards the hello
 and then relays bytes both ways. Authentication between client and server stays
-end to end (the server's token); the proxy never decodes a client's frames.
-The server serves one session at a time, then connects out again.
+end to end (the server's token), and so does the seal on every later frame: the
+proxy never decodes a client's frames and cannot alter them, and a fake backend
+that relays a real client's handshake gains nothing. The server runs each paired
+client's handshake in its own process, registering a new idle link meanwhile, and
+forks a session only for a client that proved the token; one session at a time.
 
 With ``tracker_addr``, the proxy registers each server behind it with the
 tracker under the proxy's address: a tracker's client is sent to the proxy with

@@ -28,7 +28,6 @@ it got and the connection stays in sync.
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import select
 import struct
@@ -511,25 +510,28 @@ def _readable(fd: int) -> bool:
         return False
 
 
-#: Spliced bytes are fed to the record's MAC this many at a time (one map of the file each).
+#: Spliced bytes are read back into the record's MAC this many at a time.
 _ABSORB_BYTES = 4 << 20
 
 
-def _absorb_file(t: SealedTransport, fd: int, pos: int, k: int) -> None:
+def _absorb_file(t: SealedTransport, fd: int, pos: int, k: int, scratch: memoryview) -> None:
     """Feed the ``k`` bytes at ``pos`` of ``fd`` (just spliced there) to ``t``'s record MAC."""
-    off = pos - pos % mmap.ALLOCATIONGRANULARITY
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    with mmap.mmap(fd, pos + k - off, flags, mmap.PROT_READ, offset=off) as mm:
-        with memoryview(mm) as v:
-            t.absorb(v[pos - off :])
+    while k:
+        n = os.preadv(fd, [scratch[: min(k, scratch.nbytes)]], pos)
+        if not n:
+            raise OSError(f"the file ended while its spliced bytes were checked ({k} left)")
+        t.absorb(scratch[:n])
+        pos += n
+        k -= n
 
 
-def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size: int) -> None:
+def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size: int, scratch: memoryview) -> None:  # fmt: skip
     """Splice ``size`` payload bytes of ``t``'s current record from its socket into ``out_fd``.
 
-    The bytes never pass through Python on their way (socket -> pipe -> file); each
-    piece is then fed to the record's MAC from the file's pages (a read-only map, no
-    copy), so the tag is checked exactly as if the bytes had been received. A file
+    The bytes never pass through Python on their way (socket -> pipe -> file); every
+    :data:`_ABSORB_BYTES` they are read back from the file (page cache, through
+    ``scratch``) into the record's MAC, so the tag is checked exactly as if the bytes
+    had been received, and before this returns when the record ends here. A file
     that fails mid-way raises :class:`SinkFailedError` after the bytes still in the
     pipe were read and counted: the connection stays in sync.
     """
@@ -557,13 +559,12 @@ def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size:
             rest = bytearray()
             while len(rest) < k - moved:  # what the file refused, still in the pipe
                 rest += os.read(r, k - moved - len(rest))
-            if pos + moved > done:
-                _absorb_file(t, out_fd, done, pos + moved - done)
+            _absorb_file(t, out_fd, done, pos + moved - done, scratch)
             t.absorb(rest)
             raise SinkFailedError(exc, left) from None
         pos += k
-        if pos - done >= _ABSORB_BYTES or not left:  # hashed in large pieces: one map each
-            _absorb_file(t, out_fd, done, pos - done)
+        if pos - done >= _ABSORB_BYTES or not left:
+            _absorb_file(t, out_fd, done, pos - done, scratch)
             done = pos
 
 
@@ -587,6 +588,7 @@ class Conn:
         self.start = 0
         self.end = 0
         self._pipe: tuple[int, int] | None = None
+        self._hash_buf: memoryview | None = None  # sealed bytes spliced to a file, read back
 
     # -- raw reads ------------------------------------------------------------
     def _recv(self, view) -> int:
@@ -850,7 +852,7 @@ class Conn:
         if out_fd is None and n >= _SPLICE_MIN and _splices_sealed(t):
             out_fd = _real_fd(sink)
             if out_fd is not None and _readable(out_fd):
-                sealed = t  # spliced too, its MAC fed from the file's pages
+                sealed = t  # spliced too, then read back into its MAC
             else:
                 out_fd = None
         have = min(n, self.end - self.start)
@@ -873,7 +875,9 @@ class Conn:
             # what the current record holds is spliced; the rest (a chunk sent in several
             # records) is read below
             k = min(n - have, sealed.record_left)
-            _splice_sealed(sealed, self._pipe, out_fd, k)
+            if self._hash_buf is None:
+                self._hash_buf = memoryview(bytearray(_ABSORB_BYTES))
+            _splice_sealed(sealed, self._pipe, out_fd, k, self._hash_buf)
             have += k
         left = n - have
         scratch = memoryview(bytearray(min(left, CHUNK) or 1))
