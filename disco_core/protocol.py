@@ -155,6 +155,9 @@ SAFE_GLOBALS = frozenset(
         ("disco_core.device", "Device"),
         ("disco_core.errors", "WorkerError"),
         ("disco_core.errors", "WorkerDiedError"),
+        # the shm CCL's rendezvous payload (offsets in its segment: data, no code; needed
+        # where its workers decode untrusted, e.g. the "rpc" channel's loopback servers)
+        ("disco_core.ccl.shm", "Layout"),
     }
 )
 #: Modules whose NumPy scalar types (bfloat16, float8_*, ...) may be named.

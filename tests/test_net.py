@@ -287,6 +287,53 @@ def test_decode_untrusted_refuses_objects_and_garbage():
     assert "antigravity" not in sys.modules
 
 
+def test_small_record_is_checked_before_any_byte_is_handed_over(sealed_pair):
+    """A small record is read whole and verified first; what the caller did not take waits."""
+    tx, rx, tap, raw = sealed_pair
+    tx.send_parts([b"0123456789"])
+    one = bytearray(3)
+    assert rx.recv_into(memoryview(one)) == 3 and bytes(one) == b"012"
+    assert rx.pending == 7 and rx.record_left == 0  # verified, held
+    assert _recv(rx, 7) == b"3456789" and rx.pending == 0
+    tx.send_parts([b"abcdefghij"])
+    forged = bytearray(tap.sent[-1])
+    _recv(rx, 10)
+    forged[-20] ^= 1  # the first payload byte of a replayed copy, altered
+    raw.sendall(forged)
+    with pytest.raises(IntegrityError):
+        rx.recv_into(memoryview(bytearray(1)))  # not even one byte of it comes out
+
+
+def test_absorb_counts_bytes_moved_around_the_transport(sealed_pair):
+    """A caller that moves a large record's payload itself (a splice) feeds it to absorb()."""
+    tx, rx, tap, raw = sealed_pair
+    data = os.urandom(3 * LARGE_RECORD)
+    t = threading.Thread(target=tx.send_parts, args=([data],))
+    t.start()
+    head = _recv(rx, 100)
+    assert rx.record_left == len(data) - 100
+    rest = bytearray()
+    while len(rest) < len(data) - 100:  # read around the seal, as a splice would
+        rest += rx.inner.sock.recv(len(data) - 100 - len(rest))
+    t.join()
+    with pytest.raises(ValueError):
+        rx.absorb(rest + b"x")  # more than the record holds
+    rx.absorb(rest[:-1])
+    rx.absorb(rest[-1:])  # the last byte: the tag is read and checked here
+    assert head + bytes(rest) == data and rx.record_left == 0
+    # the same with one byte changed on the way: the check fails
+    t = threading.Thread(target=tx.send_parts, args=([data],))
+    t.start()
+    _recv(rx, 100)
+    rest = bytearray()
+    while len(rest) < len(data) - 100:
+        rest += rx.inner.sock.recv(len(data) - 100 - len(rest))
+    t.join()
+    rest[5] ^= 1
+    with pytest.raises(IntegrityError):
+        rx.absorb(rest)
+
+
 # ----------------------------------------------------------------------------- relay
 def test_relay_reseals_between_two_protected_links():
     from disco_core.net.relay import relay

@@ -11,12 +11,18 @@ each direction), its length and its payload, under the sending direction's key
 altered, injected, dropped, reordered or replayed without the next check
 failing, and a record from another connection never verifies on this one.
 
-Payloads are not encrypted (run TLS for secrecy). They are received straight
-into the caller's memory and checked there: no copy is taken. The last bytes
-of a record are only handed over once its tag has verified, so a caller that
-reads a whole frame before acting on it never acts on a forged one; a caller
-that streams a record's bytes onward (a file) must be ready to drop them when
-:class:`~disco_core.errors.IntegrityError` is raised.
+Payloads are not encrypted (run TLS for secrecy). A small record (under
+:data:`LARGE_RECORD`) is read whole, payload and tag in one receive, and checked
+before any of it is handed over (:attr:`SealedTransport.pending` says how much
+of it the caller has not taken yet). A large one is received straight into the
+caller's memory and checked there: no copy is taken, and its last bytes are
+only handed over once its tag has verified, so a caller that reads a whole frame
+before acting on it never acts on a forged one (:attr:`SealedTransport.record_left`
+tells a caller whether what it holds is all verified); a caller that streams a
+record's bytes onward (a file) must be ready to drop them when
+:class:`~disco_core.errors.IntegrityError` is raised. The length of a record,
+where a reader waits for its peer, is read through the transport's polling
+``recv_head_into`` when it has one.
 
 Two MACs, chosen by the record's length (which is itself authenticated):
 keyed BLAKE2b for small records (about 1 µs each), Poly1305 from
@@ -40,6 +46,9 @@ TAG_BYTES = 16
 #: Records at least this long are tagged with Poly1305, shorter ones with BLAKE2b.
 LARGE_RECORD = 64 << 10
 
+#: A large record leaves in pieces of this size (hashed, then sent, one after the other).
+_PIECE = 1 << 20
+
 _LEN = struct.Struct("<Q")
 _SEQ_LEN = struct.Struct("<QQ")
 
@@ -57,13 +66,14 @@ def _poly1305():
 class _Direction:
     """The MAC state of one direction: its keys and its record counter."""
 
-    __slots__ = ("small_key", "otk_key", "seq", "Poly1305")
+    __slots__ = ("small", "otk", "seq", "Poly1305")
 
     def __init__(self, key: bytes) -> None:
         if len(key) != 64:
             raise ValueError("a direction's key is 64 bytes")
-        self.small_key = key[:32]
-        self.otk_key = key[32:]
+        # keyed once; each record copies the keyed state (cheaper than keying again)
+        self.small = hashlib.blake2b(key=key[:32], digest_size=TAG_BYTES)
+        self.otk = hashlib.blake2b(key=key[32:], digest_size=32)
         self.seq = 0
         self.Poly1305 = _poly1305()
 
@@ -71,9 +81,12 @@ class _Direction:
         """A MAC object for the next record of ``length`` bytes (the counter moves on)."""
         head = _SEQ_LEN.pack(self.seq, length)
         if length < LARGE_RECORD:
-            mac = hashlib.blake2b(head, key=self.small_key, digest_size=TAG_BYTES)
+            mac = self.small.copy()
+            mac.update(head)
         else:
-            otk = hashlib.blake2b(head, key=self.otk_key, digest_size=32).digest()
+            otk = self.otk.copy()
+            otk.update(head)
+            otk = otk.digest()
             mac = self.Poly1305(otk)
             mac.update(head)
         self.seq += 1
@@ -110,10 +123,24 @@ class SealedTransport:
         self.max_record = int(max_record)
         self._out = _Direction(keys.send)
         self._in = _Direction(keys.recv)
-        self._left = 0  # payload bytes still to come in the current record
+        self._left = 0  # payload bytes still to come in the current (large) record
         self._mac: Any = None
         self._small = bytearray(TAG_BYTES)
+        self._held: memoryview | None = None  # verified bytes of a small record, not taken yet
         self._broken: str | None = None
+
+    @property
+    def record_left(self) -> int:
+        """Bytes of the large record being received that are still to come (0 between records).
+
+        While it is not 0, some bytes already handed over have not been verified.
+        """
+        return self._left
+
+    @property
+    def pending(self) -> int:
+        """Verified bytes of a small record that the caller has not taken yet."""
+        return self._held.nbytes if self._held is not None else 0
 
     # -- pass-through ---------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -139,9 +166,27 @@ class SealedTransport:
         if not total:
             return
         mac = self._out.start(total)
+        if total < LARGE_RECORD:
+            for v in views:
+                mac.update(v)
+            self.inner.send_parts([_LEN.pack(total), *views, _tag(mac)])
+            return
+        # a large record leaves piece by piece, each tagged into the MAC just before it
+        # goes: the peer checks one piece while this side hashes the next
+        out: list = [_LEN.pack(total)]
+        size = 0
         for v in views:
-            mac.update(v)
-        self.inner.send_parts([_LEN.pack(total), *views, _tag(mac)])
+            while v.nbytes:
+                take = v[: _PIECE - size]
+                mac.update(take)
+                out.append(take)
+                size += take.nbytes
+                v = v[take.nbytes :]
+                if size == _PIECE:
+                    self.inner.send_parts(out)
+                    out, size = [], 0
+        out.append(_tag(mac))
+        self.inner.send_parts(out)
 
     # -- receiving ------------------------------------------------------------------
     def recv_into(self, view: Any) -> int:
@@ -154,9 +199,11 @@ class SealedTransport:
     def _recv(self, view: Any, recv: Any) -> int:
         if self._broken is not None:
             raise IntegrityError(self._broken)
-        if not self._left:
+        if self._held is None and not self._left:
             if not self._begin():
                 return 0
+        if self._held is not None:
+            return self._serve(view)
         v = view if type(view) is memoryview else memoryview(view)
         if v.nbytes > self._left:
             v = v[: self._left]
@@ -169,10 +216,50 @@ class SealedTransport:
             self._finish()
         return n
 
+    def absorb(self, data: Any) -> None:
+        """Count payload bytes the caller moved around this transport into the current record.
+
+        For a caller that splices a large record's payload from the socket straight
+        into a file: ``data`` holds those bytes as received, in order (e.g. a map of
+        the file's pages); they go into the record's MAC as if :meth:`recv_into` had
+        delivered them, and the tag is checked when the record ends
+        (:class:`~disco_core.errors.IntegrityError`).
+
+        Raises
+        ------
+        ValueError
+            No large record is under way, or ``data`` is longer than what is left of it.
+        """
+        v = data if type(data) is memoryview else memoryview(data)
+        if v.format != "B" or v.ndim != 1:
+            v = v.cast("B")
+        if self._held is not None or v.nbytes > self._left:
+            raise ValueError(
+                f"absorb() of {v.nbytes} bytes where the current large record has {self._left} left"
+            )
+        self._mac.update(v)
+        self._left -= v.nbytes
+        if not self._left:
+            self._finish()
+
+    def _serve(self, view: Any) -> int:
+        held = self._held
+        v = view if type(view) is memoryview else memoryview(view)
+        if v.format != "B" or v.ndim != 1:
+            v = v.cast("B")
+        n = min(v.nbytes, held.nbytes)
+        v[:n] = held[:n]
+        self._held = held[n:] if n < held.nbytes else None
+        return n
+
     def _read_exact(self, n: int, at_boundary: bool = False) -> bytes | None:
         buf = self._small if n == TAG_BYTES else bytearray(n)
         view = memoryview(buf)
         got = 0
+        if at_boundary:  # where the reader waits for the peer: poll a little before sleeping
+            got = getattr(self.inner, "recv_head_into", self.inner.recv_into)(view)
+            if not got:
+                return None
         while got < n:
             k = self.inner.recv_into(view[got:])
             if not k:
@@ -192,17 +279,33 @@ class SealedTransport:
                 f"the peer declared a record of {length} bytes (this side accepts 1 to "
                 f"{self.max_record})"
             )
-        self._left = length
-        self._mac = self._in.start(length)
+        mac = self._in.start(length)
+        if length >= LARGE_RECORD:
+            self._left = length
+            self._mac = mac
+            return True
+        body = bytearray(length + TAG_BYTES)  # payload and tag: one receive, checked whole
+        view = memoryview(body)
+        got = 0
+        while got < len(body):
+            k = self.inner.recv_into(view[got:])
+            if not k:
+                raise EOFError("the peer closed the connection in the middle of a record")
+            got += k
+        mac.update(view[:length])
+        self._check(bytes(view[length:]), mac)
+        self._held = view[:length]
         return True
 
-    def _finish(self) -> None:
-        tag = self._read_exact(TAG_BYTES)
-        ok = hmac.compare_digest(tag, _tag(self._mac))
-        self._mac = None
-        if not ok:
+    def _check(self, tag: bytes, mac: Any) -> None:
+        if not hmac.compare_digest(tag, _tag(mac)):
             self._broken = (
                 "a record from the peer failed its integrity check (altered, injected, "
                 "reordered or replayed); the connection cannot be trusted any more"
             )
             raise IntegrityError(self._broken)
+
+    def _finish(self) -> None:
+        tag = self._read_exact(TAG_BYTES)
+        mac, self._mac = self._mac, None
+        self._check(tag, mac)

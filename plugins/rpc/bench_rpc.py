@@ -1,6 +1,9 @@
 """Benchmark disco-rpc beside raw loopback TCP and, when installed, TVM's RPC.
 
-    python plugins/rpc/bench_rpc.py [--mib 64] [--calls 5000] [--json out.json]
+    python plugins/rpc/bench_rpc.py [--mib 64] [--calls 5000] [--token T] [--json out.json]
+
+``--token`` runs disco-rpc with a token: a mutual proof at connect, then every
+frame sealed (a 16-byte tag per record); compare with a run without it.
 
 TVM is run from ``/work/main/.venv-bench`` (or ``$TVM_PYTHON``) in a child process,
 in the same run, with the same sizes. Targets (issue 7): call round trip < 100 us
@@ -68,21 +71,21 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def bench_disco(nbytes: int, calls: int, reps: int) -> dict:
+def bench_disco(nbytes: int, calls: int, reps: int, token: str | None = None) -> dict:
     import disco_core as disco
     import disco_rpc as rpc
 
     disco.register_func("bench.addone", lambda a: a + 1, override=True)
-    srv = rpc.Server(port=9091, port_end=9199)
+    srv = rpc.Server(port=9091, port_end=9199, token=token)
     try:
         times = []
         for _ in range(20):
             t = time.perf_counter()
-            s = rpc.connect("127.0.0.1", srv.port)
+            s = rpc.connect("127.0.0.1", srv.port, token=token)
             times.append(time.perf_counter() - t)
             s.close()
         out = {"connect_ms": statistics.median(times) * 1e3}
-        s = rpc.connect("127.0.0.1", srv.port)
+        s = rpc.connect("127.0.0.1", srv.port, token=token)
         f = s.get_function("bench.addone")
         for _ in range(200):
             f(1)
@@ -182,10 +185,11 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-tvm", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--token", default=None, help="run disco-rpc with this token (sealed frames)")
     a = p.parse_args()
     nbytes = a.mib << 20
     raw = raw_loopback(nbytes, a.reps)
-    ours = bench_disco(nbytes, a.calls, a.reps)
+    ours = bench_disco(nbytes, a.calls, a.reps, a.token)
     tvm = None if a.no_tvm else bench_tvm(nbytes, a.calls, a.reps)
     rows = [
         ("connect", "connect_ms", "ms"),
@@ -197,6 +201,7 @@ def main() -> int:
         (f"tensor.copyfrom {a.mib} MiB", "copyfrom_GBps", "GB/s"),
     ]
     print(f"raw loopback TCP ({a.mib} MiB, best of {a.reps}): {raw:.2f} GB/s")
+    print("disco-rpc " + ("with a token: sealed frames" if a.token else "without a token"))
     print(f"{'':32s} {'disco-rpc':>12s} {'tvm.rpc':>12s}")
     for label, k, unit in rows:
         t = f"{tvm[k]:.3g}" if tvm else "-"
@@ -211,7 +216,7 @@ def main() -> int:
     print("targets met" if ok else "targets NOT all met")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"raw_loopback_GBps": raw, "disco_rpc": ours, "tvm": tvm}, f, indent=1)
+            json.dump({"raw_loopback_GBps": raw, "token": bool(a.token), "disco_rpc": ours, "tvm": tvm}, f, indent=1)  # fmt: skip
     return 0
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from disco_core.channels.base import LinkChannel, Outgoing, ThreadWorkerLink, WorkerLink
 from disco_core.errors import DiscoError, DiscoValueError
-from disco_core.protocol import FLAG_BATCH, decode, encode, frame_head
+from disco_core.protocol import FLAG_BATCH, decode_untrusted, encode, frame_head
 from disco_core.worker import Worker
 
 from . import _runtime
@@ -157,7 +157,7 @@ class MPIChannel(LinkChannel):
             src, _, header, buffers, flags = _recv_frame(
                 self.comm, _runtime.mpi().ANY_SOURCE, _REPLY_TAG
             )
-            msg = decode(header, buffers)
+            msg = decode_untrusted(header, buffers)  # MPI traffic may cross sockets
             if msg[0] == "bye":
                 remaining -= 1
                 continue
@@ -193,10 +193,11 @@ def _serve(comm: Any, me: int, size: int, num_groups: int) -> None:
     def commands():
         while True:
             _, _, header, buffers, flags = _recv_frame(comm, 0, _CMD_TAG)
+            # MPI traffic may cross sockets: rebuilt from an allow-list, never unpickled
             if flags & FLAG_BATCH:
-                yield from decode(header, buffers)
+                yield from decode_untrusted(header, buffers)
             else:
-                yield decode(header, buffers)
+                yield decode_untrusted(header, buffers)
 
     code = 0
     try:

@@ -1,63 +1,127 @@
-"""The handshake: magic, key matching, and HMAC-SHA256 challenge-response.
+"""The handshake: magic, key matching, a mutual proof over the transcript, then sealed records.
 
 Before a peer has authenticated, the server reads only fixed-size fields and a
 bounded key string; nothing is decoded beyond that.
 
 ::
 
-    client -> server   b"DISCORPC" | u32 version | u32 key_len | key | 32-byte client nonce
-    server -> client   b"DISCORPC" | u32 version | u8 status | u8 auth_required | 32-byte server nonce
+    client -> server   hello = b"DISCORPC" | u32 version | u32 key_len | key | 32-byte client nonce
+    server -> client   reply = b"DISCORPC" | u32 version | u8 status | u8 auth_required | 32-byte server nonce
     (auth_required)
-    client -> server   HMAC(token, b"disco-rpc client" | server nonce | client nonce | key)
-    server -> client   u8 status | HMAC(token, b"disco-rpc server" | client nonce | server nonce)
+    client -> server   client proof (32 bytes)
+    server -> client   u8 status | server proof (32 bytes), only once the client's proof checked out
 
-Both sides prove they know the token; the token itself never crosses the wire.
-A proxy that cannot pair a client answers with the server reply and a status
-saying why (no server for the key, servers busy, a tracker ticket required).
+The proofs are :class:`disco_core.net.security.Handshake`'s: an HMAC under the
+token over the *transcript*, the hello and the reply exactly as they crossed
+the wire, so each nonce, the key, the version, the status and the
+``auth_required`` flag are all bound; the token itself never crosses the wire.
+After a handshake with a token both sides seal every later byte with keys
+derived from the token and the transcript
+(:class:`~disco_rpc.wire.SealedLink`): a relay that passed the handshake
+through (a proxy, a fake backend, anyone on the path) can neither inject,
+alter, reorder nor replay a frame, and a record of one connection is worthless
+on another.
+
+A side that holds a token never goes on with a peer that has not proven it: a
+client with a token refuses a server that answers "no authentication required".
+A proxy that cannot pair a client answers with the reply and a status saying
+why (no server for the key, servers busy, a tracker ticket required).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import struct
+from typing import Any
 
-from .errors import RPCAuthError
+from disco_core.net.security import (
+    NONCE_BYTES,
+    PROOF_BYTES,
+    TOKEN_ENV,
+    Handshake,
+    SessionKeys,
+    new_nonce,
+    resolve_token,
+)
+
+from .errors import ProtocolError, RPCAuthError
+from .wire import SealedLink
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "LABEL",
+    "MAX_KEY_BYTES",
+    "TOKEN_ENV",
+    "OK",
+    "KEY_MISMATCH",
+    "BAD_VERSION",
+    "AUTH_FAILED",
+    "NO_SERVER",
+    "SERVERS_BUSY",
+    "TICKET_REQUIRED",
+    "resolve_token",
+    "client_handshake",
+    "server_handshake",
+    "ServerHandshake",
+    "seal",
+    "refusal",
+    "read_hello",
+    "pack_hello",
+]
 
 MAGIC = b"DISCORPC"
-VERSION = 1
+#: Version 2: proofs over the whole transcript, and sealed records after a handshake with a token.
+VERSION = 2
+#: The protocol's label in the proofs and keys (those of another protocol are worthless here).
+LABEL = b"disco-rpc/2"
 MAX_KEY_BYTES = 4096
 OK, KEY_MISMATCH, BAD_VERSION, AUTH_FAILED = 0, 1, 2, 3
 # statuses a proxy answers with when it cannot pair a client with a server
 NO_SERVER, SERVERS_BUSY, TICKET_REQUIRED = 4, 5, 6
-TOKEN_ENV = "DISCO_TOKEN"
 
 _HELLO = struct.Struct("<8sII")
-_REPLY = struct.Struct("<8sIBB32s")
-_STATUS = struct.Struct("<B32s")
+_REPLY = struct.Struct(f"<8sIBB{NONCE_BYTES}s")
+_STATUS = struct.Struct(f"<B{PROOF_BYTES}s")
 
 
-def resolve_token(token: str | bytes | None) -> bytes | None:
-    """``token``, else ``$DISCO_TOKEN``; ``None`` when neither is set (or both empty)."""
-    if token is None:
-        token = os.environ.get(TOKEN_ENV, "")
-    if isinstance(token, str):
-        token = token.encode("utf-8")
-    return bytes(token) or None
+def seal(conn: Any, keys: SessionKeys | None) -> None:
+    """Seal every later byte of ``conn`` (a :class:`~disco_rpc.wire.Conn`) with ``keys``.
+
+    Nothing happens when ``keys`` is None (a handshake without a token).
+
+    Raises
+    ------
+    ProtocolError
+        The peer sent bytes before the handshake ended: no legitimate peer does
+        (each side waits for the other's last handshake message), and those bytes
+        could not be trusted.
+    """
+    if keys is None:
+        return
+    if conn.buffered():
+        raise ProtocolError("the peer sent data before the handshake ended; dropped")
+    conn.t = SealedLink(conn.t, keys)
 
 
-def _mac(token: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
+def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool = True, peer: str = "server") -> None:  # fmt: skip
+    """Run the client side over a :class:`~disco_rpc.wire.Conn`; raise on refusal.
 
+    With a token, the server must prove it holds it too, and ``conn`` is sealed
+    afterwards. ``strict=False`` only offers the token: a peer that answers that
+    it requires none is then accepted (and nothing is sealed). ``peer`` names the
+    peer in messages.
 
-def client_handshake(conn, key: str, token: bytes | None) -> None:
-    """Run the client side over a :class:`~disco_rpc.wire.Conn`; raise on refusal."""
+    Raises
+    ------
+    RPCAuthError
+        The peer is no disco-rpc server of this version, refused the key or the
+        proof, asked for a token this client lacks, or (this client holding a
+        token) did not prove that it holds the token.
+    """
     kb = key.encode("utf-8")
     if len(kb) > MAX_KEY_BYTES:
         raise ValueError(f"key is longer than {MAX_KEY_BYTES} bytes")
-    cnonce = os.urandom(32)
-    hello = _HELLO.pack(MAGIC, VERSION, len(kb)) + kb + cnonce
+    hello = pack_hello(VERSION, kb, new_nonce())
     conn.t.send_parts([hello])
     try:
         reply = bytes(conn.read_exact(_REPLY.size))
@@ -69,27 +133,38 @@ def client_handshake(conn, key: str, token: bytes | None) -> None:
     if reply == hello[: _REPLY.size]:
         # a real server's reply carries its own random nonce: this is our hello echoed
         raise RPCAuthError("the peer echoed the handshake back: it is not a disco-rpc server")
-    magic, version, status, auth_required, snonce = _REPLY.unpack(reply)
+    magic, version, status, auth_required, _snonce = _REPLY.unpack(reply)
     if magic != MAGIC:
         raise RPCAuthError("the peer is not a disco-rpc server (bad magic)")
     _check_status(status, version, key)
     if not auth_required:
+        if token is not None and strict:
+            raise RPCAuthError(
+                f"the {peer} answered that it requires no authentication, but this side "
+                f"holds a token: a {peer} that holds the token always proves it, so this peer "
+                f"is not the {peer} meant (an impostor, a relay, or a {peer} started without "
+                "the token); refusing it"
+            )
         return
-    mac = _mac(token, b"disco-rpc client", snonce, cnonce, kb) if token else bytes(32)
-    conn.t.send_parts([mac])
-    try:
-        status, smac = _STATUS.unpack(conn.read_exact(_STATUS.size))
-    except EOFError:
-        status, smac = AUTH_FAILED, b""
-    if status != OK:
-        hint = (
-            "the server requires a token: pass token=... or set DISCO_TOKEN"
-            if not token
-            else "wrong token"
+    if token is None:
+        conn.t.send_parts([bytes(PROOF_BYTES)])  # the server logs a refused client
+        raise RPCAuthError(
+            f"authentication failed: the {peer} requires a token: pass token=... or set {TOKEN_ENV}"
         )
-        raise RPCAuthError(f"authentication failed: {hint}")
-    if not hmac.compare_digest(smac, _mac(token, b"disco-rpc server", cnonce, snonce)):
-        raise RPCAuthError("the server failed to prove it knows the token")
+    hs = Handshake(token, "client", LABEL)
+    hs.bind(hello, reply)
+    conn.t.send_parts([hs.proof()])
+    try:
+        status, proof = _STATUS.unpack(conn.read_exact(_STATUS.size))
+    except EOFError:
+        status, proof = AUTH_FAILED, b""
+    if status != OK:
+        raise RPCAuthError("authentication failed: wrong token (the server refused this proof)")
+    if not hs.verify(proof):
+        raise RPCAuthError(
+            f"the {peer} failed to prove it knows the token (an impostor or a relay); refusing it"
+        )
+    seal(conn, hs.keys())
 
 
 def _check_status(status: int, version: int, key: str) -> None:
@@ -112,16 +187,16 @@ def _check_status(status: int, version: int, key: str) -> None:
 
 def refusal(status: int) -> bytes:
     """A server reply carrying only a refusal ``status`` (what a proxy answers)."""
-    return _REPLY.pack(MAGIC, VERSION, status, 0, bytes(32))
+    return _REPLY.pack(MAGIC, VERSION, status, 0, bytes(NONCE_BYTES))
 
 
-def read_hello(conn) -> tuple[int, bytes, bytes] | None:
+def read_hello(conn: Any) -> tuple[int, bytes, bytes] | None:
     """Read a client's hello: ``(version, key bytes, client nonce)``, or None if it is not one."""
     magic, version, keylen = _HELLO.unpack(conn.read_exact(_HELLO.size))
     if magic != MAGIC or keylen > MAX_KEY_BYTES:
         return None
     kb = bytes(conn.read_exact(keylen))
-    cnonce = bytes(conn.read_exact(32))
+    cnonce = bytes(conn.read_exact(NONCE_BYTES))
     return version, kb, cnonce
 
 
@@ -135,21 +210,23 @@ class ServerHandshake:
 
     Feed it exactly :attr:`want` bytes at a time with :meth:`step`, send what it
     returns; when :attr:`want` is 0 it is over and :attr:`ok` says whether the
-    client may proceed. Only fixed-size fields and a key of at most
+    client may proceed, :attr:`keys` what to seal the connection with (None
+    without a token). Only fixed-size fields and a key of at most
     :data:`MAX_KEY_BYTES` are ever read. ``key_check(key_bytes)``, when given,
     decides instead of comparing with ``key``.
     """
 
-    def __init__(self, key: str, token: bytes | None, key_check=None) -> None:
+    def __init__(self, key: str, token: bytes | None, key_check: Any = None) -> None:
         self.key = key.encode("utf-8")
         self.token = token
         self.key_check = key_check
         self.want = _HELLO.size
         self.ok = False
         self.peer_key = ""
+        self.keys: SessionKeys | None = None
         self._stage = self._hello
         self._version = self._keylen = 0
-        self._kb = self._cnonce = self._snonce = b""
+        self._hello_bytes = self._reply = b""
 
     def step(self, data: bytes) -> bytes:
         """Consume ``want`` bytes; return the bytes to send back (maybe none)."""
@@ -166,13 +243,14 @@ class ServerHandshake:
         magic, self._version, self._keylen = _HELLO.unpack(data)
         if magic != MAGIC or self._keylen > MAX_KEY_BYTES:
             return self._done(False)  # not a client: no answer
-        self.want = self._keylen + 32
+        self._hello_bytes = data
+        self.want = self._keylen + NONCE_BYTES
         self._stage = self._key
         return b""
 
     def _key(self, data: bytes) -> bytes:
-        kb, self._cnonce = data[: self._keylen], data[self._keylen :]
-        self._kb = kb
+        kb = data[: self._keylen]
+        self._hello_bytes += data
         self.peer_key = kb.decode("utf-8", "replace")
         status = OK
         if self._version != VERSION:
@@ -181,30 +259,30 @@ class ServerHandshake:
             status = OK if self.key_check(kb) else KEY_MISMATCH
         elif self.key and kb != self.key:
             status = KEY_MISMATCH
-        self._snonce = os.urandom(32)
-        reply = _REPLY.pack(MAGIC, VERSION, status, 1 if self.token else 0, self._snonce)
+        reply = _REPLY.pack(MAGIC, VERSION, status, 1 if self.token else 0, new_nonce())
         if status != OK or not self.token:
             return self._done(status == OK, reply)
-        self.want = 32
-        self._stage = self._mac
+        self._reply = reply
+        self.want = PROOF_BYTES
+        self._stage = self._proof
         return reply
 
-    def _mac(self, data: bytes) -> bytes:
-        token = self.token
-        expected = _mac(token, b"disco-rpc client", self._snonce, self._cnonce, self._kb)
-        if not hmac.compare_digest(data, expected):
-            return self._done(False, _STATUS.pack(AUTH_FAILED, bytes(32)))
-        proof = _mac(token, b"disco-rpc server", self._cnonce, self._snonce)
-        return self._done(True, _STATUS.pack(OK, proof))
+    def _proof(self, data: bytes) -> bytes:
+        hs = Handshake(self.token, "server", LABEL)
+        hs.bind(self._hello_bytes, self._reply)
+        if not hs.verify(data):
+            return self._done(False, _STATUS.pack(AUTH_FAILED, bytes(PROOF_BYTES)))
+        self.keys = hs.keys()
+        return self._done(True, _STATUS.pack(OK, hs.proof()))
 
 
-def server_handshake(conn, key: str, token: bytes | None, key_check=None, hello=None) -> bool:
+def server_handshake(conn: Any, key: str, token: bytes | None, key_check: Any = None, hello: Any = None) -> bool:  # fmt: skip
     """Run the server side over a blocking connection; return True when the client may proceed.
 
     A peer that is not a client, sends the wrong key or fails authentication gets
-    a status code and ``False``. The key the client presented is left in
-    ``conn.peer_key`` (str). ``hello`` is the result of :func:`read_hello` when the
-    caller has read it already.
+    a status code and ``False``. On success with a token, ``conn`` is sealed.
+    The key the client presented is left in ``conn.peer_key`` (str). ``hello`` is
+    the result of :func:`read_hello` when the caller has read it already.
     """
     hs = ServerHandshake(key, token, key_check)
     pending = pack_hello(*hello) if hello is not None else b""
@@ -217,4 +295,6 @@ def server_handshake(conn, key: str, token: bytes | None, key_check=None, hello=
         if out:
             conn.t.send_parts([out])
     conn.peer_key = hs.peer_key
+    if hs.ok:
+        seal(conn, hs.keys)
     return hs.ok

@@ -9,9 +9,12 @@ controller's process, as in every Disco session. The pool of machines behind a
 tracker serves RPC users and Disco sessions alike; a worker's server goes back
 to the pool when the Disco session ends.
 
-The core's frames are pickles: they are only exchanged after the RPC handshake
-authenticated the peer (which may run code on the server anyway). TLS is not
-supported on this channel (the core's frame reader uses the raw socket).
+The core's frames cross the session's connection as they are: sealed records
+when the session has a token (every frame one record, checked before it is
+acted on), and nothing from the socket is ever unpickled: each side rebuilds
+the other's frames with :func:`disco_core.protocol.decode_untrusted`, an
+allow-list of plain values, arrays, dtypes and devices. TLS is not supported
+on this channel (its reader waits on the raw socket).
 """
 
 from __future__ import annotations
@@ -27,20 +30,74 @@ from typing import Any
 
 from disco_core.channels.base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
 from disco_core.errors import DiscoError, WorkerDiedError
-from disco_core.protocol import (
-    FrameReader,
-    decode,
-    encode,
-    write_frame,
-)
+from disco_core.net.security import is_loopback
+from disco_core.protocol import FrameReader, decode_untrusted, encode, frame_head
 
 from . import wire
 
-__all__ = ["RPCChannel", "RPCWorkerLink", "run_worker"]
+__all__ = ["RPCChannel", "RPCWorkerLink", "run_worker", "LinkFrames"]
 
 
 def _start_timeout() -> float:
     return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
+
+
+class LinkFrames:
+    """The core's frames read from a session's transport, sealed or not.
+
+    Every frame :meth:`read` returns has been verified: when a sealed record
+    goes on past the frame (several small frames in one record), the rest of
+    the record is read into the buffer first, so its tag is checked before
+    anything in it is acted on.
+
+    Parameters
+    ----------
+    conn : disco_rpc.wire.Conn
+        The session's connection, past its last RPC frame; bytes it read ahead
+        are taken over.
+    """
+
+    def __init__(self, conn: wire.Conn) -> None:
+        self.t = conn.t
+        self.fd = conn.t.fileno()
+        self._scratch = bytearray(FrameReader._CHUNK)
+        self._scratch_view = memoryview(self._scratch)
+        self.reader = FrameReader(self.fd, read=self._read, readinto=self.t.recv_into)
+        if conn.buffered():  # bytes already read past the last RPC frame (verified)
+            self.reader.buf += bytes(conn.view[conn.start : conn.end])
+            conn.start = conn.end
+
+    def _read(self, n: int) -> bytes:
+        if n <= len(self._scratch):  # headers: into a reused buffer, copied out as received
+            k = self.t.recv_into(self._scratch_view[:n])
+            return self._scratch[:k]
+        buf = bytearray(n)
+        k = self.t.recv_into(memoryview(buf))
+        del buf[k:]
+        return buf
+
+    def has_buffered(self) -> bool:
+        """True when bytes of a further frame are already buffered."""
+        return self.reader.has_buffered()
+
+    def read(self) -> tuple:
+        """The next frame ``(header, buffers, flags)``; raises ``IntegrityError`` if forged."""
+        frame = self.reader.read()
+        # the rest of the record under way (so it is verified), and verified bytes the
+        # transport holds (so that has_buffered() sees them before select() waits)
+        left = getattr(self.t, "record_left", 0) + getattr(self.t, "pending", 0)
+        while left:
+            chunk = self._read(left)
+            if not chunk:
+                raise EOFError("the peer closed the connection in the middle of a record")
+            self.reader.buf += chunk
+            left = self.t.record_left + self.t.pending
+        return frame
+
+
+def _send_frame(t: object, frame: tuple) -> None:
+    """Send one core frame as one record (several when it is very large)."""
+    t.send_parts([frame_head(frame), *frame[1]])
 
 
 # --------------------------------------------------------------------------- server side
@@ -51,26 +108,23 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
     for p in reversed(list(sys_path or ())):
         if isinstance(p, str) and p and os.path.isdir(p) and p not in sys.path:
             sys.path.insert(0, p)
-    sock = conn.t.sock
-    sock.settimeout(None)
-    fd = sock.fileno()
+    conn.t.sock.settimeout(None)
+    t = conn.t
     lock = threading.Lock()
 
     def send(msg: tuple) -> None:
         frame = encode(msg)
         with lock:
-            write_frame(fd, frame)
+            _send_frame(t, frame)
 
     worker = Worker(int(worker_id), int(num_workers), int(num_groups), send)
-    reader = FrameReader(fd)
-    if conn.buffered():  # bytes already read past the last RPC frame
-        reader.buf += bytes(conn.view[conn.start : conn.end])
-        conn.start = conn.end
+    reader = LinkFrames(conn)
     send(("ready", os.getpid()))
 
     try:
-        worker.run(command_stream(reader).__next__)
-    except (EOFError, OSError):
+        # commands crossed a socket: rebuilt from an allow-list, never unpickled
+        worker.run(command_stream(reader, untrusted=True).__next__)
+    except (EOFError, OSError):  # IntegrityError too: a forged frame ends the worker
         worker.close()  # the controller is gone
 
 
@@ -83,14 +137,13 @@ class RPCWorkerLink(BatchingLink):
         self.worker_ids = (worker_id,)
         self.sess = sess
         self.host = host
-        self.sock: socket.socket = sess._conn.t.sock
-        self.sock.settimeout(None)  # blocking: the frame reader uses os.read on the fd
-        self.fd = self.sock.fileno()
-        self.reader = FrameReader(self.fd)
         conn = sess._conn
-        if conn.buffered():  # the worker's first frames may have come in with the RPC reply
-            self.reader.buf += bytes(conn.view[conn.start : conn.end])
-            conn.start = conn.end
+        self.t = conn.t  # sealed when the session has a token
+        self.sock: socket.socket = conn.t.sock
+        self.sock.settimeout(None)  # blocking: the reader waits in recv
+        self.fd = self.sock.fileno()
+        # the worker's first frames may have come in with the RPC reply
+        self.reader = LinkFrames(conn)
         self.out_fd = self.fd
         self.dead_reason: str | None = None
         self.pid: int | None = None
@@ -105,6 +158,12 @@ class RPCWorkerLink(BatchingLink):
 
     def poll(self) -> str | None:
         return self.dead_reason
+
+    def _write(self, data: bytes) -> None:
+        self.t.send_parts([data])  # a batch of small frames: one record
+
+    def _write_views(self, head: bytes, buffers: Any) -> None:
+        self.t.send_parts([head, *buffers])  # a frame with its buffers: one record
 
     def close(self, deadline: float) -> None:
         try:
@@ -146,13 +205,13 @@ class _ReplyReader(threading.Thread):
         try:
             while True:
                 header, buffers, _ = link.reader.read()
-                msg = decode(header, buffers)
+                msg = decode_untrusted(header, buffers)
                 if msg[0] == "ready":
                     link.pid = msg[1]
                 self.hub.deliver(link.worker_ids[0], msg)
                 if not link.reader.has_buffered():
                     break
-        except (EOFError, OSError) as exc:
+        except (EOFError, OSError, ValueError) as exc:  # a refused value too: the link is done
             self.selector.unregister(link.fd)
             self.remaining -= 1
             link.eof.set()
@@ -166,8 +225,6 @@ class _ReplyReader(threading.Thread):
 
 
 def _loopback(host: str) -> bool:
-    from .server import is_loopback
-
     return is_loopback(host)
 
 

@@ -285,12 +285,14 @@ def _managed_server(args) -> int:
 
 
 def _server(args) -> int:
+    from disco_core.errors import InsecureBindError
+
     from . import auth
     from .errors import RPCError
     from .server import (
         ServerConfig,
         bind_listener,
-        is_loopback,
+        check_bind,
         load_libraries,
         resolve_liveness_timeout,
         serve_forever,
@@ -302,17 +304,10 @@ def _server(args) -> int:
     )
     token = auth.resolve_token(None)
     ctx = _tls_server(args.tls_cert, args.tls_key)
-    if (
-        not is_loopback(args.host)
-        and token is None
-        and ctx is None
-        and not args.allow_insecure_bind
-    ):
-        print(
-            f"disco-rpc: refusing to listen on {args.host} without a token ($DISCO_TOKEN) or "
-            "TLS (--tls-cert); pass --allow-insecure-bind on a trusted network",
-            file=sys.stderr,
-        )
+    try:
+        check_bind(args.host, token, ctx, args.allow_insecure_bind)
+    except InsecureBindError as exc:
+        print(f"disco-rpc: {exc} (--tls-cert for TLS, --allow-insecure-bind)", file=sys.stderr)
         return 2
     try:
         liveness = resolve_liveness_timeout(args.liveness_timeout)

@@ -621,7 +621,8 @@ class _replacing:
         self.tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.part")
 
     def __enter__(self) -> Any:
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        # read-write: a sealed stream spliced in is read back into its MAC
+        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         self.file = os.fdopen(fd, "wb")
         return self.file
 
@@ -946,10 +947,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HEARTBEATS.after_fork)
 
 
-def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server") -> wire.Conn:  # fmt: skip
-    """Connect and authenticate; return the framed connection (no session yet).
+def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server", strict: bool = True) -> wire.Conn:  # fmt: skip
+    """Connect and authenticate; return the framed connection (no session yet), sealed
+    when a token was used.
 
     ``peer`` names what is at ``url:port`` in error messages ("tracker", "proxy"...).
+    ``strict=False`` only offers the token: a peer that requires none is accepted
+    (for a service link whose token was defaulted from another's, never a session).
     """
     try:
         sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
@@ -964,7 +968,7 @@ def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_cont
         else:
             transport = wire.SocketTransport(sock)
         conn = wire.Conn(transport, max_message_bytes)
-        auth.client_handshake(conn, key, auth.resolve_token(token))
+        auth.client_handshake(conn, key, auth.resolve_token(token), strict=strict, peer=peer)
     except BaseException as exc:
         sock.close()
         if isinstance(exc, RPCError):
@@ -997,7 +1001,9 @@ def connect(url: str, port: int, key: str = "", session_timeout: float = 0, sess
     enable_logging : bool
         Log every request and its duration on the ``disco_rpc.client`` logger.
     token : str or bytes, optional
-        The shared secret for the HMAC challenge-response (default ``$DISCO_TOKEN``).
+        The shared secret (default ``$DISCO_TOKEN``): both sides prove they hold it
+        and every frame is then sealed. A server that does not prove it, e.g. one
+        that answers "no authentication required", is refused (:class:`RPCAuthError`).
     ssl_context : ssl.SSLContext, optional
         Speak TLS (a client context, e.g. ``ssl.create_default_context(cafile=...)``).
     max_message_bytes : int

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disco_core.errors import DiscoError
+from disco_core.errors import AuthenticationError, DiscoError
 
 __all__ = [
     "RPCError",
@@ -38,8 +38,12 @@ class RPCSessionTimeoutError(RPCError, TimeoutError):
     """The session ran longer than its ``session_timeout`` and the server ended it."""
 
 
-class RPCAuthError(RPCError):
-    """The handshake failed: wrong or missing token, key mismatch, not an RPC server."""
+class RPCAuthError(RPCError, AuthenticationError):
+    """The handshake failed: wrong or missing token, key mismatch, not an RPC server.
+
+    Also a :class:`disco_core.errors.AuthenticationError` (so a ``ConnectionError``
+    and a ``PermissionError``).
+    """
 
 
 class RPCRequestTimeoutError(RPCError, TimeoutError):

@@ -6,11 +6,13 @@ socket or pipes) or directly, in process, by :class:`~disco_rpc.client.LocalSess
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import tarfile
 import tempfile
@@ -23,10 +25,25 @@ import numpy as np
 from disco_core import registry
 from disco_core.device import Device, as_device, as_dtype, as_shape, to_host
 from disco_core.device import empty as dev_empty
+from disco_core.errors import IntegrityError
 
 from . import wire
 from .errors import Desync, ProtocolError
 from .wire import ERROR, REPLY, FileSource, HandleRef
+
+__all__ = [
+    "SessionHandler",
+    "SystemLib",
+    "UploadTarget",
+    "confine",
+    "open_confined",
+    "open_dir_in",
+    "serve_conn",
+    "error_value",
+    "OP_NAMES",
+    "PART_PREFIX",
+    "WORK_DIR_ENV",
+]
 
 logger = logging.getLogger("disco_rpc")
 
@@ -115,8 +132,8 @@ class SystemLib:
         raise KeyError(registry.missing_message(name))
 
 
-def confine(root: str, path: Any) -> str:
-    """``path`` inside ``root``; absolute paths, ``..`` and escaping links are refused."""
+def _components(path: Any) -> tuple[str, list[str]]:
+    """``(path, its components)``: a relative path without ``..``, or raise."""
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str):
@@ -130,12 +147,108 @@ def confine(root: str, path: Any) -> str:
     parts = path.replace("\\", "/").split("/")
     if ".." in parts:
         raise PermissionError(f"remote path {path!r} leaves the session's work folder ('..')")
+    return path, [p for p in parts if p not in ("", ".")]
+
+
+def confine(root: str, path: Any) -> str:
+    """``path`` inside ``root``; absolute paths, ``..`` and escaping links are refused.
+
+    A check of a name only: what is at that name may change before it is used.
+    File operations use :func:`open_confined`, which checks and opens in one step;
+    this remains for ``load_module`` (whose loaders take a path, and which runs
+    the client's code anyway).
+    """
+    path, _parts = _components(path)
     full = os.path.join(root, path)
     real_root = os.path.realpath(root)
     real = os.path.realpath(full)
     if real != real_root and not real.startswith(real_root + os.sep):
         raise PermissionError(f"remote path {path!r} leaves the session's work folder")
     return full
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | os.O_CLOEXEC
+
+
+def _refuse_link(path: str, exc: OSError) -> OSError:
+    if exc.errno == errno.ELOOP:
+        return PermissionError(
+            f"remote path {path!r} goes through a link: links are not followed in the "
+            "session's work folder"
+        )
+    return exc
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def open_dir_in(root: str, parts: list[str], path: str, make: bool = False) -> int:
+    """A file descriptor of the folder ``root/parts...``, opened one component at a time.
+
+    Each component is opened relative to the one before with ``O_NOFOLLOW``, so
+    no link (one swapped in at any moment included) can lead out of ``root``.
+    ``make`` creates missing folders. The caller closes the descriptor.
+    """
+    fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    try:
+        for name in parts:
+            try:
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not make:
+                    raise FileNotFoundError(f"no folder {path!r} in the session's work folder") from None  # fmt: skip
+                try:
+                    os.mkdir(name, 0o777, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # Linux says ENOTDIR for a link
+                    if _is_link(name, fd):
+                        raise _refuse_link(path, OSError(errno.ELOOP, "link")) from None
+                    raise NotADirectoryError(f"remote path {path!r}: {name!r} is not a folder") from None  # fmt: skip
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_confined(root: str, path: Any, flags: int = os.O_RDONLY) -> int:
+    """Check ``path`` and open it inside ``root`` in one step; return the descriptor.
+
+    No component, the last included, may be a link (``O_NOFOLLOW`` on each), so
+    what is opened is inside ``root`` whatever is renamed or linked meanwhile.
+    The path ``"."`` (or ``""``) opens ``root`` itself.
+    """
+    path, parts = _components(path)
+    if not parts:
+        return os.open(root, os.O_RDONLY | os.O_CLOEXEC)
+    dfd = open_dir_in(root, parts[:-1], path)
+    try:
+        return os.open(parts[-1], flags | _NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no file {path!r} in the session's work folder") from None
+    except OSError as exc:
+        raise _refuse_link(path, exc) from None
+    finally:
+        os.close(dfd)
+
+
+class UploadTarget:
+    """Where an upload goes: a folder opened inside the work folder, and a name in it."""
+
+    __slots__ = ("dir_fd", "name", "path")
+
+    def __init__(self, dir_fd: int, name: str, path: str) -> None:
+        self.dir_fd, self.name, self.path = dir_fd, name, path
 
 
 class SessionHandler:
@@ -252,51 +365,88 @@ class SessionHandler:
     def path(self, path: Any) -> str:
         return confine(self.work, path)
 
-    def upload_target(self, target: Any) -> str:
-        """The full path an upload to ``target`` writes (its folders made), or raise."""
-        full = self.path(target)
-        if _PART_RE.match(os.path.basename(full)):
+    def upload_target(self, target: Any) -> UploadTarget:
+        """Where an upload to ``target`` goes (its folders made, opened inside the work folder)."""
+        path, parts = _components(target)
+        if not parts:
+            raise IsADirectoryError(f"remote path {path!r} is a folder")
+        if _PART_RE.match(parts[-1]):
             raise PermissionError(f"remote name {target!r} is reserved for partial uploads")
-        if os.path.isdir(full):
+        dfd = open_dir_in(self.work, parts[:-1], path, make=True)
+        try:
+            st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        except BaseException:
+            os.close(dfd)
+            raise
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            os.close(dfd)
             raise IsADirectoryError(f"remote path {target!r} is a folder")
-        os.makedirs(os.path.dirname(full) or self.work, exist_ok=True)
-        return full
+        return UploadTarget(dfd, parts[-1], path)
 
     @staticmethod
-    def write_upload(full: str, fill: Any) -> None:
-        """Call ``fill(file)`` on a hidden temporary file beside ``full``, then rename it."""
-        tmp = os.path.join(os.path.dirname(full), PART_PREFIX + secrets.token_hex(8))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    def write_upload(target: UploadTarget, fill: Any) -> None:
+        """Call ``fill(file)`` on a hidden temporary file beside the target, then rename it.
+
+        The rename happens only once ``fill`` returned (a sealed stream verified to
+        its last record): a stream that fails leaves no file, not even a part.
+        Both names are relative to the folder opened by :meth:`upload_target`.
+        """
+        dfd = target.dir_fd
+        tmp = PART_PREFIX + secrets.token_hex(8)
         try:
-            with os.fdopen(fd, "wb") as f:
-                fill(f)
-            os.replace(tmp, full)
-        except BaseException:
+            # read-write: a sealed stream spliced in is checked from the file's pages
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=dfd)  # fmt: skip
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+                with os.fdopen(fd, "wb") as f:
+                    fill(f)
+                os.replace(tmp, target.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(dfd)
 
     def op_download(self, path: str) -> Any:
-        full = self.path(path)
-        if os.path.isdir(full):
-            raise IsADirectoryError(f"remote path {path!r} is a folder")
-        f = open(full, "rb")  # closed by the caller once sent
-        return FileSource(f, os.fstat(f.fileno()).st_size)
+        fd = open_confined(self.work, path)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(f"remote path {path!r} is a folder")
+            f = os.fdopen(fd, "rb")  # closed by the caller once sent
+        except BaseException:
+            os.close(fd)
+            raise
+        return FileSource(f, st.st_size)
 
     def op_remove(self, path: str) -> None:
-        full = self.path(path)
-        if os.path.realpath(full) == os.path.realpath(self.work):
+        path, parts = _components(path)
+        if not parts:
             raise PermissionError("cannot remove the session's work folder itself")
-        if os.path.isdir(full) and not os.path.islink(full):
-            shutil.rmtree(full)
-        else:
-            os.remove(full)
+        dfd = open_dir_in(self.work, parts[:-1], path)
+        try:
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"no file {path!r} in the session's work folder") from None  # fmt: skip
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(parts[-1], dir_fd=dfd)  # never follows links
+            else:
+                os.unlink(parts[-1], dir_fd=dfd)  # a link itself, not what it names
+        finally:
+            os.close(dfd)
 
     def op_listdir(self, path: str = ".") -> list:
-        full = self.path(path or ".")
-        return sorted(n for n in os.listdir(full) if not _PART_RE.match(n))
+        path, parts = _components(path or ".")
+        fd = open_dir_in(self.work, parts, path)
+        try:
+            return sorted(n for n in os.listdir(fd) if not _PART_RE.match(n))
+        finally:
+            os.close(fd)
 
     def op_load_module(self, path: str, device: Any = None) -> Any:
         full = self.path(path)
@@ -506,6 +656,9 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             _kind, op, payload = conn.recv(on_handle=resolve)
         except EOFError:
             return
+        except IntegrityError as exc:
+            logger.warning("dropped the session: %s", exc)
+            return
         except Desync as exc:
             _try_send_error(conn, 0, exc)
             return
@@ -522,6 +675,9 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             result = _dispatch(conn, handler, op, payload)
         except Desync as exc:
             _try_send_error(conn, op, exc)
+            return
+        except IntegrityError as exc:
+            logger.warning("dropped the session during %s: %s", OP_NAMES.get(op, op), exc)
             return
         except Exception as exc:
             # a file stream that broke is this connection's end; anything else

@@ -7,8 +7,11 @@ server (``rpc.connect(proxy_host, proxy_port, key=...)``): the proxy reads the
 client's hello (fixed-size fields and a key of at most 4 KiB), picks an idle
 server registered under that key, tells it a client arrived, forwards the hello
 and then relays bytes both ways. Authentication between client and server stays
-end to end (the server's token); the proxy never decodes a client's frames.
-The server serves one session at a time, then connects out again.
+end to end (the server's token), and so does the seal on every later frame: the
+proxy never decodes a client's frames and cannot alter them, and a fake backend
+that relays a real client's handshake gains nothing. The server runs each paired
+client's handshake in its own process, registering a new idle link meanwhile, and
+forks a session only for a client that proved the token; one session at a time.
 
 With ``tracker_addr``, the proxy registers each server behind it with the
 tracker under the proxy's address: a tracker's client is sent to the proxy with
@@ -56,6 +59,8 @@ MAX_CONNECTIONS = 1024
 MAX_PENDING = 64
 #: Seconds a connection has to send its hello (a server: to prove the proxy's token too).
 HANDSHAKE_TIMEOUT = 10.0
+#: Handshakes a server behind the proxy runs at once; beyond, the oldest is dropped.
+MAX_PROXIED_HANDSHAKES = 8
 
 
 class _Backend:
@@ -65,8 +70,7 @@ class _Backend:
         self.server_id = server_id
         self.key = key
         self.conn: wire.Conn | None = None  # its idle connection, when idle
-        self.paired = False
-        self.in_session = False
+        self.sessions = 0  # links of this server relaying a client now
         self.reg: Registration | None = None
         self.gone_since: float | None = None
         self.ticket: str | None = None  # the tracker ticket of the session in progress
@@ -83,7 +87,7 @@ class _ProxyState:
 
     def idle(self, key: str, ticket: str | None) -> _Backend | None:
         for b in self.backends.values():
-            if b.conn is None or b.paired or b.key != key:
+            if b.conn is None or b.key != key:
                 continue
             if ticket is not None:
                 if b.reg is None:
@@ -243,7 +247,7 @@ def _serve_backend(conn, sock, addr, state: _ProxyState) -> None:
         b = state.backends.get(server_id)
         if b is None:
             b = state.backends[server_id] = _Backend(server_id, key)
-        b.conn, b.paired, b.gone_since = conn, False, None
+        b.conn, b.gone_since = conn, None
         if state.tracker_addr is not None and b.reg is None:
             try:
                 b.reg = Registration(
@@ -259,12 +263,12 @@ def _serve_backend(conn, sock, addr, state: _ProxyState) -> None:
     sock.settimeout(None)
     while True:  # idle: watch for its death until a client takes it
         with state.cv:
-            if b.paired:
-                return  # the client's thread owns the connection now
+            if b.conn is not conn:
+                return  # a client's thread took it (or a newer link replaced it)
         r, _, _ = select.select([sock], [], [], 0.2)
         if r:
             with state.cv:
-                if b.paired:
+                if b.conn is not conn:
                     return
                 b.conn = None
                 b.gone_since = time.monotonic()
@@ -284,9 +288,12 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
         while True:
             b = state.idle(key, ticket)
             if b is not None:
-                b.paired = True
-                b.in_session = True
-                b.ticket = ticket
+                # the link is this thread's now; the server registers another one at
+                # once, so a client that never authenticates cannot keep it busy
+                server_conn, b.conn = b.conn, None
+                b.sessions += 1
+                if ticket is not None:
+                    b.ticket = ticket
                 break
             status = state.refusal(key, ticket)
             left = deadline - time.monotonic()
@@ -297,7 +304,6 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
                 _refuse(sock, status)
                 return
             state.cv.wait(min(left, 0.2))
-    server_conn = b.conn
     try:
         server_conn.send(REQUEST, P_PAIRED, None)
         server_conn.t.sock.settimeout(10.0)
@@ -314,10 +320,10 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
         _relay(sock, server_conn.t.sock, hello_bytes + rest, server_rest)
     finally:
         with state.cv:
-            b.in_session = False
-            b.ticket = None
-            if b.conn is server_conn:
-                b.conn = None
+            b.sessions -= 1
+            if ticket is not None and b.ticket == ticket:
+                b.ticket = None
+            if b.conn is None and not b.sessions:
                 b.gone_since = time.monotonic()
             state.cv.notify_all()
         if ticket is not None and b.reg is not None:
@@ -342,7 +348,7 @@ def _janitor(state: _ProxyState, stop: threading.Event) -> None:
                 if b.reg is not None:
                     b.reg.poll()
                     b.reg.reconnect_if_lost()
-                if b.conn is None and not b.in_session and b.gone_since is not None:
+                if b.conn is None and not b.sessions and b.gone_since is not None:
                     if now - b.gone_since > REJOIN_GRACE:
                         if b.reg is not None:
                             b.reg.close()
@@ -420,7 +426,7 @@ class Proxy(ServiceProcess):
         if web_port:
             raise NotImplementedError("the web (WebSocket) port of TVM's proxy is not supported")
         token_b = auth.resolve_token(token)
-        check_bind(host, token_b, ssl_context, allow_insecure_bind)
+        check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC proxy")
         self.host = host
         sock = bind_listener(host, port, port_end, reuse_addr)
         self.port = sock.getsockname()[1]
@@ -441,8 +447,12 @@ class Proxy(ServiceProcess):
 
 
 # --------------------------------------------------------------------------- the server side
-def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context: Any, server_id: str) -> wire.Conn:  # fmt: skip
-    """Connect to the proxy and register as an idle server of ``key``; return the link."""
+def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context: Any, server_id: str, *, strict: bool = True) -> wire.Conn:  # fmt: skip
+    """Connect to the proxy and register as an idle server of ``key``; return the link.
+
+    ``strict=False``: ``token`` is only offered (the server's own token, by default
+    also the proxy link's): a proxy that requires none is accepted.
+    """
     from .client import open_conn
 
     if not key:
@@ -450,6 +460,7 @@ def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context:
     conn = open_conn(
         host, port, PROXY_SERVER_KEY, token=token, ssl_context=ssl_context,
         max_message_bytes=PROXY_MAX_MESSAGE_BYTES, connect_timeout=5.0, peer="proxy",
+        strict=strict,
     )  # fmt: skip
     try:
         conn.send(REQUEST, P_REGISTER, (key, server_id))
@@ -460,78 +471,163 @@ def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context:
     return conn
 
 
-def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_context: Any, watch_fd: int | None = None, first: tuple | None = None) -> None:  # fmt: skip
+def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_context: Any, watch_fd: int | None = None, first: tuple | None = None, strict: bool = True) -> None:  # fmt: skip
     """Serve sessions through the proxy at ``host:port``, one at a time, until told to stop.
 
     ``first``: ``(conn, server_id)`` of a registration already made (the server's
     constructor makes the first one, so that a refused token raises there).
+
+    While no session runs, the server keeps one idle link registered at the
+    proxy. When the proxy pairs a client with it, the link becomes that client's
+    and a new idle link is registered at once; the client's handshake (end to
+    end, through the proxy) runs here, in the server process, without blocking,
+    beside those of other clients (at most :data:`MAX_PROXIED_HANDSHAKES`, each
+    within ``disco_rpc.server.HANDSHAKE_TIMEOUT``). Only a client that proved the token gets a
+    session process: a peer that never authenticates costs a socket for a few
+    seconds and cannot keep legitimate clients out.
     """
     from dataclasses import replace
 
-    from .server import _set_pdeathsig, run_session
+    from .server import _Handshake, _proxy_key_check
 
     server_id = first[1] if first is not None else secrets.token_hex(8)
-    ready = first[0] if first is not None else None
+    idle = first[0] if first is not None else None
     scfg = replace(cfg, ssl_context=None)  # TLS, if any, is the link to the proxy
-    backoff = 0.05
+    key_check = _proxy_key_check(scfg)
+    pending: list[_Handshake] = []
+    session: tuple[int, int | None] | None = None  # (pid, pidfd) of the session process
+    backoff, next_try = 0.05, 0.0
+    where = ("proxy", host, port)
 
-    def parent_gone(timeout: float) -> bool:
-        if watch_fd is None:
-            time.sleep(timeout)
-            return False
-        r, _, _ = select.select([watch_fd], [], [], timeout)
-        return bool(r)
+    def drop(hs: _Handshake, why: str) -> None:
+        logger.info("client through the proxy: %s", why)
+        pending.remove(hs)
+        hs.close()
 
-    while True:
-        try:
-            conn, ready = ready or register_with_proxy(host, port, key, token, ssl_context, server_id), None  # fmt: skip
-        except (RPCError, OSError, EOFError, wire.ProtocolError) as exc:
-            logger.info("cannot reach the proxy at %s:%s: %s", host, port, exc)
-            if parent_gone(backoff):
-                return
-            backoff = min(backoff * 2, 2.0)
-            continue
-        backoff = 0.05
-        sock = conn.t.sock
-        watch = [sock] + ([watch_fd] if watch_fd is not None else [])
-        # the proxy may pair us at once: its P_PAIRED can arrive with the registration's
-        # reply and sit in the read buffer, where select() cannot see it
-        r = select.select(watch, [], [])[0] if not conn.buffered() else []
-        if watch_fd is not None and watch_fd in r:
-            conn.close()
-            return
-        try:
-            _k, op, _v = conn.recv()
-            if op != P_PAIRED:
-                raise wire.ProtocolError(f"unexpected message {op} from the proxy")
-            conn.send(REPLY, P_ACK, None)
-        except (OSError, EOFError, wire.ProtocolError) as exc:
-            logger.info("lost the proxy: %s", exc)
-            conn.close()
-            continue
-
-        def session(sock: socket.socket = sock) -> None:  # in the session process
-            _set_pdeathsig()
-            if watch_fd is not None:
-                os.close(watch_fd)
-            run_session(sock, ("proxy", host, port), scfg, True)
-
-        pid, pidfd = fork_session(session)
-        sock.close()
-        while True:  # one session at a time, as TVM's proxied server
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            fds = [pidfd] if pidfd is not None else []
-            if watch_fd is not None:
-                fds.append(watch_fd)
-            r, _, _ = select.select(fds, [], [], 0.05)
-            if watch_fd is not None and watch_fd in r:
+    try:
+        while True:
+            now = time.monotonic()
+            if session is None and idle is None and now >= next_try:
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
+                    idle = register_with_proxy(host, port, key, token, ssl_context, server_id, strict=strict)  # fmt: skip
+                    backoff = 0.05
+                except (RPCError, OSError, EOFError, wire.ProtocolError) as exc:
+                    logger.info("cannot reach the proxy at %s:%s: %s", host, port, exc)
+                    next_try = now + backoff
+                    backoff = min(backoff * 2, 2.0)
+            watch = [hs.fileno() for hs in pending]
+            if idle is not None:
+                watch.append(idle.t.fileno())
+            if watch_fd is not None:
+                watch.append(watch_fd)
+            timeout = 1.0
+            if session is not None:
+                if session[1] is not None:
+                    watch.append(session[1])
+                else:
+                    timeout = 0.05  # no pidfd: poll for the session's end
+            elif idle is None:
+                timeout = max(0.0, min(timeout, next_try - now))
+            if pending:
+                timeout = max(0.0, min(timeout, min(h.deadline for h in pending) - now))
+            # the proxy's P_PAIRED may sit in the idle link's read buffer, unseen by select
+            if idle is not None and idle.buffered():
+                ready: set = {idle.t.fileno()}
+            else:
+                try:
+                    ready = set(select.select(watch, [], [], timeout)[0])
+                except InterruptedError:
+                    ready = set()
+            if watch_fd is not None and watch_fd in ready:
                 return
-        if pidfd is not None:
-            os.close(pidfd)
+            if session is not None and _session_ended(session):
+                session = None
+            if idle is not None and idle.t.fileno() in ready:
+                sock, idle = _take_pairing(idle), None
+                if sock is not None:
+                    if len(pending) >= MAX_PROXIED_HANDSHAKES:
+                        drop(pending[0], "too many handshakes in progress; dropped the oldest")
+                    try:
+                        hs = _Handshake(sock, where, scfg, key_check)
+                    except (OSError, ValueError) as exc:
+                        logger.info("cannot start a handshake through the proxy: %s", exc)
+                        sock.close()
+                    else:
+                        pending.append(hs)
+                        ready.add(hs.fileno())  # the hello is often there already
+            for hs in [h for h in pending if h.fileno() in ready]:
+                ok = hs.advance()
+                if ok is None:
+                    continue
+                if not ok:
+                    logger.warning("refused a client through the proxy (key, version or authentication)")  # fmt: skip
+                    drop(hs, "refused")
+                    continue
+                pending.remove(hs)
+                if session is not None:  # one session at a time: a late second one is let go
+                    hs.close()
+                    continue
+                session = _fork_proxied_session(hs, scfg, watch_fd, where)
+                for other in list(pending):
+                    drop(other, "another client's session started first")
+                if idle is not None:
+                    idle.close()  # no pairing while the session runs
+                    idle = None
+            for hs in [h for h in pending if h.deadline <= time.monotonic()]:
+                drop(hs, "handshake timed out")
+    finally:
+        for hs in pending:
+            hs.close()
+        if idle is not None:
+            idle.close()
+        if session is not None:
+            try:
+                os.kill(session[0], signal.SIGKILL)
+                os.waitpid(session[0], 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
+def _take_pairing(idle: wire.Conn) -> socket.socket | None:
+    """The proxy paired a client with ``idle`` (or the link broke): acknowledge; return its socket."""
+    try:
+        _k, op, _v = idle.recv()
+        if op != P_PAIRED:
+            raise wire.ProtocolError(f"unexpected message {op} from the proxy")
+        idle.send(REPLY, P_ACK, None)
+    except (OSError, EOFError, wire.ProtocolError) as exc:
+        logger.info("lost the proxy: %s", exc)
+        idle.close()
+        return None
+    # what follows on this socket is the client's own stream, relayed by the proxy
+    return idle.t.sock
+
+
+def _fork_proxied_session(hs: Any, cfg: Any, watch_fd: int | None, where: tuple) -> tuple:
+    """Fork the session process of an authenticated client; return ``(pid, pidfd)``."""
+    from .server import _set_pdeathsig, _term, serve_session
+
+    hs.sock.setblocking(True)
+    conn = hs.conn(cfg)
+
+    def session() -> None:  # in the session process
+        signal.signal(signal.SIGTERM, _term)
+        _set_pdeathsig()
+        if watch_fd is not None:
+            os.close(watch_fd)
+        serve_session(conn, where, cfg, True)
+
+    out = fork_session(session)
+    hs.close()
+    return out
+
+
+def _session_ended(session: tuple) -> bool:
+    pid, pidfd = session
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        done = pid
+    if done and pidfd is not None:
+        os.close(pidfd)
+    return bool(done)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import ipaddress
 import logging
 import os
 import select
@@ -30,6 +29,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from disco_core.net.security import check_bind as _check_bind
+from disco_core.net.security import is_loopback
 
 from . import auth, wire
 from ._service import ServiceProcess, fork_session
@@ -47,7 +49,7 @@ from .handler import (
 from .tracker import T_END, T_START, TICKET_SEP
 from .wire import ERROR, REPLY
 
-__all__ = ["Server", "serve_stdio", "serve_forever", "ServerConfig"]
+__all__ = ["Server", "serve_stdio", "serve_forever", "ServerConfig", "check_bind", "is_loopback"]
 
 logger = logging.getLogger("disco_rpc.server")
 
@@ -76,15 +78,6 @@ class ServerConfig:
     behind_proxy: bool = False
     #: seconds of silence after which a session's client is dead or frozen (0: never)
     liveness_timeout: float = 0.0
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_libraries(load_library: Any) -> list:
@@ -124,24 +117,6 @@ def _transport(sock: Any) -> Any:
     if isinstance(sock, ssl.SSLSocket):
         return wire.SSLTransport(sock)
     return wire.SocketTransport(sock)
-
-
-def run_session(sock: socket.socket, addr: Any, cfg: ServerConfig, forked: bool) -> None:
-    """Handshake (blocking), then serve one client (a session reached through a proxy)."""
-    try:
-        sock.settimeout(HANDSHAKE_TIMEOUT)
-        if cfg.ssl_context is not None:
-            sock = cfg.ssl_context.wrap_socket(sock, server_side=True)
-        conn = wire.Conn(_transport(sock), cfg.max_message_bytes)
-        if not auth.server_handshake(conn, cfg.key, cfg.token, key_check=_proxy_key_check(cfg)):
-            logger.warning("refused a client from %s (key, version or authentication)", addr)
-            sock.close()
-            return
-    except (OSError, EOFError) as exc:
-        logger.info("handshake with %s failed: %s", addr, exc)
-        sock.close()
-        return
-    serve_session(conn, addr, cfg, forked)
 
 
 def serve_session(conn: wire.Conn, addr: Any, cfg: ServerConfig, forked: bool, on_handler=None) -> None:  # fmt: skip
@@ -220,14 +195,20 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             info["liveness_timeout"] = lt  # the client sends heartbeats well within it
         conn.send(REPLY, OP_INIT, info)
         return timeout, inner, log_relay
-    except (EOFError, OSError):
+    except (EOFError, OSError) as exc:
+        if isinstance(exc, RPCError):  # the inner server refused (RPCAuthError is an OSError)
+            _send_init_error(conn, exc)
         return False, None, False
     except Exception as exc:
-        try:
-            conn.send(ERROR, OP_INIT, error_value(exc))
-        except OSError:
-            pass
+        _send_init_error(conn, exc)
         return False, None, False
+
+
+def _send_init_error(conn: wire.Conn, exc: BaseException) -> None:
+    try:
+        conn.send(ERROR, OP_INIT, error_value(exc))
+    except OSError:
+        pass
 
 
 def connect_args(args: list) -> tuple:
@@ -291,11 +272,17 @@ def _construct(
 
 
 def _relay(outer: wire.Conn, inner: wire.Conn, log: bool = False) -> None:
-    """Copy bytes both ways until either side closes (a chained session)."""
+    """Copy bytes both ways until either side closes (a chained session).
+
+    A sealed side is read record by record and only a whole record, once its tag
+    verified, goes on (sealed again when the other side is sealed): nothing forged
+    on one link reaches the other.
+    """
     pairs = {outer.t.fileno(): (outer, inner), inner.t.fileno(): (inner, outer)}
     moved = {outer.t.fileno(): 0, inner.t.fileno(): 0}
+    partial = {outer.t.fileno(): bytearray(), inner.t.fileno(): bytearray()}
     for src, dst in pairs.values():
-        if src.buffered():
+        if src.buffered():  # what the Conn read past its last frame (verified: it settled)
             dst.t.send_parts([bytes(src.view[src.start : src.end])])
             src.start = src.end
     if log:
@@ -315,8 +302,17 @@ def _relay(outer: wire.Conn, inner: wire.Conn, log: bool = False) -> None:
                 n = src.t.recv_into(view)
                 if not n:
                     return
-                dst.t.send_parts([view[:n]])
                 moved[fd] += n
+                acc = partial[fd]
+                if getattr(src.t, "record_left", 0):
+                    acc += view[:n]  # not verified yet: held until its record ends
+                    continue
+                if acc:
+                    acc += view[:n]
+                    dst.t.send_parts([acc])
+                    partial[fd] = bytearray()
+                else:
+                    dst.t.send_parts([view[:n]])
     finally:
         if log:
             logger.info(
@@ -576,6 +572,12 @@ class _Handshake:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def conn(self, cfg: ServerConfig) -> wire.Conn:
+        """The authenticated connection, sealed when the handshake had a token."""
+        conn = wire.Conn(_transport(self.sock), cfg.max_message_bytes)
+        auth.seal(conn, self.hs.keys)
+        return conn
+
     def advance(self) -> bool | None:
         """Use what arrived: True (authenticated), False (refused or gone), None (wait)."""
         try:
@@ -744,7 +746,7 @@ class _Listener:
 
     def _start_session(self, hs: _Handshake, ticket: str | None) -> None:
         hs.sock.setblocking(True)
-        conn = wire.Conn(_transport(hs.sock), self.cfg.max_message_bytes)
+        conn = hs.conn(self.cfg)
         if self.cfg.no_fork:
             ts = _ThreadSession(conn, ticket)
             self.threads[id(ts)] = ts
@@ -874,16 +876,13 @@ def _stop_children(children: set[int]) -> None:
             pass
 
 
-def check_bind(host: str, token: bytes | None, ssl_context: Any, allow_insecure_bind: bool) -> None:
-    """Refuse a non-loopback address without token or TLS unless explicitly allowed."""
-    if not is_loopback(host) and token is None and ssl_context is None:
-        if not allow_insecure_bind:
-            raise RPCError(
-                f"refusing to listen on {host}: anyone who reaches it could run code here. "
-                "Give token= (or set DISCO_TOKEN) or ssl_context=, or pass "
-                "allow_insecure_bind=True if the network is trusted"
-            )
-        logger.warning("listening on %s without token or TLS", host)
+def check_bind(host: str, token: bytes | None, ssl_context: Any, allow_insecure_bind: bool, what: str = "RPC server") -> None:  # fmt: skip
+    """The core's bind policy (:func:`disco_core.net.security.check_bind`) for an rpc service.
+
+    Raises :class:`~disco_core.errors.InsecureBindError` for a non-loopback
+    ``host`` with neither token nor TLS, unless ``allow_insecure_bind`` (which warns).
+    """
+    _check_bind(host, token=token, tls=ssl_context is not None, allow_insecure_bind=allow_insecure_bind, what=what)  # fmt: skip
 
 
 def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) -> socket.socket:
@@ -1048,6 +1047,9 @@ class Server(ServiceProcess):
             if tracker_addr is not None:
                 reg = self._register(cfg, tracker_addr, tracker_token if tracker_token is not None else token, tracker_ssl_context)  # fmt: skip
         proxy_args = (host, int(port), key, proxy_token if proxy_token is not None else token, proxy_ssl_context)  # fmt: skip
+        # the server's own token, used for the proxy link by default, is offered to a proxy
+        # that asks for one; a proxy_token given as such must be proven by the proxy
+        self._proxy_strict = proxy_token is not None
         try:
             self._start(cfg, load_library, server_init_callback, proxy_args if is_proxy else None)
         finally:
@@ -1082,7 +1084,7 @@ class Server(ServiceProcess):
                 cfg.libs = load_libraries(load_library)
                 if init_callback is not None:
                     init_callback()
-                first = _first_proxy_link(proxy_args) if proxy_args is not None else None
+                first = _first_proxy_link(proxy_args, self._proxy_strict) if proxy_args is not None else None  # fmt: skip
             except BaseException as exc:
                 _report_ready(ready_w, exc)
                 raise
@@ -1090,7 +1092,7 @@ class Server(ServiceProcess):
             if proxy_args is not None:
                 from .proxy import serve_via_proxy
 
-                serve_via_proxy(cfg, *proxy_args, watch_fd=watch_fd, first=first)
+                serve_via_proxy(cfg, *proxy_args, watch_fd=watch_fd, first=first, strict=self._proxy_strict)  # fmt: skip
             else:
                 serve_forever(self._sock, cfg, watch_fd=watch_fd)
 
@@ -1108,14 +1110,14 @@ class Server(ServiceProcess):
         shutil.rmtree(self._temp_root, ignore_errors=True)
 
 
-def _first_proxy_link(proxy_args: tuple) -> tuple:
+def _first_proxy_link(proxy_args: tuple, strict: bool = True) -> tuple:
     """Register with the proxy once before reporting ready: a refusal raises in the constructor."""
     import secrets
 
     from .proxy import register_with_proxy
 
     server_id = secrets.token_hex(8)
-    return register_with_proxy(*proxy_args, server_id), server_id
+    return register_with_proxy(*proxy_args, server_id, strict=strict), server_id
 
 
 def _check_proxied(token: bytes | None, allow_insecure_bind: bool) -> None:

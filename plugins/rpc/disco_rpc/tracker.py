@@ -529,7 +529,7 @@ class Tracker(ServiceProcess):
         from .server import bind_listener, check_bind
 
         token_b = auth.resolve_token(token)
-        check_bind(host, token_b, ssl_context, allow_insecure_bind)
+        check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC tracker")
         if silent:
             logger.setLevel(logging.ERROR)
         self.host = host

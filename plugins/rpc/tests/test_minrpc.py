@@ -132,3 +132,13 @@ def test_minrpc_server_is_stdlib_only():
     src = open(MINRPC_SERVER).read()
     for banned in ("import numpy", "from disco_rpc", "import disco_rpc", "from . "):
         assert banned not in src
+
+
+def test_minrpc_server_speaks_this_version_without_crypto():
+    """The minimal server's handshake version is the full server's; it never needs cryptography."""
+    from disco_rpc import auth, minrpc_server
+    from disco_rpc.minrpc import MINRPC_SERVER
+
+    assert minrpc_server.VERSION == auth.VERSION
+    src = open(MINRPC_SERVER).read()
+    assert "cryptography" not in src and "disco_core" not in src.split('"""', 2)[2].split("def ")[0]

@@ -58,7 +58,7 @@ def test_unauthenticated_frames_are_never_read(token_server):
     """A peer that skips authentication and sends a frame gets dropped."""
     sock = socket.create_connection(("127.0.0.1", token_server.port))
     sock.settimeout(5)
-    sock.sendall(struct.pack("<8sII", b"DISCORPC", 1, 5) + b"board" + os.urandom(32))
+    sock.sendall(struct.pack("<8sII", b"DISCORPC", auth.VERSION, 5) + b"board" + os.urandom(32))
     reply = sock.recv(64)
     assert reply[:8] == b"DISCORPC" and reply[13] == 1  # auth required
     meta, bufs = wire.encode(((), ("sectest.add",)))
@@ -72,7 +72,7 @@ def test_unauthenticated_frames_are_never_read(token_server):
 
 def test_refuse_public_bind(monkeypatch):
     monkeypatch.delenv("DISCO_TOKEN", raising=False)
-    with pytest.raises(rpc.RPCError, match="refusing to listen"):
+    with pytest.raises(disco.errors.InsecureBindError, match="refusing to listen"):
         rpc.Server(host="0.0.0.0", port=10050, port_end=10100)
     srv = rpc.Server(host="0.0.0.0", port=10050, port_end=10100, token="t")
     try:
@@ -269,7 +269,7 @@ def test_unauthenticated_peers_get_no_process(token_server):
     liars = []
     for _ in range(10):  # a hello, then a wrong MAC
         s = socket.create_connection(("127.0.0.1", token_server.port))
-        s.sendall(struct.pack("<8sII", b"DISCORPC", 1, 5) + b"board" + os.urandom(32))
+        s.sendall(struct.pack("<8sII", b"DISCORPC", auth.VERSION, 5) + b"board" + os.urandom(32))
         liars.append(s)
     try:
         for s in liars:
@@ -426,3 +426,38 @@ def test_stream_abort_keeps_the_connection(small_server, tmp_path):
     kind, _op, value = conn.recv()
     assert kind == wire.REPLY and value == []
     sock.close()
+
+
+# --------------------------------------------------------------------------- confinement (finding 7)
+def test_links_in_the_work_folder_are_not_followed(tmp_path):
+    """Check and open are one step: no link, planted or swapped in, leads out (issue 13, 7)."""
+    from disco_rpc.handler import SessionHandler
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"not yours")
+    work = tmp_path / "work"
+    h = SessionHandler(str(work))
+    try:
+        os.symlink(outside, work / "sub")
+        os.symlink(outside / "secret", work / "link")
+        for call in (
+            lambda: h.op_download("sub/secret"),
+            lambda: h.op_download("link"),
+            lambda: h.upload_target("sub/x"),
+            lambda: h.op_listdir("sub"),
+        ):
+            with pytest.raises(PermissionError, match="goes through a link"):
+                call()
+        h.op_remove("link")  # the link itself goes, not what it names
+        h.op_remove("sub")
+        assert sorted(os.listdir(outside)) == ["secret"] and os.listdir(work) == []
+        # a folder swapped for a link after the upload's target was opened
+        target = h.upload_target("d/f.bin")
+        os.rename(work / "d", work / "d_old")
+        os.symlink(outside, work / "d")
+        h.write_upload(target, lambda f: f.write(b"x"))
+        assert not (outside / "f.bin").exists()
+        assert (work / "d_old" / "f.bin").read_bytes() == b"x"
+    finally:
+        h.close()
