@@ -390,3 +390,27 @@ def test_relay_ends_on_a_forged_record_and_forwards_buffered_bytes():
         s_sock.recv(5)  # nothing of the forged record reached the server
     for s in (c_sock, m1, m2, s_sock):
         s.close()
+
+
+def test_relay_holds_a_large_record_until_its_tag_checks():
+    """A forged large record never reaches the other link, not even in part."""
+    from disco_core.net.relay import relay
+
+    c_sock, m1 = socket.socketpair()
+    m2, s_sock = socket.socketpair()
+    _c1, s1 = _pair(hello=b"in")
+    c2, s2 = _pair(hello=b"out")
+    mid_in = SealedTransport(SocketTransport(m1), s1.keys())
+    mid_out = SealedTransport(SocketTransport(m2), c2.keys())
+    server = SealedTransport(SocketTransport(s_sock), s2.keys())
+    done = threading.Event()
+    threading.Thread(target=lambda: (relay(mid_in, mid_out), done.set()), daemon=True).start()
+    data = os.urandom(4 * LARGE_RECORD)
+    forged = struct.pack("<Q", len(data)) + data + bytes(16)  # a tag nobody without keys has
+    c_sock.sendall(forged)
+    assert done.wait(10), "the relay ends on the forged record"
+    s_sock.settimeout(0.3)
+    with pytest.raises((TimeoutError, socket.timeout)):
+        server.recv_into(bytearray(16))  # not one byte of it was sealed anew for the server
+    for s in (c_sock, m1, m2, s_sock):
+        s.close()

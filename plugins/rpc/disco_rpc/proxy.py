@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from disco_core.net.accept import AcceptLoop, Slots, SocketHandshake
+from disco_core.net.relay import relay
 
 from . import auth, wire
 from ._service import ServiceProcess, fork_session
@@ -111,34 +112,17 @@ class _ProxyState:
 
 
 def _relay(a: Any, b: Any, a_buffered: bytes = b"", b_buffered: bytes = b"") -> None:
-    """Copy bytes both ways between two sockets until either side closes."""
-    socks = {a.fileno(): (a, b), b.fileno(): (b, a)}
-    if a_buffered:
-        b.sendall(a_buffered)
-    if b_buffered:
-        a.sendall(b_buffered)
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
+    """Copy bytes both ways between two sockets until either side closes, then close both.
+
+    The proxy holds no session keys: what it relays is sealed (or not) end to end
+    between the client and the server.
+    """
+    ends = [wire.SSLTransport(s) if isinstance(s, ssl.SSLSocket) else wire.SocketTransport(s) for s in (a, b)]  # fmt: skip
     try:
-        while True:
-            ready = [fd for fd, (s, _d) in socks.items() if isinstance(s, ssl.SSLSocket) and s.pending()]  # fmt: skip
-            if not ready:
-                ready, _, _ = select.select(list(socks), [], [])
-            for fd in ready:
-                src, dst = socks[fd]
-                n = src.recv_into(view)
-                if not n:
-                    return
-                dst.sendall(view[:n])
-    except OSError:
-        return
+        relay(ends[0], ends[1], a_buffered, b_buffered)
     finally:
-        for s in (a, b):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        for t in ends:
+            t.close()
 
 
 class _NeedBytes(Exception):

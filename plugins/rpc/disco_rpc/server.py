@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from disco_core.net.relay import relay
 from disco_core.net.security import check_bind as _check_bind
 from disco_core.net.security import is_loopback
 
@@ -274,51 +275,22 @@ def _construct(
 def _relay(outer: wire.Conn, inner: wire.Conn, log: bool = False) -> None:
     """Copy bytes both ways until either side closes (a chained session).
 
-    A sealed side is read record by record and only a whole record, once its tag
-    verified, goes on (sealed again when the other side is sealed): nothing forged
-    on one link reaches the other.
+    :func:`disco_core.net.relay.relay` reads a sealed side record by record and
+    passes a record on only once its tag verified (sealed again when the other
+    side is sealed): nothing forged on one link reaches the other.
     """
-    pairs = {outer.t.fileno(): (outer, inner), inner.t.fileno(): (inner, outer)}
-    moved = {outer.t.fileno(): 0, inner.t.fileno(): 0}
-    partial = {outer.t.fileno(): bytearray(), inner.t.fileno(): bytearray()}
-    for src, dst in pairs.values():
-        if src.buffered():  # what the Conn read past its last frame (verified: it settled)
-            dst.t.send_parts([bytes(src.view[src.start : src.end])])
-            src.start = src.end
+    owed = []
+    for src in (outer, inner):  # what a Conn read past its last frame (verified: it settled)
+        owed.append(bytes(src.view[src.start : src.end]) if src.buffered() else b"")
+        src.start = src.end
     if log:
         logger.info("relaying a chained session to %s", inner.t.sock.getpeername())
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
+    moved = (0, 0)
     try:
-        while True:
-            ready = [
-                fd for fd, (src, _d) in pairs.items() if getattr(src.t.sock, "pending", None)
-                and src.t.sock.pending()
-            ]  # fmt: skip
-            if not ready:
-                ready, _, _ = select.select(list(pairs), [], [])
-            for fd in ready:
-                src, dst = pairs[fd]
-                n = src.t.recv_into(view)
-                if not n:
-                    return
-                moved[fd] += n
-                acc = partial[fd]
-                if getattr(src.t, "record_left", 0):
-                    acc += view[:n]  # not verified yet: held until its record ends
-                    continue
-                if acc:
-                    acc += view[:n]
-                    dst.t.send_parts([acc])
-                    partial[fd] = bytearray()
-                else:
-                    dst.t.send_parts([view[:n]])
+        moved = relay(outer.t, inner.t, owed[0], owed[1])
     finally:
         if log:
-            logger.info(
-                "chained session ended: %d bytes to the inner server, %d back",
-                moved[outer.t.fileno()], moved[inner.t.fileno()],
-            )  # fmt: skip
+            logger.info("chained session ended: %d bytes to the inner server, %d back", *moved)
         inner.close()
 
 
