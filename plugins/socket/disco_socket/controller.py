@@ -1030,11 +1030,10 @@ class SocketChannel(LinkChannel):
                 self._reject(m.peer, m.failure)
             self._loop.adopt(Drain(hs.sock, hs.addr), _LATE_TIMEOUT)
             return
-        sock = hs.detach(self._handshake_timeout)
-        if m.kind == "data":
-            self._add_reply_connection(m, sock)
-        else:
-            self._admit(m, sock)
+        if m.kind == "data":  # blocking, no timeout: its reader waits for replies for ever
+            self._add_reply_connection(m, hs.detach(None))
+        else:  # a bound on sending the welcome; none once the node joined (_join)
+            self._admit(m, hs.detach(self._handshake_timeout))
 
     def _admit(self, m: _Hello, conn: socket.socket) -> None:
         """A node that authenticated: its id and welcome, then (without TLS) its reply connections.
@@ -1153,7 +1152,6 @@ class SocketChannel(LinkChannel):
             self._reject(m.peer, f"a second reply connection for worker {gid}")
             conn.close()
             return
-        conn.settimeout(None)
         try:
             self._join(
                 node_id, pending.conn, pending.tx, pending.info,

@@ -176,3 +176,14 @@ def test_idle_handshakes_time_out_and_pending_is_capped(cluster):
     assert box["closed_in"] < 3.0
     assert sum("no complete handshake" in r for r in sess.channel.rejected) >= 1
     assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+
+
+def test_connections_block_without_timeout_once_joined(cluster):
+    """The handshake's non-blocking sockets are blocking, without a timeout, once a node joined
+    (a timeout left on a reply connection would end an idle worker after it)."""
+    sess = cluster.session(2, 2, token="blocking")
+    link = sess.channel.nodes[0]
+    assert link.data, "this session should have reply connections"
+    for conn in [link.sock, *link.data.values()]:
+        assert conn.gettimeout() is None
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(3) == 3
