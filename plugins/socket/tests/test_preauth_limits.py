@@ -32,12 +32,16 @@ N_IDLE = 1100
 
 _CONTROLLER = textwrap.dedent(
     """
-    import json, resource, sys, time
+    import json, os, resource, sys, time
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
     import disco_core as disco
 
     def on_listen(host, port):
+        spare = int(os.environ.get("FLOOD_SPARE_FDS", "0"))
+        if spare:  # descriptors run out long before the cap on pending handshakes
+            top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1 + spare, hard))
         print(json.dumps({"port": port}), flush=True)
 
     sess = disco.SocketSession(
@@ -95,9 +99,15 @@ def _line(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
-def test_controller_flood_of_idle_sockets():
-    """1,100 idle sockets: no thread each, no spinning, and a real node still joins at once."""
-    env = dict(os.environ, DISCO_HEARTBEAT_TIMEOUT="5")
+@pytest.mark.parametrize("spare_fds", [0, 16], ids=["pending-cap", "emfile"])
+def test_controller_flood_of_idle_sockets(spare_fds):
+    """1,100 idle sockets: no thread each, no spinning, and a real node still joins at once.
+
+    With 1,024 descriptors the cap on pending handshakes (64) holds them back;
+    with only 16 spare descriptors ``accept`` fails with ``EMFILE`` first, and
+    the loop drops the oldest pending connection (or pauses) instead of spinning.
+    """
+    env = dict(os.environ, DISCO_HEARTBEAT_TIMEOUT="5", FLOOD_SPARE_FDS=str(spare_fds))
     proc = subprocess.Popen(
         [sys.executable, "-c", _CONTROLLER],
         stdout=subprocess.PIPE,
