@@ -589,7 +589,7 @@ class _Hello:
     def _refuse(self, reason: str, error: str | None = None) -> bytes:
         """Refuse the peer: ``error`` is sent (as ``{"error": ...}``), ``reason`` kept."""
         self.failure = reason
-        return self._done(_json_bytes({"error": error if error is not None else reason}))
+        return self._done(wire.json_message({"error": error if error is not None else reason}))
 
     # -- the node's hello ----------------------------------------------------------
     def _on_magic(self, data: bytes) -> bytes:
@@ -642,7 +642,7 @@ class _Hello:
                 "the node has a token but this session has none (start the session "
                 "with the same token=, or DISCO_TOKEN)"
             )
-        sent = _json_bytes(
+        sent = wire.json_message(
             {"version": PROTOCOL_VERSION, "nonce": new_nonce().hex(), "auth": token is not None}
         )
         if token is None:
@@ -663,7 +663,7 @@ class _Hello:
                 "(use the same --token or DISCO_TOKEN everywhere)",
             )
         self.keys = hs.keys()
-        return self._done(_json_bytes({"proof": hs.proof().hex()}))
+        return self._done(wire.json_message({"proof": hs.proof().hex()}))
 
     # -- a reply connection --------------------------------------------------------
     def _on_data_hello(self, data: bytes) -> bytes:
@@ -687,7 +687,7 @@ class _Hello:
                 "a reply connection that does not match its node's auth", "authentication failed"
             )
         self.pending = pending
-        sent = _json_bytes({"nonce": new_nonce().hex(), "auth": pending.secret is not None})
+        sent = wire.json_message({"nonce": new_nonce().hex(), "auth": pending.secret is not None})
         if pending.secret is None:
             return self._done(sent)
         self.hs = Handshake(pending.secret, "server", wire.LABEL + b" reply")
@@ -705,13 +705,7 @@ class _Hello:
                 "authentication failed",
             )
         self.keys = hs.keys()
-        return self._done(_json_bytes({"proof": hs.proof().hex()}))
-
-
-def _json_bytes(obj: dict) -> bytes:
-    """One handshake message exactly as :func:`disco_socket.wire.send_json` writes it."""
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    return wire.U32.pack(len(data)) + data
+        return self._done(wire.json_message({"proof": hs.proof().hex()}))
 
 
 class _Pending(SocketHandshake):

@@ -116,6 +116,7 @@ __all__ = [
     "transport",
     "seal",
     "send_json",
+    "json_message",
     "recv_json",
     "recv_json_raw",
     "parse_json",
@@ -234,10 +235,15 @@ def frame_head(header: Any, buffers: Any, flags: int = 0) -> bytes:
     return _frame_head((header, buffers), flags)
 
 
+def json_message(obj: dict) -> bytes:
+    """The bytes of one handshake message: ``u32 length | compact UTF-8 JSON``."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return U32.pack(len(data)) + data
+
+
 def send_json(tx: Any, obj: dict) -> bytes:
     """Send one JSON message (to a socket or a transport); return its bytes exactly as sent."""
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    msg = U32.pack(len(data)) + data
+    msg = json_message(obj)
     if hasattr(tx, "send_parts"):
         tx.send_parts([msg])
     else:
