@@ -24,10 +24,17 @@ CCLs
     :meth:`CCL.preflight` (worker-side checks before a blocking initialisation).
 Network layer
     :mod:`net` (:mod:`~disco_core.net.io`, :mod:`~disco_core.net.framing`,
-    :mod:`~disco_core.net.security`, :mod:`~disco_core.net.protect`): the one
-    security policy (:func:`resolve_token`, :func:`check_bind`,
-    :class:`Handshake`), sealed records (:class:`SealedTransport`) and
-    transports.
+    :mod:`~disco_core.net.security`, :mod:`~disco_core.net.protect`,
+    :mod:`~disco_core.net.accept`): the one security policy
+    (:func:`resolve_token`, :func:`check_bind`, :class:`Handshake`,
+    :func:`new_nonce`, :data:`TOKEN_ENV`), sealed records
+    (:class:`SealedTransport`), transports, byte I/O (:func:`send_all`,
+    :func:`write_all`, :func:`recv_exact`, :func:`new_pipe`, :func:`grow_pipe`,
+    :data:`CAN_SPLICE`), frame heads (:func:`read_frame_head`,
+    :data:`FRAME_PREFIX`) and the one accept loop for work before a peer is
+    known (:mod:`accept`: :class:`AcceptLoop`, :class:`SocketHandshake`,
+    :class:`PendingConnection`, :class:`StepMachine`, :class:`Drain`,
+    :class:`Slots`). :mod:`protocol` holds the command codes.
 Devices and lookups
     :class:`Device`, :func:`as_device`, :func:`as_dtype`, :func:`as_shape`,
     :func:`to_host`, :func:`empty`, :func:`lookup` (a registered plugin by kind
@@ -36,7 +43,7 @@ Devices and lookups
 
 from __future__ import annotations
 
-from . import net, registry
+from . import net, protocol, registry
 from .ccl import validate
 from .ccl.base import CCL, REDUCE_OPS, Rendezvous
 from .channels.base import (
@@ -59,11 +66,32 @@ from .channels.process import (
 from .channels.stderr_tee import StderrTee
 from .device import Device, as_device, as_dtype, as_shape, empty, to_host
 from .loaders import load_py
-from .net.framing import FrameReader, check_frame
-from .net.io import PipeTransport, SocketTransport, SSLTransport
+from .net import accept
+from .net.accept import AcceptLoop, Drain, PendingConnection, Slots, SocketHandshake, StepMachine
+from .net.framing import PREFIX as FRAME_PREFIX
+from .net.framing import FrameReader, check_frame, read_frame_head
+from .net.io import (
+    CAN_SPLICE,
+    PipeTransport,
+    SocketTransport,
+    SSLTransport,
+    grow_pipe,
+    new_pipe,
+    recv_exact,
+    send_all,
+    write_all,
+)
 from .net.protect import SealedTransport
 from .net.relay import relay
-from .net.security import Handshake, SessionKeys, check_bind, is_loopback, resolve_token
+from .net.security import (
+    TOKEN_ENV,
+    Handshake,
+    SessionKeys,
+    check_bind,
+    is_loopback,
+    new_nonce,
+    resolve_token,
+)
 from .net.spawn import spawn_worker, worker_argv
 from .plugins import lookup
 from .protocol import (
@@ -104,7 +132,10 @@ __all__ = [
     "write_frame",
     "FrameReader",
     "check_frame",
+    "read_frame_head",
+    "FRAME_PREFIX",
     "FLAG_BATCH",
+    "protocol",
     # CCLs
     "CCL",
     "Rendezvous",
@@ -122,6 +153,21 @@ __all__ = [
     "SSLTransport",
     "PipeTransport",
     "relay",
+    "TOKEN_ENV",
+    "new_nonce",
+    "send_all",
+    "write_all",
+    "recv_exact",
+    "new_pipe",
+    "grow_pipe",
+    "CAN_SPLICE",
+    "accept",
+    "AcceptLoop",
+    "PendingConnection",
+    "StepMachine",
+    "SocketHandshake",
+    "Drain",
+    "Slots",
     # devices and lookups
     "Device",
     "as_device",

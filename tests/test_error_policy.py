@@ -23,6 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The packages held to the rule.
 PACKAGES = {
     "disco_mpi": ROOT / "plugins/mpi/disco_mpi",
+    "disco_socket": ROOT / "plugins/socket/disco_socket",
     "disco_nccl": ROOT / "plugins/nccl/disco_nccl",
     "disco_rccl": ROOT / "plugins/rccl/disco_rccl",
 }

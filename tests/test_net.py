@@ -250,6 +250,38 @@ def test_frame_reader_round_trip():
         os.close(w)
 
 
+def test_read_frame_head_checks_the_count_before_reading_the_lengths():
+    from disco_core.net.framing import read_frame_head
+
+    asked = []
+
+    def take(n):
+        asked.append(n)
+        return struct.pack("<QII", 4, 1 << 30, 0)
+
+    with pytest.raises(FrameLimitError, match="buffers"):
+        read_frame_head(take)
+    assert asked == [16]  # the 8 GiB of lengths were never asked for
+    data = memoryview(struct.pack("<QII", 3, 2, 7) + struct.pack("<2Q", 5, 6))
+    pos = 0
+
+    def take_ok(n):
+        nonlocal pos
+        pos += n
+        return data[pos - n : pos]
+
+    assert read_frame_head(take_ok) == (3, (5, 6), 7)
+
+
+def test_worker_argv_options():
+    from disco_core.net.spawn import worker_argv
+
+    plain = worker_argv("disco_core.worker", 1, 4, 1, 5, 6)
+    assert plain[-4:] == ["--cmd-fd", "5", "--reply-fd", "6"]
+    socket_worker = worker_argv("m", 2, 4, 1, 5, 6, untrusted=True, reply_key_fd=9)
+    assert socket_worker[-3:] == ["--untrusted", "--reply-key-fd", "9"]
+
+
 # ----------------------------------------------------------------------------- untrusted values
 @pytest.mark.parametrize(
     "value",

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "frame_head",
     "check_frame",
+    "read_frame_head",
     "FrameReader",
 ]
 
@@ -68,6 +69,40 @@ def check_frame(
         raise FrameLimitError(
             f"frame declares {header_len + sum(lens)} bytes (at most {max_frame})"
         )
+
+
+def read_frame_head(
+    take: Callable[[int], Any], *, max_frame: int = MAX_FRAME_BYTES
+) -> tuple[int, tuple[int, ...], int]:
+    """Parse a frame's prefix and buffer lengths, checking each before reading on.
+
+    The one parser of a frame's head: :class:`FrameReader` and every other reader
+    of frames (a plugin's buffered socket reader, a relay that forwards the head
+    and splices the buffers) read it through this.
+
+    Parameters
+    ----------
+    take : callable
+        ``take(n)`` returns the next ``n`` bytes of the stream (any buffer).
+    max_frame : int
+        The largest frame accepted (:func:`check_frame`).
+
+    Returns
+    -------
+    tuple
+        ``(header_len, buffer_lengths, flags)``; the header itself is not read.
+
+    Raises
+    ------
+    FrameLimitError
+        A declared count or length is over a limit (checked before the lengths
+        are read, so an absurd count costs nothing).
+    """
+    hlen, nbuf, flags = PREFIX.unpack(take(PREFIX.size))
+    check_frame(hlen, nbuf, max_frame=max_frame)
+    lens = struct.unpack(f"<{nbuf}Q", take(8 * nbuf)) if nbuf else ()
+    check_frame(hlen, nbuf, lens, max_frame=max_frame)
+    return hlen, lens, flags
 
 
 class FrameReader:
@@ -140,10 +175,7 @@ class FrameReader:
             The frame declares more than this reader accepts (the stream is then
             out of step and must be dropped).
         """
-        hlen, nbuf, flags = PREFIX.unpack(self._take(PREFIX.size))
-        check_frame(hlen, nbuf, max_frame=self.max_frame)
-        lens = struct.unpack(f"<{nbuf}Q", self._take(8 * nbuf)) if nbuf else ()
-        check_frame(hlen, nbuf, lens, max_frame=self.max_frame)
+        hlen, lens, flags = read_frame_head(self._take, max_frame=self.max_frame)
         header = self._take(hlen)
         return header, [self._read_buffer(n) for n in lens], flags
 

@@ -23,6 +23,7 @@ def worker_argv(
     reply_fd: int,
     *,
     untrusted: bool = False,
+    reply_key_fd: int | None = None,
 ) -> list[str]:
     """The command line of a worker process (see ``python -m disco_core.worker --help``).
 
@@ -37,6 +38,10 @@ def worker_argv(
     untrusted : bool
         Its commands crossed a socket: it rebuilds them from an allow-list
         (:func:`disco_core.protocol.decode_untrusted`) and never unpickles them.
+    reply_key_fd : int, optional
+        An inherited descriptor holding the 64-byte key the worker seals its
+        replies with (a socket channel's reply connection with a token); the
+        key never appears on the command line.
     """
     argv = [
         sys.executable, "-m", entrypoint,
@@ -45,6 +50,8 @@ def worker_argv(
     ]  # fmt: skip
     if untrusted:
         argv.append("--untrusted")
+    if reply_key_fd is not None:
+        argv += ["--reply-key-fd", str(reply_key_fd)]
     return argv
 
 

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from disco_core.errors import CCLError
+from disco_core import CCLError
 
 __all__ = ["mpi", "is_initialized", "launcher", "borrow_pmi", "library_version"]
 

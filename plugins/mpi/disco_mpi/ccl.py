@@ -59,9 +59,8 @@ from typing import Any
 
 import numpy as np
 
-from disco_core.ccl import validate
-from disco_core.ccl.base import CCL, Rendezvous
-from disco_core.errors import CCLError, CCLTimeoutError, DiscoTypeError, DiscoValueError
+from disco_core import CCLError, CCLTimeoutError, DiscoTypeError, DiscoValueError
+from disco_core.spi import CCL, Rendezvous, validate
 
 from . import _runtime
 

@@ -30,10 +30,18 @@ import sys
 import threading
 from typing import Any
 
-from disco_core.channels.base import LinkChannel, Outgoing, ThreadWorkerLink, WorkerLink
-from disco_core.errors import DiscoError, DiscoValueError
-from disco_core.protocol import FLAG_BATCH, decode_untrusted, encode, frame_head
-from disco_core.worker import Worker
+from disco_core import DiscoError, DiscoValueError
+from disco_core.spi import (
+    FLAG_BATCH,
+    LinkChannel,
+    Outgoing,
+    ThreadWorkerLink,
+    Worker,
+    WorkerLink,
+    decode_untrusted,
+    encode,
+    frame_head,
+)
 
 from . import _runtime
 

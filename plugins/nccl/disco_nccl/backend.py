@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from disco_core.errors import CCLError
+from disco_core import CCLError
 
 __all__ = ["load", "device_count", "can_split", "communicator", "uid_bytes", "INSTALL_HINT"]
 

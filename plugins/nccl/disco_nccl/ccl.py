@@ -24,10 +24,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from disco_core.ccl import validate
-from disco_core.ccl.base import CCL, Rendezvous
-from disco_core.device import Device
-from disco_core.errors import CCLError, DiscoTypeError
+from disco_core import CCLError, DiscoTypeError
+from disco_core.spi import CCL, Device, Rendezvous, validate
 
 from . import backend
 

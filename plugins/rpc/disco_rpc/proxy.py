@@ -209,6 +209,9 @@ def _handle(sock: socket.socket, addr: Any, state: _ProxyState, first: _FirstHel
     try:
         conn = wire.Conn(_transport(sock), PROXY_MAX_MESSAGE_BYTES)
         if first.backend:
+            if first._left:  # bytes past the handshake: no legitimate backend sends them
+                raise wire.ProtocolError("a server sent data before its handshake ended")
+            auth.seal(conn, first._server.keys)  # the backend link, sealed under the proxy token
             _serve_backend(conn, sock, addr, state)
         else:
             _serve_client(conn, sock, addr, first.raw, first.hello[1], state, wait)

@@ -475,7 +475,9 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
     def on_ready(hs: SocketHandshake) -> None:
         sock = hs.detach(None)
         _tune_link(sock)
-        link = _Link(wire.Conn(_transport(sock), max_message_bytes), hs.addr, hs.machine.peer_key)  # fmt: skip
+        conn = wire.Conn(_transport(sock), max_message_bytes)
+        auth.seal(conn, hs.machine.keys)  # with a token, every later byte is sealed
+        link = _Link(conn, hs.addr, hs.machine.peer_key)
         if not slots.start_thread(_serve_link, link, state, name="tracker-link"):
             logger.warning("refused a link from %s: %d links already", hs.addr, slots.limit)
             link.send(ERROR, 0, ("RPCError", f"the tracker serves at most {slots.limit} connections at once; try again later", ""))  # fmt: skip

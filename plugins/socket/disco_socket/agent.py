@@ -39,24 +39,29 @@ import socket
 import ssl
 import stat
 import struct
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from typing import Any
 
-from disco_core.channels.process import exit_reason, stop_worker, worker_env
-from disco_core.channels.stderr_tee import StderrTee
-from disco_core.errors import DiscoError
-from disco_core.net.io import new_pipe, send_all
-from disco_core.net.security import (
+from disco_core import DiscoError, DiscoValueError
+from disco_core.spi import (
+    CAN_SPLICE,
     TOKEN_ENV,
     Handshake,
     SessionKeys,
+    StderrTee,
+    exit_reason,
     is_loopback,
     new_nonce,
+    new_pipe,
+    read_frame_head,
     resolve_token,
+    send_all,
+    spawn_worker,
+    stop_worker,
+    worker_argv,
+    worker_env,
 )
 
 from . import wire
@@ -366,24 +371,16 @@ class WorkerProc:
             reply_w = reply_sock.fileno()
             self.watch_r, life_w = os.pipe()
             keep = (life_w,)
-        argv = [
-            sys.executable, "-m", entrypoint,
-            "--worker-id", str(gid), "--num-workers", str(num_workers),
-            "--num-groups", str(num_groups), "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w),
-            "--untrusted",
-        ]  # fmt: skip
+        key_r = None
         if reply_sock is not None and reply_key is not None:
             key_r = _key_pipe(reply_key)
             keep = (*keep, key_r)
-            argv += ["--reply-key-fd", str(key_r)]
+        argv = worker_argv(
+            entrypoint, gid, num_workers, num_groups, cmd_r, reply_w,
+            untrusted=True, reply_key_fd=key_r,
+        )  # fmt: skip
         try:
-            self.proc = subprocess.Popen(
-                argv,
-                pass_fds=(cmd_r, reply_w, *keep),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stderr=err_w,
-            )
+            self.proc = spawn_worker(argv, (cmd_r, reply_w, *keep), env, err_w)
         except BaseException:
             os.close(self.err_r)
             raise
@@ -464,7 +461,6 @@ def remove_stale_caches(root: str | None = None) -> list[str]:
     return removed
 
 
-_CAN_SPLICE = hasattr(os, "splice")
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_MORE", 4)
 
 
@@ -499,13 +495,17 @@ class _ReplyRelay:
             self._relay_one()
 
     def _relay_one(self) -> None:
-        P = wire.FRAME_PREFIX
         # Read only the head: with splice, what follows must stay in the pipe.
-        self._need_exact(P.size)
-        hlen, nbuf, _ = P.unpack_from(self.buf)
-        self._need_exact(P.size + 8 * nbuf)
-        lens = struct.unpack_from(f"<{nbuf}Q", self.buf, P.size) if nbuf else ()
-        head_len = P.size + 8 * nbuf + hlen
+        pos = 0
+
+        def take(n: int) -> bytes:
+            nonlocal pos
+            self._need_exact(pos + n)
+            pos += n
+            return bytes(self.buf[pos - n : pos])
+
+        hlen, lens, _ = read_frame_head(take, max_frame=wire.MAX_FRAME_BYTES)
+        head_len = pos + hlen
         self._need_exact(head_len)
         total = sum(lens)
         have = min(total, len(self.buf) - head_len)
@@ -552,9 +552,9 @@ def _meta(data: bytes) -> dict:
     try:
         meta = json.loads(data)
     except RecursionError:
-        raise ValueError("protocol error: a JSON message nested too deeply") from None
+        raise DiscoValueError("protocol error: a JSON message nested too deeply") from None
     if not isinstance(meta, dict):
-        raise ValueError("protocol error: a module-file request is not an object")
+        raise DiscoValueError("protocol error: a module-file request is not an object")
     return meta
 
 
@@ -694,7 +694,7 @@ class Agent:
         sel = selectors.DefaultSelector()
         relays = {}
         # splice would put bytes on the wire around the seal: only on a plain link
-        splice = _CAN_SPLICE and not isinstance(self.sock, ssl.SSLSocket) and not self.sealed
+        splice = CAN_SPLICE and not isinstance(self.sock, ssl.SSLSocket) and not self.sealed
         for i, link in enumerate(self.links):
             if link.reply_r is None:
                 relays[link.watch_r] = _ExitWatch(link.watch_r)
@@ -746,7 +746,7 @@ class Agent:
             name = "module"
         digest = str(meta.get("sha256", ""))
         if not re.fullmatch(r"[0-9a-f]{64}", digest):
-            raise ValueError("bad sha256")
+            raise DiscoValueError("bad sha256")
         return os.path.join(self.cache, digest[:32], name)
 
     def _stat(self, meta: dict) -> dict:
@@ -916,7 +916,7 @@ def run_agent(
     return ``EXIT_SIGNAL + signum`` after one log line (no traceback).
     """
     if workers < 1:
-        raise ValueError("workers must be >= 1")
+        raise DiscoValueError("workers must be >= 1")
     key = resolve_token(token)
     for path in remove_stale_caches():
         log.info("disco-socket: removed %s, left behind by an agent that died", path)

@@ -8,6 +8,7 @@ agent that relays every command to that node's workers and every reply back.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import heapq
 import ipaddress
@@ -24,25 +25,40 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from disco_core import protocol as P
-from disco_core.channels.base import (
+from disco_core import (
+    DiscoError,
+    DiscoTimeoutError,
+    DiscoTypeError,
+    DiscoValueError,
+    NetworkError,
+    WorkerDiedError,
+    WorkerError,
+)
+from disco_core.spi import (
+    AcceptLoop,
     BatchingLink,
+    Drain,
+    Handshake,
     LinkChannel,
     Outgoing,
+    ProcessWorkerLink,
     ReplyHub,
+    ReplyReader,
+    SessionKeys,
+    SocketHandshake,
     ThreadWorkerLink,
     WorkerLink,
-)
-from disco_core.channels.process import (
-    ProcessWorkerLink,
-    ReplyReader,
+    check_bind,
+    decode_untrusted,
+    frame_head,
+    new_nonce,
+    resolve_token,
     start_timeout,
     tee_stderr,
     worker_env,
 )
-from disco_core.errors import DiscoError, WorkerDiedError, WorkerError
-from disco_core.net.security import Handshake, SessionKeys, check_bind, new_nonce, resolve_token
-from disco_core.protocol import decode_untrusted, frame_head
+from disco_core.spi import accept as _accept
+from disco_core.spi import protocol as P
 
 from . import wire
 from .wire import (
@@ -83,7 +99,7 @@ def _loads(data: bytes) -> Any:
     try:
         return json.loads(data.decode(errors="replace"))
     except RecursionError:
-        raise ValueError("protocol error: a JSON message nested too deeply") from None
+        raise DiscoValueError("protocol error: a JSON message nested too deeply") from None
 
 
 def _span(ids: Sequence[int]) -> str:
@@ -241,7 +257,7 @@ class NodeLink(BatchingLink):
                     return q.get(timeout=0.2)
                 except queue.Empty:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(
+                        raise DiscoTimeoutError(
                             f"{self.describe()} did not answer a module-file request "
                             f"within {timeout:.0f} s"
                         ) from None
@@ -293,7 +309,9 @@ class NodeLink(BatchingLink):
                 while left:
                     n = f.readinto(view[: min(left, len(chunk))])
                     if not n:
-                        raise OSError(f"{path} shrank while it was being sent")
+                        raise NetworkError(  # out of step with the node: it dies
+                            f"{path} shrank while it was being sent"
+                        )
                     self.tx.send_parts([view[:n]])
                     left -= n
 
@@ -367,7 +385,9 @@ class NodeLink(BatchingLink):
                     answer = _loads(reader.read_blob())
                     settle()
                     if not isinstance(answer, dict):
-                        raise ValueError("protocol error: a module-file answer is not an object")
+                        raise DiscoValueError(
+                            "protocol error: a module-file answer is not an object"
+                        )
                     q = self._requests.get(arg)
                     if q is not None:
                         q.put(answer)
@@ -459,16 +479,266 @@ class _PendingNode:
     """A node between its welcome and the arrival of all its reply connections.
 
     ``secret`` is :func:`~disco_socket.wire.reply_secret` of the node's handshake
-    (None without a token); ``keys`` the record keys of each reply connection.
+    (None without a token); ``keys`` the record keys of each reply connection;
+    ``conn``, ``tx`` and ``info`` the node's own connection, waiting for its
+    :class:`NodeLink`; ``deadline`` when the node is dropped if they have not all
+    arrived. Only the accept loop's thread touches it.
     """
 
-    def __init__(self, secret: bytes | None, ids: set[int], peer: str) -> None:
+    def __init__(self, secret: bytes | None, ids: set[int], peer: str, conn: socket.socket, tx: Any, info: dict, deadline: float) -> None:  # fmt: skip
         self.secret = secret
         self.ids = ids
         self.peer = peer
+        self.conn = conn
+        self.tx = tx
+        self.info = info
+        self.deadline = deadline
         self.socks: dict[int, socket.socket] = {}
         self.keys: dict[int, SessionKeys] = {}
-        self.done = threading.Event()
+
+    def close_replies(self) -> None:
+        """Close the reply connections that arrived."""
+        for sock in self.socks.values():
+            sock.close()
+        self.socks.clear()
+
+    def close(self) -> None:
+        """Close the node's connection and its reply connections."""
+        self.close_replies()
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+class _Hello:
+    """The controller's side of one handshake, as a step machine that never blocks.
+
+    :class:`~disco_core.spi.SocketHandshake` feeds it exactly :attr:`want` bytes
+    at a time from a non-blocking socket (after a non-blocking TLS handshake) and
+    sends what :meth:`step` returns (a few hundred bytes at most). It reads the
+    fixed hello, then the JSON hello (at most :data:`~disco_socket.wire.MAX_HANDSHAKE_BYTES`),
+    answers with the challenge and, with a token, checks the peer's proof and
+    sends its own; see :mod:`disco_socket.wire` for the messages.
+
+    When it is over (``want == 0``), ``ok`` is True and either ``failure`` is
+    None (the peer authenticated: ``kind`` is ``"node"`` or ``"data"``,
+    ``hello`` its JSON hello, ``keys`` the record keys with a token) or
+    ``failure`` says why the peer was refused after a JSON error was sent (the
+    connection is then closed politely). A peer refused without an answer makes
+    :meth:`step` raise :class:`~disco_socket.wire.HandshakeError` (kept in
+    ``failure``).
+    """
+
+    def __init__(self, channel: SocketChannel, peer: str) -> None:
+        self.ch = channel
+        self.peer = peer
+        self.want = HELLO.size
+        self.ok = False
+        self.failure: str | None = None
+        self.kind = "node"
+        self.late = False
+        self.hello: dict = {}
+        self.hs: Handshake | None = None
+        self.keys: SessionKeys | None = None
+        self.pending: _PendingNode | None = None
+        self._head = b""
+        self._raw = b""
+        self._len = b""
+        self._then: Callable[[bytes], bytes] = self._on_magic
+        self._next: Callable[[bytes], bytes] = self._on_magic
+
+    # -- the machine -------------------------------------------------------------
+    def step(self, data: bytes) -> bytes:
+        """Consume exactly :attr:`want` bytes; return what to send back."""
+        try:
+            return self._then(data)
+        except HandshakeError as exc:
+            self.failure = str(exc)
+            self.want = 0
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever it sent, it is dropped
+            self.failure = f"malformed handshake ({type(exc).__name__}: {exc})"
+            self.want = 0
+            raise HandshakeError(self.failure) from None
+
+    def _message(self, then: Callable[[bytes], bytes]) -> None:
+        """Read one ``u32 length | JSON`` message next, then call ``then(body)``."""
+        self.want = 4
+        self._then = self._on_length
+        self._next = then
+
+    def _on_length(self, data: bytes) -> bytes:
+        (n,) = wire.U32.unpack(data)
+        if n > wire.MAX_HANDSHAKE_BYTES:
+            raise HandshakeError(
+                f"handshake message too large ({n} bytes, at most {wire.MAX_HANDSHAKE_BYTES})"
+            )
+        self._len = data
+        if n == 0:  # not JSON: refused below, as any malformed message
+            return self._next(b"")
+        self.want = n
+        self._then = self._next
+        return b""
+
+    def _done(self, out: bytes = b"") -> bytes:
+        self.want = 0
+        self.ok = True
+        return out
+
+    def _refuse(self, reason: str, error: str | None = None) -> bytes:
+        """Refuse the peer: ``error`` is sent (as ``{"error": ...}``), ``reason`` kept."""
+        self.failure = reason
+        return self._done(wire.json_message({"error": error if error is not None else reason}))
+
+    # -- the node's hello ----------------------------------------------------------
+    def _on_magic(self, data: bytes) -> bytes:
+        self._head = data
+        magic, version = HELLO.unpack(data)
+        ch = self.ch
+        if ch._full:
+            if magic != MAGIC:
+                raise HandshakeError("a late connection that is not a node agent")
+            self.late = True
+            self._message(self._on_late_hello)  # read it, so the answer is not reset away
+            return b""
+        if magic == DATA_MAGIC and ch._direct and version == PROTOCOL_VERSION:
+            self.kind = "data"
+            self._message(self._on_data_hello)
+            return b""
+        if magic not in (MAGIC, DATA_MAGIC):
+            raise HandshakeError("not a disco-socket node agent (bad magic bytes)")
+        if magic == DATA_MAGIC and version == PROTOCOL_VERSION:
+            return self._refuse(
+                "a reply connection, but this session relays replies",
+                "this session takes no reply connections",
+            )
+        if version != PROTOCOL_VERSION:
+            return self._refuse(
+                f"protocol version mismatch: the controller speaks disco-socket protocol "
+                f"{PROTOCOL_VERSION}, the node speaks {version}; install the same "
+                "disco-socket version on every node"
+            )
+        self._message(self._on_node_hello)
+        return b""
+
+    def _on_late_hello(self, data: bytes) -> bytes:
+        wire.parse_json(data)
+        return self._refuse(self.ch._late_reason())
+
+    def _on_node_hello(self, data: bytes) -> bytes:
+        hello = self.hello = wire.parse_json(data)
+        raw = self._len + data
+        wire.nonce_hex(hello.get("nonce"), "hello")
+        token = self.ch._token
+        node_auth = hello.get("auth")
+        if token is not None and node_auth is not True:
+            return self._refuse(
+                "authentication failed: this session requires a token and the node has "
+                "none (give it the session's token in DISCO_TOKEN)"
+            )
+        if token is None and node_auth is not False:
+            return self._refuse(
+                "the node has a token but this session has none (start the session "
+                "with the same token=, or DISCO_TOKEN)"
+            )
+        sent = wire.json_message(
+            {"version": PROTOCOL_VERSION, "nonce": new_nonce().hex(), "auth": token is not None}
+        )
+        if token is None:
+            return self._done(sent)
+        self.hs = Handshake(token, "server", wire.LABEL)
+        self.hs.bind(self._head + raw, sent)
+        self._message(self._on_node_proof)
+        return sent
+
+    def _on_node_proof(self, data: bytes) -> bytes:
+        hs = self.hs
+        assert hs is not None
+        got = wire.parse_proof(wire.parse_json(data))
+        if got is None or not hs.verify(got):
+            return self._refuse(
+                "authentication failed (wrong token)",
+                "authentication failed: the node's token differs from the controller's "
+                "(use the same --token or DISCO_TOKEN everywhere)",
+            )
+        self.keys = hs.keys()
+        return self._done(wire.json_message({"proof": hs.proof().hex()}))
+
+    # -- a reply connection --------------------------------------------------------
+    def _on_data_hello(self, data: bytes) -> bytes:
+        """Only JSON is read: the peer must name a node whose handshake is under way
+        and one of its workers not yet connected, and, with a token, prove it holds
+        that node's :func:`~disco_socket.wire.reply_secret`."""
+        hello = self.hello = wire.parse_json(data)
+        raw = self._len + data
+        node_id, gid = hello.get("node_id"), hello.get("worker")
+        wire.nonce_hex(hello.get("nonce"), "reply-connection hello")
+        ch = self.ch
+        with ch._ids_lock:
+            pending = ch._pending.get(node_id) if type(node_id) is int else None
+        if pending is None or type(gid) is not int or gid not in pending.ids or gid in pending.socks:  # fmt: skip
+            return self._refuse(
+                f"an unexpected reply connection (node {node_id!r}, worker {gid!r})",
+                "unexpected reply connection",
+            )
+        if hello.get("auth") is not (pending.secret is not None):
+            return self._refuse(
+                "a reply connection that does not match its node's auth", "authentication failed"
+            )
+        self.pending = pending
+        sent = wire.json_message({"nonce": new_nonce().hex(), "auth": pending.secret is not None})
+        if pending.secret is None:
+            return self._done(sent)
+        self.hs = Handshake(pending.secret, "server", wire.LABEL + b" reply")
+        self.hs.bind(self._head + raw, sent)
+        self._message(self._on_data_proof)
+        return sent
+
+    def _on_data_proof(self, data: bytes) -> bytes:
+        hs = self.hs
+        assert hs is not None
+        got = wire.parse_proof(wire.parse_json(data))
+        if got is None or not hs.verify(got):
+            return self._refuse(
+                "authentication failed on a reply connection (wrong proof)",
+                "authentication failed",
+            )
+        self.keys = hs.keys()
+        return self._done(wire.json_message({"proof": hs.proof().hex()}))
+
+
+class _Pending(SocketHandshake):
+    """A connection in its handshake: a :class:`_Hello` over a non-blocking socket.
+
+    Closed before it was handed on (refused without an answer, closed by the
+    peer, past its deadline, or dropped to make room for newer ones), it leaves
+    its reason in the channel's :attr:`SocketChannel.rejected`.
+    """
+
+    def __init__(self, sock: socket.socket, addr: Any, machine: _Hello, ssl_context: ssl.SSLContext | None, channel: SocketChannel) -> None:  # fmt: skip
+        super().__init__(sock, addr, machine, ssl_context)
+        self.channel = channel
+        self.handed = False
+        self.deadline = time.monotonic() + channel._handshake_timeout
+
+    def close(self) -> None:
+        if not self.handed:
+            self.handed = True
+            m: _Hello = self.machine  # type: ignore[assignment]
+            if m.failure is not None:
+                if m.late:
+                    log.warning("disco-socket: dropped a late connection from %s: %s", m.peer, m.failure)  # fmt: skip
+                else:
+                    self.channel._reject(m.peer, m.failure)
+            elif not self.channel._full:
+                why = (
+                    f"no complete handshake within {self.channel._handshake_timeout:g} s"
+                    if time.monotonic() >= self.deadline
+                    else "the connection closed (or was dropped) during the handshake"
+                )
+                self.channel._reject(m.peer, why, quiet=True)
+        super().close()
 
 
 class SocketChannel(LinkChannel):
@@ -546,11 +816,11 @@ class SocketChannel(LinkChannel):
             ("num_workers_per_node", num_workers_per_node),
         ):
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+                raise DiscoTypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+                raise DiscoValueError(f"{name} must be >= 1, got {value}")
         if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
-            raise TypeError("ssl_context must be an ssl.SSLContext")
+            raise DiscoTypeError("ssl_context must be an ssl.SSLContext")
         num_workers = num_nodes * num_workers_per_node
         super().__init__(num_workers, num_groups)
         self.num_nodes = num_nodes
@@ -567,10 +837,15 @@ class SocketChannel(LinkChannel):
         self._direct = bool(direct_replies) and ssl_context is None
         #: node id -> its reply connections while it completes its handshake
         self._pending: dict[int, _PendingNode] = {}
+        #: every node joined: a later agent is told the session is full
+        self._full = False
+        self._loop: AcceptLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self._free_ids = list(range(1, num_nodes))
         self._ids_lock = threading.Lock()
         self._joined: queue.SimpleQueue = queue.SimpleQueue()
-        self.rejected: list[str] = []
+        #: why connections were turned away during the handshake (the last 1,000)
+        self.rejected: collections.deque[str] = collections.deque(maxlen=1000)
         self.nodes: list[NodeLink] = []
         self.procs: list[ProcessWorkerLink] = []
         self.reader: ReplyReader | None = None
@@ -578,7 +853,6 @@ class SocketChannel(LinkChannel):
         self._loader_regs: set[int] = set()
         self._hashes: dict[tuple, str] = {}
         self._listener: socket.socket | None = None
-        self._turn_away: threading.Thread | None = None
         try:
             self._start(host, port, on_listen)
         except BaseException:
@@ -634,23 +908,48 @@ class SocketChannel(LinkChannel):
         return f"`{self.join_command()}`{note}"
 
     def _accept_nodes(self) -> None:
+        """Wait for every node to join while the accept loop authenticates them.
+
+        One thread (``disco-socket-accept``) runs the core's
+        :class:`~disco_core.spi.AcceptLoop` for the channel's whole life: every
+        handshake is a non-blocking :class:`_Hello` step machine advanced by
+        that thread, with at most ``max_pending`` of them at once (the oldest is
+        dropped to make room) and a deadline each (``handshake_timeout``); no
+        thread is started for a connection before it has authenticated. After
+        every node joined, the same loop tells late agents that the session is
+        full.
+        """
         listener = self._listener
         assert listener is not None
-        listener.settimeout(0.1)
+        per_node_conns = 1 + (self.per_node if self._direct else 0)
+        self._loop = AcceptLoop(
+            listener,
+            self._make_hello,
+            self._on_hello_done,
+            max_pending=max(_accept.DEFAULT_MAX_PENDING, 2 * (self.num_nodes - 1) * per_node_conns),
+            handshake_timeout=self._handshake_timeout,
+            on_tick=self._expire_pending,
+            tick_interval=0.25,
+            name="disco-socket controller",
+        )
+        self._loop_thread = threading.Thread(
+            target=self._run_loop, name="disco-socket-accept", daemon=True
+        )
+        self._loop_thread.start()
         start = time.monotonic()
         deadline = start + self.timeout
         noticed = False
         want = self.num_nodes - 1
         while len(self.nodes) < want:
-            while True:
-                try:
-                    self.nodes.append(self._joined.get_nowait())
-                except queue.Empty:
-                    break
-            if len(self.nodes) >= want:
-                break
+            try:
+                self.nodes.append(self._joined.get(timeout=0.1))
+                continue
+            except queue.Empty:
+                pass
             if self.hub.dead:
                 raise self.hub.died_error()
+            if not self._loop_thread.is_alive():
+                raise DiscoError("SocketSession: the controller's accept loop ended early")
             now = time.monotonic()
             if now > deadline:
                 raise self._join_timeout(want)
@@ -661,70 +960,36 @@ class SocketChannel(LinkChannel):
                     "on each other machine run: %s",
                     want - len(self.nodes), *self.address, self.timeout, self._join_hint(),
                 )  # fmt: skip
-            try:
-                conn, addr = listener.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(
-                target=self._handshake,
-                args=(conn, addr),
-                name="disco-socket-handshake",
-                daemon=True,
-            ).start()
-        listener.settimeout(None)
-        self._turn_away = threading.Thread(
-            target=self._turn_away_loop, name="disco-socket-full", daemon=True
-        )
-        self._turn_away.start()
+        self._full = True
 
-    def _join_timeout(self, want: int) -> TimeoutError:
+    def _run_loop(self) -> None:
+        try:
+            self._loop.run()
+        finally:
+            with self._ids_lock:
+                left = list(self._pending.values())
+                self._pending.clear()
+            for pending in left:
+                pending.close()
+
+    def _join_timeout(self, want: int) -> DiscoTimeoutError:
         host, port = self.address
         rejected = ""
         if self.rejected:
             rejected = f"; {len(self.rejected)} connection(s) were rejected: " + "; ".join(
-                self.rejected[-3:]
+                list(self.rejected)[-3:]
             )
-        return TimeoutError(
+        return DiscoTimeoutError(
             f"SocketSession: only {len(self.nodes)} of {want} node(s) joined {host}:{port} "
             f"within the {self.timeout:g} s timeout (the timeout= option); start each missing "
             f"node with {self._join_hint()}{rejected}"
         )
 
-    def _turn_away_loop(self) -> None:
-        """Tell agents that come after every node joined that the session is full.
-
-        Without this they would find the port closed and retry until their
-        ``--connect-timeout``; now they exit at once with a clear refusal. Ends when
-        :meth:`close` shuts the listener down.
-        """
-        listener = self._listener
-        assert listener is not None
-        while True:
-            try:
-                conn, addr = listener.accept()
-            except OSError:
-                return
-            self._turn_away_one(conn, f"{addr[0]}:{addr[1]}")
-
-    def _turn_away_one(self, conn: socket.socket, peer: str) -> None:
-        reason = (
+    def _late_reason(self) -> str:
+        return (
             f"the session already has all its {self.num_nodes} nodes; this agent is one too "
             "many (check --workers and the number of agents started for this session)"
         )
-        try:
-            conn.settimeout(_LATE_TIMEOUT)
-            if self._ssl is not None:
-                conn = self._ssl.wrap_socket(conn, server_side=True)
-            magic, _ = HELLO.unpack(wire.recv_exact(conn, HELLO.size))
-            if magic == MAGIC:  # read the hello (JSON only) so the answer is not reset away
-                wire.recv_json(conn)
-                wire.send_json(conn, {"error": reason})
-                conn.shutdown(socket.SHUT_WR)
-            log.warning("disco-socket: turned away %s: %s", peer, reason)
-        except Exception as exc:  # noqa: BLE001 - whatever it sent, it is dropped
-            log.warning("disco-socket: dropped a late connection from %s: %s", peer, exc)
-        finally:
-            conn.close()
 
     def _claim_id(self) -> int | None:
         with self._ids_lock:
@@ -734,79 +999,49 @@ class SocketChannel(LinkChannel):
         with self._ids_lock:
             heapq.heappush(self._free_ids, node_id)
 
-    def _handshake(self, conn: socket.socket, addr: Any) -> None:
-        """Authenticate one connection (a node, or one of its reply connections).
+    def _reject(self, peer: str, reason: str, quiet: bool = False) -> None:
+        """Keep why ``peer`` was turned away (:attr:`rejected`, the last 1,000) and log it."""
+        self.rejected.append(f"{peer}: {reason}")
+        (log.debug if quiet else log.warning)(
+            "disco-socket: rejected the connection from %s: %s", peer, reason
+        )
 
-        Whatever goes wrong, the connection is closed and the reason kept in
-        :attr:`rejected` (and logged): a peer that sends garbage, however
-        malformed or deeply nested, never leaves a thread or a socket behind.
-        """
+    # ------------------------------------------------------------------ the accept loop's side
+    def _make_hello(self, sock: socket.socket, addr: Any) -> _Pending:
+        """A new connection (accept loop thread): its handshake, not yet advanced."""
+        wire.tune_socket(sock, self.heartbeat_timeout)
         peer = f"{addr[0]}:{addr[1]}"
+        return _Pending(sock, addr, _Hello(self, peer), self._ssl, self)
+
+    def _on_hello_done(self, hs: _Pending) -> None:
+        """A handshake ended without error (accept loop thread): admit or refuse the peer."""
+        hs.handed = True
+        m: _Hello = hs.machine  # type: ignore[assignment]
+        if m.failure is not None:  # refused, with a JSON error already sent
+            if m.late:
+                log.warning("disco-socket: turned away %s: %s", m.peer, m.failure)
+            else:
+                self._reject(m.peer, m.failure)
+            self._loop.adopt(Drain(hs.sock, hs.addr), _LATE_TIMEOUT)
+            return
+        if m.kind == "data":  # blocking, no timeout: its reader waits for replies for ever
+            self._add_reply_connection(m, hs.detach(None))
+        else:  # a bound on sending the welcome; none once the node joined (_join)
+            self._admit(m, hs.detach(self._handshake_timeout))
+
+    def _admit(self, m: _Hello, conn: socket.socket) -> None:
+        """A node that authenticated: its id and welcome, then (without TLS) its reply connections.
+
+        Runs in the accept loop's thread and never waits on the peer: the welcome
+        is a few hundred bytes into an empty socket buffer, and the node's reply
+        connections arrive through the same loop (:meth:`_add_reply_connection`).
+        """
+        peer, hello = m.peer, m.hello
+        tx: Any = wire.transport(conn)
+        if m.keys is not None:
+            tx = wire.seal(tx, m.keys)  # from here on every byte is a sealed record
         node_id = None
         try:
-            conn.settimeout(self._handshake_timeout)
-            wire.tune_socket(conn, self.heartbeat_timeout)
-            if self._ssl is not None:
-                conn = self._ssl.wrap_socket(conn, server_side=True)
-            tx: Any = wire.transport(conn)
-            head = wire.recv_exact(tx, HELLO.size)
-            magic, version = HELLO.unpack(head)
-            if magic == DATA_MAGIC and self._direct and version == PROTOCOL_VERSION:
-                self._data_handshake(conn, tx, head)
-                return
-            if magic not in (MAGIC, DATA_MAGIC):
-                raise HandshakeError("not a disco-socket node agent (bad magic bytes)")
-            if magic == DATA_MAGIC and version == PROTOCOL_VERSION:
-                wire.send_json(tx, {"error": "this session takes no reply connections"})
-                raise HandshakeError("a reply connection, but this session relays replies")
-            if version != PROTOCOL_VERSION:
-                msg = (
-                    f"protocol version mismatch: the controller speaks disco-socket protocol "
-                    f"{PROTOCOL_VERSION}, the node speaks {version}; install the same "
-                    "disco-socket version on every node"
-                )
-                wire.send_json(tx, {"error": msg})
-                raise HandshakeError(msg)
-            hello, raw = wire.recv_json_raw(tx)
-            wire.nonce_hex(hello.get("nonce"), "hello")
-            token = self._token
-            node_auth = hello.get("auth")
-            if token is not None and node_auth is not True:
-                msg = (
-                    "authentication failed: this session requires a token and the node has "
-                    "none (give it the session's token in DISCO_TOKEN)"
-                )
-                wire.send_json(tx, {"error": msg})
-                raise HandshakeError(msg)
-            if token is None and node_auth is not False:
-                msg = (
-                    "the node has a token but this session has none (start the session "
-                    "with the same token=, or DISCO_TOKEN)"
-                )
-                wire.send_json(tx, {"error": msg})
-                raise HandshakeError(msg)
-            challenge = {
-                "version": PROTOCOL_VERSION,
-                "nonce": new_nonce().hex(),
-                "auth": token is not None,
-            }
-            sent = wire.send_json(tx, challenge)
-            hs = None
-            if token is not None:
-                hs = Handshake(token, "server", wire.LABEL)
-                hs.bind(head + raw, sent)
-                got = wire.parse_proof(wire.recv_json(tx))
-                if got is None or not hs.verify(got):
-                    wire.send_json(
-                        tx,
-                        {
-                            "error": "authentication failed: the node's token differs from "
-                            "the controller's (use the same --token or DISCO_TOKEN everywhere)"
-                        },
-                    )
-                    raise HandshakeError("authentication failed (wrong token)")
-                wire.send_json(tx, {"proof": hs.proof().hex()})
-                tx = wire.seal(tx, hs.keys())  # from here on every byte is a sealed record
             workers = hello.get("workers")
             if type(workers) is not int or workers != self.per_node:
                 msg = (
@@ -821,11 +1056,26 @@ class SocketChannel(LinkChannel):
                 raise HandshakeError("the session already has all its nodes")
             first = node_id * self.per_node
             ids = list(range(first, first + self.per_node))
+            info = {
+                "node_id": node_id,
+                "peer": peer,
+                "hostname": str(hello.get("host", "?"))[:256],
+                "pid": hello.get("pid") if type(hello.get("pid")) is int else None,
+                "worker_ids": ids,
+                "sealed": m.keys is not None,
+            }
             pending = None
             if self._direct:
                 # Registered before the welcome: the node's reply connections follow it.
-                secret = wire.reply_secret(token, hs.transcript) if hs is not None else None
-                pending = _PendingNode(secret, set(ids), peer)
+                secret = (
+                    wire.reply_secret(self._token, m.hs.transcript)
+                    if m.hs is not None and self._token is not None
+                    else None
+                )
+                pending = _PendingNode(
+                    secret, set(ids), peer, conn, tx, info,
+                    time.monotonic() + self._handshake_timeout,
+                )  # fmt: skip
                 with self._ids_lock:
                     self._pending[node_id] = pending
             wire.send_json(
@@ -842,105 +1092,94 @@ class SocketChannel(LinkChannel):
                     "heartbeat_timeout": self.heartbeat_timeout,
                 },
             )
-            data = data_keys = None
-            if pending is not None:
-                if not pending.done.wait(self._handshake_timeout):
-                    raise HandshakeError(
-                        f"only {len(pending.socks)} of {len(ids)} reply connections arrived "
-                        f"within {self._handshake_timeout:g} s"
-                    )
-                with self._ids_lock:
-                    del self._pending[node_id]
-                    data, data_keys = dict(pending.socks), dict(pending.keys)
-            conn.settimeout(None)
-            info = {
-                "node_id": node_id,
-                "peer": peer,
-                "hostname": str(hello.get("host", "?"))[:256],
-                "pid": hello.get("pid") if type(hello.get("pid")) is int else None,
-                "worker_ids": ids,
-                "sealed": hs is not None,
-            }
-            link = NodeLink(
-                node_id, conn, peer, ids, self.hub, info, data, self.heartbeat_timeout,
-                tx=tx, data_keys=data_keys,
-            )  # fmt: skip
-            node_id = None
-            log.info("disco-socket: %s joined (agent pid %s)", link.describe(), info["pid"])
-            self._joined.put(link)
+            if pending is None:
+                self._join(node_id, conn, tx, info, None, None)
         except Exception as exc:  # noqa: BLE001 - any failure is this peer's rejection
             if node_id is not None:
                 with self._ids_lock:
                     left = self._pending.pop(node_id, None)
-                for sock in left.socks.values() if left is not None else ():
-                    sock.close()
+                if left is not None:
+                    left.close_replies()
                 self._release_id(node_id)
             if not isinstance(exc, (HandshakeError, OSError)):
                 exc = HandshakeError(f"malformed handshake ({type(exc).__name__}: {exc})")
-            self.rejected.append(f"{peer}: {exc}")
-            log.warning("disco-socket: rejected the connection from %s: %s", peer, exc)
+            self._reject(peer, str(exc))
             try:
                 conn.close()
             except OSError:
                 pass
 
-    def _data_handshake(self, conn: socket.socket, tx: Any, head: bytes) -> None:
-        """Authenticate a worker's reply connection (raises :class:`HandshakeError`).
-
-        Only JSON is read: the peer must name a node whose handshake is under way
-        and one of its workers not yet connected, and, with a token, prove it
-        holds that node's :func:`~disco_socket.wire.reply_secret`; otherwise it
-        is dropped. With a token the worker then seals every reply frame under
-        this handshake's keys.
-        """
-        hello, raw = wire.recv_json_raw(tx)
-        node_id, gid = hello.get("node_id"), hello.get("worker")
-        wire.nonce_hex(hello.get("nonce"), "reply-connection hello")
-        with self._ids_lock:
-            pending = self._pending.get(node_id) if type(node_id) is int else None
-        if (
-            pending is None
-            or type(gid) is not int
-            or gid not in pending.ids
-            or gid in pending.socks
-        ):
-            wire.send_json(tx, {"error": "unexpected reply connection"})
-            raise HandshakeError(
-                f"an unexpected reply connection (node {node_id!r}, worker {gid!r})"
-            )
-        if hello.get("auth") is not (pending.secret is not None):
-            wire.send_json(tx, {"error": "authentication failed"})
-            raise HandshakeError("a reply connection that does not match its node's auth")
-        sent = wire.send_json(tx, {"nonce": new_nonce().hex(), "auth": pending.secret is not None})
-        keys = None
-        if pending.secret is not None:
-            hs = Handshake(pending.secret, "server", wire.LABEL + b" reply")
-            hs.bind(head + raw, sent)
-            got = wire.parse_proof(wire.recv_json(tx))
-            if got is None or not hs.verify(got):
-                wire.send_json(tx, {"error": "authentication failed"})
-                raise HandshakeError("authentication failed on a reply connection (wrong proof)")
-            wire.send_json(tx, {"proof": hs.proof().hex()})
-            keys = hs.keys()
+    def _join(
+        self,
+        node_id: int,
+        conn: socket.socket,
+        tx: Any,
+        info: dict,
+        data: dict[int, socket.socket] | None,
+        data_keys: dict[int, SessionKeys] | None,
+    ) -> None:
+        """Make the :class:`NodeLink` of a node whose handshake is complete."""
         conn.settimeout(None)
+        link = NodeLink(
+            node_id, conn, info["peer"], info["worker_ids"], self.hub, info, data,
+            self.heartbeat_timeout, tx=tx, data_keys=data_keys,
+        )  # fmt: skip
+        log.info("disco-socket: %s joined (agent pid %s)", link.describe(), info["pid"])
+        self._joined.put(link)
+
+    def _add_reply_connection(self, m: _Hello, conn: socket.socket) -> None:
+        """A worker's reply connection authenticated: keep it; the last one completes its node."""
+        node_id, gid = m.hello["node_id"], m.hello["worker"]
         with self._ids_lock:
-            if gid in pending.socks or self._pending.get(node_id) is not pending:
-                raise HandshakeError(f"a second reply connection for worker {gid}")
-            pending.socks[gid] = conn
-            if keys is not None:
-                pending.keys[gid] = keys
-            if len(pending.socks) == len(pending.ids):
-                pending.done.set()
+            pending = self._pending.get(node_id)
+            if pending is not m.pending or gid in pending.socks:
+                pending = None
+            else:
+                pending.socks[gid] = conn
+                if m.keys is not None:
+                    pending.keys[gid] = m.keys
+                if len(pending.socks) == len(pending.ids):
+                    del self._pending[node_id]
+                else:
+                    return
+        if pending is None:
+            self._reject(m.peer, f"a second reply connection for worker {gid}")
+            conn.close()
+            return
+        try:
+            self._join(
+                node_id, pending.conn, pending.tx, pending.info,
+                dict(pending.socks), dict(pending.keys),
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - e.g. no thread could be started
+            pending.close()
+            self._release_id(node_id)
+            self._reject(pending.peer, f"could not start serving the node: {exc}")
+
+    def _expire_pending(self) -> None:
+        """Drop nodes whose reply connections did not all arrive in time (accept loop's tick)."""
+        now = time.monotonic()
+        with self._ids_lock:
+            late = [(k, p) for k, p in self._pending.items() if p.deadline <= now]
+            for k, _p in late:
+                del self._pending[k]
+        for node_id, pending in late:
+            pending.close()
+            self._release_id(node_id)
+            self._reject(
+                pending.peer,
+                f"only {len(pending.socks)} of {len(pending.ids)} reply connections arrived "
+                f"within {self._handshake_timeout:g} s",
+            )
 
     def _close_listener(self) -> None:
+        loop, thread = self._loop, self._loop_thread
+        if loop is not None:
+            loop.stop()
+        if thread is not None:
+            thread.join(2.0)
         if self._listener is not None:
-            try:  # wakes the thread blocked in accept()
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._listener.close()
-        if self._turn_away is not None:
-            self._turn_away.join(1.0)
 
     def _abort(self) -> None:
         self.hub.closing = True

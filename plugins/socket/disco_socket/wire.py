@@ -94,12 +94,17 @@ from typing import Any
 
 import numpy as np
 
-from disco_core.errors import NetworkError
-from disco_core.net.framing import PREFIX as FRAME_PREFIX
-from disco_core.net.framing import check_frame, frame_head
-from disco_core.net.io import SocketTransport, SSLTransport
-from disco_core.net.protect import SealedTransport
-from disco_core.net.security import SessionKeys
+from disco_core import DiscoValueError, NetworkError
+from disco_core.spi import (
+    FRAME_PREFIX,
+    SealedTransport,
+    SessionKeys,
+    SocketTransport,
+    SSLTransport,
+    read_frame_head,
+)
+from disco_core.spi import frame_head as _frame_head
+from disco_core.spi import recv_exact as _recv_exact
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -111,13 +116,16 @@ __all__ = [
     "transport",
     "seal",
     "send_json",
+    "json_message",
     "recv_json",
     "recv_json_raw",
+    "parse_json",
     "recv_exact",
     "nonce_hex",
     "parse_proof",
     "reply_secret",
     "frame_head",
+    "FRAME_PREFIX",
     "alloc",
     "Heartbeat",
     "heartbeat_timeout",
@@ -211,22 +219,31 @@ def seal(tx: Any, keys: SessionKeys) -> SealedTransport:
 
 
 def recv_exact(tx: Any, n: int) -> bytes:
-    """Exactly ``n`` bytes from ``tx`` (a socket or a transport) during the handshake."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = tx.recv_into(view[got:])
-        if not k:
-            raise HandshakeError("the peer closed the connection during the handshake")
-        got += k
-    return bytes(buf)
+    """Exactly ``n`` bytes from ``tx`` (a socket or a transport) during the handshake.
+
+    The core's :func:`~disco_core.spi.recv_exact`; a peer that closes first is a
+    :class:`HandshakeError`.
+    """
+    try:
+        return bytes(_recv_exact(tx.recv_into, n, "the handshake"))
+    except EOFError:
+        raise HandshakeError("the peer closed the connection during the handshake") from None
+
+
+def frame_head(header: Any, buffers: Any, flags: int = 0) -> bytes:
+    """The bytes of a frame before its buffers (the core's :func:`~disco_core.spi.frame_head`)."""
+    return _frame_head((header, buffers), flags)
+
+
+def json_message(obj: dict) -> bytes:
+    """The bytes of one handshake message: ``u32 length | compact UTF-8 JSON``."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return U32.pack(len(data)) + data
 
 
 def send_json(tx: Any, obj: dict) -> bytes:
     """Send one JSON message (to a socket or a transport); return its bytes exactly as sent."""
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    msg = U32.pack(len(data)) + data
+    msg = json_message(obj)
     if hasattr(tx, "send_parts"):
         tx.send_parts([msg])
     else:
@@ -250,6 +267,17 @@ def recv_json_raw(tx: Any) -> tuple[dict, bytes]:
             f"handshake message too large ({n} bytes, at most {MAX_HANDSHAKE_BYTES})"
         )
     data = recv_exact(tx, n)
+    return parse_json(data), head + data
+
+
+def parse_json(data: bytes) -> dict:
+    """The JSON object of one handshake message's body.
+
+    Raises
+    ------
+    HandshakeError
+        ``data`` is not UTF-8, not JSON, nested too deeply, or not a JSON object.
+    """
     try:
         obj = json.loads(data.decode())
     except (UnicodeDecodeError, ValueError) as exc:
@@ -258,7 +286,7 @@ def recv_json_raw(tx: Any) -> tuple[dict, bytes]:
         raise HandshakeError("malformed handshake message: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise HandshakeError("malformed handshake message: not a JSON object")
-    return obj, head + data
+    return obj
 
 
 def recv_json(tx: Any) -> dict:
@@ -364,13 +392,10 @@ class StreamReader:
         """One frame: ``(header, buffers, flags)``; buffers are fresh memory (:func:`alloc`).
 
         Every declared count and length is checked before anything is allocated
-        for it (:func:`disco_core.net.framing.check_frame`;
+        for it (:func:`disco_core.spi.read_frame_head`;
         :class:`~disco_core.errors.FrameLimitError` past a limit).
         """
-        hlen, nbuf, flags = FRAME_PREFIX.unpack(self.take(FRAME_PREFIX.size))
-        check_frame(hlen, nbuf, max_frame=MAX_FRAME_BYTES)
-        lens = struct.unpack(f"<{nbuf}Q", self.take(8 * nbuf)) if nbuf else ()
-        check_frame(hlen, nbuf, lens, max_frame=MAX_FRAME_BYTES)
+        hlen, lens, flags = read_frame_head(self.take, max_frame=MAX_FRAME_BYTES)
         header = self.take(hlen)
         buffers = []
         for n in lens:
@@ -440,7 +465,7 @@ def heartbeat_timeout(value: float | None = None) -> float:
         value = float(os.environ.get("DISCO_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT))
     value = float(value)
     if value < 0 or value != value:
-        raise ValueError(f"heartbeat timeout must be >= 0 seconds, got {value}")
+        raise DiscoValueError(f"heartbeat timeout must be >= 0 seconds, got {value}")
     return value
 
 
