@@ -420,12 +420,17 @@ class RPCSession:
             _HEARTBEATS.add(self)
 
     # -- liveness -------------------------------------------------------------------
+    def _link_type(self) -> type:
+        """The type of the transport under the seal (a sealed link wraps a socket or TLS)."""
+        t = getattr(self._conn, "t", None)
+        return type(getattr(t, "inner", t))
+
     def _beats(self) -> int:
         """The heartbeats this session can send (told to the server in INIT)."""
-        t = getattr(self._conn, "t", None)
-        if type(t) is wire.SocketTransport:
+        t = self._link_type()
+        if t is wire.SocketTransport:
             return BEATS_ALWAYS
-        if type(t) is wire.SSLTransport:
+        if t is wire.SSLTransport:
             # OpenSSL forbids writing while another thread reads: only between calls
             return BEATS_IDLE
         return BEATS_NONE  # pipes: the server ends with this process anyway
@@ -437,7 +442,7 @@ class RPCSession:
             self._beat_seen = sends  # a request went out meanwhile: that was the sign of life
             return
         # on TLS, _lock: no request may be waiting for its reply (a reader in OpenSSL)
-        lock = self._lock if type(self._conn.t) is wire.SSLTransport else self._send_lock
+        lock = self._lock if self._link_type() is wire.SSLTransport else self._send_lock
         if not lock.acquire(blocking=False):
             return  # sending now (on TLS: in a call), which the server hears as well
         try:

@@ -423,7 +423,8 @@ class _Liveness:
         self.timeout = timeout
         self.beats = BEATS_NONE if relay and beats != BEATS_ALWAYS else beats
         self.on_dead = on_dead
-        self.drain = beats == BEATS_ALWAYS and type(conn.t) is wire.SocketTransport and not relay
+        link = type(getattr(conn.t, "inner", conn.t))  # under the seal, if sealed
+        self.drain = beats == BEATS_ALWAYS and link is wire.SocketTransport and not relay
         self.gate = threading.Lock()
         self.gate.acquire()  # by the serving thread (this constructor's caller)
         self.worker_mode = False

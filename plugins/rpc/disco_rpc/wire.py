@@ -143,6 +143,8 @@ _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 HEARTBEAT_FRAME = _HEAD.pack(HEARTBEAT, 0, 0, 0, 0)
+#: A sealed record's bytes besides its payload (length and tag).
+_SEALED_OVERHEAD = 8 + 16
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
@@ -457,6 +459,14 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
 # --------------------------------------------------------------------------- splicing
 _SPLICE_MIN = 1 << 20
 _CHUNK_HEAD = struct.Struct("<BBHIIQ")  # a frame head with one buffer and no meta
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes received on ``sock`` and not read yet."""
+    import fcntl
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
 
 
 def _real_fd(sink: Any) -> int | None:
@@ -936,6 +946,7 @@ class Conn:
         """
         sock = self.t.sock
         size = _HEAD.size
+        sealed = isinstance(self.t, SealedTransport)
         poll = select.poll()
         poll.register(sock.fileno(), select.POLLIN)
         while True:
@@ -949,14 +960,36 @@ class Conn:
                 self.start = 0
             if limit <= 0 or not poll.poll(0):
                 return  # nothing more has arrived (a socket with a timeout would wait)
-            try:
-                k = sock.recv_into(self.view[self.end :], 0, _DONTWAIT)
-            except (BlockingIOError, InterruptedError, TimeoutError):
-                return
+            if sealed:
+                k = self._take_sealed_heartbeat(sock)
+            else:
+                try:
+                    k = sock.recv_into(self.view[self.end :], 0, _DONTWAIT)
+                except (BlockingIOError, InterruptedError, TimeoutError):
+                    return
             if not k:
-                return  # the end of the stream: the reader sees it too
+                return  # the end of the stream (the reader sees it too), or not a heartbeat
             self.end += k
             limit -= k
+
+    def _take_sealed_heartbeat(self, sock: socket.socket) -> int:
+        """On a sealed link: take the next record if it is whole here and heartbeat-sized.
+
+        The record is read through the seal (checked, then its bytes are the
+        reader's like any other), so this never blocks and never passes on a forged
+        byte; anything else is left on the socket for the reader.
+        """
+        t = self.t
+        if t.pending or t.record_left or self.end + _HEAD.size > len(self.buf):
+            return 0
+        whole = _SEALED_OVERHEAD + _HEAD.size
+        try:
+            head = sock.recv(8, socket.MSG_PEEK | _DONTWAIT)
+            if len(head) < 8 or _Q.unpack(head)[0] != _HEAD.size or _unread(sock) < whole:
+                return 0
+        except (BlockingIOError, InterruptedError, TimeoutError):
+            return 0
+        return t.recv_into(self.view[self.end : self.end + _HEAD.size])
 
     def close(self) -> None:
         if self._pipe is not None:

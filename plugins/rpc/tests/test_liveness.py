@@ -21,6 +21,7 @@ import pytest
 
 import disco_core as disco
 import disco_rpc as rpc
+from disco_core.net.protect import SealedTransport
 from disco_rpc import server as rpc_server
 from disco_rpc import wire
 
@@ -301,6 +302,44 @@ def test_heartbeats_do_not_fill_the_queue_during_a_call(server):
         assert result.get("r") == 2 * BOUND, "the session was cut off during the call"
         assert sent[0] > 1 << 20, f"only {sent[0]} bytes of heartbeats could be sent"
         assert s.get_function("live.pid")() == pid
+
+
+def test_sealed_heartbeats_do_not_fill_the_queue_during_a_call():
+    """The same on a sealed link: each heartbeat is a record, checked as it is dropped."""
+    token = "liveness-token"
+    srv = rpc.Server(port=10360, port_end=10400, liveness_timeout=BOUND, token=token)
+    try:
+        with rpc.connect("127.0.0.1", srv.port, session_constructor_args=None, token=token) as s:
+            assert isinstance(s._conn.t, SealedTransport)
+            pid = s.get_function("live.pid")()
+            stop = threading.Event()
+            sent = [0]
+
+            def flood() -> None:
+                while not stop.is_set():
+                    with s._send_lock:
+                        try:
+                            for _ in range(200):
+                                s._conn.t.send_parts([wire.HEARTBEAT_FRAME])
+                        except OSError:
+                            return
+                    sent[0] += 200 * 36
+                    time.sleep(0.01)
+
+            t = threading.Thread(target=flood, daemon=True)
+            result = {}
+            caller = threading.Thread(target=lambda: result.update(r=s.get_function("live.sleep")(2 * BOUND)))  # fmt: skip
+            caller.start()
+            time.sleep(0.1)
+            t.start()
+            caller.join(30)
+            stop.set()
+            t.join(10)
+            assert result.get("r") == 2 * BOUND, "the session was cut off during the call"
+            assert sent[0] > 1 << 20, f"only {sent[0]} bytes of sealed heartbeats could be sent"
+            assert s.get_function("live.pid")() == pid
+    finally:
+        srv.terminate()
 
 
 def test_tls_client_kept_and_frozen_noticed(tmp_path):

@@ -210,7 +210,7 @@ class _Sealed(SealedTransport):
     @property
     def at_boundary(self) -> bool:
         """True when every byte received so far belongs to a record whose tag verified."""
-        return not self._left
+        return not self.record_left
 
 
 def seal(tx: Any, keys: SessionKeys) -> SealedTransport:
