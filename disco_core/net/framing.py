@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 PREFIX = struct.Struct("<QII")
+_PREFIX_SIZE = PREFIX.size
+_unpack_prefix = PREFIX.unpack_from
 _LEN = struct.Struct("<Q")
 #: Most out-of-band buffers in one frame.
 MAX_BUFFERS = 1 << 16
@@ -136,6 +138,7 @@ class FrameReader:
     ) -> None:
         self.fd = fd
         self.max_frame = int(max_frame)
+        self._max_header = min(MAX_HEADER_BYTES, self.max_frame)
         self._read = read if read is not None else (lambda n: os.read(fd, n))
         self._readinto = readinto if readinto is not None else (lambda view: os.readv(fd, [view]))
         self.buf = bytearray()
@@ -175,6 +178,13 @@ class FrameReader:
             The frame declares more than this reader accepts (the stream is then
             out of step and must be dropped).
         """
+        buf, pos = self.buf, self.pos
+        if len(buf) - pos >= _PREFIX_SIZE:  # the common case: a small frame, all buffered
+            hlen, nbuf, flags = _unpack_prefix(buf, pos)
+            end = pos + _PREFIX_SIZE + hlen
+            if not nbuf and end <= len(buf) and hlen <= self._max_header:
+                self.pos = end
+                return bytes(buf[pos + _PREFIX_SIZE : end]), [], flags
         hlen, lens, flags = read_frame_head(self._take, max_frame=self.max_frame)
         header = self._take(hlen)
         return header, [self._read_buffer(n) for n in lens], flags
