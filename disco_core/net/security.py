@@ -35,7 +35,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 
-from ..errors import DiscoError, InsecureBindError
+from ..errors import DiscoError, DiscoTypeError, InsecureBindError
 
 __all__ = [
     "TOKEN_ENV",
@@ -90,6 +90,8 @@ def is_loopback(host: str) -> bool:
     listen on every interface. A name is resolved, and is loopback only when every
     address it resolves to is.
     """
+    if not isinstance(host, str):
+        raise DiscoTypeError(f"host must be a str, not {type(host).__name__}")
     if host in ("localhost", "ip6-localhost", "ip6-loopback"):
         return True
     try:

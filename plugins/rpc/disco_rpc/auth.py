@@ -157,7 +157,10 @@ def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool =
     try:
         status, proof = _STATUS.unpack(conn.read_exact(_STATUS.size))
     except EOFError:
-        status, proof = AUTH_FAILED, b""
+        raise RPCAuthError(
+            f"the {peer} closed the connection before answering this client's proof (it "
+            "refused the token, or dropped the handshake: busy, timed out, or a relay ended)"
+        ) from None
     if status != OK:
         raise RPCAuthError("authentication failed: wrong token (the server refused this proof)")
     if not hs.verify(proof):

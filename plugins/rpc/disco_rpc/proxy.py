@@ -61,7 +61,7 @@ MAX_PENDING = 64
 #: Seconds a connection has to send its hello (a server: to prove the proxy's token too).
 HANDSHAKE_TIMEOUT = 10.0
 #: Handshakes a server behind the proxy runs at once; beyond, the oldest is dropped.
-MAX_PROXIED_HANDSHAKES = 8
+MAX_PROXIED_HANDSHAKES = 64
 
 
 class _Backend:
@@ -471,7 +471,8 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
     beside those of other clients (at most :data:`MAX_PROXIED_HANDSHAKES`, each
     within ``disco_rpc.server.HANDSHAKE_TIMEOUT``). Only a client that proved the token gets a
     session process: a peer that never authenticates costs a socket for a few
-    seconds and cannot keep legitimate clients out.
+    seconds and no process (a flood of them can still crowd out a slow client: the oldest
+    handshake is dropped when all slots are taken).
     """
     from dataclasses import replace
 
@@ -488,7 +489,8 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
 
     def drop(hs: _Handshake, why: str) -> None:
         logger.info("client through the proxy: %s", why)
-        pending.remove(hs)
+        if hs in pending:
+            pending.remove(hs)
         hs.close()
 
     try:
@@ -543,6 +545,8 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
                         pending.append(hs)
                         ready.add(hs.fileno())  # the hello is often there already
             for hs in [h for h in pending if h.fileno() in ready]:
+                if hs not in pending:  # dropped meanwhile: another client's session started
+                    continue
                 ok = hs.advance()
                 if ok is None:
                     continue

@@ -508,3 +508,35 @@ def test_unauthenticated_hellos_through_proxy_get_no_process():
             s.close()
         srv.terminate()
         px.terminate()
+
+
+def test_clients_arriving_together_through_a_proxy_keep_the_server_alive():
+    """Several legitimate clients through a proxy at once (an outside check found the server
+    process died when one client's session started while others were mid-handshake)."""
+    px = rpc.Proxy(port=9800, port_end=9900, wait=10.0)
+    srv = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="crowd", token=TOKEN)
+    results: list[str] = []
+
+    def one() -> None:
+        try:
+            with rpc.connect("127.0.0.1", px.port, key="crowd", token=TOKEN, connect_timeout=12) as s:  # fmt: skip
+                s.get_function("imp.add")(1, 1)
+                time.sleep(0.05)
+            results.append("ok")
+        except Exception as exc:  # a client may be let go; the server must live on
+            results.append(f"{type(exc).__name__}: {exc}")
+
+    try:
+        for _ in range(4):
+            ts = [threading.Thread(target=one) for _ in range(4)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(40)
+            assert os.waitpid(srv.pid, os.WNOHANG)[0] == 0, f"the server process exited: {results}"
+        with rpc.connect("127.0.0.1", px.port, key="crowd", token=TOKEN, connect_timeout=12) as s:
+            assert s.get_function("imp.add")(2, 3) == 5  # and it still serves
+        assert results.count("ok") >= 4, results
+    finally:
+        srv.terminate()
+        px.terminate()
