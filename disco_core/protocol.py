@@ -168,6 +168,30 @@ class _Refused(pickle.UnpicklingError):
     """A global outside the allow-list."""
 
 
+class _NdarrayType:
+    """Stands for ``numpy.ndarray`` in an untrusted pickle: passed on, never called.
+
+    Called, ``numpy.ndarray(shape)`` would allocate whatever a peer declares from a
+    few bytes; an array's data must come with it (``_frombuffer``, whose size is its
+    buffer's) or be set by ``__setstate__`` on an empty array.
+    """
+
+
+def _reconstruct_empty(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    """NumPy's ``_reconstruct`` as its own pickles call it: an empty array, filled next."""
+    if subtype is not _NdarrayType or tuple(shape) != (0,):
+        raise _Refused("numpy._core.multiarray._reconstruct of a declared shape")
+    return np.ndarray((0,), dtype=np.uint8)
+
+
+#: Globals that decode_untrusted maps to checked stand-ins (by module and name).
+_ARRAY_GLOBALS = {
+    ("numpy", "ndarray"): _NdarrayType,
+    ("numpy._core.multiarray", "_reconstruct"): _reconstruct_empty,
+    ("numpy.core.multiarray", "_reconstruct"): _reconstruct_empty,
+}
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     """An unpickler that resolves only :data:`SAFE_GLOBALS` and NumPy scalar types.
 
@@ -176,6 +200,8 @@ class _AllowListUnpickler(pickle.Unpickler):
     """
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ARRAY_GLOBALS:
+            return _ARRAY_GLOBALS[module, name]
         if (module, name) in SAFE_GLOBALS:
             return super().find_class(module, name)
         if module in _SCALAR_TYPE_MODULES:

@@ -446,3 +446,24 @@ def test_relay_holds_a_large_record_until_its_tag_checks():
         server.recv_into(bytearray(16))  # not one byte of it was sealed anew for the server
     for s in (c_sock, m1, m2, s_sock):
         s.close()
+
+
+def test_decode_untrusted_builds_no_array_of_a_declared_size():
+    """A few bytes must not make an array of any size: its data comes with it, or nothing."""
+    # numpy.ndarray((2**33,)) called from a pickle: 8 GiB from 30 bytes
+    called = b"\x80\x04\x8c\x05numpy\x8c\x07ndarray\x93\x8a\x05\x00\x00\x00\x00\x02\x85\x85R."
+    with pytest.raises(UntrustedValueError):
+        protocol.decode_untrusted(called)
+
+    class Declared:
+        def __reduce__(self):
+            from numpy._core.multiarray import _reconstruct
+
+            return (_reconstruct, (np.ndarray, (1 << 33,), b"b"))
+
+    with pytest.raises(UntrustedValueError, match="declared shape"):
+        protocol.decode_untrusted(pickle.dumps(Declared(), protocol=4))
+    # what NumPy's own pickles do still works, object arrays included
+    obj = np.array([1, "x", (2, 3)], dtype=object)
+    out = protocol.decode_untrusted(*protocol.encode(obj))
+    assert out.dtype == object and list(out) == [1, "x", (2, 3)]
