@@ -33,7 +33,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from disco_core.net.security import (
+from disco_core import DiscoValueError
+from disco_core.spi import (
     NONCE_BYTES,
     PROOF_BYTES,
     TOKEN_ENV,
@@ -44,6 +45,19 @@ from disco_core.net.security import (
 )
 
 from .errors import ProtocolError, RPCAuthError
+from .protocol import (
+    AUTH_FAILED,
+    BAD_VERSION,
+    KEY_MISMATCH,
+    LABEL,
+    MAGIC,
+    MAX_KEY_BYTES,
+    NO_SERVER,
+    OK,
+    SERVERS_BUSY,
+    TICKET_REQUIRED,
+    VERSION,
+)
 from .wire import SealedLink
 
 __all__ = [
@@ -69,15 +83,6 @@ __all__ = [
     "pack_hello",
 ]
 
-MAGIC = b"DISCORPC"
-#: Version 2: proofs over the whole transcript, and sealed records after a handshake with a token.
-VERSION = 2
-#: The protocol's label in the proofs and keys (those of another protocol are worthless here).
-LABEL = b"disco-rpc/2"
-MAX_KEY_BYTES = 4096
-OK, KEY_MISMATCH, BAD_VERSION, AUTH_FAILED = 0, 1, 2, 3
-# statuses a proxy answers with when it cannot pair a client with a server
-NO_SERVER, SERVERS_BUSY, TICKET_REQUIRED = 4, 5, 6
 
 _HELLO = struct.Struct("<8sII")
 _REPLY = struct.Struct(f"<8sIBB{NONCE_BYTES}s")
@@ -120,7 +125,7 @@ def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool =
     """
     kb = key.encode("utf-8")
     if len(kb) > MAX_KEY_BYTES:
-        raise ValueError(f"key is longer than {MAX_KEY_BYTES} bytes")
+        raise DiscoValueError(f"key is longer than {MAX_KEY_BYTES} bytes")
     hello = pack_hello(VERSION, kb, new_nonce())
     conn.t.send_parts([hello])
     try:
@@ -231,7 +236,7 @@ class ServerHandshake:
     def step(self, data: bytes) -> bytes:
         """Consume ``want`` bytes; return the bytes to send back (maybe none)."""
         if len(data) != self.want:
-            raise ValueError(f"step() needs exactly {self.want} bytes")
+            raise DiscoValueError(f"step() needs exactly {self.want} bytes")
         return self._stage(bytes(data))
 
     def _done(self, ok: bool, out: bytes = b"") -> bytes:

@@ -28,10 +28,18 @@ import threading
 import time
 from typing import Any
 
-from disco_core.channels.base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
-from disco_core.errors import DiscoError, WorkerDiedError
-from disco_core.net.security import is_loopback
-from disco_core.protocol import FrameReader, decode_untrusted, encode, frame_head
+from disco_core import DiscoError, WorkerDiedError
+from disco_core.spi import (
+    BatchingLink,
+    FrameReader,
+    LinkChannel,
+    ReplyHub,
+    ThreadWorkerLink,
+    decode_untrusted,
+    encode,
+    frame_head,
+    is_loopback,
+)
 
 from . import wire
 
@@ -103,7 +111,7 @@ def _send_frame(t: object, frame: tuple) -> None:
 # --------------------------------------------------------------------------- server side
 def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: int, sys_path: Any = ()) -> None:  # fmt: skip
     """Run the core's worker loop on the session's socket until shutdown or end of file."""
-    from disco_core.worker import Worker, command_stream
+    from disco_core.spi import Worker, command_stream
 
     for p in reversed(list(sys_path or ())):
         if isinstance(p, str) and p and os.path.isdir(p) and p not in sys.path:

@@ -32,24 +32,30 @@ import threading
 import time
 from typing import Any
 
-from disco_core.net.accept import AcceptLoop, Slots, SocketHandshake
-from disco_core.net.relay import relay
+from disco_core import DiscoValueError
+from disco_core.spi import AcceptLoop, Slots, SocketHandshake, relay
 
 from . import auth, wire
 from ._service import ServiceProcess, fork_session
 from .errors import RPCError
-from .tracker import T_END, T_START, TICKET_SEP, Registration
-from .wire import REPLY, REQUEST
+from .protocol import (
+    P_ACK,
+    P_PAIRED,
+    P_REGISTER,
+    PROXY_MAX_MESSAGE_BYTES,
+    PROXY_SERVER_KEY,
+    REPLY,
+    REQUEST,
+    T_END,
+    T_START,
+    TICKET_SEP,
+)
+from .tracker import Registration
 
 __all__ = ["Proxy", "serve_proxy", "serve_via_proxy"]
 
 logger = logging.getLogger("disco_rpc.proxy")
 
-#: The handshake key a server behind the proxy presents to it.
-PROXY_SERVER_KEY = "disco-rpc/proxy-server"
-P_REGISTER, P_PAIRED, P_ACK = 1, 2, 3
-#: Frames between proxy and server are tiny.
-PROXY_MAX_MESSAGE_BYTES = 1 << 16
 #: Seconds a client waits for an idle server with its key.
 DEFAULT_WAIT = 10.0
 #: Seconds a server has to come back after a session before it leaves the tracker.
@@ -443,7 +449,7 @@ def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context:
     from .client import open_conn
 
     if not key:
-        raise ValueError("a server behind a proxy needs a key")
+        raise DiscoValueError("a server behind a proxy needs a key")
     conn = open_conn(
         host, port, PROXY_SERVER_KEY, token=token, ssl_context=ssl_context,
         max_message_bytes=PROXY_MAX_MESSAGE_BYTES, connect_timeout=5.0, peer="proxy",

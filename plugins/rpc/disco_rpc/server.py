@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from disco_core.net.relay import relay
-from disco_core.net.security import check_bind as _check_bind
-from disco_core.net.security import is_loopback
+from disco_core import DiscoTypeError, DiscoValueError
+from disco_core.spi import check_bind as _check_bind
+from disco_core.spi import is_loopback, relay
 
 from . import auth, wire
 from ._service import ServiceProcess, fork_session
@@ -47,8 +47,7 @@ from .handler import (
     error_value,
     serve_conn,
 )
-from .tracker import T_END, T_START, TICKET_SEP
-from .wire import ERROR, REPLY
+from .protocol import ERROR, REPLY, T_END, T_START, TICKET_SEP
 
 __all__ = ["Server", "serve_stdio", "serve_forever", "ServerConfig", "check_bind", "is_loopback"]
 
@@ -91,7 +90,7 @@ def load_libraries(load_library: Any) -> list:
     for path in load_library:
         path = os.path.abspath(os.fspath(path))
         if path.endswith(".py"):
-            from disco_core.loaders import load_py
+            from disco_core.spi import load_py
 
             load_py(path)
         else:
@@ -220,12 +219,12 @@ def connect_args(args: list) -> tuple:
     Returns ``(host, port, key, enable_logging, options, init)``.
     """
     if len(args) < 2:
-        raise ValueError('rpc.Connect needs ["rpc.Connect", host, port, key, enable_logging]')
+        raise DiscoValueError('rpc.Connect needs ["rpc.Connect", host, port, key, enable_logging]')
     host, port = str(args[0]), int(args[1])
     key = str(args[2]) if len(args) > 2 else ""
     enable_logging = args[3] if len(args) > 3 else False
     if not isinstance(enable_logging, (bool, int)):
-        raise TypeError(
+        raise DiscoTypeError(
             "the 5th element of rpc.Connect is enable_logging (a bool), as in TVM; give the "
             'inner server\'s token as a dict after it: ["rpc.Connect", host, port, key, False, '
             '{"token": ...}]'
@@ -236,7 +235,7 @@ def connect_args(args: list) -> tuple:
         options = rest.pop(0)
         unknown = set(options) - {"token"}
         if unknown:
-            raise ValueError(f"unknown rpc.Connect options {sorted(unknown)}; known: token")
+            raise DiscoValueError(f"unknown rpc.Connect options {sorted(unknown)}; known: token")
     return host, port, key, bool(enable_logging), options, rest
 
 
@@ -248,7 +247,7 @@ def _construct(
     if name in ("rpc.LocalSession", "LocalSession"):
         return None, {"pid": os.getpid(), "version": auth.VERSION}, False
     if name not in ("rpc.Connect", "Connect"):
-        raise ValueError(
+        raise DiscoValueError(
             f"unknown session constructor {name!r}; known: rpc.LocalSession, rpc.Connect"
         )
     host, port, key, enable_logging, options, rest = connect_args(args)
@@ -354,9 +353,9 @@ def resolve_liveness_timeout(value: Any = None) -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{origin} must be a number of seconds, got {value!r}") from None
+        raise DiscoValueError(f"{origin} must be a number of seconds, got {value!r}") from None
     if not (seconds == 0 or MIN_LIVENESS_TIMEOUT <= seconds < float("inf")):
-        raise ValueError(
+        raise DiscoValueError(
             f"{origin} must be 0 (off) or at least {MIN_LIVENESS_TIMEOUT:g} seconds, got {value!r}"
         )
     return seconds
@@ -1034,7 +1033,7 @@ class Server(ServiceProcess):
 
         if not self.key:
             self._sock.close()
-            raise ValueError("a server that registers with a tracker needs a key")
+            raise DiscoValueError("a server that registers with a tracker needs a key")
         try:
             cfg.registration = Registration(
                 tracker_addr, self.key, (self.custom_addr or self.host, self.port),

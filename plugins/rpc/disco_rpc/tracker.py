@@ -42,33 +42,35 @@ import threading
 import time
 from typing import Any
 
-from disco_core.errors import DiscoValueError
-from disco_core.net.accept import AcceptLoop, Drain, Slots, SocketHandshake
+from disco_core import DiscoValueError
+from disco_core.spi import AcceptLoop, Drain, Slots, SocketHandshake
 
 from . import auth, wire
 from ._service import ServiceProcess
 from .errors import RPCError, RPCRequestTimeoutError, RPCSessionTimeoutError
-from .wire import ERROR, REPLY, REQUEST
+from .protocol import (
+    CLIENT_KEY,
+    ERROR,
+    REGISTRANT_KEY,
+    REPLY,
+    REQUEST,
+    T_ASSIGN,
+    T_END,
+    T_FAIL,
+    T_PING,
+    T_PUT,
+    T_REQUEST,
+    T_REVOKE,
+    T_START,
+    T_SUMMARY,
+    TICKET_SEP,
+    TRACKER_MAX_MESSAGE_BYTES,
+    ticket_key,
+)
 
 __all__ = ["Tracker", "TrackerSession", "connect_tracker", "Registration", "serve_tracker"]
 
 logger = logging.getLogger("disco_rpc.tracker")
-
-#: Frames on tracker links are small; this bounds them.
-TRACKER_MAX_MESSAGE_BYTES = 1 << 20
-#: The handshake key a registering server or proxy presents.
-REGISTRANT_KEY = "disco-rpc/registrant"
-#: The handshake key a client presents.
-CLIENT_KEY = "disco-rpc/client"
-#: The separator between a server key and a ticket in a client's handshake key.
-TICKET_SEP = "@"
-
-# operations
-T_PUT, T_REQUEST, T_SUMMARY, T_START, T_END, T_ASSIGN, T_REVOKE, T_FAIL, T_PING = range(1, 10)
-
-
-def ticket_key(key: str, ticket: str) -> str:
-    return f"{key}{TICKET_SEP}{ticket}"
 
 
 # --------------------------------------------------------------------------- limits
@@ -386,7 +388,7 @@ def _serve_link(link: _Link, state: TrackerState) -> None:
             try:
                 _k, op, value = conn.recv()
             except wire.ProtocolError as exc:
-                if isinstance(exc, wire.Desync):
+                if isinstance(exc, wire.DesyncError):
                     return
                 link.send(ERROR, 0, ("ProtocolError", str(exc), ""))
                 continue
