@@ -30,6 +30,7 @@ why (no server for the key, servers busy, a tracker ticket required).
 
 from __future__ import annotations
 
+import socket
 import struct
 from typing import Any
 
@@ -44,7 +45,8 @@ from disco_core.spi import (
     resolve_token,
 )
 
-from .errors import ProtocolError, RPCAuthError
+from . import wire
+from .errors import ProtocolError, RPCAuthError, RPCError
 from .protocol import (
     AUTH_FAILED,
     BAD_VERSION,
@@ -81,6 +83,7 @@ __all__ = [
     "refusal",
     "read_hello",
     "pack_hello",
+    "open_conn",
 ]
 
 
@@ -303,3 +306,37 @@ def server_handshake(conn: Any, key: str, token: bytes | None, key_check: Any = 
     if hs.ok:
         seal(conn, hs.keys)
     return hs.ok
+
+
+# --------------------------------------------------------------------------- the client side of a link
+def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server", strict: bool = True) -> wire.Conn:  # fmt: skip
+    """Connect and authenticate; return the framed connection (no session yet), sealed
+    when a token was used.
+
+    ``peer`` names what is at ``url:port`` in error messages ("tracker", "proxy"...).
+    ``strict=False`` only offers the token: a peer that requires none is accepted
+    (for a service link whose token was defaulted from another's, never a session).
+    """
+    try:
+        sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
+    except OSError as exc:
+        raise RPCError(f"cannot connect to the {peer} at {url}:{port}: {exc}") from exc
+    try:
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(
+                sock, server_hostname=url if ssl_context.check_hostname else None
+            )
+            transport: Any = wire.SSLTransport(sock)
+        else:
+            transport = wire.SocketTransport(sock)
+        conn = wire.Conn(transport, max_message_bytes)
+        client_handshake(conn, key, resolve_token(token), strict=strict, peer=peer)
+    except BaseException as exc:
+        sock.close()
+        if isinstance(exc, RPCError):
+            raise
+        if isinstance(exc, (OSError, EOFError)):
+            raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}") from exc
+        raise
+    sock.settimeout(None)
+    return conn

@@ -6,7 +6,6 @@ import logging
 import os
 import secrets
 import select
-import socket
 import stat
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from disco_core import DiscoTypeError, DiscoValueError
 from disco_core.spi import Device, as_dtype, as_shape, to_host
 
 from . import auth, handler, protocol, wire
+from .auth import open_conn
 from .errors import (
     ProtocolError,
     RPCAttributeError,
@@ -974,39 +974,6 @@ class _Heartbeats:
 _HEARTBEATS = _Heartbeats()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HEARTBEATS.after_fork)
-
-
-def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server", strict: bool = True) -> wire.Conn:  # fmt: skip
-    """Connect and authenticate; return the framed connection (no session yet), sealed
-    when a token was used.
-
-    ``peer`` names what is at ``url:port`` in error messages ("tracker", "proxy"...).
-    ``strict=False`` only offers the token: a peer that requires none is accepted
-    (for a service link whose token was defaulted from another's, never a session).
-    """
-    try:
-        sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
-    except OSError as exc:
-        raise RPCError(f"cannot connect to the {peer} at {url}:{port}: {exc}") from exc
-    try:
-        if ssl_context is not None:
-            sock = ssl_context.wrap_socket(
-                sock, server_hostname=url if ssl_context.check_hostname else None
-            )
-            transport: Any = wire.SSLTransport(sock)
-        else:
-            transport = wire.SocketTransport(sock)
-        conn = wire.Conn(transport, max_message_bytes)
-        auth.client_handshake(conn, key, auth.resolve_token(token), strict=strict, peer=peer)
-    except BaseException as exc:
-        sock.close()
-        if isinstance(exc, RPCError):
-            raise
-        if isinstance(exc, (OSError, EOFError)):
-            raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}") from exc
-        raise
-    sock.settimeout(None)
-    return conn
 
 
 def connect(url: str, port: int, key: str = "", session_timeout: float = 0, session_constructor_args: list | None = None, enable_logging: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0) -> RPCSession:  # fmt: skip

@@ -73,6 +73,7 @@ from .protocol import (  # noqa: F401 (every operation code: handler.OP_CALL is 
     REPLY,
 )
 from .wire import FileSource, HandleRef
+from .worker_host import run_worker
 
 __all__ = [
     "SessionHandler",
@@ -785,8 +786,6 @@ def _send_result(conn: wire.Conn, handler: SessionHandler, op: int, result: Any)
 
 
 def _start_worker(conn: wire.Conn, args: Any) -> None:
-    from .channel import run_worker
-
     try:
         conn.send(REPLY, OP_DISCO_WORKER, None)
     except OSError:

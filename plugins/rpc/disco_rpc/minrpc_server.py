@@ -3,7 +3,8 @@
 This file is the ``__main__`` of the zipapps that :func:`disco_rpc.with_minrpc`
 writes: a device with nothing but Python runs it and a client drives it through
 :class:`disco_rpc.PopenSession`. It must import nothing outside the standard
-library (no NumPy, no disco_core, no disco_rpc).
+library (no NumPy, no disco_core, no disco_rpc) but :mod:`disco_rpc.protocol`, the
+protocol's numbers (standard library only too), which the zipapp holds beside it.
 
 Supported: the handshake (token-free, as over pipes), ``get_function`` and calls
 of global functions registered by the packaged ``.py`` files (through a stand-in
