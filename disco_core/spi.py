@@ -30,7 +30,9 @@ Network layer
     :func:`new_nonce`, :data:`TOKEN_ENV`), sealed records
     (:class:`SealedTransport`), transports, byte I/O (:func:`send_all`,
     :func:`write_all`, :func:`recv_exact`, :func:`new_pipe`, :func:`grow_pipe`,
-    :data:`CAN_SPLICE`), frame heads (:func:`read_frame_head`,
+    :data:`CAN_SPLICE`, :data:`PIPE_BYTES`, :func:`splice_exact`, :func:`as_views`,
+    :class:`SinkFailedError`; :data:`NONCE_BYTES` and :data:`PROOF_BYTES` of the
+    handshake), frame heads (:func:`read_frame_head`,
     :data:`FRAME_PREFIX`) and the one accept loop for work before a peer is
     known (:mod:`accept`: :class:`AcceptLoop`, :class:`SocketHandshake`,
     :class:`PendingConnection`, :class:`StepMachine`, :class:`Drain`,
@@ -72,18 +74,24 @@ from .net.framing import PREFIX as FRAME_PREFIX
 from .net.framing import FrameReader, check_frame, read_frame_head
 from .net.io import (
     CAN_SPLICE,
+    PIPE_BYTES,
     PipeTransport,
+    SinkFailedError,
     SocketTransport,
     SSLTransport,
+    as_views,
     grow_pipe,
     new_pipe,
     recv_exact,
     send_all,
+    splice_exact,
     write_all,
 )
 from .net.protect import SealedTransport
 from .net.relay import relay
 from .net.security import (
+    NONCE_BYTES,
+    PROOF_BYTES,
     TOKEN_ENV,
     Handshake,
     SessionKeys,
@@ -161,6 +169,12 @@ __all__ = [
     "new_pipe",
     "grow_pipe",
     "CAN_SPLICE",
+    "PIPE_BYTES",
+    "splice_exact",
+    "as_views",
+    "SinkFailedError",
+    "NONCE_BYTES",
+    "PROOF_BYTES",
     "accept",
     "AcceptLoop",
     "PendingConnection",

@@ -26,6 +26,13 @@ PACKAGES = {
     "disco_socket": ROOT / "plugins/socket/disco_socket",
     "disco_nccl": ROOT / "plugins/nccl/disco_nccl",
     "disco_rccl": ROOT / "plugins/rccl/disco_rccl",
+    "disco_rpc": ROOT / "plugins/rpc/disco_rpc",
+}
+#: Files held to no part of the rule: the minimal RPC server is shipped as a
+#: self-contained program on the standard library alone, so it raises built-in
+#: exceptions (it cannot import disco_core).
+EXEMPT = {
+    ROOT / "plugins/rpc/disco_rpc/minrpc_server.py",
 }
 ALLOWED_BUILTINS = {
     "EOFError",
@@ -46,6 +53,8 @@ BUILTIN_EXCEPTIONS = {
 def _modules():
     for pkg, path in PACKAGES.items():
         for f in sorted(path.rglob("*.py")):
+            if f in EXEMPT:
+                continue
             rel = f.relative_to(path).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             yield pkg, ".".join([pkg, *parts]), f

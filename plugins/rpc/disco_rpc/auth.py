@@ -30,10 +30,12 @@ why (no server for the key, servers busy, a tracker ticket required).
 
 from __future__ import annotations
 
+import socket
 import struct
 from typing import Any
 
-from disco_core.net.security import (
+from disco_core import DiscoValueError
+from disco_core.spi import (
     NONCE_BYTES,
     PROOF_BYTES,
     TOKEN_ENV,
@@ -43,7 +45,21 @@ from disco_core.net.security import (
     resolve_token,
 )
 
-from .errors import ProtocolError, RPCAuthError
+from . import wire
+from .errors import ProtocolError, RPCAuthError, RPCError
+from .protocol import (
+    AUTH_FAILED,
+    BAD_VERSION,
+    KEY_MISMATCH,
+    LABEL,
+    MAGIC,
+    MAX_KEY_BYTES,
+    NO_SERVER,
+    OK,
+    SERVERS_BUSY,
+    TICKET_REQUIRED,
+    VERSION,
+)
 from .wire import SealedLink
 
 __all__ = [
@@ -67,17 +83,9 @@ __all__ = [
     "refusal",
     "read_hello",
     "pack_hello",
+    "open_conn",
 ]
 
-MAGIC = b"DISCORPC"
-#: Version 2: proofs over the whole transcript, and sealed records after a handshake with a token.
-VERSION = 2
-#: The protocol's label in the proofs and keys (those of another protocol are worthless here).
-LABEL = b"disco-rpc/2"
-MAX_KEY_BYTES = 4096
-OK, KEY_MISMATCH, BAD_VERSION, AUTH_FAILED = 0, 1, 2, 3
-# statuses a proxy answers with when it cannot pair a client with a server
-NO_SERVER, SERVERS_BUSY, TICKET_REQUIRED = 4, 5, 6
 
 _HELLO = struct.Struct("<8sII")
 _REPLY = struct.Struct(f"<8sIBB{NONCE_BYTES}s")
@@ -120,7 +128,7 @@ def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool =
     """
     kb = key.encode("utf-8")
     if len(kb) > MAX_KEY_BYTES:
-        raise ValueError(f"key is longer than {MAX_KEY_BYTES} bytes")
+        raise DiscoValueError(f"key is longer than {MAX_KEY_BYTES} bytes")
     hello = pack_hello(VERSION, kb, new_nonce())
     conn.t.send_parts([hello])
     try:
@@ -234,7 +242,7 @@ class ServerHandshake:
     def step(self, data: bytes) -> bytes:
         """Consume ``want`` bytes; return the bytes to send back (maybe none)."""
         if len(data) != self.want:
-            raise ValueError(f"step() needs exactly {self.want} bytes")
+            raise DiscoValueError(f"step() needs exactly {self.want} bytes")
         return self._stage(bytes(data))
 
     def _done(self, ok: bool, out: bytes = b"") -> bytes:
@@ -301,3 +309,37 @@ def server_handshake(conn: Any, key: str, token: bytes | None, key_check: Any = 
     if hs.ok:
         seal(conn, hs.keys)
     return hs.ok
+
+
+# --------------------------------------------------------------------------- the client side of a link
+def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server", strict: bool = True) -> wire.Conn:  # fmt: skip
+    """Connect and authenticate; return the framed connection (no session yet), sealed
+    when a token was used.
+
+    ``peer`` names what is at ``url:port`` in error messages ("tracker", "proxy"...).
+    ``strict=False`` only offers the token: a peer that requires none is accepted
+    (for a service link whose token was defaulted from another's, never a session).
+    """
+    try:
+        sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
+    except OSError as exc:
+        raise RPCError(f"cannot connect to the {peer} at {url}:{port}: {exc}") from exc
+    try:
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(
+                sock, server_hostname=url if ssl_context.check_hostname else None
+            )
+            transport: Any = wire.SSLTransport(sock)
+        else:
+            transport = wire.SocketTransport(sock)
+        conn = wire.Conn(transport, max_message_bytes)
+        client_handshake(conn, key, resolve_token(token), strict=strict, peer=peer)
+    except BaseException as exc:
+        sock.close()
+        if isinstance(exc, RPCError):
+            raise
+        if isinstance(exc, (OSError, EOFError)):
+            raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}") from exc
+        raise
+    sock.settimeout(None)
+    return conn

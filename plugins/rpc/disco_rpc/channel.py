@@ -28,104 +28,26 @@ import threading
 import time
 from typing import Any
 
-from disco_core.channels.base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
-from disco_core.errors import DiscoError, WorkerDiedError
-from disco_core.net.security import is_loopback
-from disco_core.protocol import FrameReader, decode_untrusted, encode, frame_head
+from disco_core import DiscoError, WorkerDiedError
+from disco_core.spi import (
+    BatchingLink,
+    LinkChannel,
+    ReplyHub,
+    ThreadWorkerLink,
+    decode_untrusted,
+    is_loopback,
+)
 
 from . import wire
+from .client import connect
+from .protocol import OP_DISCO_WORKER
+from .worker_host import LinkFrames, run_worker
 
 __all__ = ["RPCChannel", "RPCWorkerLink", "run_worker", "LinkFrames"]
 
 
 def _start_timeout() -> float:
     return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
-
-
-class LinkFrames:
-    """The core's frames read from a session's transport, sealed or not.
-
-    Every frame :meth:`read` returns has been verified: when a sealed record
-    goes on past the frame (several small frames in one record), the rest of
-    the record is read into the buffer first, so its tag is checked before
-    anything in it is acted on.
-
-    Parameters
-    ----------
-    conn : disco_rpc.wire.Conn
-        The session's connection, past its last RPC frame; bytes it read ahead
-        are taken over.
-    """
-
-    def __init__(self, conn: wire.Conn) -> None:
-        self.t = conn.t
-        self.fd = conn.t.fileno()
-        self._scratch = bytearray(FrameReader._CHUNK)
-        self._scratch_view = memoryview(self._scratch)
-        self.reader = FrameReader(self.fd, read=self._read, readinto=self.t.recv_into)
-        if conn.buffered():  # bytes already read past the last RPC frame (verified)
-            self.reader.buf += bytes(conn.view[conn.start : conn.end])
-            conn.start = conn.end
-
-    def _read(self, n: int) -> bytes:
-        if n <= len(self._scratch):  # headers: into a reused buffer, copied out as received
-            k = self.t.recv_into(self._scratch_view[:n])
-            return self._scratch[:k]
-        buf = bytearray(n)
-        k = self.t.recv_into(memoryview(buf))
-        del buf[k:]
-        return buf
-
-    def has_buffered(self) -> bool:
-        """True when bytes of a further frame are already buffered."""
-        return self.reader.has_buffered()
-
-    def read(self) -> tuple:
-        """The next frame ``(header, buffers, flags)``; raises ``IntegrityError`` if forged."""
-        frame = self.reader.read()
-        # the rest of the record under way (so it is verified), and verified bytes the
-        # transport holds (so that has_buffered() sees them before select() waits)
-        left = getattr(self.t, "record_left", 0) + getattr(self.t, "pending", 0)
-        while left:
-            chunk = self._read(left)
-            if not chunk:
-                raise EOFError("the peer closed the connection in the middle of a record")
-            self.reader.buf += chunk
-            left = self.t.record_left + self.t.pending
-        return frame
-
-
-def _send_frame(t: object, frame: tuple) -> None:
-    """Send one core frame as one record (several when it is very large)."""
-    t.send_parts([frame_head(frame), *frame[1]])
-
-
-# --------------------------------------------------------------------------- server side
-def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: int, sys_path: Any = ()) -> None:  # fmt: skip
-    """Run the core's worker loop on the session's socket until shutdown or end of file."""
-    from disco_core.worker import Worker, command_stream
-
-    for p in reversed(list(sys_path or ())):
-        if isinstance(p, str) and p and os.path.isdir(p) and p not in sys.path:
-            sys.path.insert(0, p)
-    conn.t.sock.settimeout(None)
-    t = conn.t
-    lock = threading.Lock()
-
-    def send(msg: tuple) -> None:
-        frame = encode(msg)
-        with lock:
-            _send_frame(t, frame)
-
-    worker = Worker(int(worker_id), int(num_workers), int(num_groups), send)
-    reader = LinkFrames(conn)
-    send(("ready", os.getpid()))
-
-    try:
-        # commands crossed a socket: rebuilt from an allow-list, never unpickled
-        worker.run(command_stream(reader, untrusted=True).__next__)
-    except (EOFError, OSError):  # IntegrityError too: a forged frame ends the worker
-        worker.close()  # the controller is gone
 
 
 # --------------------------------------------------------------------------- controller side
@@ -271,9 +193,6 @@ class RPCChannel(LinkChannel):
     kind = "rpc"
 
     def __init__(self, num_workers: int | None = None, num_groups: int = 1, servers: Any = None, tracker: Any = None, key: str = "", token: Any = None, priority: int = 1, session_timeout: float = 0, tracker_token: Any = None, connect_timeout: float = 10.0, start_timeout: float | None = None) -> None:  # fmt: skip
-        from .client import connect
-        from .handler import OP_DISCO_WORKER
-
         if (servers is None) == (tracker is None):
             raise DiscoError(
                 'the "rpc" channel needs servers=[(host, port), ...] or tracker=(host, port)'

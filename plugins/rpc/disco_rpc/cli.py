@@ -285,7 +285,7 @@ def _managed_server(args) -> int:
 
 
 def _server(args) -> int:
-    from disco_core.errors import InsecureBindError
+    from disco_core import InsecureBindError
 
     from . import auth
     from .errors import RPCError

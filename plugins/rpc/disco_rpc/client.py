@@ -6,7 +6,6 @@ import logging
 import os
 import secrets
 import select
-import socket
 import stat
 import subprocess
 import sys
@@ -19,14 +18,25 @@ from typing import Any
 
 import numpy as np
 
-from disco_core.device import Device, as_dtype, as_shape, to_host
+from disco_core import DiscoTypeError, DiscoValueError
+from disco_core.spi import Device, as_dtype, as_shape, to_host
 
-from . import auth, handler, wire
-from .errors import ProtocolError, RPCError, RPCSessionTimeoutError, StreamAborted
-from .handler import (
+from . import auth, handler, protocol, wire
+from .auth import open_conn
+from .errors import (
+    ProtocolError,
+    RPCAttributeError,
+    RPCError,
+    RPCSessionTimeoutError,
+    StreamAbortedError,
+    TransferError,
+)
+from .handler import WORK_DIR_ENV, SessionHandler
+from .protocol import (
     BEATS_ALWAYS,
     BEATS_IDLE,
     BEATS_NONE,
+    ERROR,
     OP_CALL,
     OP_DEV_EXIST,
     OP_DEV_SYNC,
@@ -46,10 +56,10 @@ from .handler import (
     OP_TENSOR_GET,
     OP_TENSOR_SET,
     OP_UPLOAD,
-    WORK_DIR_ENV,
-    SessionHandler,
+    REPLY,
+    REQUEST,
 )
-from .wire import ERROR, REPLY, REQUEST, FileSource, HandleRef
+from .wire import FileSource, HandleRef
 
 __all__ = [
     "BenchmarkResult",
@@ -116,8 +126,22 @@ class RemoteModule(RemoteObject):
         self.type_key = str(ref.info or "")
 
     def get_function(self, name: str, restype: str | None = None) -> RemoteFunction:
-        """Look up a function; ``restype`` sets a C function's result type (shared libraries)."""
-        fn = self._rpc_sess._request(OP_MOD_FUNC, self, name, restype)
+        """Look up a function; ``restype`` sets a C function's result type (shared libraries).
+
+        Raises
+        ------
+        RPCAttributeError
+            The module has no function ``name`` (an :class:`RPCError` and, as in
+            TVM, an ``AttributeError``).
+        """
+        try:
+            fn = self._rpc_sess._request(OP_MOD_FUNC, self, name, restype)
+        except RPCError as exc:
+            if not exc.exc_type.endswith("KeyError"):
+                raise
+            raise RPCAttributeError(
+                exc.remote_message, exc.exc_type, exc.remote_traceback
+            ) from None
         if isinstance(fn, RemoteFunction):
             fn.name = name
         return fn
@@ -146,7 +170,7 @@ class RemoteModule(RemoteObject):
 
         def evaluator(*args: Any) -> BenchmarkResult:
             res = sess._request(
-                handler.OP_TIME_EVAL, module, func_name, d, int(number), int(repeat),
+                protocol.OP_TIME_EVAL, module, func_name, d, int(number), int(repeat),
                 float(min_repeat_ms or 0), int(limit_zero_time_iterations),
                 float(cooldown_interval_ms or 0), int(repeats_to_cooldown or 1), restype, args,
             )  # fmt: skip
@@ -301,7 +325,7 @@ class RPCSession:
             return None
         owner = v._rpc_sess
         if owner is not self:
-            raise ValueError(
+            raise DiscoValueError(
                 f"{type(v).__name__} #{ref.hid} belongs to the RPC session {owner._label}, "
                 f"not to {self._label}: a remote object can only be passed to functions of "
                 "the session that made it (copy it through the client, e.g. .numpy())"
@@ -341,7 +365,7 @@ class RPCSession:
                 kind, _op, value = conn.recv(on_handle=self._wrap)
                 if kind == REPLY and recv_stream is not None:
                     value = recv_stream(conn, value)
-            except StreamAborted as exc:  # the server's file failed; still in sync
+            except StreamAbortedError as exc:  # the server's file failed; still in sync
                 raise RPCError(f"the server could not send the whole file: {exc}") from None
             except (ProtocolError, EOFError, OSError) as exc:
                 self._fail(op, exc)
@@ -495,7 +519,7 @@ class RPCSession:
         ``lib["name"]`` or ``lib.get_function("name", restype="int64")`` (a C symbol
         of a library the server loaded, with its result type).
         """
-        return self._request(handler.OP_SYSTEM_LIB)
+        return self._request(protocol.OP_SYSTEM_LIB)
 
     def get_function(self, name: str) -> RemoteFunction:
         """A global function of the server (``disco_core.register_func`` there)."""
@@ -520,7 +544,7 @@ class RPCSession:
         """
         if isinstance(data, (bytes, bytearray, memoryview)):
             if not target:
-                raise ValueError("upload(bytes) needs target= (the remote file name)")
+                raise DiscoValueError("upload(bytes) needs target= (the remote file name)")
             view = memoryview(data).cast("B")
             self._upload(target, view, view.nbytes, progress)
             return
@@ -660,7 +684,7 @@ def _copy_file(src: Any, dst: Any, size: int, progress: Progress | None) -> None
     while done < size:
         chunk = src.read(min(wire.CHUNK, size - done))
         if not chunk:
-            raise OSError(f"the file ended {size - done} bytes early")
+            raise TransferError(f"the file ended {size - done} bytes early")
         dst.write(chunk)
         done += len(chunk)
         if progress is not None:
@@ -952,39 +976,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HEARTBEATS.after_fork)
 
 
-def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, peer: str = "RPC server", strict: bool = True) -> wire.Conn:  # fmt: skip
-    """Connect and authenticate; return the framed connection (no session yet), sealed
-    when a token was used.
-
-    ``peer`` names what is at ``url:port`` in error messages ("tracker", "proxy"...).
-    ``strict=False`` only offers the token: a peer that requires none is accepted
-    (for a service link whose token was defaulted from another's, never a session).
-    """
-    try:
-        sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
-    except OSError as exc:
-        raise RPCError(f"cannot connect to the {peer} at {url}:{port}: {exc}") from exc
-    try:
-        if ssl_context is not None:
-            sock = ssl_context.wrap_socket(
-                sock, server_hostname=url if ssl_context.check_hostname else None
-            )
-            transport: Any = wire.SSLTransport(sock)
-        else:
-            transport = wire.SocketTransport(sock)
-        conn = wire.Conn(transport, max_message_bytes)
-        auth.client_handshake(conn, key, auth.resolve_token(token), strict=strict, peer=peer)
-    except BaseException as exc:
-        sock.close()
-        if isinstance(exc, RPCError):
-            raise
-        if isinstance(exc, (OSError, EOFError)):
-            raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}") from exc
-        raise
-    sock.settimeout(None)
-    return conn
-
-
 def connect(url: str, port: int, key: str = "", session_timeout: float = 0, session_constructor_args: list | None = None, enable_logging: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0) -> RPCSession:  # fmt: skip
     """Connect to an RPC server, as ``tvm.rpc.connect``.
 
@@ -1037,7 +1028,7 @@ def connect(url: str, port: int, key: str = "", session_timeout: float = 0, sess
 # --------------------------------------------------------------------------- arrays
 def _remote_dev(device: Any) -> RemoteDevice:
     if not isinstance(device, RemoteDevice):
-        raise TypeError(
+        raise DiscoTypeError(
             f"device must be a remote device (sess.cpu(0), sess.cuda(0), ...), got {device!r}"
         )
     return device

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from disco_core import DiscoKeyError, DiscoTypeError, DiscoValueError
+
 __all__ = ["CtypesModule", "CFunction", "load_so", "RESTYPES"]
 
 RESTYPES = {
@@ -45,13 +47,13 @@ def _arg(a: Any) -> Any:
         return ctypes.c_void_p(None)
     if isinstance(a, np.ndarray):
         if not a.flags.c_contiguous:
-            raise ValueError("arrays passed to C functions must be C-contiguous")
+            raise DiscoValueError("arrays passed to C functions must be C-contiguous")
         return ctypes.c_void_p(a.ctypes.data)
     if isinstance(a, bytearray):
         return (ctypes.c_char * len(a)).from_buffer(a)
     if hasattr(a, "data") and hasattr(a.data, "ptr"):  # CuPy: the device pointer
         return ctypes.c_void_p(a.data.ptr)
-    raise TypeError(f"cannot pass a {type(a).__name__} to a C function")
+    raise DiscoTypeError(f"cannot pass a {type(a).__name__} to a C function")
 
 
 class CFunction:
@@ -60,7 +62,7 @@ class CFunction:
     def __init__(self, cfunc: Any, name: str, restype: Any = "int") -> None:
         if isinstance(restype, str):
             if restype not in RESTYPES:
-                raise ValueError(f"unknown restype {restype!r}; known: {', '.join(RESTYPES)}")
+                raise DiscoValueError(f"unknown restype {restype!r}; known: {', '.join(RESTYPES)}")
             restype = RESTYPES[restype]
         self.cfunc = cfunc
         self.name = name
@@ -87,7 +89,7 @@ class CtypesModule:
         try:
             return CFunction(getattr(self.lib, name), name, restype)
         except AttributeError:
-            raise KeyError(f"{os.path.basename(self.path)} has no symbol {name!r}") from None
+            raise DiscoKeyError(f"{os.path.basename(self.path)} has no symbol {name!r}") from None
 
     def __getitem__(self, name: str) -> CFunction:
         return self.get_function(name)

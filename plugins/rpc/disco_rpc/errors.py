@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from disco_core.errors import AuthenticationError, DiscoError
+from disco_core import AuthenticationError, DiscoError
 
 __all__ = [
     "RPCError",
     "RPCSessionTimeoutError",
     "RPCAuthError",
     "RPCRequestTimeoutError",
-    "MessageTooLarge",
+    "RPCAttributeError",
+    "RPCIsADirectoryError",
+    "RPCNotADirectoryError",
+    "TransferError",
+    "MessageTooLargeError",
     "ProtocolError",
-    "Desync",
-    "FrameTooLarge",
-    "StreamAborted",
+    "DesyncError",
+    "FrameTooLargeError",
+    "StreamAbortedError",
 ]
 
 
@@ -50,21 +54,47 @@ class RPCRequestTimeoutError(RPCError, TimeoutError):
     """No server of the requested key became free in time (a tracker request)."""
 
 
-class MessageTooLarge(RPCError):
+class RPCAttributeError(RPCError, AttributeError):
+    """A remote module has no function of that name (TVM raises ``AttributeError``)."""
+
+
+class RPCIsADirectoryError(RPCError, IsADirectoryError):
+    """A remote path names a folder where a file was expected."""
+
+
+class RPCNotADirectoryError(RPCError, NotADirectoryError):
+    """A component of a remote path is not a folder."""
+
+
+class TransferError(RPCError, OSError):
+    """A file ended before the size it declared was copied."""
+
+
+class MessageTooLargeError(RPCError):
     """A request is larger than the peer's ``max_message_bytes``; nothing was sent."""
 
 
-class ProtocolError(ValueError):
-    """A malformed frame (bad tag, truncated field, bad length)."""
+class ProtocolError(RPCError, ValueError):
+    """A malformed frame (bad tag, truncated field, bad length).
+
+    Also a ``ValueError``, as it was before it became an :class:`RPCError`.
+    """
 
 
-class Desync(ProtocolError):
+class DesyncError(ProtocolError):
     """The byte stream cannot be framed any more: the connection must be dropped."""
 
 
-class FrameTooLarge(Desync):
+class FrameTooLargeError(DesyncError):
     """A frame declared a size beyond ``max_message_bytes``."""
 
 
-class StreamAborted(RPCError):
+class StreamAbortedError(RPCError):
     """The sender of a file stream gave up in the middle (its file failed); still in sync."""
+
+
+# The names before they ended in Error; kept so that older code still imports them.
+MessageTooLarge = MessageTooLargeError
+Desync = DesyncError
+FrameTooLarge = FrameTooLargeError
+StreamAborted = StreamAbortedError

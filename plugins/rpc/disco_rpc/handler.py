@@ -22,14 +22,58 @@ from typing import Any
 
 import numpy as np
 
-from disco_core import registry
-from disco_core.device import Device, as_device, as_dtype, as_shape, to_host
-from disco_core.device import empty as dev_empty
-from disco_core.errors import IntegrityError
+from disco_core import (
+    DiscoFileNotFoundError,
+    DiscoKeyError,
+    DiscoPermissionError,
+    DiscoTimeoutError,
+    DiscoTypeError,
+    DiscoValueError,
+    IntegrityError,
+)
+from disco_core.spi import Device, as_device, as_dtype, as_shape, registry, to_host
+from disco_core.spi import empty as dev_empty
 
 from . import wire
-from .errors import Desync, ProtocolError
-from .wire import ERROR, REPLY, FileSource, HandleRef
+from .errors import (
+    DesyncError,
+    ProtocolError,
+    RPCError,
+    RPCIsADirectoryError,
+    RPCNotADirectoryError,
+)
+from .protocol import (  # noqa: F401 (every operation code: handler.OP_CALL is still a name)
+    BEATS_ALWAYS,
+    BEATS_IDLE,
+    BEATS_NONE,
+    ERROR,
+    OP_CALL,
+    OP_DEV_EXIST,
+    OP_DEV_SYNC,
+    OP_DISCO_WORKER,
+    OP_DOWNLOAD,
+    OP_EMPTY,
+    OP_FREE,
+    OP_GET_FUNC,
+    OP_INIT,
+    OP_LINK,
+    OP_LISTDIR,
+    OP_LOAD_MODULE,
+    OP_MOD_FUNC,
+    OP_NAMES,
+    OP_PING,
+    OP_REMOVE,
+    OP_SYSTEM_LIB,
+    OP_TENSOR,
+    OP_TENSOR_GET,
+    OP_TENSOR_SET,
+    OP_TIME_EVAL,
+    OP_UPLOAD,
+    PART_PREFIX,
+    REPLY,
+)
+from .wire import FileSource, HandleRef
+from .worker_host import run_worker
 
 __all__ = [
     "SessionHandler",
@@ -47,45 +91,9 @@ __all__ = [
 
 logger = logging.getLogger("disco_rpc")
 
-# operation codes
-(
-    OP_INIT,
-    OP_GET_FUNC,
-    OP_CALL,
-    OP_UPLOAD,
-    OP_DOWNLOAD,
-    OP_REMOVE,
-    OP_LISTDIR,
-    OP_LOAD_MODULE,
-    OP_MOD_FUNC,
-    OP_TENSOR,
-    OP_EMPTY,
-    OP_TENSOR_GET,
-    OP_TENSOR_SET,
-    OP_DEV_SYNC,
-    OP_DEV_EXIST,
-    OP_LINK,
-    OP_SYSTEM_LIB,
-    OP_PING,
-    OP_FREE,
-    OP_TIME_EVAL,
-    OP_DISCO_WORKER,
-) = range(1, 22)
-
-OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}
-
-#: What a client says in its INIT (4th argument) about the heartbeats it sends: none
-#: (an older or foreign client: its server notices only a closed connection), only
-#: between calls (TLS: an OpenSSL connection must not be written while another thread
-#: reads it), or always (README, "Liveness").
-BEATS_NONE, BEATS_IDLE, BEATS_ALWAYS = 0, 1, 2
-
 #: The environment variable through which PopenSession hands its child the session's
 #: work folder (made and removed by the client, so a crashed child leaves nothing).
 WORK_DIR_ENV = "DISCO_RPC_POPEN_WORK_DIR"
-#: Uploads are written to a hidden temporary file of this name pattern, then renamed;
-#: ``listdir`` hides exactly these names and uploads may not use them.
-PART_PREFIX = ".disco-rpc-part-"
 _PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
 #: The clock of ``time_evaluator`` (a module attribute so a test can stop it).
 _clock = time.perf_counter
@@ -115,7 +123,7 @@ class SystemLib:
             return self._symbol(name, restype)
         except KeyError:
             if registry.get_global_func(name, allow_missing=True) is not None:
-                raise TypeError(
+                raise DiscoTypeError(
                     f"{name!r} is a Python global function: restype= applies to C functions "
                     "of the server's loaded libraries"
                 ) from None
@@ -129,7 +137,7 @@ class SystemLib:
                 return CFunction(getattr(lib, name), name, restype)
             except AttributeError:
                 continue
-        raise KeyError(registry.missing_message(name))
+        raise DiscoKeyError(registry.missing_message(name))
 
 
 def _components(path: Any) -> tuple[str, list[str]]:
@@ -137,16 +145,16 @@ def _components(path: Any) -> tuple[str, list[str]]:
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str):
-        raise TypeError(f"a remote path must be a str, got {type(path).__name__}")
+        raise DiscoTypeError(f"a remote path must be a str, got {type(path).__name__}")
     if "\0" in path:
-        raise PermissionError("a remote path must not contain NUL characters")
+        raise DiscoPermissionError("a remote path must not contain NUL characters")
     if os.path.isabs(path) or path.startswith("~"):
-        raise PermissionError(
+        raise DiscoPermissionError(
             f"remote path {path!r} is absolute: paths are relative to the session's work folder"
         )
     parts = path.replace("\\", "/").split("/")
     if ".." in parts:
-        raise PermissionError(f"remote path {path!r} leaves the session's work folder ('..')")
+        raise DiscoPermissionError(f"remote path {path!r} leaves the session's work folder ('..')")
     return path, [p for p in parts if p not in ("", ".")]
 
 
@@ -163,7 +171,7 @@ def confine(root: str, path: Any) -> str:
     real_root = os.path.realpath(root)
     real = os.path.realpath(full)
     if real != real_root and not real.startswith(real_root + os.sep):
-        raise PermissionError(f"remote path {path!r} leaves the session's work folder")
+        raise DiscoPermissionError(f"remote path {path!r} leaves the session's work folder")
     return full
 
 
@@ -201,7 +209,7 @@ def open_dir_in(root: str, parts: list[str], path: str, make: bool = False) -> i
                 nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 if not make:
-                    raise FileNotFoundError(f"no folder {path!r} in the session's work folder") from None  # fmt: skip
+                    raise DiscoFileNotFoundError(f"no folder {path!r} in the session's work folder") from None  # fmt: skip
                 try:
                     os.mkdir(name, 0o777, dir_fd=fd)
                 except FileExistsError:
@@ -211,7 +219,7 @@ def open_dir_in(root: str, parts: list[str], path: str, make: bool = False) -> i
                 if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # Linux says ENOTDIR for a link
                     if _is_link(name, fd):
                         raise _refuse_link(path, OSError(errno.ELOOP, "link")) from None
-                    raise NotADirectoryError(f"remote path {path!r}: {name!r} is not a folder") from None  # fmt: skip
+                    raise RPCNotADirectoryError(f"remote path {path!r}: {name!r} is not a folder") from None  # fmt: skip
                 raise
             os.close(fd)
             fd = nfd
@@ -235,7 +243,7 @@ def open_confined(root: str, path: Any, flags: int = os.O_RDONLY) -> int:
     try:
         return os.open(parts[-1], flags | _NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     except FileNotFoundError:
-        raise FileNotFoundError(f"no file {path!r} in the session's work folder") from None
+        raise DiscoFileNotFoundError(f"no file {path!r} in the session's work folder") from None
     except OSError as exc:
         raise _refuse_link(path, exc) from None
     finally:
@@ -343,7 +351,7 @@ class SessionHandler:
         try:
             return self.objects[hid]
         except KeyError:
-            raise ValueError(
+            raise DiscoValueError(
                 f"unknown remote {kind} {hid} (freed, or from another session)"
             ) from None
 
@@ -351,7 +359,7 @@ class SessionHandler:
     def op_get_func(self, name: str) -> Any:
         fn = registry.get_global_func(name, allow_missing=True)
         if fn is None:
-            raise ValueError(registry.missing_message(name))
+            raise DiscoValueError(registry.missing_message(name))
         return fn
 
     def op_call(self, func: Any, args: tuple) -> Any:
@@ -369,9 +377,9 @@ class SessionHandler:
         """Where an upload to ``target`` goes (its folders made, opened inside the work folder)."""
         path, parts = _components(target)
         if not parts:
-            raise IsADirectoryError(f"remote path {path!r} is a folder")
+            raise RPCIsADirectoryError(f"remote path {path!r} is a folder")
         if _PART_RE.match(parts[-1]):
-            raise PermissionError(f"remote name {target!r} is reserved for partial uploads")
+            raise DiscoPermissionError(f"remote name {target!r} is reserved for partial uploads")
         dfd = open_dir_in(self.work, parts[:-1], path, make=True)
         try:
             st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
@@ -382,7 +390,7 @@ class SessionHandler:
             raise
         if st is not None and stat.S_ISDIR(st.st_mode):
             os.close(dfd)
-            raise IsADirectoryError(f"remote path {target!r} is a folder")
+            raise RPCIsADirectoryError(f"remote path {target!r} is a folder")
         return UploadTarget(dfd, parts[-1], path)
 
     @staticmethod
@@ -416,7 +424,7 @@ class SessionHandler:
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
-                raise IsADirectoryError(f"remote path {path!r} is a folder")
+                raise RPCIsADirectoryError(f"remote path {path!r} is a folder")
             f = os.fdopen(fd, "rb")  # closed by the caller once sent
         except BaseException:
             os.close(fd)
@@ -426,13 +434,13 @@ class SessionHandler:
     def op_remove(self, path: str) -> None:
         path, parts = _components(path)
         if not parts:
-            raise PermissionError("cannot remove the session's work folder itself")
+            raise DiscoPermissionError("cannot remove the session's work folder itself")
         dfd = open_dir_in(self.work, parts[:-1], path)
         try:
             try:
                 st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
-                raise FileNotFoundError(f"no file {path!r} in the session's work folder") from None  # fmt: skip
+                raise DiscoFileNotFoundError(f"no file {path!r} in the session's work folder") from None  # fmt: skip
             if stat.S_ISDIR(st.st_mode):
                 shutil.rmtree(parts[-1], dir_fd=dfd)  # never follows links
             else:
@@ -451,7 +459,7 @@ class SessionHandler:
     def op_load_module(self, path: str, device: Any = None) -> Any:
         full = self.path(path)
         if not os.path.exists(full):
-            raise FileNotFoundError(
+            raise DiscoFileNotFoundError(
                 f"no file {path!r} in the session's work folder; upload it first"
             )
         suffix = os.path.splitext(full)[1]
@@ -461,7 +469,7 @@ class SessionHandler:
         from .ctypes_loader import load_so
 
         try:
-            from disco_core.plugins import lookup
+            from disco_core.spi import lookup
 
             loader = lookup("loader", suffix)
         except Exception:
@@ -476,7 +484,7 @@ class SessionHandler:
             from .ctypes_loader import CtypesModule
 
             if not isinstance(module, (CtypesModule, SystemLib)):
-                raise TypeError(
+                raise DiscoTypeError(
                     "restype= applies to functions of shared libraries and system_lib() only"
                 )
             return module.get_function(name, restype)
@@ -546,7 +554,7 @@ class SessionHandler:
     def op_tensor_set(self, tensor: Any, arr: np.ndarray) -> None:
         if tuple(arr.shape) != tuple(tensor.shape) or arr.dtype != tensor.dtype:
             if arr.size != tensor.size or arr.dtype != tensor.dtype:
-                raise ValueError(
+                raise DiscoValueError(
                     f"copyfrom: source {arr.dtype}{list(arr.shape)} does not match the remote "
                     f"tensor {tensor.dtype}{list(tensor.shape)}"
                 )
@@ -598,7 +606,7 @@ class SessionHandler:
                 members.append(m)
             objs = [m.name for m in members if m.name.endswith((".o", ".obj", ".a"))]
             if not objs:
-                raise ValueError(f"{os.path.basename(tar_path)} holds no object files (.o)")
+                raise DiscoValueError(f"{os.path.basename(tar_path)} holds no object files (.o)")
             for m in members:
                 src = tar.extractfile(m)
                 with open(os.path.join(out_dir, m.name), "wb") as dst:
@@ -608,7 +616,7 @@ class SessionHandler:
         cmd = [cc, "-shared", "-fPIC", "-o", so, *(os.path.join(out_dir, o) for o in objs)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"linking with {cc} failed:\n{proc.stdout}{proc.stderr}")
+            raise RPCError(f"linking with {cc} failed:\n{proc.stdout}{proc.stderr}")
         return so
 
     def close(self) -> None:
@@ -624,9 +632,27 @@ class SessionHandler:
 
 
 # --------------------------------------------------------------------------- serving
+#: Disco's errors that mix in a built-in exception go to the client under the
+#: built-in's name, as the server's own checks reported them before they became
+#: Disco errors (``remote FileNotFoundError: ...``).
+_REPORTED_AS = {
+    DiscoValueError: "ValueError",
+    DiscoTypeError: "TypeError",
+    DiscoKeyError: "KeyError",
+    DiscoFileNotFoundError: "FileNotFoundError",
+    DiscoPermissionError: "PermissionError",
+    DiscoTimeoutError: "TimeoutError",
+    RPCIsADirectoryError: "IsADirectoryError",
+    RPCNotADirectoryError: "NotADirectoryError",
+}
+
+
 def error_value(exc: BaseException) -> tuple:
+    """``(type name, message, traceback)`` of ``exc``, as an ERROR frame carries it."""
     t = type(exc)
-    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    name = _REPORTED_AS.get(t)
+    if name is None:
+        name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
     tb = "".join(traceback.format_exception(t, exc, exc.__traceback__))
     return (name, str(exc), tb)
 
@@ -659,7 +685,7 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
         except IntegrityError as exc:
             logger.warning("dropped the session: %s", exc)
             return
-        except Desync as exc:
+        except DesyncError as exc:
             _try_send_error(conn, 0, exc)
             return
         except ProtocolError as exc:
@@ -673,7 +699,7 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             held = False
         try:
             result = _dispatch(conn, handler, op, payload)
-        except Desync as exc:
+        except DesyncError as exc:
             _try_send_error(conn, op, exc)
             return
         except IntegrityError as exc:
@@ -716,7 +742,7 @@ def _dispatch(conn: wire.Conn, handler: SessionHandler, op: int, payload: Any) -
         return _SENT
     if op == OP_DISCO_WORKER:
         if isinstance(conn.t, wire.SSLTransport) or not hasattr(conn.t, "sock"):
-            raise ValueError("a Disco worker needs a plain socket session (no TLS, no pipes)")
+            raise DiscoValueError("a Disco worker needs a plain socket session (no TLS, no pipes)")
         return args
     fn = handler.ops.get(op)
     if fn is None:
@@ -730,10 +756,10 @@ def _receive_upload(conn: wire.Conn, handler: SessionHandler, payload: Any) -> N
         frees, (target, size) = payload
         size = int(size)
         if size < 0:
-            raise ValueError("negative size")
+            raise DiscoValueError("negative size")
     except (TypeError, ValueError) as exc:
         # the stream's length is unknown: it cannot be skipped
-        raise Desync(f"malformed upload request: {exc}") from None
+        raise DesyncError(f"malformed upload request: {exc}") from None
     if frees:
         handler.free(frees)
     try:
@@ -760,8 +786,6 @@ def _send_result(conn: wire.Conn, handler: SessionHandler, op: int, result: Any)
 
 
 def _start_worker(conn: wire.Conn, args: Any) -> None:
-    from .channel import run_worker
-
     try:
         conn.send(REPLY, OP_DISCO_WORKER, None)
     except OSError:

@@ -7,10 +7,17 @@ import tempfile
 import zipfile
 from typing import Any
 
-__all__ = ["with_minrpc", "MINRPC_SERVER"]
+from disco_core import DiscoFileNotFoundError, DiscoValueError
 
+__all__ = ["with_minrpc", "MINRPC_SERVER", "PROTOCOL", "PROTOCOL_NAME"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 #: The source of the minimal server (the zipapp's ``__main__``).
-MINRPC_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minrpc_server.py")
+MINRPC_SERVER = os.path.join(_HERE, "minrpc_server.py")
+#: The protocol's numbers (:mod:`disco_rpc.protocol`), which the minimal server imports.
+PROTOCOL = os.path.join(_HERE, "protocol.py")
+#: The name of :data:`PROTOCOL`'s module in a zipapp, beside its ``__main__``.
+PROTOCOL_NAME = "disco_rpc_protocol"
 
 
 def _files(build: Any) -> list[str]:
@@ -29,11 +36,11 @@ def _files(build: Any) -> list[str]:
         elif os.path.isfile(path):
             out.append(path)
         else:
-            raise FileNotFoundError(f"{path} does not exist")
+            raise DiscoFileNotFoundError(f"{path} does not exist")
     names = [os.path.basename(p) for p in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise ValueError(f"two files of the build share the name(s) {sorted(dup)}")
+        raise DiscoValueError(f"two files of the build share the name(s) {sorted(dup)}")
     return out
 
 
@@ -69,6 +76,7 @@ def with_minrpc(build: Any = None, output: str | os.PathLike | None = None, *, i
         raw.write(b"#!" + interpreter.encode("utf-8") + b"\n")
         with zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.write(MINRPC_SERVER, "__main__.py")
+            z.write(PROTOCOL, PROTOCOL_NAME + ".py")  # the server imports it
             for path in files:
                 z.write(path, "build/" + os.path.basename(path))
     os.chmod(output, 0o755)

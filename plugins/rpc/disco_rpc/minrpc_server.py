@@ -3,7 +3,8 @@
 This file is the ``__main__`` of the zipapps that :func:`disco_rpc.with_minrpc`
 writes: a device with nothing but Python runs it and a client drives it through
 :class:`disco_rpc.PopenSession`. It must import nothing outside the standard
-library (no NumPy, no disco_core, no disco_rpc).
+library (no NumPy, no disco_core, no disco_rpc) but :mod:`disco_rpc.protocol`, the
+protocol's numbers (standard library only too), which the zipapp holds beside it.
 
 Supported: the handshake (token-free, as over pipes), ``get_function`` and calls
 of global functions registered by the packaged ``.py`` files (through a stand-in
@@ -30,17 +31,124 @@ import time
 import traceback
 import types
 
-MAGIC = b"DISCORPC"
-#: disco_rpc.auth.VERSION (a test checks they agree). Over pipes there is no token and
-#: no sealing: the pipes join this process and the client that spawned it, and no other
-#: party can reach them (the handshake answers "no authentication required").
-VERSION = 2
+# The protocol's numbers are disco_rpc/protocol.py's (standard library only too): imported
+# from the package, or from the copy that with_minrpc ships beside this file in a zipapp.
+if __package__:  # imported as disco_rpc.minrpc_server
+    from .protocol import (
+        CHUNK,
+        CHUNK_FRAME,
+        ERROR,
+        FLAG_ABORT,
+        FLAG_END,
+        FRAME_HEAD,
+        HANDLE_FUNC,
+        HANDLE_MODULE,
+        INLINE_BYTES,
+        MAGIC,
+        MAX_DEPTH,
+        OP_CALL,
+        OP_DEV_EXIST,
+        OP_DEV_SYNC,
+        OP_DOWNLOAD,
+        OP_EMPTY,
+        OP_FREE,
+        OP_GET_FUNC,
+        OP_INIT,
+        OP_LINK,
+        OP_LISTDIR,
+        OP_LOAD_MODULE,
+        OP_MOD_FUNC,
+        OP_PING,
+        OP_REMOVE,
+        OP_SYSTEM_LIB,
+        OP_TENSOR,
+        OP_TENSOR_GET,
+        OP_TENSOR_SET,
+        OP_TIME_EVAL,
+        OP_UPLOAD,
+        PART_PREFIX,
+        REPLY,
+        T_ARRAY,
+        T_BIGINT,
+        T_BUF,
+        T_BYTES,
+        T_COMPLEX,
+        T_DEVICE,
+        T_DICT,
+        T_DTYPE,
+        T_FALSE,
+        T_FLOAT,
+        T_HANDLE,
+        T_INT,
+        T_LIST,
+        T_NONE,
+        T_STR,
+        T_TRUE,
+        T_TUPLE,
+        VERSION,
+    )
+else:  # the zipapp's __main__
+    from disco_rpc_protocol import (
+        CHUNK,
+        CHUNK_FRAME,
+        ERROR,
+        FLAG_ABORT,
+        FLAG_END,
+        FRAME_HEAD,
+        HANDLE_FUNC,
+        HANDLE_MODULE,
+        INLINE_BYTES,
+        MAGIC,
+        MAX_DEPTH,
+        OP_CALL,
+        OP_DEV_EXIST,
+        OP_DEV_SYNC,
+        OP_DOWNLOAD,
+        OP_EMPTY,
+        OP_FREE,
+        OP_GET_FUNC,
+        OP_INIT,
+        OP_LINK,
+        OP_LISTDIR,
+        OP_LOAD_MODULE,
+        OP_MOD_FUNC,
+        OP_PING,
+        OP_REMOVE,
+        OP_SYSTEM_LIB,
+        OP_TENSOR,
+        OP_TENSOR_GET,
+        OP_TENSOR_SET,
+        OP_TIME_EVAL,
+        OP_UPLOAD,
+        PART_PREFIX,
+        REPLY,
+        T_ARRAY,
+        T_BIGINT,
+        T_BUF,
+        T_BYTES,
+        T_COMPLEX,
+        T_DEVICE,
+        T_DICT,
+        T_DTYPE,
+        T_FALSE,
+        T_FLOAT,
+        T_HANDLE,
+        T_INT,
+        T_LIST,
+        T_NONE,
+        T_STR,
+        T_TRUE,
+        T_TUPLE,
+        VERSION,
+    )
+
+#: Over pipes there is no token and no sealing: the pipes join this process and the
+#: client that spawned it, and no other party can reach them (the handshake answers
+#: "no authentication required").
 MAX_MESSAGE_BYTES = 1 << 30
-MAX_DEPTH = 64
-REQUEST, REPLY, ERROR, CHUNK = 1, 2, 3, 4
-FLAG_ABORT, FLAG_END = 1, 2
-STREAM_CHUNK = 8 << 20
-PART_PREFIX = ".disco-rpc-part-"  # uploads land under this hidden name, then are renamed
+CHUNK, STREAM_CHUNK = CHUNK_FRAME, CHUNK  # a chunk frame's kind; a file chunk's size
+FUNC, MODULE = HANDLE_FUNC, HANDLE_MODULE
+HEAD = FRAME_HEAD
 PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
 (
     OP_INIT, OP_GET_FUNC, OP_CALL, OP_UPLOAD, OP_DOWNLOAD, OP_REMOVE, OP_LISTDIR,
@@ -103,9 +211,9 @@ def _lookup(name):
     if name in REGISTRY:
         return REGISTRY[name]
     try:
-        from disco_core import registry
+        import disco_core
 
-        fn = registry.get_global_func(name, allow_missing=True)
+        fn = disco_core.get_global_func(name, allow_missing=True)
     except ImportError:
         fn = None
     if fn is None:

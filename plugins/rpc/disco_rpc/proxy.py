@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import select
 import signal
 import socket
@@ -32,24 +31,33 @@ import threading
 import time
 from typing import Any
 
-from disco_core.net.accept import AcceptLoop, Slots, SocketHandshake
-from disco_core.net.relay import relay
+from disco_core.spi import AcceptLoop, Slots, SocketHandshake, relay
 
 from . import auth, wire
-from ._service import ServiceProcess, fork_session
 from .errors import RPCError
-from .tracker import T_END, T_START, TICKET_SEP, Registration
-from .wire import REPLY, REQUEST
+from .protocol import (  # noqa: F401 (the proxy's codes, also names of this module)
+    P_ACK,
+    P_PAIRED,
+    P_REGISTER,
+    PROXY_MAX_MESSAGE_BYTES,
+    PROXY_SERVER_KEY,
+    REPLY,
+    REQUEST,
+    T_END,
+    T_START,
+    TICKET_SEP,
+)
+from .server import (  # noqa: F401 (the server side of the proxy, once in this module)
+    MAX_PROXIED_HANDSHAKES,
+    register_with_proxy,
+    serve_via_proxy,
+)
+from .service import Registration, ServiceProcess, bind_listener, check_bind
 
 __all__ = ["Proxy", "serve_proxy", "serve_via_proxy"]
 
 logger = logging.getLogger("disco_rpc.proxy")
 
-#: The handshake key a server behind the proxy presents to it.
-PROXY_SERVER_KEY = "disco-rpc/proxy-server"
-P_REGISTER, P_PAIRED, P_ACK = 1, 2, 3
-#: Frames between proxy and server are tiny.
-PROXY_MAX_MESSAGE_BYTES = 1 << 16
 #: Seconds a client waits for an idle server with its key.
 DEFAULT_WAIT = 10.0
 #: Seconds a server has to come back after a session before it leaves the tracker.
@@ -60,8 +68,6 @@ MAX_CONNECTIONS = 1024
 MAX_PENDING = 64
 #: Seconds a connection has to send its hello (a server: to prove the proxy's token too).
 HANDSHAKE_TIMEOUT = 10.0
-#: Handshakes a server behind the proxy runs at once; beyond, the oldest is dropped.
-MAX_PROXIED_HANDSHAKES = 64
 
 
 class _Backend:
@@ -408,8 +414,6 @@ class Proxy(ServiceProcess):
     _kind = "Proxy"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199, web_port: int = 0, timeout_client: float = 600, timeout_server: float = 600, tracker_addr: Any = None, index_page: Any = None, resource_files: Any = None, *, token: Any = None, ssl_context: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
-        from .server import bind_listener, check_bind
-
         if web_port:
             raise NotImplementedError("the web (WebSocket) port of TVM's proxy is not supported")
         token_b = auth.resolve_token(token)
@@ -434,191 +438,3 @@ class Proxy(ServiceProcess):
 
 
 # --------------------------------------------------------------------------- the server side
-def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context: Any, server_id: str, *, strict: bool = True) -> wire.Conn:  # fmt: skip
-    """Connect to the proxy and register as an idle server of ``key``; return the link.
-
-    ``strict=False``: ``token`` is only offered (the server's own token, by default
-    also the proxy link's): a proxy that requires none is accepted.
-    """
-    from .client import open_conn
-
-    if not key:
-        raise ValueError("a server behind a proxy needs a key")
-    conn = open_conn(
-        host, port, PROXY_SERVER_KEY, token=token, ssl_context=ssl_context,
-        max_message_bytes=PROXY_MAX_MESSAGE_BYTES, connect_timeout=5.0, peer="proxy",
-        strict=strict,
-    )  # fmt: skip
-    try:
-        conn.send(REQUEST, P_REGISTER, (key, server_id))
-        conn.recv()
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_context: Any, watch_fd: int | None = None, first: tuple | None = None, strict: bool = True) -> None:  # fmt: skip
-    """Serve sessions through the proxy at ``host:port``, one at a time, until told to stop.
-
-    ``first``: ``(conn, server_id)`` of a registration already made (the server's
-    constructor makes the first one, so that a refused token raises there).
-
-    While no session runs, the server keeps one idle link registered at the
-    proxy. When the proxy pairs a client with it, the link becomes that client's
-    and a new idle link is registered at once; the client's handshake (end to
-    end, through the proxy) runs here, in the server process, without blocking,
-    beside those of other clients (at most :data:`MAX_PROXIED_HANDSHAKES`, each
-    within ``disco_rpc.server.HANDSHAKE_TIMEOUT``). Only a client that proved the token gets a
-    session process: a peer that never authenticates costs a socket for a few
-    seconds and no process (a flood of them can still crowd out a slow client: the oldest
-    handshake is dropped when all slots are taken).
-    """
-    from dataclasses import replace
-
-    from .server import _Handshake, _proxy_key_check
-
-    server_id = first[1] if first is not None else secrets.token_hex(8)
-    idle = first[0] if first is not None else None
-    scfg = replace(cfg, ssl_context=None)  # TLS, if any, is the link to the proxy
-    key_check = _proxy_key_check(scfg)
-    pending: list[_Handshake] = []
-    session: tuple[int, int | None] | None = None  # (pid, pidfd) of the session process
-    backoff, next_try = 0.05, 0.0
-    where = ("proxy", host, port)
-
-    def drop(hs: _Handshake, why: str) -> None:
-        logger.info("client through the proxy: %s", why)
-        if hs in pending:
-            pending.remove(hs)
-        hs.close()
-
-    try:
-        while True:
-            now = time.monotonic()
-            if session is None and idle is None and now >= next_try:
-                try:
-                    idle = register_with_proxy(host, port, key, token, ssl_context, server_id, strict=strict)  # fmt: skip
-                    backoff = 0.05
-                except (RPCError, OSError, EOFError, wire.ProtocolError) as exc:
-                    logger.info("cannot reach the proxy at %s:%s: %s", host, port, exc)
-                    next_try = now + backoff
-                    backoff = min(backoff * 2, 2.0)
-            watch = [hs.fileno() for hs in pending]
-            if idle is not None:
-                watch.append(idle.t.fileno())
-            if watch_fd is not None:
-                watch.append(watch_fd)
-            timeout = 1.0
-            if session is not None:
-                if session[1] is not None:
-                    watch.append(session[1])
-                else:
-                    timeout = 0.05  # no pidfd: poll for the session's end
-            elif idle is None:
-                timeout = max(0.0, min(timeout, next_try - now))
-            if pending:
-                timeout = max(0.0, min(timeout, min(h.deadline for h in pending) - now))
-            # the proxy's P_PAIRED may sit in the idle link's read buffer, unseen by select
-            if idle is not None and idle.buffered():
-                ready: set = {idle.t.fileno()}
-            else:
-                try:
-                    ready = set(select.select(watch, [], [], timeout)[0])
-                except InterruptedError:
-                    ready = set()
-            if watch_fd is not None and watch_fd in ready:
-                return
-            if session is not None and _session_ended(session):
-                session = None
-            if idle is not None and idle.t.fileno() in ready:
-                sock, idle = _take_pairing(idle), None
-                if sock is not None:
-                    if len(pending) >= MAX_PROXIED_HANDSHAKES:
-                        drop(pending[0], "too many handshakes in progress; dropped the oldest")
-                    try:
-                        hs = _Handshake(sock, where, scfg, key_check)
-                    except (OSError, ValueError) as exc:
-                        logger.info("cannot start a handshake through the proxy: %s", exc)
-                        sock.close()
-                    else:
-                        pending.append(hs)
-                        ready.add(hs.fileno())  # the hello is often there already
-            for hs in [h for h in pending if h.fileno() in ready]:
-                if hs not in pending:  # dropped meanwhile: another client's session started
-                    continue
-                ok = hs.advance()
-                if ok is None:
-                    continue
-                if not ok:
-                    logger.warning("refused a client through the proxy (key, version or authentication)")  # fmt: skip
-                    drop(hs, "refused")
-                    continue
-                pending.remove(hs)
-                if session is not None:  # one session at a time: a late second one is let go
-                    hs.close()
-                    continue
-                session = _fork_proxied_session(hs, scfg, watch_fd, where)
-                for other in list(pending):
-                    drop(other, "another client's session started first")
-                if idle is not None:
-                    idle.close()  # no pairing while the session runs
-                    idle = None
-            for hs in [h for h in pending if h.deadline <= time.monotonic()]:
-                drop(hs, "handshake timed out")
-    finally:
-        for hs in pending:
-            hs.close()
-        if idle is not None:
-            idle.close()
-        if session is not None:
-            try:
-                os.kill(session[0], signal.SIGKILL)
-                os.waitpid(session[0], 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-
-
-def _take_pairing(idle: wire.Conn) -> socket.socket | None:
-    """The proxy paired a client with ``idle`` (or the link broke): acknowledge; return its socket."""
-    try:
-        _k, op, _v = idle.recv()
-        if op != P_PAIRED:
-            raise wire.ProtocolError(f"unexpected message {op} from the proxy")
-        idle.send(REPLY, P_ACK, None)
-    except (OSError, EOFError, wire.ProtocolError) as exc:
-        logger.info("lost the proxy: %s", exc)
-        idle.close()
-        return None
-    # what follows on this socket is the client's own stream, relayed by the proxy
-    return idle.t.sock
-
-
-def _fork_proxied_session(hs: Any, cfg: Any, watch_fd: int | None, where: tuple) -> tuple:
-    """Fork the session process of an authenticated client; return ``(pid, pidfd)``."""
-    from .server import _set_pdeathsig, _term, serve_session
-
-    hs.sock.setblocking(True)
-    conn = hs.conn(cfg)
-
-    def session() -> None:  # in the session process
-        signal.signal(signal.SIGTERM, _term)
-        _set_pdeathsig()
-        if watch_fd is not None:
-            os.close(watch_fd)
-        serve_session(conn, where, cfg, True)
-
-    out = fork_session(session)
-    hs.close()
-    return out
-
-
-def _session_ended(session: tuple) -> bool:
-    pid, pidfd = session
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        done = pid
-    if done and pidfd is not None:
-        os.close(pidfd)
-    return bool(done)

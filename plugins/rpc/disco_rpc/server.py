@@ -12,45 +12,84 @@ prove the token costs a socket and a few bytes, never a process.
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
+import dataclasses
 import logging
 import os
+import secrets
 import select
 import shutil
 import signal
 import socket
 import ssl
-import struct
 import sys
 import tempfile
-import termios
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from disco_core.net.relay import relay
-from disco_core.net.security import check_bind as _check_bind
-from disco_core.net.security import is_loopback
+from disco_core import DiscoTypeError, DiscoValueError
+from disco_core.spi import is_loopback, relay
 
 from . import auth, wire
-from ._service import ServiceProcess, fork_session
 from .errors import ProtocolError, RPCError
 from .handler import (
     BEATS_ALWAYS,
     BEATS_IDLE,
-    BEATS_NONE,
     OP_INIT,
     WORK_DIR_ENV,
     SessionHandler,
     error_value,
     serve_conn,
 )
-from .tracker import T_END, T_START, TICKET_SEP
-from .wire import ERROR, REPLY
+from .protocol import (
+    ERROR,
+    P_ACK,
+    P_PAIRED,
+    P_REGISTER,
+    PROXY_MAX_MESSAGE_BYTES,
+    PROXY_SERVER_KEY,
+    REPLY,
+    REQUEST,
+    T_END,
+    T_START,
+    TICKET_SEP,
+)
+from .service import (
+    DEFAULT_LIVENESS_TIMEOUT,
+    LIVENESS_ENV,
+    MIN_LIVENESS_TIMEOUT,
+    Liveness,
+    Registration,
+    ServiceProcess,
+    bind_listener,
+    can_watch,
+    check_bind,
+    exit_on_term,
+    fork_session,
+    resolve_liveness_timeout,
+    set_pdeathsig,
+    start_watchdog,
+)
 
-__all__ = ["Server", "serve_stdio", "serve_forever", "ServerConfig", "check_bind", "is_loopback"]
+__all__ = [
+    "Server",
+    "serve_stdio",
+    "serve_forever",
+    "ServerConfig",
+    "check_bind",
+    "is_loopback",
+    "bind_listener",
+    # the liveness of a session's client (disco_rpc.service)
+    "LIVENESS_ENV",
+    "DEFAULT_LIVENESS_TIMEOUT",
+    "MIN_LIVENESS_TIMEOUT",
+    "resolve_liveness_timeout",
+    # a server behind a proxy
+    "register_with_proxy",
+    "serve_via_proxy",
+    "MAX_PROXIED_HANDSHAKES",
+]
 
 logger = logging.getLogger("disco_rpc.server")
 
@@ -91,21 +130,12 @@ def load_libraries(load_library: Any) -> list:
     for path in load_library:
         path = os.path.abspath(os.fspath(path))
         if path.endswith(".py"):
-            from disco_core.loaders import load_py
+            from disco_core.spi import load_py
 
             load_py(path)
         else:
             libs.append(ctypes.CDLL(path, mode=getattr(ctypes, "RTLD_GLOBAL", 0)))
     return libs
-
-
-def _set_pdeathsig() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
 
 
 def _min_positive(*values: Any) -> float:
@@ -134,7 +164,7 @@ def serve_session(conn: wire.Conn, addr: Any, cfg: ServerConfig, forked: bool, o
             return
         sock.settimeout(None)
         if timeout:
-            _start_watchdog(timeout, sock, handler, forked)
+            start_watchdog(timeout, sock, handler, forked)
         live = _start_liveness(conn, addr, cfg, handler, forked, relay=inner is not None)
         logger.info("session from %s (pid %d)", addr, os.getpid())
         if inner is not None:
@@ -190,7 +220,7 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
         }
         if ctor:
             inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max, beats)
-        own = cfg.liveness_timeout if _can_watch(conn) else 0.0
+        own = cfg.liveness_timeout if can_watch(conn) else 0.0
         lt = _min_positive(own, info.get("liveness_timeout"))
         if lt:
             info["liveness_timeout"] = lt  # the client sends heartbeats well within it
@@ -220,12 +250,12 @@ def connect_args(args: list) -> tuple:
     Returns ``(host, port, key, enable_logging, options, init)``.
     """
     if len(args) < 2:
-        raise ValueError('rpc.Connect needs ["rpc.Connect", host, port, key, enable_logging]')
+        raise DiscoValueError('rpc.Connect needs ["rpc.Connect", host, port, key, enable_logging]')
     host, port = str(args[0]), int(args[1])
     key = str(args[2]) if len(args) > 2 else ""
     enable_logging = args[3] if len(args) > 3 else False
     if not isinstance(enable_logging, (bool, int)):
-        raise TypeError(
+        raise DiscoTypeError(
             "the 5th element of rpc.Connect is enable_logging (a bool), as in TVM; give the "
             'inner server\'s token as a dict after it: ["rpc.Connect", host, port, key, False, '
             '{"token": ...}]'
@@ -236,7 +266,7 @@ def connect_args(args: list) -> tuple:
         options = rest.pop(0)
         unknown = set(options) - {"token"}
         if unknown:
-            raise ValueError(f"unknown rpc.Connect options {sorted(unknown)}; known: token")
+            raise DiscoValueError(f"unknown rpc.Connect options {sorted(unknown)}; known: token")
     return host, port, key, bool(enable_logging), options, rest
 
 
@@ -248,13 +278,11 @@ def _construct(
     if name in ("rpc.LocalSession", "LocalSession"):
         return None, {"pid": os.getpid(), "version": auth.VERSION}, False
     if name not in ("rpc.Connect", "Connect"):
-        raise ValueError(
+        raise DiscoValueError(
             f"unknown session constructor {name!r}; known: rpc.LocalSession, rpc.Connect"
         )
     host, port, key, enable_logging, options, rest = connect_args(args)
-    from .client import open_conn
-
-    inner = open_conn(
+    inner = auth.open_conn(
         host, port, key, token=options.get("token"),
         max_message_bytes=cfg.max_message_bytes, peer="inner RPC server",
     )  # fmt: skip
@@ -294,216 +322,9 @@ def _relay(outer: wire.Conn, inner: wire.Conn, log: bool = False) -> None:
         inner.close()
 
 
-def _start_watchdog(timeout: float, sock: socket.socket, handler: SessionHandler, forked: bool):
-    def expire() -> None:
-        logger.info("session timed out after %g s; ending it", timeout)
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        if forked:
-            handler.close()
-            os._exit(0)
-
-    t = threading.Timer(timeout, expire)
-    t.daemon = True
-    t.start()
-    return t
-
-
-# --------------------------------------------------------------------------- liveness
-#: ``$DISCO_RPC_LIVENESS_TIMEOUT``: seconds of silence after which a session's client is
-#: taken for dead or frozen (``Server(liveness_timeout=...)`` wins; 0 turns it off).
-LIVENESS_ENV = "DISCO_RPC_LIVENESS_TIMEOUT"
-#: The default of ``liveness_timeout``: with checks every second, a frozen client's
-#: session ends within 9 s, a dead client's (its socket closed) within 1 s.
-DEFAULT_LIVENESS_TIMEOUT = 8.0
-#: The shortest ``liveness_timeout`` accepted (a client beats every quarter of it).
-MIN_LIVENESS_TIMEOUT = 0.5
-#: Unread bytes past which the watchdog drops the heartbeats that piled up during a call.
-_DRAIN_BYTES = 1 << 14
-
-_TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
-_TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8  # tcpi_state: the peer reset or closed the connection
-#: ``struct tcp_info``: ``tcpi_state`` is byte 0, ``tcpi_last_data_recv`` (ms) the u32 at 52,
-#: ``tcpi_bytes_acked`` the u64 at 120 (Linux 4.1 and later)
-_LAST_DATA_RECV = struct.Struct("<I")
-_LAST_DATA_RECV_OFFSET = 8 + 11 * 4
-_BYTES_ACKED = struct.Struct("<Q")
-_BYTES_ACKED_OFFSET = 120
-
-
-def resolve_liveness_timeout(value: Any = None) -> float:
-    """The liveness timeout in seconds: ``value``, else ``$DISCO_RPC_LIVENESS_TIMEOUT``, else 8.
-
-    Parameters
-    ----------
-    value : float or str, optional
-        Seconds; 0 turns the checks off (a frozen client then holds its session
-        until it closes the connection).
-
-    Raises
-    ------
-    ValueError
-        Not a number, negative, or between 0 and :data:`MIN_LIVENESS_TIMEOUT`.
-    """
-    origin = "liveness_timeout"
-    if value is None:
-        value = os.environ.get(LIVENESS_ENV) or DEFAULT_LIVENESS_TIMEOUT
-        origin = f"${LIVENESS_ENV}"
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{origin} must be a number of seconds, got {value!r}") from None
-    if not (seconds == 0 or MIN_LIVENESS_TIMEOUT <= seconds < float("inf")):
-        raise ValueError(
-            f"{origin} must be 0 (off) or at least {MIN_LIVENESS_TIMEOUT:g} seconds, got {value!r}"
-        )
-    return seconds
-
-
-def _can_watch(conn: wire.Conn) -> bool:
-    """Whether this side can watch ``conn``'s peer (a TCP socket on Linux)."""
-    sock = getattr(conn.t, "sock", None)
-    return _TCP_INFO is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)  # fmt: skip
-
-
-def _tcp_state(sock: socket.socket) -> tuple[int, float, int]:
-    """``(tcpi_state, seconds since data last arrived, bytes the peer acknowledged)`` from
-    the kernel (``TCP_INFO``; the last is -1 where the kernel does not tell)."""
-    info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 136)
-    idle = _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0] / 1000.0
-    acked = -1
-    if len(info) >= _BYTES_ACKED_OFFSET + 8:
-        acked = _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_OFFSET)[0]
-    return info[0], idle, acked
-
-
-def _unsent(sock: socket.socket) -> int:
-    """Bytes written and not yet acknowledged by the peer."""
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-
-
-def _unread(sock: socket.socket) -> int:
-    """Bytes received and not read yet."""
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
-
-
-class _Liveness:
-    """Ends a session whose client died or froze, from a thread of the session.
-
-    It reads the kernel's ``TCP_INFO`` on the client's socket once per check
-    (every ``timeout / 4`` seconds, at most 1 s), so a request costs nothing more:
-
-    * the connection is closed or reset by the peer (``CLOSE_WAIT``/``CLOSE``):
-      the client is gone; the session ends at once (for a Disco worker, whose
-      controller ends it by closing its side, after ``timeout`` more seconds);
-    * what this side sent waits to go out and the client has acknowledged none
-      of it for ``timeout`` seconds: it stopped reading (frozen) or its machine
-      or network is gone (the kernel's ``tcpi_bytes_acked`` and ``TIOCOUTQ``;
-      whatever the client is, a Disco worker's controller included);
-    * no data arrived for ``timeout`` seconds: the client is frozen, or its
-      machine or network is gone, since a live client sends a heartbeat frame
-      when it has sent nothing for a while, during a long call included. A client
-      that beats only between calls (TLS) is not judged by this rule while a
-      request runs or its reply is sent (the session's ``gate`` is free, see
-      :func:`~disco_rpc.handler.serve_conn`); one that does not beat at all (an
-      older client, a Disco worker's controller) is judged by the first two rules
-      only.
-
-    While a call runs, the heartbeats pile up unread; past :data:`_DRAIN_BYTES`
-    it drops them itself (taking the gate), so the socket's receive queue never
-    fills, whatever the call's length.
-    """
-
-    def __init__(self, conn: wire.Conn, addr: Any, timeout: float, beats: int, on_dead: Any, relay: bool) -> None:  # fmt: skip
-        self.conn = conn
-        self.sock = conn.t.sock
-        self.addr = addr
-        self.timeout = timeout
-        self.beats = BEATS_NONE if relay and beats != BEATS_ALWAYS else beats
-        self.on_dead = on_dead
-        link = type(getattr(conn.t, "inner", conn.t))  # under the seal, if sealed
-        self.drain = beats == BEATS_ALWAYS and link is wire.SocketTransport and not relay
-        self.gate = threading.Lock()
-        self.gate.acquire()  # by the serving thread (this constructor's caller)
-        self.worker_mode = False
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="disco-rpc-liveness", daemon=True)
-
-    def worker(self) -> None:
-        """The session became a Disco worker: no more heartbeats, only its end counts."""
-        self.worker_mode = True
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        tick = min(1.0, self.timeout / 4)
-        in_call_at = time.monotonic()
-        closed_at = waiting_since = None
-        last_acked = -1
-        while not self._stop.wait(tick):
-            try:
-                state, idle, acked = _tcp_state(self.sock)
-                unsent = _unsent(self.sock) if acked >= 0 else 0
-            except OSError:
-                return  # closed here: the session is ending
-            now = time.monotonic()
-            # bytes wait to go out and none was taken since the last check: count how long
-            if unsent > 0 and acked == last_acked:
-                waiting_since = now if waiting_since is None else waiting_since
-            else:
-                waiting_since = None
-            last_acked = acked
-            if state in (_TCP_CLOSE_WAIT, _TCP_CLOSE):
-                closed_at = closed_at if closed_at is not None else now
-                if not self.worker_mode or now - closed_at >= self.timeout:
-                    return self._dead("closed its connection")
-                continue
-            if waiting_since is not None and now - waiting_since > self.timeout:
-                return self._dead(
-                    f"took none of what it was sent for {now - waiting_since:.1f} s "
-                    "(frozen, or its host is gone)"
-                )
-            if self.worker_mode or self.beats == BEATS_NONE:
-                continue
-            if not self.gate.locked():  # a request runs, or its reply is being sent
-                if self.beats == BEATS_IDLE:
-                    in_call_at = now  # such a client cannot beat meanwhile
-                elif self.drain:
-                    self._drop_heartbeats()
-            if self.beats == BEATS_IDLE:
-                idle = min(idle, now - in_call_at)
-            if idle > self.timeout:
-                return self._dead(f"sent nothing for {idle:.1f} s (frozen, or its host is gone)")
-
-    def _drop_heartbeats(self) -> None:
-        try:
-            if _unread(self.sock) < _DRAIN_BYTES or not self.gate.acquire(blocking=False):
-                return
-        except OSError:
-            return
-        try:
-            self.conn.drop_heartbeats()
-        except OSError:
-            pass
-        finally:
-            self.gate.release()
-
-    def _dead(self, why: str) -> None:
-        if self._stop.is_set():
-            return
-        logger.warning(
-            "ending the session of the client at %s: it %s (liveness timeout %g s)",
-            self.addr, why, self.timeout,
-        )  # fmt: skip
-        self.on_dead()
-
-
-def _start_liveness(conn: wire.Conn, addr: Any, cfg: ServerConfig, handler: SessionHandler, forked: bool, relay: bool = False) -> _Liveness | None:  # fmt: skip
-    """Watch the session's client (see :class:`_Liveness`); None when off or impossible."""
-    if not cfg.liveness_timeout or not _can_watch(conn):
+def _start_liveness(conn: wire.Conn, addr: Any, cfg: ServerConfig, handler: SessionHandler, forked: bool, relay: bool = False) -> Liveness | None:  # fmt: skip
+    """Watch the session's client (see :class:`Liveness`); None when off or impossible."""
+    if not cfg.liveness_timeout or not can_watch(conn):
         return None
     sock = conn.t.sock
 
@@ -516,7 +337,7 @@ def _start_liveness(conn: wire.Conn, addr: Any, cfg: ServerConfig, handler: Sess
             handler.close()
             os._exit(0)
 
-    live = _Liveness(conn, addr, cfg.liveness_timeout, getattr(conn, "peer_beats", 0), end, relay)
+    live = Liveness(conn, addr, cfg.liveness_timeout, getattr(conn, "peer_beats", 0), end, relay)
     live.thread.start()
     return live
 
@@ -736,9 +557,9 @@ class _Listener:
 
     def _child_setup(self) -> None:
         """In a session process: drop what belongs to the listener."""
-        signal.signal(signal.SIGTERM, _term)
+        signal.signal(signal.SIGTERM, exit_on_term)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        _set_pdeathsig()
+        set_pdeathsig()
         self.sock.close()
         for fd in [self.watch_fd, self.wake_r, self.wake_w]:
             if fd is not None:
@@ -805,13 +626,9 @@ class _Listener:
         os.close(self.wake_w)
 
 
-def _term(signum, frame):
-    raise SystemExit(0)
-
-
 def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int | None = None) -> None:  # fmt: skip
     """Accept clients on ``listen_sock`` until SIGTERM/SIGINT or ``watch_fd`` closes."""
-    signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGTERM, exit_on_term)
     if not cfg.temp_root:
         cfg.temp_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
     if cfg.work_dir:
@@ -847,36 +664,6 @@ def _stop_children(children: set[int]) -> None:
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
-
-
-def check_bind(host: str, token: bytes | None, ssl_context: Any, allow_insecure_bind: bool, what: str = "RPC server") -> None:  # fmt: skip
-    """The core's bind policy (:func:`disco_core.net.security.check_bind`) for an rpc service.
-
-    Raises :class:`~disco_core.errors.InsecureBindError` for a non-loopback
-    ``host`` with neither token nor TLS, unless ``allow_insecure_bind`` (which warns).
-    """
-    _check_bind(host, token=token, tls=ssl_context is not None, allow_insecure_bind=allow_insecure_bind, what=what)  # fmt: skip
-
-
-def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) -> socket.socket:
-    """Bind the first free port in ``[port, port_end)`` (``port`` alone when ``port_end <= port``)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    last = None
-    for p in range(port, max(port_end, port + 1)):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        if reuse_addr:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, p))
-            sock.listen(128)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                continue
-            raise
-    raise RPCError(f"cannot bind to any port in [{port}, {port_end}) on {host}: {last}")
 
 
 # --------------------------------------------------------------------------- start-up report
@@ -1030,11 +817,9 @@ class Server(ServiceProcess):
                 reg.conn.t.sock.close()  # the server process holds the link now
 
     def _register(self, cfg: ServerConfig, tracker_addr: Any, token: Any, ssl_context: Any) -> Any:
-        from .tracker import Registration
-
         if not self.key:
             self._sock.close()
-            raise ValueError("a server that registers with a tracker needs a key")
+            raise DiscoValueError("a server that registers with a tracker needs a key")
         try:
             cfg.registration = Registration(
                 tracker_addr, self.key, (self.custom_addr or self.host, self.port),
@@ -1063,8 +848,6 @@ class Server(ServiceProcess):
                 raise
             _report_ready(ready_w, None)
             if proxy_args is not None:
-                from .proxy import serve_via_proxy
-
                 serve_via_proxy(cfg, *proxy_args, watch_fd=watch_fd, first=first, strict=self._proxy_strict)  # fmt: skip
             else:
                 serve_forever(self._sock, cfg, watch_fd=watch_fd)
@@ -1085,10 +868,6 @@ class Server(ServiceProcess):
 
 def _first_proxy_link(proxy_args: tuple, strict: bool = True) -> tuple:
     """Register with the proxy once before reporting ready: a refusal raises in the constructor."""
-    import secrets
-
-    from .proxy import register_with_proxy
-
     server_id = secrets.token_hex(8)
     return register_with_proxy(*proxy_args, server_id, strict=strict), server_id
 
@@ -1132,3 +911,192 @@ def serve_stdio(load_library: Any = None, max_message_bytes: int = wire.DEFAULT_
         pass
     finally:
         handler.close()
+
+
+# --------------------------------------------------------------------------- behind a proxy
+_proxy_log = logging.getLogger("disco_rpc.proxy")
+
+#: Handshakes a server behind the proxy runs at once; beyond, the oldest is dropped.
+MAX_PROXIED_HANDSHAKES = 64
+
+
+def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context: Any, server_id: str, *, strict: bool = True) -> wire.Conn:  # fmt: skip
+    """Connect to the proxy and register as an idle server of ``key``; return the link.
+
+    ``strict=False``: ``token`` is only offered (the server's own token, by default
+    also the proxy link's): a proxy that requires none is accepted.
+    """
+    if not key:
+        raise DiscoValueError("a server behind a proxy needs a key")
+    conn = auth.open_conn(
+        host, port, PROXY_SERVER_KEY, token=token, ssl_context=ssl_context,
+        max_message_bytes=PROXY_MAX_MESSAGE_BYTES, connect_timeout=5.0, peer="proxy",
+        strict=strict,
+    )  # fmt: skip
+    try:
+        conn.send(REQUEST, P_REGISTER, (key, server_id))
+        conn.recv()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_context: Any, watch_fd: int | None = None, first: tuple | None = None, strict: bool = True) -> None:  # fmt: skip
+    """Serve sessions through the proxy at ``host:port``, one at a time, until told to stop.
+
+    ``first``: ``(conn, server_id)`` of a registration already made (the server's
+    constructor makes the first one, so that a refused token raises there).
+
+    While no session runs, the server keeps one idle link registered at the
+    proxy. When the proxy pairs a client with it, the link becomes that client's
+    and a new idle link is registered at once; the client's handshake (end to
+    end, through the proxy) runs here, in the server process, without blocking,
+    beside those of other clients (at most :data:`MAX_PROXIED_HANDSHAKES`, each
+    within ``disco_rpc.server.HANDSHAKE_TIMEOUT``). Only a client that proved the token gets a
+    session process: a peer that never authenticates costs a socket for a few
+    seconds and no process (a flood of them can still crowd out a slow client: the oldest
+    handshake is dropped when all slots are taken).
+    """
+    server_id = first[1] if first is not None else secrets.token_hex(8)
+    idle = first[0] if first is not None else None
+    scfg = dataclasses.replace(cfg, ssl_context=None)  # TLS, if any, is the link to the proxy
+    key_check = _proxy_key_check(scfg)
+    pending: list[_Handshake] = []
+    session: tuple[int, int | None] | None = None  # (pid, pidfd) of the session process
+    backoff, next_try = 0.05, 0.0
+    where = ("proxy", host, port)
+
+    def drop(hs: _Handshake, why: str) -> None:
+        _proxy_log.info("client through the proxy: %s", why)
+        if hs in pending:
+            pending.remove(hs)
+        hs.close()
+
+    try:
+        while True:
+            now = time.monotonic()
+            if session is None and idle is None and now >= next_try:
+                try:
+                    idle = register_with_proxy(host, port, key, token, ssl_context, server_id, strict=strict)  # fmt: skip
+                    backoff = 0.05
+                except (RPCError, OSError, EOFError, wire.ProtocolError) as exc:
+                    _proxy_log.info("cannot reach the proxy at %s:%s: %s", host, port, exc)
+                    next_try = now + backoff
+                    backoff = min(backoff * 2, 2.0)
+            watch = [hs.fileno() for hs in pending]
+            if idle is not None:
+                watch.append(idle.t.fileno())
+            if watch_fd is not None:
+                watch.append(watch_fd)
+            timeout = 1.0
+            if session is not None:
+                if session[1] is not None:
+                    watch.append(session[1])
+                else:
+                    timeout = 0.05  # no pidfd: poll for the session's end
+            elif idle is None:
+                timeout = max(0.0, min(timeout, next_try - now))
+            if pending:
+                timeout = max(0.0, min(timeout, min(h.deadline for h in pending) - now))
+            # the proxy's P_PAIRED may sit in the idle link's read buffer, unseen by select
+            if idle is not None and idle.buffered():
+                ready: set = {idle.t.fileno()}
+            else:
+                try:
+                    ready = set(select.select(watch, [], [], timeout)[0])
+                except InterruptedError:
+                    ready = set()
+            if watch_fd is not None and watch_fd in ready:
+                return
+            if session is not None and _session_ended(session):
+                session = None
+            if idle is not None and idle.t.fileno() in ready:
+                sock, idle = _take_pairing(idle), None
+                if sock is not None:
+                    if len(pending) >= MAX_PROXIED_HANDSHAKES:
+                        drop(pending[0], "too many handshakes in progress; dropped the oldest")
+                    try:
+                        hs = _Handshake(sock, where, scfg, key_check)
+                    except (OSError, ValueError) as exc:
+                        _proxy_log.info("cannot start a handshake through the proxy: %s", exc)
+                        sock.close()
+                    else:
+                        pending.append(hs)
+                        ready.add(hs.fileno())  # the hello is often there already
+            for hs in [h for h in pending if h.fileno() in ready]:
+                if hs not in pending:  # dropped meanwhile: another client's session started
+                    continue
+                ok = hs.advance()
+                if ok is None:
+                    continue
+                if not ok:
+                    _proxy_log.warning("refused a client through the proxy (key, version or authentication)")  # fmt: skip
+                    drop(hs, "refused")
+                    continue
+                pending.remove(hs)
+                if session is not None:  # one session at a time: a late second one is let go
+                    hs.close()
+                    continue
+                session = _fork_proxied_session(hs, scfg, watch_fd, where)
+                for other in list(pending):
+                    drop(other, "another client's session started first")
+                if idle is not None:
+                    idle.close()  # no pairing while the session runs
+                    idle = None
+            for hs in [h for h in pending if h.deadline <= time.monotonic()]:
+                drop(hs, "handshake timed out")
+    finally:
+        for hs in pending:
+            hs.close()
+        if idle is not None:
+            idle.close()
+        if session is not None:
+            try:
+                os.kill(session[0], signal.SIGKILL)
+                os.waitpid(session[0], 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
+def _take_pairing(idle: wire.Conn) -> socket.socket | None:
+    """The proxy paired a client with ``idle`` (or the link broke): acknowledge; return its socket."""
+    try:
+        _k, op, _v = idle.recv()
+        if op != P_PAIRED:
+            raise wire.ProtocolError(f"unexpected message {op} from the proxy")
+        idle.send(REPLY, P_ACK, None)
+    except (OSError, EOFError, wire.ProtocolError) as exc:
+        _proxy_log.info("lost the proxy: %s", exc)
+        idle.close()
+        return None
+    # what follows on this socket is the client's own stream, relayed by the proxy
+    return idle.t.sock
+
+
+def _fork_proxied_session(hs: Any, cfg: Any, watch_fd: int | None, where: tuple) -> tuple:
+    """Fork the session process of an authenticated client; return ``(pid, pidfd)``."""
+    hs.sock.setblocking(True)
+    conn = hs.conn(cfg)
+
+    def session() -> None:  # in the session process
+        signal.signal(signal.SIGTERM, exit_on_term)
+        set_pdeathsig()
+        if watch_fd is not None:
+            os.close(watch_fd)
+        serve_session(conn, where, cfg, True)
+
+    out = fork_session(session)
+    hs.close()
+    return out
+
+
+def _session_ended(session: tuple) -> bool:
+    pid, pidfd = session
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        done = pid
+    if done and pidfd is not None:
+        os.close(pidfd)
+    return bool(done)

@@ -33,7 +33,6 @@ import itertools
 import logging
 import os
 import secrets
-import select
 import signal
 import socket
 import ssl
@@ -42,33 +41,36 @@ import threading
 import time
 from typing import Any
 
-from disco_core.errors import DiscoValueError
-from disco_core.net.accept import AcceptLoop, Drain, Slots, SocketHandshake
+from disco_core import DiscoValueError
+from disco_core.spi import AcceptLoop, Drain, Slots, SocketHandshake
 
 from . import auth, wire
-from ._service import ServiceProcess
+from .client import connect
 from .errors import RPCError, RPCRequestTimeoutError, RPCSessionTimeoutError
-from .wire import ERROR, REPLY, REQUEST
+from .protocol import (  # noqa: F401 (the tracker's codes, also names of this module)
+    CLIENT_KEY,
+    ERROR,
+    REGISTRANT_KEY,
+    REPLY,
+    REQUEST,
+    T_ASSIGN,
+    T_END,
+    T_FAIL,
+    T_PING,
+    T_PUT,
+    T_REQUEST,
+    T_REVOKE,
+    T_START,
+    T_SUMMARY,
+    TICKET_SEP,
+    TRACKER_MAX_MESSAGE_BYTES,
+    ticket_key,
+)
+from .service import Registration, ServiceProcess, bind_listener, check_bind, open_tracker_link
 
 __all__ = ["Tracker", "TrackerSession", "connect_tracker", "Registration", "serve_tracker"]
 
 logger = logging.getLogger("disco_rpc.tracker")
-
-#: Frames on tracker links are small; this bounds them.
-TRACKER_MAX_MESSAGE_BYTES = 1 << 20
-#: The handshake key a registering server or proxy presents.
-REGISTRANT_KEY = "disco-rpc/registrant"
-#: The handshake key a client presents.
-CLIENT_KEY = "disco-rpc/client"
-#: The separator between a server key and a ticket in a client's handshake key.
-TICKET_SEP = "@"
-
-# operations
-T_PUT, T_REQUEST, T_SUMMARY, T_START, T_END, T_ASSIGN, T_REVOKE, T_FAIL, T_PING = range(1, 10)
-
-
-def ticket_key(key: str, ticket: str) -> str:
-    return f"{key}{TICKET_SEP}{ticket}"
 
 
 # --------------------------------------------------------------------------- limits
@@ -386,7 +388,7 @@ def _serve_link(link: _Link, state: TrackerState) -> None:
             try:
                 _k, op, value = conn.recv()
             except wire.ProtocolError as exc:
-                if isinstance(exc, wire.Desync):
+                if isinstance(exc, wire.DesyncError):
                     return
                 link.send(ERROR, 0, ("ProtocolError", str(exc), ""))
                 continue
@@ -528,8 +530,6 @@ class Tracker(ServiceProcess):
     _kind = "Tracker"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9190, port_end: int = 9199, silent: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
-        from .server import bind_listener, check_bind
-
         token_b = auth.resolve_token(token)
         check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC tracker")
         if silent:
@@ -549,121 +549,6 @@ class Tracker(ServiceProcess):
 
 
 # --------------------------------------------------------------------------- links to a tracker
-def _open(addr: Any, role_key: str, token: Any, ssl_context: Any, timeout: float = 10.0) -> wire.Conn:  # fmt: skip
-    from .client import open_conn
-
-    host, port = addr
-    return open_conn(
-        host,
-        int(port),
-        role_key,
-        token=token,
-        ssl_context=ssl_context,
-        max_message_bytes=TRACKER_MAX_MESSAGE_BYTES,
-        connect_timeout=timeout,
-        peer="tracker",
-    )
-
-
-class Registration:
-    """A server's (or a proxy's) link to a tracker: registers, hears tickets, reports sessions.
-
-    ``tickets`` holds the tickets assigned and not used yet. Call :meth:`poll` when
-    :meth:`fileno` is readable (or any time: it never blocks). ``busy``, when set,
-    returns the ticket of the session the server is serving: registering again
-    (after a tracker restart) then says so, and the tracker keeps the server out of
-    the free pool until that session's end is reported.
-    """
-
-    def __init__(self, tracker_addr: Any, key: str, addr: tuple, *, token: Any = None, ssl_context: Any = None) -> None:  # fmt: skip
-        self.tracker_addr = tuple(tracker_addr)
-        self.key = key
-        self.addr = (str(addr[0]), int(addr[1]))
-        self.token = token
-        self.ssl_context = ssl_context
-        self.tickets: set[str] = set()
-        self.conn: wire.Conn | None = None
-        self.lock = threading.Lock()
-        self.last_try = 0.0
-        self.busy: Any = None
-        self.connect()
-
-    def connect(self) -> None:
-        self.last_try = time.monotonic()
-        busy = self.busy() if self.busy is not None else None
-        conn = _open(self.tracker_addr, REGISTRANT_KEY, self.token, self.ssl_context)
-        conn.send(REQUEST, T_PUT, (self.key, self.addr[0], self.addr[1], busy))
-        kind, _op, value = conn.recv()
-        if kind != REPLY:
-            conn.close()
-            why = value[1] if isinstance(value, (tuple, list)) and len(value) > 1 else value
-            raise RPCError(f"the tracker refused the registration of key {self.key[:64]!r}: {why}")
-        self.conn = conn
-        self.tickets.clear()
-
-    def reconnect_if_lost(self, every: float = 1.0) -> None:
-        if self.conn is None and time.monotonic() - self.last_try >= every:
-            try:
-                self.connect()
-                logger.info("registered again with the tracker at %s:%s", *self.tracker_addr)
-            except (RPCError, OSError) as exc:
-                logger.debug("tracker not reachable yet: %s", exc)
-
-    def fileno(self) -> int:
-        return self.conn.t.fileno() if self.conn is not None else -1
-
-    def poll(self) -> None:
-        """Read every message the tracker has sent (never blocks)."""
-        conn = self.conn
-        if conn is None:
-            return
-        try:
-            while conn.buffered() or select.select([conn.t.fileno()], [], [], 0)[0]:
-                _k, op, value = conn.recv()
-                if op == T_ASSIGN:
-                    self.tickets.add(str(value))
-                elif op == T_REVOKE:
-                    self.tickets.discard(str(value))
-        except (OSError, EOFError, wire.ProtocolError):
-            self._lost()
-
-    def _lost(self) -> None:
-        if self.conn is not None:
-            logger.warning("lost the link to the tracker; will register again")
-            try:
-                self.conn.close()
-            except OSError:
-                pass
-        self.conn = None
-        self.tickets.clear()
-
-    def report(self, op: int, ticket: str) -> None:
-        if op == T_START:
-            self.tickets.discard(ticket)
-        with self.lock:
-            if self.conn is None:
-                return
-            try:
-                self.conn.send(REQUEST, op, ticket)
-            except OSError:
-                self._lost()
-
-    def accepts(self, presented: bytes) -> str | None:
-        """The ticket in a client's handshake key if the tracker assigned it, else None."""
-        self.poll()
-        try:
-            text = presented.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        key, sep, ticket = text.rpartition(TICKET_SEP)
-        if sep and key == self.key and ticket in self.tickets:
-            return ticket
-        return None
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
 
 
 # --------------------------------------------------------------------------- the client side
@@ -681,7 +566,7 @@ class TrackerSession:
         self._connect()
 
     def _connect(self) -> None:
-        self._conn = _open(self._addr, CLIENT_KEY, self._token, self._ssl)
+        self._conn = open_tracker_link(self._addr, CLIENT_KEY, self._token, self._ssl)
 
     def _call(self, op: int, value: Any, timeout: float | None = None) -> Any:
         """One request and its reply; ``timeout`` bounds the wait (``TimeoutError``)."""
@@ -773,8 +658,6 @@ class TrackerSession:
         **connect_args
             Passed to :func:`disco_rpc.connect` (``token``, ``ssl_context``...).
         """
-        from .client import connect
-
         connect_args.setdefault("token", self._server_token)
         if self._server_ssl is not None:
             connect_args.setdefault("ssl_context", self._server_ssl)

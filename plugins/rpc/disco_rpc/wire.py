@@ -42,21 +42,66 @@ from typing import Any
 
 import numpy as np
 
-from disco_core.device import Device, as_dtype
-from disco_core.net.io import (
+from disco_core import DiscoTimeoutError, DiscoTypeError, DiscoValueError
+from disco_core.spi import (
     CAN_SPLICE,
     PIPE_BYTES,
+    Device,
     PipeTransport,
+    SealedTransport,
     SinkFailedError,
     SocketTransport,
     SSLTransport,
+    as_dtype,
     as_views,
     new_pipe,
     splice_exact,
 )
-from disco_core.net.protect import SealedTransport
 
-from .errors import Desync, FrameTooLarge, MessageTooLarge, ProtocolError, StreamAborted
+from .errors import (
+    DesyncError,
+    FrameTooLargeError,
+    MessageTooLargeError,
+    ProtocolError,
+    StreamAbortedError,
+    TransferError,
+)
+from .protocol import (
+    CHUNK,
+    CHUNK_FRAME,
+    ERROR,
+    FLAG_ABORT,
+    FLAG_END,
+    FRAME_HEAD,
+    HANDLE_FUNC,
+    HANDLE_MODULE,
+    HANDLE_OBJECT,
+    HANDLE_TENSOR,
+    HEARTBEAT,
+    HEARTBEAT_FRAME,
+    INLINE_BYTES,
+    MAX_BUFFERS,
+    MAX_DEPTH,
+    REPLY,
+    REQUEST,
+    T_ARRAY,
+    T_BIGINT,
+    T_BUF,
+    T_BYTES,
+    T_COMPLEX,
+    T_DEVICE,
+    T_DICT,
+    T_DTYPE,
+    T_FALSE,
+    T_FLOAT,
+    T_HANDLE,
+    T_INT,
+    T_LIST,
+    T_NONE,
+    T_STR,
+    T_TRUE,
+    T_TUPLE,
+)
 
 __all__ = [
     "HandleRef",
@@ -70,19 +115,16 @@ __all__ = [
     "SealedLink",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "RECORD_BYTES",
+    # the frame kinds, from disco_rpc.protocol
+    "REQUEST",
+    "REPLY",
+    "ERROR",
+    "CHUNK_FRAME",
+    "HEARTBEAT",
 ]
 
 #: Default bound on one frame (header plus buffers).
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
-#: Byte strings at least this long travel out of band.
-INLINE_BYTES = 1 << 14
-#: Largest nesting depth of containers accepted from a peer.
-MAX_DEPTH = 64
-#: Largest number of out-of-band buffers in a frame.
-MAX_BUFFERS = 1 << 16
-#: Largest chunk of a file stream (smaller when the receiver's frames are bounded lower).
-CHUNK = 8 << 20
-
 #: The largest sealed record a disco-rpc peer sends or accepts: a file chunk with its
 #: frame heads fits in one; a larger frame is cut into several records.
 RECORD_BYTES = CHUNK + (1 << 12)
@@ -101,38 +143,7 @@ def close_inherited() -> None:
     CLOSE_IN_CHILD.clear()
 
 
-# frame kinds
-REQUEST, REPLY, ERROR, CHUNK_FRAME = 1, 2, 3, 4
-#: A frame that only says "still here" (no op, no meta, no buffer): a client sends it
-#: when it has sent nothing for a while, so that its server can tell a live client
-#: from a dead or frozen one (README, "Liveness"). :meth:`Conn.recv` skips it.
-HEARTBEAT = 5
-#: flags of a CHUNK frame without buffer: the sender gave up (its meta is the reason,
-#: a str), or the stream is complete
-FLAG_ABORT, FLAG_END = 1, 2
-
-# value tags
-(
-    T_NONE,
-    T_FALSE,
-    T_TRUE,
-    T_INT,
-    T_BIGINT,
-    T_FLOAT,
-    T_COMPLEX,
-    T_STR,
-    T_BYTES,
-    T_BUF,
-    T_TUPLE,
-    T_LIST,
-    T_DICT,
-    T_ARRAY,
-    T_HANDLE,
-    T_DEVICE,
-    T_DTYPE,
-) = range(17)
-
-_HEAD = struct.Struct("<BBHII")
+_HEAD = FRAME_HEAD
 _Q = struct.Struct("<Q")
 _I = struct.Struct("<I")
 _TQ = struct.Struct("<Bq")
@@ -142,7 +153,6 @@ _TI = struct.Struct("<BI")
 _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-HEARTBEAT_FRAME = _HEAD.pack(HEARTBEAT, 0, 0, 0, 0)
 #: A sealed record's bytes besides its payload (length and tag).
 _SEALED_OVERHEAD = 8 + 16
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -153,7 +163,7 @@ class HandleRef:
 
     __slots__ = ("kind", "hid", "info")
 
-    FUNC, MODULE, TENSOR, OBJECT = 1, 2, 3, 4
+    FUNC, MODULE, TENSOR, OBJECT = HANDLE_FUNC, HANDLE_MODULE, HANDLE_TENSOR, HANDLE_OBJECT
 
     def __init__(self, kind: int, hid: int, info: Any = None) -> None:
         self.kind = kind
@@ -177,7 +187,7 @@ class FileSource:
 # --------------------------------------------------------------------------- encoding
 def _array_view(arr: np.ndarray) -> memoryview:
     if arr.dtype.hasobject:
-        raise TypeError("arrays of Python objects cannot be sent over RPC")
+        raise DiscoTypeError("arrays of Python objects cannot be sent over RPC")
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
     if not arr.flags.c_contiguous:
@@ -218,7 +228,7 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
         out += b
     elif t is tuple or t is list:
         if depth >= MAX_DEPTH:
-            raise ValueError("value nested too deeply for RPC")
+            raise DiscoValueError("value nested too deeply for RPC")
         out += _TI.pack(T_TUPLE if t is tuple else T_LIST, len(v))
         for x in v:
             _enc(x, out, bufs, export, depth + 1)
@@ -265,7 +275,7 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
             _enc(str(v), out, bufs, export, depth)
         elif isinstance(v, dict):
             if depth >= MAX_DEPTH:
-                raise ValueError("value nested too deeply for RPC")
+                raise DiscoValueError("value nested too deeply for RPC")
             out += _TI.pack(T_DICT, len(v))
             for k, x in v.items():
                 _enc(k, out, bufs, export, depth + 1)
@@ -277,11 +287,11 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
         elif isinstance(v, (tuple, list)):
             _enc((tuple if isinstance(v, tuple) else list)(v), out, bufs, export, depth)
         elif hasattr(v, "__dlpack__") or hasattr(v, "__array__"):
-            from disco_core.device import to_host
+            from disco_core.spi import to_host
 
             _enc(np.asarray(to_host(v)), out, bufs, export, depth)
         else:
-            raise TypeError(
+            raise DiscoTypeError(
                 f"cannot send a {type(v).__module__}.{type(v).__qualname__} over RPC; "
                 "send None, bool, int, float, complex, str, bytes, tuples, lists, dicts, "
                 "NumPy arrays, dtypes, devices or remote objects"
@@ -546,7 +556,7 @@ def _absorb_file(t: SealedTransport, fd: int, pos: int, k: int, scratch: memoryv
     while k:
         n = os.preadv(fd, [scratch[: min(k, scratch.nbytes)]], pos)
         if not n:
-            raise OSError(f"the file ended while its spliced bytes were checked ({k} left)")
+            raise TransferError(f"the file ended while its spliced bytes were checked ({k} left)")
         t.absorb(scratch[:n])
         pos += n
         k -= n
@@ -573,7 +583,7 @@ def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size:
             k = os.splice(sfd, w, min(left, PIPE_BYTES))
         except BlockingIOError:  # a socket with a timeout is non-blocking underneath
             if not select.select([sfd], [], [], timeout)[0]:
-                raise TimeoutError("timed out receiving a transfer") from None
+                raise DiscoTimeoutError("timed out receiving a transfer") from None
             continue
         if not k:
             raise EOFError("the peer closed the connection in the middle of a transfer")
@@ -600,7 +610,7 @@ class Conn:
     """Frames over a transport, with a read buffer and a bound on frame sizes.
 
     ``max`` bounds the frames this side accepts; ``peer_max`` (when known) the frames
-    the peer accepts: a larger request raises :class:`MessageTooLarge` before
+    the peer accepts: a larger request raises :class:`MessageTooLargeError` before
     anything is sent, and file streams are cut into chunks that fit.
     """
 
@@ -699,12 +709,12 @@ class Conn:
         self.send_encoded(kind, op, meta, bufs, flags)
 
     def check_size(self, meta, bufs: list) -> None:
-        """Raise :class:`MessageTooLarge` if the peer would refuse this frame."""
+        """Raise :class:`MessageTooLargeError` if the peer would refuse this frame."""
         if self.peer_max is None:
             return
         size = frame_size(meta, bufs)
         if size > self.peer_max:
-            raise MessageTooLarge(
+            raise MessageTooLargeError(
                 f"the message is {size} bytes, over the peer's limit of {self.peer_max} bytes "
                 "(its max_message_bytes); nothing was sent"
             )
@@ -719,7 +729,7 @@ class Conn:
     def recv(self, on_handle=None):
         """Read one frame; return ``(kind, op, value)``.
 
-        Raises :class:`Desync` (:class:`FrameTooLarge`: the connection must then be
+        Raises :class:`DesyncError` (:class:`FrameTooLargeError`: the connection must then be
         dropped), :class:`ProtocolError` (the frame was consumed: the connection is
         still in sync) or ``EOFError``.
         """
@@ -727,14 +737,14 @@ class Conn:
         while kind == HEARTBEAT and not (meta_len or nbuf):  # "still here": nothing to do
             kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
-            raise FrameTooLarge(
+            raise FrameTooLargeError(
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
                 f"the limit is {self.max} bytes"
             )
         lens = struct.unpack(f"<{nbuf}Q", self.read_exact(8 * nbuf)) if nbuf else ()
         total = meta_len + sum(lens)
         if total > self.max:
-            raise FrameTooLarge(
+            raise FrameTooLargeError(
                 f"frame of {total} bytes is over the limit of {self.max} bytes (max_message_bytes)"
             )
         if kind == CHUNK_FRAME:
@@ -816,7 +826,7 @@ class Conn:
 
         A sink that fails is not written any more, the rest of the stream is read
         and dropped, then its ``OSError`` is raised: the connection stays in sync.
-        Raises :class:`StreamAborted` if the sender gave up, :class:`Desync` on a
+        Raises :class:`StreamAbortedError` if the sender gave up, :class:`DesyncError` on a
         malformed stream.
         """
         done = 0
@@ -854,23 +864,23 @@ class Conn:
         """
         kind, cop, flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
         if kind != CHUNK_FRAME or cop != op:
-            raise Desync(f"expected a file chunk, got a frame of kind {kind}")
+            raise DesyncError(f"expected a file chunk, got a frame of kind {kind}")
         if flags & FLAG_ABORT and nbuf == 0 and meta_len <= min(self.max, 1 << 16):
             try:
                 reason, _f, _b = decode(bytes(self.read_exact(meta_len)))
             except ProtocolError:
                 reason = "(unreadable reason)"
             self.settle()
-            raise StreamAborted(str(reason))
+            raise StreamAbortedError(str(reason))
         if left == 0:
             if flags != FLAG_END or nbuf or meta_len:
-                raise Desync("a file stream without its end")
+                raise DesyncError("a file stream without its end")
             return 0
         if flags or nbuf != 1 or meta_len:
-            raise Desync("malformed file chunk")
+            raise DesyncError("malformed file chunk")
         (n,) = _Q.unpack(self.read_exact(8))
         if not 0 < n <= min(left, self.max):
-            raise Desync(f"file chunk of {n} bytes (expected at most {min(left, self.max)})")
+            raise DesyncError(f"file chunk of {n} bytes (expected at most {min(left, self.max)})")
         return n
 
     def _chunk_to_file(self, sink: Any, n: int) -> None:

@@ -126,12 +126,55 @@ def test_minrpc_streams_and_bytes(package):
         sess.close()
 
 
+def _imports(path):
+    """Every module ``path`` imports: ``(name, level)`` (level > 0: a relative import)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.module or "", node.level))
+    return out
+
+
 def test_minrpc_server_is_stdlib_only():
-    from disco_rpc.minrpc import MINRPC_SERVER
+    """The minimal server and the protocol file it imports need the standard library only."""
+    from disco_rpc.minrpc import MINRPC_SERVER, PROTOCOL, PROTOCOL_NAME
 
     src = open(MINRPC_SERVER).read()
-    for banned in ("import numpy", "from disco_rpc", "import disco_rpc", "from . "):
+    for banned in ("import numpy", "from disco_rpc ", "from disco_rpc.", "import disco_rpc\n"):
         assert banned not in src
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    for name, level in _imports(PROTOCOL):
+        assert level == 0 and name.split(".")[0] in stdlib, f"protocol.py imports {name}"
+    for name, level in _imports(MINRPC_SERVER):
+        if level:  # inside the package: the protocol, nothing else
+            assert (name, level) == ("protocol", 1), f"minrpc_server.py imports .{name}"
+        elif name == "disco_core":  # optional: the real registry when installed, else a stand-in
+            continue
+        else:
+            assert name.split(".")[0] in stdlib | {PROTOCOL_NAME}, f"minrpc_server imports {name}"
+
+
+def test_minrpc_zipapp_ships_the_protocol(tmp_path):
+    """The zipapp holds protocol.py beside its __main__ and runs without disco_rpc on the path."""
+    import zipfile
+
+    from disco_rpc.minrpc import PROTOCOL_NAME
+
+    # -SI: no site-packages, no PYTHONPATH: only the standard library and the zip itself
+    out = rpc.with_minrpc(None, tmp_path / "bare.pyz", interpreter=f"{sys.executable} -SI")
+    with zipfile.ZipFile(out) as z:
+        assert {"__main__.py", PROTOCOL_NAME + ".py"} <= set(z.namelist())
+    sess = rpc.PopenSession(out)
+    try:
+        assert sess.info.get("minrpc") is True
+        sess.upload(b"x", "f.bin")
+        assert sess.listdir(".") == ["f.bin"]
+    finally:
+        sess.close()
 
 
 def test_minrpc_server_speaks_this_version_without_crypto():

@@ -211,6 +211,29 @@ def test_missing_function(sess):
         sess.get_function("rpctest.addd")
 
 
+def test_missing_function_of_a_module_is_an_attribute_error(sess):
+    """As TVM: a module without the function raises AttributeError (an RPCError too)."""
+    from disco_rpc.errors import RPCAttributeError
+
+    with pytest.raises(AttributeError, match="rpctest.nope") as info:
+        sess.system_lib()["rpctest.nope"]
+    assert isinstance(info.value, RPCAttributeError) and isinstance(info.value, rpc.RPCError)
+    assert sess.system_lib()["rpctest.add"](1, 2) == 3  # still usable
+
+
+def test_error_names_and_their_old_aliases():
+    from disco_rpc import errors
+
+    assert errors.MessageTooLarge is errors.MessageTooLargeError
+    assert errors.Desync is errors.DesyncError
+    assert errors.FrameTooLarge is errors.FrameTooLargeError
+    assert errors.StreamAborted is errors.StreamAbortedError
+    assert issubclass(errors.ProtocolError, ValueError)
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, disco.DiscoError) and name.endswith("Error"), name
+
+
 def test_unsendable_argument(sess):
     with pytest.raises(TypeError, match="cannot send"):
         sess.get_function("rpctest.echo")(object())

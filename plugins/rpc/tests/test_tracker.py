@@ -324,7 +324,7 @@ def test_tracker_bounded_messages(tracker):
     from disco_rpc import auth, wire
     from disco_rpc import tracker as T
 
-    conn = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+    conn = T.open_tracker_link(tracker.addr, T.CLIENT_KEY, None, None)
     head = struct.pack("<BBHII", wire.REQUEST, T.T_SUMMARY, 0, 10 << 20, 0)
     conn.t.send_parts([head])
     with pytest.raises((EOFError, OSError)):
@@ -332,7 +332,7 @@ def test_tracker_bounded_messages(tracker):
     conn.close()
     # a bad key is refused at the handshake
     with pytest.raises(rpc.RPCAuthError):
-        T._open(tracker.addr, "someone-else", None, None)
+        T.open_tracker_link(tracker.addr, "someone-else", None, None)
     # the tracker still serves others
     ts = rpc.connect_tracker(*tracker.addr)
     assert ts.summary()["server_info"] == []
@@ -519,7 +519,7 @@ def test_malformed_tracker_requests_answered(tracker):
     from disco_rpc import tracker as T
     from disco_rpc import wire
 
-    conn = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+    conn = T.open_tracker_link(tracker.addr, T.CLIENT_KEY, None, None)
     try:
         for op, value in [
             (T.T_REQUEST, {"a": 1}),
@@ -605,13 +605,13 @@ def test_abandoned_requests_leave_the_queue_at_once(tracker):
     # two clients still waiting are counted; they must not be lost among the abandoned
     live = []
     for key in ("a0", "a1"):
-        c = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+        c = T.open_tracker_link(tracker.addr, T.CLIENT_KEY, None, None)
         c.send(REQUEST, T.T_REQUEST, (key, 1))
         live.append(c)
     t0 = time.monotonic()
     for i in range(3):
         for _ in range(300):
-            c = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+            c = T.open_tracker_link(tracker.addr, T.CLIENT_KEY, None, None)
             c.send(REQUEST, T.T_REQUEST, (f"a{i}", 1))
             c.close()
     # and requests cancelled by their own timeout
@@ -650,7 +650,7 @@ def test_long_keys_refused_and_summary_still_works(tracker):
         T.Registration(tracker.addr, "k" * 1_000_000, ("127.0.0.1", 1234))
     with pytest.raises(rpc.RPCError, match="at most 255 bytes"):
         T.Registration(tracker.addr, "k", ("h" * 300, 1234))
-    raw = T._open(tracker.addr, T.REGISTRANT_KEY, None, None)
+    raw = T.open_tracker_link(tracker.addr, T.REGISTRANT_KEY, None, None)
     raw.send(REQUEST, T.T_PUT, ("k", "127.0.0.1", 1234, "t" * 100_000))  # a "busy" ticket
     kind, _op, value = raw.recv()
     assert kind == ERROR and "not a ticket this tracker hands out" in value[1]
@@ -686,7 +686,7 @@ def test_requests_per_link_are_capped(tracker):
     from disco_rpc import tracker as T
     from disco_rpc.wire import ERROR, REQUEST
 
-    c = T._open(tracker.addr, T.CLIENT_KEY, None, None)
+    c = T.open_tracker_link(tracker.addr, T.CLIENT_KEY, None, None)
     try:
         for _ in range(T.MAX_REQUESTS_PER_LINK + 1):
             c.send(REQUEST, T.T_REQUEST, ("capped", 1))

@@ -1,0 +1,198 @@
+"""The disco-rpc protocol's numbers, on the Python standard library alone.
+
+One definition shared by every part that speaks the protocol: the full server
+and its client (:mod:`disco_rpc.wire`, :mod:`disco_rpc.handler`), the tracker,
+the proxy, the ``"rpc"`` Disco channel and the minimal server
+(:mod:`disco_rpc.minrpc_server`, which imports this file and nothing outside the
+standard library, and is shipped with it beside it in the zipapps of
+:func:`disco_rpc.with_minrpc`). As TVM's ``rpc_reference.h`` and ``base.py``.
+
+A frame is a head ``<BBHII``: kind, operation, flags, length of its meta (the
+encoded value) and number of out-of-band buffers, then one ``<Q`` length per
+buffer, the meta and the buffers. Values are tagged (``T_NONE`` ... ``T_DTYPE``):
+plain values inline, byte strings of :data:`INLINE_BYTES` or more out of band,
+containers nested at most :data:`MAX_DEPTH` deep.
+
+Tracker links (:mod:`disco_rpc.tracker`) carry frames of the same format with the
+``T_PUT`` ... ``T_PING`` operations; links between a proxy and the servers
+behind it (:mod:`disco_rpc.proxy`) the ``P_*`` ones.
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "LABEL",
+    "MAX_KEY_BYTES",
+    "OK",
+    "KEY_MISMATCH",
+    "BAD_VERSION",
+    "AUTH_FAILED",
+    "NO_SERVER",
+    "SERVERS_BUSY",
+    "TICKET_REQUIRED",
+    "REQUEST",
+    "REPLY",
+    "ERROR",
+    "CHUNK_FRAME",
+    "HEARTBEAT",
+    "FLAG_ABORT",
+    "FLAG_END",
+    "FRAME_HEAD",
+    "HEARTBEAT_FRAME",
+    "INLINE_BYTES",
+    "MAX_DEPTH",
+    "MAX_BUFFERS",
+    "CHUNK",
+    "HANDLE_FUNC",
+    "HANDLE_MODULE",
+    "HANDLE_TENSOR",
+    "HANDLE_OBJECT",
+    "OP_NAMES",
+    "BEATS_NONE",
+    "BEATS_IDLE",
+    "BEATS_ALWAYS",
+    "PART_PREFIX",
+    "TRACKER_MAX_MESSAGE_BYTES",
+    "REGISTRANT_KEY",
+    "CLIENT_KEY",
+    "TICKET_SEP",
+    "ticket_key",
+    "PROXY_SERVER_KEY",
+    "PROXY_MAX_MESSAGE_BYTES",
+    "P_REGISTER",
+    "P_PAIRED",
+    "P_ACK",
+]
+
+# --------------------------------------------------------------------------- handshake
+#: The first bytes of every hello.
+MAGIC = b"DISCORPC"
+#: Version 2: proofs over the whole transcript, and sealed records after a handshake with a token.
+VERSION = 2
+#: The protocol's label in the proofs and keys (those of another protocol are worthless here).
+LABEL = b"disco-rpc/2"
+#: The longest key a hello may carry, in bytes.
+MAX_KEY_BYTES = 4096
+# statuses of a handshake
+OK, KEY_MISMATCH, BAD_VERSION, AUTH_FAILED = 0, 1, 2, 3
+# statuses a proxy answers with when it cannot pair a client with a server
+NO_SERVER, SERVERS_BUSY, TICKET_REQUIRED = 4, 5, 6
+
+# --------------------------------------------------------------------------- frames
+# frame kinds
+REQUEST, REPLY, ERROR, CHUNK_FRAME = 1, 2, 3, 4
+#: A frame that only says "still here" (no op, no meta, no buffer): a client sends it
+#: when it has sent nothing for a while, so that its server can tell a live client
+#: from a dead or frozen one (README, "Liveness"). A connection skips it.
+HEARTBEAT = 5
+#: flags of a CHUNK frame without buffer: the sender gave up (its meta is the reason,
+#: a str), or the stream is complete
+FLAG_ABORT, FLAG_END = 1, 2
+#: A frame's head: kind, operation, flags, meta length, number of buffers.
+FRAME_HEAD = struct.Struct("<BBHII")
+#: A heartbeat frame, whole.
+HEARTBEAT_FRAME = FRAME_HEAD.pack(HEARTBEAT, 0, 0, 0, 0)
+#: Byte strings at least this long travel out of band.
+INLINE_BYTES = 1 << 14
+#: Largest nesting depth of containers accepted from a peer.
+MAX_DEPTH = 64
+#: Largest number of out-of-band buffers in a frame.
+MAX_BUFFERS = 1 << 16
+#: Largest chunk of a file stream (smaller when the receiver's frames are bounded lower).
+CHUNK = 8 << 20
+
+# value tags
+(
+    T_NONE,
+    T_FALSE,
+    T_TRUE,
+    T_INT,
+    T_BIGINT,
+    T_FLOAT,
+    T_COMPLEX,
+    T_STR,
+    T_BYTES,
+    T_BUF,
+    T_TUPLE,
+    T_LIST,
+    T_DICT,
+    T_ARRAY,
+    T_HANDLE,
+    T_DEVICE,
+    T_DTYPE,
+) = range(17)
+
+# kinds of remote handles (``disco_rpc.wire.HandleRef``)
+HANDLE_FUNC, HANDLE_MODULE, HANDLE_TENSOR, HANDLE_OBJECT = 1, 2, 3, 4
+
+# --------------------------------------------------------------------------- session operations
+(
+    OP_INIT,
+    OP_GET_FUNC,
+    OP_CALL,
+    OP_UPLOAD,
+    OP_DOWNLOAD,
+    OP_REMOVE,
+    OP_LISTDIR,
+    OP_LOAD_MODULE,
+    OP_MOD_FUNC,
+    OP_TENSOR,
+    OP_EMPTY,
+    OP_TENSOR_GET,
+    OP_TENSOR_SET,
+    OP_DEV_SYNC,
+    OP_DEV_EXIST,
+    OP_LINK,
+    OP_SYSTEM_LIB,
+    OP_PING,
+    OP_FREE,
+    OP_TIME_EVAL,
+    OP_DISCO_WORKER,
+) = range(1, 22)
+
+#: ``{code: "name"}`` of the session operations (for messages).
+OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}
+
+#: What a client says in its INIT (4th argument) about the heartbeats it sends: none
+#: (an older or foreign client: its server notices only a closed connection), only
+#: between calls (TLS: an OpenSSL connection must not be written while another thread
+#: reads it), or always (README, "Liveness").
+BEATS_NONE, BEATS_IDLE, BEATS_ALWAYS = 0, 1, 2
+
+#: Uploads are written to a hidden temporary file of this name pattern, then renamed;
+#: ``listdir`` hides exactly these names and uploads may not use them.
+PART_PREFIX = ".disco-rpc-part-"
+
+# --------------------------------------------------------------------------- tracker
+#: Frames on tracker links are small; this bounds them.
+TRACKER_MAX_MESSAGE_BYTES = 1 << 20
+#: The handshake key a registering server or proxy presents.
+REGISTRANT_KEY = "disco-rpc/registrant"
+#: The handshake key a client presents.
+CLIENT_KEY = "disco-rpc/client"
+#: The separator between a server key and a ticket in a client's handshake key.
+TICKET_SEP = "@"
+
+# tracker operations
+T_PUT, T_REQUEST, T_SUMMARY, T_START, T_END, T_ASSIGN, T_REVOKE, T_FAIL, T_PING = range(1, 10)
+
+
+def ticket_key(key: str, ticket: str) -> str:
+    """The handshake key of a client sent to a server with ``ticket``."""
+    return f"{key}{TICKET_SEP}{ticket}"
+
+
+# --------------------------------------------------------------------------- proxy
+#: The handshake key a server behind the proxy presents to it.
+PROXY_SERVER_KEY = "disco-rpc/proxy-server"
+#: Frames between proxy and server are tiny.
+PROXY_MAX_MESSAGE_BYTES = 1 << 16
+# operations between a proxy and a server behind it
+P_REGISTER, P_PAIRED, P_ACK = 1, 2, 3
+
+# the codes are public too (``from disco_rpc.protocol import OP_CALL``)
+__all__ += [k for k in list(globals()) if k.startswith(("OP_", "T_", "P_")) and k not in __all__]

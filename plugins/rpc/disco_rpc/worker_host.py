@@ -1,0 +1,105 @@
+"""Disco workers on an RPC server: the server side of the ``"rpc"`` Disco channel.
+
+A session asked to become a Disco worker (``OP_DISCO_WORKER``) runs the core's
+worker loop on its own connection (:func:`run_worker`), reading the core's frames
+with :class:`LinkFrames`: sealed records when the session has a token, every frame
+checked before it is acted on, and rebuilt from an allow-list
+(:func:`disco_core.spi.decode_untrusted`), never unpickled. The controller's side
+is :mod:`disco_rpc.channel`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+from disco_core.spi import FrameReader, Worker, command_stream, encode, frame_head
+
+from . import wire
+
+__all__ = ["LinkFrames", "send_frame", "run_worker"]
+
+
+class LinkFrames:
+    """The core's frames read from a session's transport, sealed or not.
+
+    Every frame :meth:`read` returns has been verified: when a sealed record
+    goes on past the frame (several small frames in one record), the rest of
+    the record is read into the buffer first, so its tag is checked before
+    anything in it is acted on.
+
+    Parameters
+    ----------
+    conn : disco_rpc.wire.Conn
+        The session's connection, past its last RPC frame; bytes it read ahead
+        are taken over.
+    """
+
+    def __init__(self, conn: wire.Conn) -> None:
+        self.t = conn.t
+        self.fd = conn.t.fileno()
+        self._scratch = bytearray(FrameReader._CHUNK)
+        self._scratch_view = memoryview(self._scratch)
+        self.reader = FrameReader(self.fd, read=self._read, readinto=self.t.recv_into)
+        if conn.buffered():  # bytes already read past the last RPC frame (verified)
+            self.reader.buf += bytes(conn.view[conn.start : conn.end])
+            conn.start = conn.end
+
+    def _read(self, n: int) -> bytes:
+        if n <= len(self._scratch):  # headers: into a reused buffer, copied out as received
+            k = self.t.recv_into(self._scratch_view[:n])
+            return self._scratch[:k]
+        buf = bytearray(n)
+        k = self.t.recv_into(memoryview(buf))
+        del buf[k:]
+        return buf
+
+    def has_buffered(self) -> bool:
+        """True when bytes of a further frame are already buffered."""
+        return self.reader.has_buffered()
+
+    def read(self) -> tuple:
+        """The next frame ``(header, buffers, flags)``; raises ``IntegrityError`` if forged."""
+        frame = self.reader.read()
+        # the rest of the record under way (so it is verified), and verified bytes the
+        # transport holds (so that has_buffered() sees them before select() waits)
+        left = getattr(self.t, "record_left", 0) + getattr(self.t, "pending", 0)
+        while left:
+            chunk = self._read(left)
+            if not chunk:
+                raise EOFError("the peer closed the connection in the middle of a record")
+            self.reader.buf += chunk
+            left = self.t.record_left + self.t.pending
+        return frame
+
+
+def send_frame(t: object, frame: tuple) -> None:
+    """Send one core frame as one record (several when it is very large)."""
+    t.send_parts([frame_head(frame), *frame[1]])
+
+
+def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: int, sys_path: Any = ()) -> None:  # fmt: skip
+    """Run the core's worker loop on the session's socket until shutdown or end of file."""
+    for p in reversed(list(sys_path or ())):
+        if isinstance(p, str) and p and os.path.isdir(p) and p not in sys.path:
+            sys.path.insert(0, p)
+    conn.t.sock.settimeout(None)
+    t = conn.t
+    lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        frame = encode(msg)
+        with lock:
+            send_frame(t, frame)
+
+    worker = Worker(int(worker_id), int(num_workers), int(num_groups), send)
+    reader = LinkFrames(conn)
+    send(("ready", os.getpid()))
+
+    try:
+        # commands crossed a socket: rebuilt from an allow-list, never unpickled
+        worker.run(command_stream(reader, untrusted=True).__next__)
+    except (EOFError, OSError):  # IntegrityError too: a forged frame ends the worker
+        worker.close()  # the controller is gone
