@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 from ..errors import WorkerDiedError
 from ..net.io import grow_pipe
@@ -156,41 +157,74 @@ def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
 
 
 class ReplyReader(threading.Thread):
-    """Drains the reply pipes of process workers into the hub; EOF means death."""
+    """Drains the replies of every worker link into the hub; a link's end means its worker is gone.
 
-    def __init__(self, links: list[ProcessWorkerLink], hub: ReplyHub) -> None:
-        super().__init__(name="disco-replies", daemon=True)
+    One thread and one selector for all links. Each link has a ``reader`` (a
+    :class:`~disco_core.net.framing.FrameReader`) and ``worker_ids``. What differs
+    between channels is a few methods: :meth:`link_fd` (what to select on),
+    :attr:`decode` (:func:`~disco_core.protocol.decode` for pipes from processes
+    this one started; :func:`~disco_core.protocol.decode_untrusted` for anything
+    that crossed a socket), :meth:`on_message` and :meth:`link_ended`. The default
+    is the process channel's: reply pipes, and the worker's exit status and last
+    stderr lines as the reason of its death.
+    """
+
+    decode = staticmethod(decode)
+
+    def __init__(self, links: list, hub: ReplyHub, name: str = "disco-replies") -> None:
+        super().__init__(name=name, daemon=True)
         self.hub = hub
         self.selector = selectors.DefaultSelector()
         for link in links:
-            self.selector.register(link.reply_r, selectors.EVENT_READ, link)
+            self.selector.register(self.link_fd(link), selectors.EVENT_READ, link)
         self.remaining = len(links)
 
+    def link_fd(self, link: Any) -> int:
+        """The descriptor a link's replies arrive on."""
+        return link.reply_r
+
+    def on_message(self, link: Any, msg: tuple) -> None:
+        """A hook for each reply before it is delivered (nothing by default)."""
+
+    def link_ended(self, link: Any, fd: int, exc: BaseException) -> None:
+        """The link ended (end of file, an error, a refused frame): mark its workers dead."""
+        link.reader.close()
+        os.close(fd)
+        if not self.hub.closing:
+            reason = link.exit_reason(wait=1.0)
+            if reason is None:
+                reason = f"worker {link.worker_ids[0]} closed its reply pipe"
+            else:
+                reason = with_stderr(reason, link.stderr_tail(0.5))
+            link.dead_reason = reason
+            self.hub.mark_dead(link.worker_ids, reason)
+
     def run(self) -> None:
+        # frames that arrived with an earlier read (a handshake, an RPC reply) come first
+        for key in list(self.selector.get_map().values()):
+            if key.data.reader.has_buffered():
+                self._drain(key)
         while self.remaining:
             for key, _ in self.selector.select():
-                link: ProcessWorkerLink = key.data
-                try:
-                    while True:  # every frame already buffered, not just the first
-                        header, buffers, _ = link.reader.read()
-                        self.hub.deliver(link.worker_ids[0], decode(header, buffers))
-                        if not link.reader.has_buffered():
-                            break
-                except (EOFError, OSError):
-                    self.selector.unregister(key.fd)
-                    link.reader.close()
-                    os.close(key.fd)
-                    self.remaining -= 1
-                    if not self.hub.closing:
-                        reason = link.exit_reason(wait=1.0)
-                        if reason is None:
-                            reason = f"worker {link.worker_ids[0]} closed its reply pipe"
-                        else:
-                            reason = with_stderr(reason, link.stderr_tail(0.5))
-                        link.dead_reason = reason
-                        self.hub.mark_dead(link.worker_ids, reason)
-                    continue
+                self._drain(key)
         self.selector.close()
+
+    def _drain(self, key: Any) -> None:
+        """Deliver every frame already there (at least one); the link's end marks death."""
+        link = key.data
+        reader, deliver, load, wid = link.reader, self.hub.deliver, self.decode, link.worker_ids[0]
+        try:
+            while True:  # every frame already buffered, not just the first
+                header, buffers, _ = reader.read()
+                msg = load(header, buffers)
+                self.on_message(link, msg)
+                deliver(wid, msg)
+                if not reader.has_buffered():
+                    break
+        except (EOFError, OSError, ValueError) as exc:  # ValueError: a refused or corrupt frame
+            self.selector.unregister(key.fd)
+            self.remaining -= 1
+            self.link_ended(link, key.fd, exc)
 
 
 class ProcessChannel(LinkChannel):

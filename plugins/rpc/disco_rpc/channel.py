@@ -20,7 +20,6 @@ on this channel (its reader waits on the raw socket).
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import socket
 import sys
@@ -33,6 +32,7 @@ from disco_core.spi import (
     BatchingLink,
     LinkChannel,
     ReplyHub,
+    ReplyReader,
     ThreadWorkerLink,
     decode_untrusted,
     is_loopback,
@@ -101,49 +101,30 @@ class RPCWorkerLink(BatchingLink):
         self.sess.close()
 
 
-class _ReplyReader(threading.Thread):
-    """Drains every worker's socket into the hub; end of file means the worker is gone."""
+class _ReplyReader(ReplyReader):
+    """The core's reply reader over every worker's socket; end of file means the worker is gone."""
+
+    decode = staticmethod(decode_untrusted)  # these frames crossed a socket
 
     def __init__(self, links: list[RPCWorkerLink], hub: ReplyHub) -> None:
-        super().__init__(name="disco-rpc-replies", daemon=True)
-        self.hub = hub
-        self.selector = selectors.DefaultSelector()
-        for link in links:
-            self.selector.register(link.fd, selectors.EVENT_READ, link)
-        self.remaining = len(links)
+        super().__init__(links, hub, name="disco-rpc-replies")
 
-    def run(self) -> None:
-        # Frames that arrived together with the RPC reply are parsed before any select.
-        for key in list(self.selector.get_map().values()):
-            if key.data.reader.has_buffered():
-                self._drain(key.data)
-        while self.remaining:
-            for key, _ in self.selector.select():
-                self._drain(key.data)
-        self.selector.close()
+    def link_fd(self, link: RPCWorkerLink) -> int:
+        return link.fd
 
-    def _drain(self, link: RPCWorkerLink) -> None:
-        """Deliver every frame the socket has (at least one); end of file marks death."""
-        try:
-            while True:
-                header, buffers, _ = link.reader.read()
-                msg = decode_untrusted(header, buffers)
-                if msg[0] == "ready":
-                    link.pid = msg[1]
-                self.hub.deliver(link.worker_ids[0], msg)
-                if not link.reader.has_buffered():
-                    break
-        except (EOFError, OSError, ValueError) as exc:  # a refused value too: the link is done
-            self.selector.unregister(link.fd)
-            self.remaining -= 1
-            link.eof.set()
-            if not self.hub.closing:
-                reason = (
-                    f"worker {link.worker_ids[0]} (pid {link.pid} on {link.host}) "
-                    f"closed its connection: {exc}"
-                )
-                link.dead_reason = reason
-                self.hub.mark_dead(link.worker_ids, reason)
+    def on_message(self, link: RPCWorkerLink, msg: tuple) -> None:
+        if msg[0] == "ready":
+            link.pid = msg[1]
+
+    def link_ended(self, link: RPCWorkerLink, fd: int, exc: BaseException) -> None:
+        link.eof.set()
+        if not self.hub.closing:
+            reason = (
+                f"worker {link.worker_ids[0]} (pid {link.pid} on {link.host}) "
+                f"closed its connection: {exc}"
+            )
+            link.dead_reason = reason
+            self.hub.mark_dead(link.worker_ids, reason)
 
 
 def _loopback(host: str) -> bool:
