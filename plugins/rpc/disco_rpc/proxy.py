@@ -308,9 +308,7 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
         if ticket is not None and b.reg is not None:
             b.reg.report(T_START, ticket)
         # bytes either Conn read ahead belong to the relayed stream
-        rest = bytes(conn.view[conn.start : conn.end])
-        server_rest = bytes(server_conn.view[server_conn.start : server_conn.end])
-        _relay(sock, server_conn.t.sock, hello_bytes + rest, server_rest)
+        _relay(sock, server_conn.t.sock, hello_bytes + conn.take_buffered(), server_conn.take_buffered())  # fmt: skip
     finally:
         with state.cv:
             b.sessions -= 1

@@ -307,10 +307,7 @@ def _relay(outer: wire.Conn, inner: wire.Conn, log: bool = False) -> None:
     passes a record on only once its tag verified (sealed again when the other
     side is sealed): nothing forged on one link reaches the other.
     """
-    owed = []
-    for src in (outer, inner):  # what a Conn read past its last frame (verified: it settled)
-        owed.append(bytes(src.view[src.start : src.end]) if src.buffered() else b"")
-        src.start = src.end
+    owed = [src.take_buffered() for src in (outer, inner)]  # read past their last frames
     if log:
         logger.info("relaying a chained session to %s", inner.t.sock.getpeername())
     moved = (0, 0)

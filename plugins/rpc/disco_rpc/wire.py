@@ -674,6 +674,15 @@ class Conn:
     def buffered(self) -> int:
         return self.end - self.start
 
+    def take_buffered(self) -> bytes:
+        """The bytes read past the last frame, handed over (a relay or another reader owns them now).
+
+        On a sealed link they are verified: a frame is settled before it is acted on.
+        """
+        data = bytes(self.view[self.start : self.end])
+        self.start = self.end
+        return data
+
     def settle(self) -> None:
         """Make every byte handed out so far verified: finish the sealed record under way.
 

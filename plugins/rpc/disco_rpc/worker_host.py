@@ -43,9 +43,7 @@ class LinkFrames:
         self._scratch = bytearray(FrameReader._CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self.reader = FrameReader(self.fd, read=self._read, readinto=self.t.recv_into)
-        if conn.buffered():  # bytes already read past the last RPC frame (verified)
-            self.reader.buf += bytes(conn.view[conn.start : conn.end])
-            conn.start = conn.end
+        self.reader.buf += conn.take_buffered()  # read past the last RPC frame (verified)
 
     def _read(self, n: int) -> bytes:
         if n <= len(self._scratch):  # headers: into a reused buffer, copied out as received
