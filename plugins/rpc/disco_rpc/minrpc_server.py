@@ -34,133 +34,32 @@ import types
 # The protocol's numbers are disco_rpc/protocol.py's (standard library only too): imported
 # from the package, or from the copy that with_minrpc ships beside this file in a zipapp.
 if __package__:  # imported as disco_rpc.minrpc_server
-    from .protocol import (
-        CHUNK,
-        CHUNK_FRAME,
-        ERROR,
-        FLAG_ABORT,
-        FLAG_END,
-        FRAME_HEAD,
-        HANDLE_FUNC,
-        HANDLE_MODULE,
-        INLINE_BYTES,
-        MAGIC,
-        MAX_DEPTH,
-        OP_CALL,
-        OP_DEV_EXIST,
-        OP_DEV_SYNC,
-        OP_DOWNLOAD,
-        OP_EMPTY,
-        OP_FREE,
-        OP_GET_FUNC,
-        OP_INIT,
-        OP_LINK,
-        OP_LISTDIR,
-        OP_LOAD_MODULE,
-        OP_MOD_FUNC,
-        OP_PING,
-        OP_REMOVE,
-        OP_SYSTEM_LIB,
-        OP_TENSOR,
-        OP_TENSOR_GET,
-        OP_TENSOR_SET,
-        OP_TIME_EVAL,
-        OP_UPLOAD,
-        PART_PREFIX,
-        REPLY,
-        T_ARRAY,
-        T_BIGINT,
-        T_BUF,
-        T_BYTES,
-        T_COMPLEX,
-        T_DEVICE,
-        T_DICT,
-        T_DTYPE,
-        T_FALSE,
-        T_FLOAT,
-        T_HANDLE,
-        T_INT,
-        T_LIST,
-        T_NONE,
-        T_STR,
-        T_TRUE,
-        T_TUPLE,
-        VERSION,
-    )
+    from . import protocol as proto
 else:  # the zipapp's __main__
-    from disco_rpc_protocol import (
-        CHUNK,
-        CHUNK_FRAME,
-        ERROR,
-        FLAG_ABORT,
-        FLAG_END,
-        FRAME_HEAD,
-        HANDLE_FUNC,
-        HANDLE_MODULE,
-        INLINE_BYTES,
-        MAGIC,
-        MAX_DEPTH,
-        OP_CALL,
-        OP_DEV_EXIST,
-        OP_DEV_SYNC,
-        OP_DOWNLOAD,
-        OP_EMPTY,
-        OP_FREE,
-        OP_GET_FUNC,
-        OP_INIT,
-        OP_LINK,
-        OP_LISTDIR,
-        OP_LOAD_MODULE,
-        OP_MOD_FUNC,
-        OP_PING,
-        OP_REMOVE,
-        OP_SYSTEM_LIB,
-        OP_TENSOR,
-        OP_TENSOR_GET,
-        OP_TENSOR_SET,
-        OP_TIME_EVAL,
-        OP_UPLOAD,
-        PART_PREFIX,
-        REPLY,
-        T_ARRAY,
-        T_BIGINT,
-        T_BUF,
-        T_BYTES,
-        T_COMPLEX,
-        T_DEVICE,
-        T_DICT,
-        T_DTYPE,
-        T_FALSE,
-        T_FLOAT,
-        T_HANDLE,
-        T_INT,
-        T_LIST,
-        T_NONE,
-        T_STR,
-        T_TRUE,
-        T_TUPLE,
-        VERSION,
-    )
+    import disco_rpc_protocol as proto  # type: ignore[no-redef]
 
 #: Over pipes there is no token and no sealing: the pipes join this process and the
 #: client that spawned it, and no other party can reach them (the handshake answers
 #: "no authentication required").
 MAX_MESSAGE_BYTES = 1 << 30
-CHUNK, STREAM_CHUNK = CHUNK_FRAME, CHUNK  # a chunk frame's kind; a file chunk's size
-FUNC, MODULE = HANDLE_FUNC, HANDLE_MODULE
-HEAD = FRAME_HEAD
-PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
+proto.CHUNK, STREAM_CHUNK = (
+    proto.CHUNK_FRAME,
+    proto.CHUNK,
+)  # a chunk frame's kind; a file chunk's size
+FUNC, MODULE = proto.HANDLE_FUNC, proto.HANDLE_MODULE
+HEAD = proto.FRAME_HEAD
+PART_RE = re.compile(re.escape(proto.PART_PREFIX) + r"[0-9a-f]{16}\Z")
 (
-    OP_INIT, OP_GET_FUNC, OP_CALL, OP_UPLOAD, OP_DOWNLOAD, OP_REMOVE, OP_LISTDIR,
-    OP_LOAD_MODULE, OP_MOD_FUNC, OP_TENSOR, OP_EMPTY, OP_TENSOR_GET, OP_TENSOR_SET,
-    OP_DEV_SYNC, OP_DEV_EXIST, OP_LINK, OP_SYSTEM_LIB, OP_PING, OP_FREE, OP_TIME_EVAL,
+    proto.OP_INIT, proto.OP_GET_FUNC, proto.OP_CALL, proto.OP_UPLOAD, proto.OP_DOWNLOAD, proto.OP_REMOVE, proto.OP_LISTDIR,
+    proto.OP_LOAD_MODULE, proto.OP_MOD_FUNC, proto.OP_TENSOR, proto.OP_EMPTY, proto.OP_TENSOR_GET, proto.OP_TENSOR_SET,
+    proto.OP_DEV_SYNC, proto.OP_DEV_EXIST, proto.OP_LINK, proto.OP_SYSTEM_LIB, proto.OP_PING, proto.OP_FREE, proto.OP_TIME_EVAL,
 ) = range(1, 21)  # fmt: skip
 (
-    T_NONE, T_FALSE, T_TRUE, T_INT, T_BIGINT, T_FLOAT, T_COMPLEX, T_STR, T_BYTES, T_BUF,
-    T_TUPLE, T_LIST, T_DICT, T_ARRAY, T_HANDLE, T_DEVICE, T_DTYPE,
+    proto.T_NONE, proto.T_FALSE, proto.T_TRUE, proto.T_INT, proto.T_BIGINT, proto.T_FLOAT, proto.T_COMPLEX, proto.T_STR, proto.T_BYTES, proto.T_BUF,
+    proto.T_TUPLE, proto.T_LIST, proto.T_DICT, proto.T_ARRAY, proto.T_HANDLE, proto.T_DEVICE, proto.T_DTYPE,
 ) = range(17)  # fmt: skip
 FUNC, MODULE = 1, 2
-INLINE_BYTES = 1 << 14
+proto.INLINE_BYTES = 1 << 14
 HEAD = struct.Struct("<BBHII")
 RESTYPES = {
     "int": ctypes.c_int, "int32": ctypes.c_int32, "int64": ctypes.c_int64,
@@ -225,45 +124,45 @@ def _lookup(name):
 def encode(v, out, bufs, export, depth=0):
     t = type(v)
     if v is None:
-        out.append(T_NONE)
+        out.append(proto.T_NONE)
     elif t is bool:
-        out.append(T_TRUE if v else T_FALSE)
+        out.append(proto.T_TRUE if v else proto.T_FALSE)
     elif t is int:
         if -(1 << 63) <= v < (1 << 63):
-            out += struct.pack("<Bq", T_INT, v)
+            out += struct.pack("<Bq", proto.T_INT, v)
         else:
             b = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
-            out += struct.pack("<BI", T_BIGINT, len(b)) + b
+            out += struct.pack("<BI", proto.T_BIGINT, len(b)) + b
     elif t is float:
-        out += struct.pack("<Bd", T_FLOAT, v)
+        out += struct.pack("<Bd", proto.T_FLOAT, v)
     elif t is complex:
-        out += struct.pack("<Bdd", T_COMPLEX, v.real, v.imag)
+        out += struct.pack("<Bdd", proto.T_COMPLEX, v.real, v.imag)
     elif t is str:
         b = v.encode("utf-8", "surrogatepass")
-        out += struct.pack("<BI", T_STR, len(b)) + b
+        out += struct.pack("<BI", proto.T_STR, len(b)) + b
     elif t in (bytes, bytearray, memoryview):
         b = bytes(v)
-        if len(b) < INLINE_BYTES:
-            out += struct.pack("<BI", T_BYTES, len(b)) + b
+        if len(b) < proto.INLINE_BYTES:
+            out += struct.pack("<BI", proto.T_BYTES, len(b)) + b
         else:
-            out += struct.pack("<BI", T_BUF, len(bufs))
+            out += struct.pack("<BI", proto.T_BUF, len(bufs))
             bufs.append(b)
     elif t in (tuple, list):
-        if depth >= MAX_DEPTH:
+        if depth >= proto.MAX_DEPTH:
             raise ValueError("value nested too deeply")
-        out += struct.pack("<BI", T_TUPLE if t is tuple else T_LIST, len(v))
+        out += struct.pack("<BI", proto.T_TUPLE if t is tuple else proto.T_LIST, len(v))
         for x in v:
             encode(x, out, bufs, export, depth + 1)
     elif t is dict:
-        out += struct.pack("<BI", T_DICT, len(v))
+        out += struct.pack("<BI", proto.T_DICT, len(v))
         for k, x in v.items():
             encode(k, out, bufs, export, depth + 1)
             encode(x, out, bufs, export, depth + 1)
     elif t is Device:
-        out += struct.pack("<BII", T_DEVICE, v.code, v.dev_id)
+        out += struct.pack("<BII", proto.T_DEVICE, v.code, v.dev_id)
     else:
         ref = export(v)
-        out += struct.pack("<BBQ", T_HANDLE, ref.kind, ref.hid)
+        out += struct.pack("<BBQ", proto.T_HANDLE, ref.kind, ref.hid)
         encode(ref.info, out, bufs, export, depth + 1)
 
 
@@ -282,50 +181,50 @@ class Decoder:
         return struct.unpack("<I", self.take(4))[0]
 
     def value(self, depth=0):
-        if depth > MAX_DEPTH:
+        if depth > proto.MAX_DEPTH:
             raise ValueError("value nested too deeply")
         tag = self.take(1)[0]
-        if tag == T_NONE:
+        if tag == proto.T_NONE:
             return None
-        if tag in (T_FALSE, T_TRUE):
-            return tag == T_TRUE
-        if tag == T_INT:
+        if tag in (proto.T_FALSE, proto.T_TRUE):
+            return tag == proto.T_TRUE
+        if tag == proto.T_INT:
             return struct.unpack("<q", self.take(8))[0]
-        if tag == T_BIGINT:
+        if tag == proto.T_BIGINT:
             return int.from_bytes(self.take(self.u32()), "little", signed=True)
-        if tag == T_FLOAT:
+        if tag == proto.T_FLOAT:
             return struct.unpack("<d", self.take(8))[0]
-        if tag == T_COMPLEX:
+        if tag == proto.T_COMPLEX:
             return complex(*struct.unpack("<dd", self.take(16)))
-        if tag == T_STR:
+        if tag == proto.T_STR:
             return bytes(self.take(self.u32())).decode("utf-8", "surrogatepass")
-        if tag == T_BYTES:
+        if tag == proto.T_BYTES:
             return bytes(self.take(self.u32()))
-        if tag == T_BUF:
+        if tag == proto.T_BUF:
             idx = self.u32()
             if idx >= len(self.bufs):
                 raise ValueError(f"bad buffer index {idx}")
             return bytes(self.bufs[idx])  # byte strings are bytes, whatever their size
-        if tag in (T_TUPLE, T_LIST):
+        if tag in (proto.T_TUPLE, proto.T_LIST):
             n = self.u32()
             if n > len(self.meta):
                 raise ValueError("container longer than its frame")
             items = [self.value(depth + 1) for _ in range(n)]
-            return tuple(items) if tag == T_TUPLE else items
-        if tag == T_DICT:
+            return tuple(items) if tag == proto.T_TUPLE else items
+        if tag == proto.T_DICT:
             n = self.u32()
             if n > len(self.meta):
                 raise ValueError("container longer than its frame")
             return {self.value(depth + 1): self.value(depth + 1) for _ in range(n)}
-        if tag == T_HANDLE:
+        if tag == proto.T_HANDLE:
             _kind, hid = struct.unpack("<BQ", self.take(9))
             self.value(depth + 1)
             return self.resolve(hid)
-        if tag == T_DEVICE:
+        if tag == proto.T_DEVICE:
             return Device(*struct.unpack("<II", self.take(8)))
-        if tag == T_ARRAY:
+        if tag == proto.T_ARRAY:
             raise TypeError("arrays are not supported by the minimal server (it has no NumPy)")
-        if tag == T_DTYPE:
+        if tag == proto.T_DTYPE:
             return bytes(self.take(self.u32())).decode("ascii")
         raise ValueError(f"unknown value tag {tag}")
 
@@ -375,12 +274,12 @@ class Pipe:
     def chunk_head(self, op, left):
         """A chunk's size; 0 for the end (expected when ``left`` is 0)."""
         kind, cop, flags, meta_len, nbuf = HEAD.unpack(self.read(HEAD.size))
-        if kind != CHUNK or cop != op:
+        if kind != proto.CHUNK or cop != op:
             raise EOFError("expected a file chunk: the connection is out of sync")
-        if flags & FLAG_ABORT and nbuf == 0 and meta_len <= 1 << 16:
+        if flags & proto.FLAG_ABORT and nbuf == 0 and meta_len <= 1 << 16:
             reason = Decoder(self.read(meta_len), [], None).value()
             raise ValueError(f"the client gave up: {reason}")
-        if left == 0 and (flags, nbuf, meta_len) == (FLAG_END, 0, 0):
+        if left == 0 and (flags, nbuf, meta_len) == (proto.FLAG_END, 0, 0):
             return 0
         if flags or nbuf != 1 or meta_len or not left:
             raise EOFError("malformed file chunk")
@@ -410,12 +309,14 @@ class Pipe:
         while done < size:
             n = min(chunk, size - done)
             data = f.read(n)
-            self.write(struct.pack("<BBHIIQ", CHUNK, op, 0, 0, 1, n), data + bytes(n - len(data)))
+            self.write(
+                struct.pack("<BBHIIQ", proto.CHUNK, op, 0, 0, 1, n), data + bytes(n - len(data))
+            )
             if len(data) < n:  # the file shrank: the padding is followed by an abort
-                self.send(CHUNK, op, "the file ended early", None, FLAG_ABORT)
+                self.send(proto.CHUNK, op, "the file ended early", None, proto.FLAG_ABORT)
                 return
             done += n
-        self.write(HEAD.pack(CHUNK, op, FLAG_END, 0, 0))
+        self.write(HEAD.pack(proto.CHUNK, op, proto.FLAG_END, 0, 0))
 
 
 # --------------------------------------------------------------------------- modules
@@ -564,40 +465,40 @@ class Session:
         return full
 
     def handle(self, op, args):
-        if op == OP_GET_FUNC:
+        if op == proto.OP_GET_FUNC:
             return _lookup(args[0])
-        if op == OP_CALL:
+        if op == proto.OP_CALL:
             fn = args[0] if not isinstance(args[0], int) else self.resolve(args[0])
             return fn(*args[1])
-        if op == OP_SYSTEM_LIB:
+        if op == proto.OP_SYSTEM_LIB:
             return SystemLib(self.libs)
-        if op == OP_MOD_FUNC:
+        if op == proto.OP_MOD_FUNC:
             module, name, restype = args
             if restype is not None:
                 return module.get_function(name, restype)
             return module[name]
-        if op == OP_LOAD_MODULE:
+        if op == proto.OP_LOAD_MODULE:
             full = self.find(args[0])
             if not os.path.exists(full):
                 raise FileNotFoundError(f"no file {args[0]!r} in the build or the work folder")
             return load_file(full)
-        if op == OP_LISTDIR:
+        if op == proto.OP_LISTDIR:
             names = os.listdir(self.path(args[0] if args else "."))
             return sorted(n for n in names if not PART_RE.match(n))
-        if op == OP_REMOVE:
+        if op == proto.OP_REMOVE:
             full = self.path(args[0])
             if os.path.isdir(full):
                 shutil.rmtree(full)
             else:
                 os.remove(full)
             return None
-        if op in (OP_PING, OP_FREE, OP_DEV_SYNC):
+        if op in (proto.OP_PING, proto.OP_FREE, proto.OP_DEV_SYNC):
             return None
-        if op == OP_DEV_EXIST:
+        if op == proto.OP_DEV_EXIST:
             return args[0].code == 1
-        if op == OP_TIME_EVAL:
+        if op == proto.OP_TIME_EVAL:
             return self.time_eval(*args)
-        if op in (OP_TENSOR, OP_EMPTY, OP_TENSOR_GET, OP_TENSOR_SET):
+        if op in (proto.OP_TENSOR, proto.OP_EMPTY, proto.OP_TENSOR_GET, proto.OP_TENSOR_SET):
             raise TypeError("remote tensors are not supported by the minimal server (no NumPy)")
         raise ValueError(f"operation {op} is not supported by the minimal server")
 
@@ -614,12 +515,12 @@ class Session:
                 raise PermissionError(f"remote name {target!r} is reserved for partial uploads")
             os.makedirs(os.path.dirname(full), exist_ok=True)
         except Exception:
-            pipe.recv_stream(OP_UPLOAD, size, None)
+            pipe.recv_stream(proto.OP_UPLOAD, size, None)
             raise
-        tmp = os.path.join(os.path.dirname(full), PART_PREFIX + secrets.token_hex(8))
+        tmp = os.path.join(os.path.dirname(full), proto.PART_PREFIX + secrets.token_hex(8))
         try:
             with open(tmp, "wb") as f:
-                pipe.recv_stream(OP_UPLOAD, size, f)
+                pipe.recv_stream(proto.OP_UPLOAD, size, f)
             os.replace(tmp, full)
         finally:
             if os.path.exists(tmp):
@@ -628,8 +529,8 @@ class Session:
     def download(self, pipe, path):
         with open(self.find(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            pipe.send(REPLY, OP_DOWNLOAD, size, self.export)
-            pipe.send_stream(OP_DOWNLOAD, f, size, self.chunk)
+            pipe.send(proto.REPLY, proto.OP_DOWNLOAD, size, self.export)
+            pipe.send_stream(proto.OP_DOWNLOAD, f, size, self.chunk)
 
     def time_eval(
         self, module, name, _dev, number, repeat, min_ms, zero_limit, cool_ms, cool_every, restype, args
@@ -666,7 +567,7 @@ class Session:
             self.chunk = max(1, min(STREAM_CHUNK, int(args[2])))
         return {
             "pid": os.getpid(),
-            "version": VERSION,
+            "version": proto.VERSION,
             "minrpc": True,
             "max_message_bytes": MAX_MESSAGE_BYTES,
         }
@@ -700,24 +601,24 @@ def serve(build_dir=None):
                 )
     try:
         magic, version, keylen = struct.unpack("<8sII", pipe.read(16))
-        if magic != MAGIC or keylen > 4096:
+        if magic != proto.MAGIC or keylen > 4096:
             return
         pipe.read(keylen + 32)
-        status = 0 if version == VERSION else 2
-        pipe.write(struct.pack("<8sIBB32s", MAGIC, VERSION, status, 0, os.urandom(32)))
+        status = 0 if version == proto.VERSION else 2
+        pipe.write(struct.pack("<8sIBB32s", proto.MAGIC, proto.VERSION, status, 0, os.urandom(32)))
         if status:
             return
         while True:
             try:
                 op, dec = pipe.recv(sess.resolve)
-                if op == OP_UPLOAD:  # the stream must be read whatever happens
+                if op == proto.OP_UPLOAD:  # the stream must be read whatever happens
                     try:
                         sess.upload(pipe, dec.value())
-                        pipe.send(REPLY, op, None, sess.export)
+                        pipe.send(proto.REPLY, op, None, sess.export)
                     except EOFError:
                         raise
                     except Exception as exc:  # noqa: BLE001 - the failure goes back
-                        pipe.send(ERROR, op, error_value(exc), sess.export)
+                        pipe.send(proto.ERROR, op, error_value(exc), sess.export)
                     continue
             except EOFError:
                 return
@@ -725,16 +626,16 @@ def serve(build_dir=None):
                 frees, args = dec.value()
                 for hid in frees or ():
                     sess.objects.pop(hid, None)
-                if op == OP_INIT:
+                if op == proto.OP_INIT:
                     result = sess.init(args)
-                elif op == OP_DOWNLOAD:
+                elif op == proto.OP_DOWNLOAD:
                     sess.download(pipe, args[0])
                     continue
                 else:
                     result = sess.handle(op, args)
-                pipe.send(REPLY, op, result, sess.export)
+                pipe.send(proto.REPLY, op, result, sess.export)
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
-                pipe.send(ERROR, op, error_value(exc), sess.export)
+                pipe.send(proto.ERROR, op, error_value(exc), sess.export)
     finally:
         sess.close()
 

@@ -135,7 +135,10 @@ def _imports(path):
         if isinstance(node, ast.Import):
             out += [(a.name, 0) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            out.append((node.module or "", node.level))
+            if node.module is None:  # from . import protocol
+                out += [(a.name, node.level) for a in node.names]
+            else:
+                out.append((node.module, node.level))
     return out
 
 
@@ -182,6 +185,6 @@ def test_minrpc_server_speaks_this_version_without_crypto():
     from disco_rpc import auth, minrpc_server
     from disco_rpc.minrpc import MINRPC_SERVER
 
-    assert minrpc_server.VERSION == auth.VERSION
+    assert minrpc_server.proto.VERSION == auth.VERSION
     src = open(MINRPC_SERVER).read()
     assert "cryptography" not in src and "disco_core" not in src.split('"""', 2)[2].split("def ")[0]
