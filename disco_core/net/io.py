@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..errors import DiscoTimeoutError
+
 __all__ = [
     "IOV_MAX",
     "PIPE_BYTES",
@@ -140,12 +142,35 @@ class SinkFailedError(OSError):
         self.left = left
 
 
-def splice_exact(sock: socket.socket, pipe: tuple[int, int], out_fd: int, size: int) -> None:
+def splice_exact(
+    sock: socket.socket,
+    pipe: tuple[int, int],
+    out_fd: int,
+    size: int,
+    *,
+    on_chunk: Callable[[int, int], None] | None = None,
+    on_refused: Callable[[int, bytes], None] | None = None,
+) -> None:
     """Move ``size`` bytes from ``sock`` to ``out_fd`` inside the kernel (socket -> pipe -> fd).
 
-    Raises ``TimeoutError`` past the socket's timeout, ``EOFError`` if the peer
-    closes, :class:`SinkFailedError` if ``out_fd`` refuses the bytes (the pipe is
-    emptied first, so the socket can still be read in sync).
+    Parameters
+    ----------
+    on_chunk : callable, optional
+        ``on_chunk(k, left)`` after each ``k`` more bytes reached ``out_fd``, ``left``
+        still to come (a sealed link feeds them to its MAC from the file's pages).
+    on_refused : callable, optional
+        ``on_refused(moved, rest)`` when ``out_fd`` refused bytes: ``moved`` of the last
+        chunk reached it, ``rest`` are the bytes that were still in the pipe (read out,
+        so the socket can still be read in sync). Without it they are dropped.
+
+    Raises
+    ------
+    DiscoTimeoutError
+        Past the socket's timeout.
+    EOFError
+        The peer closed the connection first.
+    SinkFailedError
+        ``out_fd`` refused the bytes (after ``on_refused``).
     """
     sfd = sock.fileno()
     timeout = sock.gettimeout()
@@ -156,17 +181,26 @@ def splice_exact(sock: socket.socket, pipe: tuple[int, int], out_fd: int, size: 
             k = os.splice(sfd, w, min(left, PIPE_BYTES))
         except BlockingIOError:  # a socket with a timeout is non-blocking underneath
             if not select.select([sfd], [], [], timeout)[0]:
-                raise TimeoutError("timed out receiving a transfer") from None
+                raise DiscoTimeoutError("timed out receiving a transfer") from None
             continue
         if not k:
             raise EOFError("the peer closed the connection in the middle of a transfer")
         left -= k
+        moved = 0
         try:
-            while k:
-                k -= os.splice(r, out_fd, k)
+            while moved < k:
+                moved += os.splice(r, out_fd, k - moved)
         except OSError as exc:
-            drain_fd(r, k)  # the pipe must be empty for whoever reads the socket next
+            if on_refused is None:
+                drain_fd(r, k - moved)  # the pipe must be empty for whoever reads the socket next
+            else:
+                rest = bytearray()
+                while len(rest) < k - moved:
+                    rest += os.read(r, k - moved - len(rest))
+                on_refused(moved, bytes(rest))
             raise SinkFailedError(exc, left) from None
+        if on_chunk is not None:
+            on_chunk(k, left)
 
 
 class SocketTransport:

@@ -42,10 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from disco_core import DiscoTimeoutError, DiscoTypeError, DiscoValueError
+from disco_core import DiscoTypeError, DiscoValueError
 from disco_core.spi import (
     CAN_SPLICE,
-    PIPE_BYTES,
     Device,
     PipeTransport,
     SealedTransport,
@@ -572,37 +571,19 @@ def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size:
     that fails mid-way raises :class:`SinkFailedError` after the bytes still in the
     pipe were read and counted: the connection stays in sync.
     """
-    sock = t.inner.sock
-    sfd = sock.fileno()
-    timeout = sock.gettimeout()
-    r, w = pipe
-    pos = done = os.lseek(out_fd, 0, os.SEEK_CUR)  # spliced up to pos, hashed up to done
-    left = size
-    while left:
-        try:
-            k = os.splice(sfd, w, min(left, PIPE_BYTES))
-        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
-            if not select.select([sfd], [], [], timeout)[0]:
-                raise DiscoTimeoutError("timed out receiving a transfer") from None
-            continue
-        if not k:
-            raise EOFError("the peer closed the connection in the middle of a transfer")
-        left -= k
-        moved = 0
-        try:
-            while moved < k:
-                moved += os.splice(r, out_fd, k - moved)
-        except OSError as exc:
-            rest = bytearray()
-            while len(rest) < k - moved:  # what the file refused, still in the pipe
-                rest += os.read(r, k - moved - len(rest))
-            _absorb_file(t, out_fd, done, pos + moved - done, scratch)
-            t.absorb(rest)
-            raise SinkFailedError(exc, left) from None
-        pos += k
-        if pos - done >= _ABSORB_BYTES or not left:
-            _absorb_file(t, out_fd, done, pos - done, scratch)
-            done = pos
+    mark = [os.lseek(out_fd, 0, os.SEEK_CUR)] * 2  # spliced up to [0], hashed up to [1]
+
+    def on_chunk(k: int, left: int) -> None:
+        mark[0] += k
+        if mark[0] - mark[1] >= _ABSORB_BYTES or not left:
+            _absorb_file(t, out_fd, mark[1], mark[0] - mark[1], scratch)
+            mark[1] = mark[0]
+
+    def on_refused(moved: int, rest: bytes) -> None:
+        _absorb_file(t, out_fd, mark[1], mark[0] + moved - mark[1], scratch)
+        t.absorb(rest)  # the refused bytes still count: the record is checked all the same
+
+    splice_exact(t.inner.sock, pipe, out_fd, size, on_chunk=on_chunk, on_refused=on_refused)
 
 
 # --------------------------------------------------------------------------- connection
