@@ -68,6 +68,9 @@ MAX_CONNECTIONS = 1024
 MAX_PENDING = 64
 #: Seconds a connection has to send its hello (a server: to prove the proxy's token too).
 HANDSHAKE_TIMEOUT = 10.0
+#: Seconds a relayed send may wait for a peer that takes nothing (frozen, or its host
+#: gone) before the pairing is ended: a relay thread is never held for ever.
+RELAY_SEND_TIMEOUT = 60.0
 
 
 class _Backend:
@@ -121,8 +124,12 @@ def _relay(a: Any, b: Any, a_buffered: bytes = b"", b_buffered: bytes = b"") -> 
     """Copy bytes both ways between two sockets until either side closes, then close both.
 
     The proxy holds no session keys: what it relays is sealed (or not) end to end
-    between the client and the server.
+    between the client and the server. Reads wait only after ``select`` said the
+    peer sent something, so the sockets' timeout bounds the sends alone
+    (:data:`RELAY_SEND_TIMEOUT`): a peer that stopped reading ends the pairing.
     """
+    for s in (a, b):
+        s.settimeout(RELAY_SEND_TIMEOUT)
     ends = [wire.SSLTransport(s) if isinstance(s, ssl.SSLSocket) else wire.SocketTransport(s) for s in (a, b)]  # fmt: skip
     try:
         relay(ends[0], ends[1], a_buffered, b_buffered)
