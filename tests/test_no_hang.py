@@ -13,6 +13,7 @@ import pickle
 import signal
 import time
 
+import numpy as np
 import pytest
 
 import disco_core as disco
@@ -211,3 +212,22 @@ def test_no_child_left_after_unresponsive(liveness, procs):
         sess._sync_all()
     _shutdown_promptly(sess, [pid])
     assert procs.wait_gone(procs.children_of(os.getpid()) - before, 5.0) == []
+
+
+def test_a_full_pipe_to_a_frozen_worker_ends(liveness, no_leftover_children):
+    """Found by the chaos suite: a command with MiBs of data by value to a stopped worker.
+
+    Its command pipe fills up; the write used to block for ever, outside any wait
+    the liveness watch looks at. The write now checks the worker while it waits.
+    """
+    liveness(2.0)
+    sess = disco.ProcessSession(2)
+    sess.import_python_module("disco_core.testing.funcs")
+    pid = _stop_worker(sess, 1)
+    start = time.monotonic()
+    with pytest.raises(disco.WorkerUnresponsiveError) as info:
+        for _ in range(20):  # 4 MiB each: more than any pipe holds
+            sess.call_packed("testing.checksum", np.ones(1 << 20, "float32"))
+    assert time.monotonic() - start < 8
+    assert info.value.worker_ids == [1]
+    _shutdown_promptly(sess, [pid])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import ctypes
 import os
 import queue
 import select
@@ -296,6 +297,10 @@ class WorkerLink(abc.ABC):
     #: seconds of silence while the controller waits.
     heartbeats: bool = False
 
+    #: The channel's hub and liveness timeout (set by :meth:`LinkChannel._set_links`).
+    hub: ReplyHub | None = None
+    liveness: float = 0.0
+
     def input_fd(self, worker_id: int) -> int | None:
         """The descriptor ``worker_id``'s replies arrive on (None: unknown).
 
@@ -379,12 +384,44 @@ class BatchingLink(WorkerLink):
             self._write(data)
 
     def _write(self, data: bytes) -> None:
-        write_all(self.out_fd, data)
+        write_all(self.out_fd, data, self._stalled)
 
     def _write_views(self, head: bytes, buffers: Sequence[Any]) -> None:
-        write_all(self.out_fd, head)
+        write_all(self.out_fd, head, self._stalled)
         for m in buffers:
-            write_all(self.out_fd, m)
+            write_all(self.out_fd, m, self._stalled)
+
+    #: Give up on a write blocked past this ``time.monotonic()`` (set as the channel closes).
+    give_up_at: float | None = None
+
+    def _stalled(self) -> None:
+        """A write to a non-blocking ``out_fd`` finds it full: give up when the workers are gone.
+
+        They are gone when they died, were declared unresponsive, or have sent
+        nothing (not even a heartbeat) for the liveness timeout; a worker that
+        is only busy keeps its heartbeat, and the write waits for it.
+        """
+        reason = self.poll()
+        if reason:
+            raise self._died(BrokenPipeError(reason))
+        hub = self.hub
+        if hub is None:
+            return
+        ids = self.worker_ids
+        if any(w in hub.dead for w in ids):
+            raise hub.died_error()
+        now = time.monotonic()
+        if self.give_up_at is not None and now > self.give_up_at:
+            raise WorkerDiedError(ids, "its commands were not taken before the shutdown timeout")
+        idle = now - max(hub.seen[w] for w in ids)
+        if self.heartbeats and self.liveness and idle > self.liveness and not hub.closing:
+            hub.mark_dead(
+                ids,
+                f"it took no command and sent nothing for {idle:.1f} s "
+                f"(DISCO_LIVENESS_TIMEOUT={self.liveness:g} s): stopped, frozen or swapped out",
+                unresponsive=True,
+            )
+            raise hub.died_error()
 
     @abc.abstractmethod
     def _died(self, exc: OSError) -> WorkerDiedError:
@@ -470,11 +507,36 @@ class ThreadWorkerLink(WorkerLink):
         self.thread.join(max(0.0, deadline - time.monotonic()))
 
 
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+def _gil_keeping_poll() -> Any:
+    """libc's ``poll`` called with the GIL held (``ctypes.PyDLL``); None where unavailable.
+
+    :meth:`ReaderGate.quiet` polls with a zero timeout after every synchronising
+    call. ``select.poll`` releases the GIL around the call, which hands it to
+    any thread that is waiting for it (worker 0's, woken by every command) and
+    costs two thread switches, more than the rest of ``sync_worker_0``. A zero
+    timeout never blocks, so keeping the GIL is safe.
+    """
+    try:
+        func = ctypes.PyDLL(None).poll
+    except (OSError, AttributeError):
+        return None
+    func.restype = ctypes.c_int
+    return func
+
+
+_POLL_NOW = _gil_keeping_poll()
+
+
 class ReaderGate:
     """Lets the controller wait until a reader thread has delivered what was sent to it.
 
     A reader thread holds :attr:`lock` while it reads and delivers messages, and
-    lets go of it only with its buffers empty, before it blocks for more bytes.
+    lets go of it only with its buffers empty, before it blocks for more bytes
+    (or says, through ``buffered``, that it still holds some).
     :meth:`settled` takes the lock (so no reader is in the middle of a message)
     and polls the reader's descriptors: when none is readable, every byte that
     reached them before the call has been delivered.
@@ -489,8 +551,10 @@ class ReaderGate:
 
     def __init__(self, fds: Iterable[int] = ()) -> None:
         self.lock = threading.Lock()
-        self._poller = select.poll()
+        self._fds: list[int] = []
         self._buffered: list[Callable[[], Any]] = []
+        self._pollfds: Any = None
+        self._args: tuple = ()
         for fd in fds:
             self.add(fd)
 
@@ -500,16 +564,43 @@ class ReaderGate:
         A reader that lets go of :attr:`lock` between messages (rather than only
         before it blocks) must say so through ``buffered``.
         """
-        self._poller.register(fd, self._READY)
+        self._fds.append(fd)
         if buffered is not None:
             self._buffered.append(buffered)
+        self._rebuild()
 
     def remove(self, fd: int) -> None:
         """Stop watching ``fd`` (before it is closed: its number may be reused)."""
+        if fd in self._fds:
+            self._fds.remove(fd)
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        n = len(self._fds)
+        self._pollfds = (_PollFd * n)(*[_PollFd(fd, self._READY, 0) for fd in self._fds])
+        self._args = (self._pollfds, ctypes.c_ulong(n), ctypes.c_int(0))
+
+    def _ready(self) -> bool:
+        """True when a watched descriptor has bytes (or its end) waiting; never blocks."""
+        pollfds, nfds, zero = self._args
+        if not self._fds:
+            return False
+        if _POLL_NOW is not None:
+            if _POLL_NOW(pollfds, nfds, zero) <= 0:
+                return False
+            events = [p.revents for p in pollfds]
+        else:  # no libc poll to call: the standard one (it lets go of the GIL)
+            return bool(select.select(self._fds, [], [], 0)[0])
+        return any(ev and not ev & select.POLLNVAL for ev in events)
+
+    def quiet(self) -> bool:
+        """True when nothing is left undelivered right now (one ``poll``; never waits)."""
+        if not self.lock.acquire(blocking=False):
+            return False  # the reader is delivering
         try:
-            self._poller.unregister(fd)
-        except (KeyError, ValueError):
-            pass
+            return not self._ready() and not any(b() for b in self._buffered)
+        finally:
+            self.lock.release()
 
     def settled(self, deadline: float) -> bool:
         """Wait until nothing is left undelivered, or until ``deadline``; True when settled."""
@@ -517,8 +608,7 @@ class ReaderGate:
             if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return False
             try:
-                ready = [fd for fd, ev in self._poller.poll(0) if not ev & select.POLLNVAL]
-                ready = ready or any(b() for b in self._buffered)
+                ready = self._ready() or any(b() for b in self._buffered)
             finally:
                 self.lock.release()
             if not ready:
@@ -620,6 +710,11 @@ class LinkChannel(Channel):
         if missing:
             raise DiscoError(f"channel has no link for workers {sorted(missing)}")
         self._link_of = [by_worker[w] for w in range(self.num_workers)]
+        timeout = liveness_timeout()
+        for link in links:
+            if link.hub is None:
+                link.hub = self.hub
+            link.liveness = timeout
         self._start_watch()
 
     # ------------------------------------------------------------------ liveness
@@ -683,8 +778,12 @@ class LinkChannel(Channel):
         self.hub.mark_dead(worker_ids, reason, unresponsive=True)
 
     def settle(self, timeout: float = 1.0) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = None
         for gate in self.gates:
+            if gate.quiet():  # the common case: one poll per reader thread
+                continue
+            if deadline is None:
+                deadline = time.monotonic() + timeout
             if not gate.settled(deadline):
                 return
 
@@ -731,6 +830,9 @@ class LinkChannel(Channel):
         self.hub.on_death(callback)
 
     def close(self, timeout: float = 5.0) -> None:
+        give_up_at = time.monotonic() + timeout
+        for link in self.links:
+            link.give_up_at = give_up_at  # a full pipe to a stopped worker holds nothing
         try:
             self.flush()
         except WorkerDiedError:

@@ -108,6 +108,8 @@ class ProcessWorkerLink(BatchingLink):
         self.err_r, err_w = os.pipe()
         for fd in (self.cmd_w, reply_w):
             grow_pipe(fd)
+        # Writes wait for room in poll(), checking the worker meanwhile (BatchingLink._stalled)
+        os.set_blocking(self.cmd_w, False)
         argv = worker_argv(entrypoint, worker_id, num_workers, num_groups, cmd_r, reply_w)
         try:
             self.proc = spawn_worker(argv, (cmd_r, reply_w), env, err_w)

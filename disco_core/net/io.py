@@ -85,16 +85,45 @@ def send_all(write: Callable[[list], int], parts: Sequence[Any]) -> None:
                 n = 0
 
 
-def write_all(fd: int, data: Any) -> None:
-    """Write all of ``data`` (any buffer) to a blocking file descriptor, without copying it."""
+def write_all(fd: int, data: Any, stalled: Callable[[], None] | None = None) -> None:
+    """Write all of ``data`` (any buffer) to a file descriptor, without copying it.
+
+    Parameters
+    ----------
+    fd : int
+        Blocking, or non-blocking (``os.set_blocking(fd, False)``) with ``stalled``.
+    stalled : callable, optional
+        For a non-blocking ``fd``: called every :data:`STALL_CHECK` seconds while
+        the reader takes nothing (a full pipe); it raises to give up. A stopped
+        reader then cannot hold the writer for ever.
+    """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    n = os.write(fd, view)
     total = len(view)
+    try:
+        n = os.write(fd, view)
+    except BlockingIOError:
+        n = 0
     if n == total:
         return
     view = memoryview(view)
     while n < total:
-        n += os.write(fd, view[n:])
+        try:
+            n += os.write(fd, view[n:])
+        except BlockingIOError:
+            if stalled is None:
+                raise
+            _wait_writable(fd, stalled)
+
+
+#: Seconds between the checks of a writer waiting on a full pipe (``write_all``'s ``stalled``).
+STALL_CHECK = 0.25
+
+
+def _wait_writable(fd: int, stalled: Callable[[], None]) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    while not poller.poll(STALL_CHECK * 1000):
+        stalled()
 
 
 def recv_exact(

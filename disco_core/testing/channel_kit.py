@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -699,6 +700,41 @@ class ChannelContract:
         assert took < self.death_timeout + 0.2, f"death reported after {took:.2f} s"
         assert info.value.worker_ids == [target]
         sess.shutdown()
+
+    @pytest.mark.timeout(30)
+    def test_frozen_worker_is_unresponsive(self, new_session, monkeypatch):
+        """A stopped worker process ends a wait as WorkerUnresponsiveError, never a hang."""
+        # read as the session starts; remote workers beat once a second
+        monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", "3")
+        sess = new_session(3)
+        target = self._need_killable(sess)
+        pids = _values(sess.get_global_func("testing.pid")(), 3)
+        ok = sess.get_global_func("testing.echo")(1)
+        os.kill(pids[target], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(disco.WorkerUnresponsiveError) as info:
+                ok.debug_get_from_remote(target)
+            took = time.monotonic() - t0
+        finally:
+            try:
+                os.kill(pids[target], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert info.value.worker_ids == [target], info.value
+        assert took < 3 + self.death_timeout, f"reported after {took:.2f} s"
+        with pytest.raises(disco.WorkerDiedError):
+            sess.sync_worker_0()
+        sess.shutdown()
+        assert _wait_gone([pids[target]], 10) == []
+
+    def test_recv_with_timeout_ends(self, sess):
+        """``Channel.recv(worker, timeout)`` (the gathering after a failure) has an end."""
+        t0 = time.monotonic()
+        with pytest.raises(disco.DiscoTimeoutError):
+            sess.channel.recv(sess.num_workers - 1, timeout=0.3)  # no reply is owed
+        assert time.monotonic() - t0 < 2.0
+        _sync_all(sess)  # and the session is in step
 
     @pytest.mark.timeout(30)
     def test_worker_processes_gone_after_shutdown(self, sess):

@@ -377,7 +377,8 @@ class HeartbeatSender:
     def _beat(self) -> None:
         interval, lock = self.interval, self.lock
         while True:
-            time.sleep(interval)
+            # due one interval after the last message, so no gap is longer than that
+            time.sleep(max(0.01, self.last + interval - time.monotonic()))
             if time.monotonic() - self.last < interval or not lock.acquire(blocking=False):
                 continue
             try:
