@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import plugins, registry
+from . import _memory, plugins, registry
 from . import protocol as P
 from .ccl.base import CCL, REDUCE_OPS
 from .channels.base import Channel, Outgoing, gather_timeout
@@ -147,6 +147,7 @@ def _close_channel(channel: Channel, state: dict) -> None:
     finally:
         if rendezvous is not None:
             rendezvous.close()
+        _memory.release_free_memory()  # the session's threads' malloc arenas
 
 
 def _by_worker(errors: list[WorkerError]) -> list[WorkerError]:

@@ -17,12 +17,27 @@ started by the launcher, hands its PMI connection (the ``PMI_FD`` socket and the
 ``PMI_*`` variables) back to the worker over a Unix socket and waits. The worker
 then initialises MPI as if the launcher had started it (a world of its own, with a
 unique id) and connects to worker 0. The donor exits when the worker does.
+
+MPICH's shared-memory segment
+-----------------------------
+``MPI_Init`` in MPICH 5 (ch4, POSIX shared memory) creates, or attaches to, a
+segment ``/dev/shm/mpich_shm_<world id>_<node id>`` that the local processes of one
+MPI world share, and unlinks it only in ``MPI_Finalize`` (``MPL_initshm_freeall``).
+A process that ends without finalizing (a Disco controller never does: it may open
+another session later and MPI cannot be initialised twice; a worker ends with
+``os._exit`` or is killed) leaves its segment behind, about 1 MiB each. Here every
+process is alone in its world (a singleton controller, a worker whose world is the
+one of its donor's ``mpiexec -n 1``), so no other process will ever open that name:
+:func:`release_shm` unlinks it right after ``MPI_Init`` (the mapping stays valid,
+like an unlinked file that is still open). Nothing is left in ``/dev/shm`` then,
+whatever way the process ends.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -34,7 +49,14 @@ from typing import Any
 
 from disco_core import CCLError
 
-__all__ = ["mpi", "is_initialized", "launcher", "borrow_pmi", "library_version"]
+__all__ = [
+    "mpi",
+    "is_initialized",
+    "launcher",
+    "borrow_pmi",
+    "library_version",
+    "release_shm",
+]
 
 _LOCK = threading.RLock()
 _MPI: Any = None
@@ -95,7 +117,59 @@ def mpi(borrow: bool = False, timeout: float = 60.0, finalize: bool = False) -> 
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
         _MPI = MPI
+        release_shm()
         return MPI
+
+
+#: MPICH's POSIX segments (``mpich_shm_%x_%d``; ``mpich_vci_%x_%d`` with several VCIs)
+#: as ``/proc/self/maps`` shows them while their name still exists.
+_SEGMENT = re.compile(r"/dev/shm/mpich_(?:shm|vci)_[0-9a-f]+_[0-9]+")
+
+
+def release_shm(all_attached: bool = False) -> list[str]:
+    """Unlink the MPICH shared-memory segments this process has mapped; return their paths.
+
+    MPICH needs a segment's name only until every local process of the same MPI
+    world has attached (which each does inside ``MPI_Init``), and removes it only in
+    ``MPI_Finalize``. So the name is removed here, which is safe when this process is
+    its world's only member (the default check), or when the caller knows that every
+    process of its world is past ``MPI_Init`` (``all_attached``, after a collective
+    on ``MPI_COMM_WORLD``). Only files this process has mapped are touched, and only
+    when the name still refers to the very file mapped (same device and inode).
+    Linux only (``/proc/self/maps``); elsewhere, and when MPI is not initialised
+    through this module, it does nothing.
+    """
+    MPI = _MPI
+    if MPI is None:
+        return []
+    try:
+        if not all_attached and MPI.COMM_WORLD.Get_size() != 1:
+            return []
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except Exception:  # noqa: BLE001 - no /proc, or MPI refuses: nothing to do
+        return []
+    removed: list[str] = []
+    seen: set[str] = set()
+    for line in lines:
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue
+        path = fields[5].rstrip("\n")
+        if path in seen or not _SEGMENT.fullmatch(path):
+            continue  # an unlinked one shows as "PATH (deleted)"
+        seen.add(path)
+        try:
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            inode = int(fields[4])
+            st = os.stat(path)
+            if (st.st_ino, os.major(st.st_dev), os.minor(st.st_dev)) != (inode, major, minor):
+                continue
+            os.unlink(path)
+            removed.append(path)
+        except (OSError, ValueError):
+            continue
+    return removed
 
 
 def thread_level_ok(MPI: Any) -> bool:

@@ -263,6 +263,7 @@ class MPICCL(CCL):
             world = MPI.COMM_SELF.Dup()
         else:
             world = self._join(payload["ports"], connect_timeout)
+            _runtime.release_shm()  # any segment made since MPI_Init (one VCI: none)
         self.world = world
         self.p2p = world.Dup()
         # A member that times out tells the others on this communicator: they must not

@@ -145,6 +145,9 @@ class MPIChannel(LinkChannel):
             )
         comm = world.Dup()  # collective: every rank creates the channel
         nodes = len(set(world.allgather(MPI.Get_processor_name())))
+        # Every rank is past MPI_Init (and attached to MPICH's shared segment): its
+        # name is no longer needed, and a job that is killed leaves nothing behind.
+        _runtime.release_shm(all_attached=True)
         if me != 0:
             _serve(comm, me, size, num_groups)  # never returns
         super().__init__(size, num_groups)

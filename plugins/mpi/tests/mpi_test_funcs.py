@@ -129,3 +129,21 @@ def _aliased(in_group: bool) -> dict:
         ccl.scatter(None, t, in_group)
         out["scatter_root_slot"] = t
     return out
+
+
+def shm_mappings() -> list[str]:
+    """This process's mappings of /dev/shm files ("PATH (deleted)" once unlinked)."""
+    out: set[str] = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                out.add(fields[5].rstrip("\n"))
+    return sorted(out)
+
+
+@disco.register_func("mpi_test.shm_mappings", override=True)
+def _shm_mappings() -> str:
+    import json
+
+    return json.dumps({"pid": os.getpid(), "maps": shm_mappings()})

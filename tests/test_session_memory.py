@@ -1,0 +1,68 @@
+"""A controller that opens many sessions one after another does not keep growing.
+
+Each session's threads (worker 0, helpers) get glibc malloc arenas of their own, and
+NumPy arrays of a few MiB are then served from them; without a trim the freed memory
+stays there after the session (measured on a 2-core machine over 40 sessions of 4
+workers with 8 MiB arrays: 68 -> 77 MiB for ProcessSession, 61 -> 84 MiB for
+ThreadedSession, reached within ~10-20 sessions, then flat; on a machine with more
+cores glibc allows more arenas: 56 -> 203 MiB was seen). ``_close_channel`` calls
+``malloc_trim(0)`` (``disco_core._memory``).
+
+The check: after a warm-up of 10 sessions, 20 more may add at most 24 MiB (measured
+here: at most 8.4 MiB, one step of the 8 MiB arrays' size; the bound leaves room for a
+noisy machine, and still catches a real per-session leak of 1.2 MiB or more).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from disco_core import _memory
+
+CHILD = r"""
+import json, sys
+import numpy as np
+import disco_core as disco
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+a = np.random.default_rng(0).standard_normal(1 << 20)  # 8 MiB
+out = []
+for r in range(30):
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm")
+        for k in range(2):
+            x = sess.broadcast(a + k)
+            y = sess.empty(a.shape, "float64")
+            sess.allreduce(x, y, op="sum", in_group=False)
+            assert y.debug_get_from_remote(1)[0] == (a[0] + k) * 2
+            del x, y
+    out.append(rss_mib())
+print("RSS " + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.timeout(300)
+def test_rss_stays_flat_over_many_sessions():
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=280,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    rss = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RSS "))[4:])
+    assert rss[-1] - rss[9] < 24, rss
+
+
+def test_release_free_memory_is_safe():
+    assert _memory.release_free_memory() in (True, False)
+    if _memory._TRIM is not None:  # glibc: trimming twice in a row is fine
+        _memory.release_free_memory()
