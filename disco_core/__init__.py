@@ -40,6 +40,7 @@ from .errors import (
     UntrustedValueError,
     WorkerDiedError,
     WorkerError,
+    WorkerUnresponsiveError,
 )
 from .hookspecs import hookimpl, hookspec
 from .registry import get_global_func, list_global_func_names, register_func
@@ -77,6 +78,7 @@ __all__ = [
     "DiscoError",
     "WorkerError",
     "WorkerDiedError",
+    "WorkerUnresponsiveError",
     "PluginNotFoundError",
     "PluginConflictError",
     "PluginLoadError",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 __all__ = [
     "DiscoError",
     "WorkerError",
     "WorkerDiedError",
+    "WorkerUnresponsiveError",
     "PluginNotFoundError",
     "PluginConflictError",
     "PluginLoadError",
@@ -36,6 +38,12 @@ class DiscoError(RuntimeError):
 class WorkerError(DiscoError):
     """An exception raised inside a worker, surfaced at the controller.
 
+    When the remote exception is itself a Disco error (``CCLTimeoutError``,
+    ``CCLError``, ``DiscoValueError``, a plugin's own ``DiscoError`` subclass), the
+    error raised at the controller is also an instance of that type:
+    ``except disco.CCLTimeoutError`` catches a collective that timed out on a
+    worker, with ``worker_id`` and ``remote_traceback`` still at hand.
+
     Parameters
     ----------
     worker_id : int
@@ -49,6 +57,12 @@ class WorkerError(DiscoError):
     others : list of WorkerError, optional
         Further errors that were pending at the same synchronising call.
     """
+
+    def __new__(cls, worker_id: int = 0, exc_type: str = "", *args: object, **kwargs: object):
+        if cls is WorkerError and exc_type:
+            cls = _remote_class(exc_type)
+        new = cls.__dict__.get("_base_new")
+        return new(cls) if new is not None else super().__new__(cls)
 
     def __init__(
         self,
@@ -74,8 +88,10 @@ class WorkerError(DiscoError):
         super().__init__(text)
 
     def __reduce__(self):
+        # Always rebuilt as WorkerError: __new__ picks the typed subclass again, so a
+        # pickle never names a class made at run time.
         return (
-            type(self),
+            WorkerError,
             (
                 self.worker_id,
                 self.exc_type,
@@ -84,6 +100,60 @@ class WorkerError(DiscoError):
                 self.others,
             ),
         )
+
+
+_REMOTE_CLASSES: dict[type, type] = {}
+
+
+def _remote_class(exc_type: str) -> type[WorkerError]:
+    """The WorkerError subclass for a remote exception named ``exc_type``.
+
+    ``exc_type`` is the worker's name for its exception's type: the bare name for
+    the built-ins and ``disco_core.errors``, ``module.QualName`` otherwise. Only a
+    :class:`DiscoError` subclass of a module this process has already imported is
+    looked up (nothing is imported or called on behalf of a name that came from
+    a worker); anything else stays a plain :class:`WorkerError`.
+    """
+    module, _, name = exc_type.rpartition(".")
+    source = sys.modules.get(module or __name__)
+    target = getattr(source, name, None) if source is not None and name.isidentifier() else None
+    if (
+        not isinstance(target, type)
+        or not issubclass(target, DiscoError)
+        or issubclass(target, (WorkerError, WorkerDiedError))
+    ):
+        return WorkerError
+    cls = _REMOTE_CLASSES.get(target)
+    if cls is None:
+        try:
+            cls = type(
+                f"Worker{target.__name__}",
+                (WorkerError, target),
+                {"__module__": __name__},
+            )
+            cls._base_new = staticmethod(_layout_new(cls))
+        except TypeError:  # a layout no subclass can combine with WorkerError
+            cls = WorkerError
+        _REMOTE_CLASSES[target] = cls
+    return cls
+
+
+def _layout_new(cls: type) -> object:
+    """The built-in ``__new__`` that lays out ``cls`` (``OSError``'s for a TimeoutError).
+
+    Python only allows the ``__new__`` of a class's solid base; which one that is
+    is not exposed, so the candidates are tried in order.
+    """
+    for base in cls.__mro__:
+        new = base.__dict__.get("__new__")
+        if new is None or base.__module__ != "builtins":
+            continue
+        try:
+            new(cls)
+        except TypeError:
+            continue
+        return new
+    raise TypeError(f"no built-in __new__ fits {cls.__name__}")
 
 
 class WorkerDiedError(DiscoError):
@@ -97,15 +167,49 @@ class WorkerDiedError(DiscoError):
         What is known about how they died (exit code, signal, lost connection).
     """
 
+    _what = "died"
+
     def __init__(self, worker_ids: Iterable[int], reason: str = "") -> None:
         self.worker_ids = sorted(set(worker_ids))
         self.reason = reason
         ids = ", ".join(map(str, self.worker_ids))
-        text = f"worker{'s' if len(self.worker_ids) != 1 else ''} {ids} died"
+        text = f"worker{'s' if len(self.worker_ids) != 1 else ''} {ids} {self._what}"
         if reason:
             text += f": {reason}"
         text += "; the session can no longer run commands (shutdown() still works)"
         super().__init__(text)
+
+    def __reduce__(self):
+        return (type(self), (self.worker_ids, self.reason))
+
+
+class WorkerUnresponsiveError(WorkerDiedError):
+    """Workers stopped answering: frozen, stopped, swapped out, or stuck.
+
+    A process or socket worker is unresponsive when nothing (not even its
+    once-a-second heartbeat) arrived from it for ``DISCO_LIVENESS_TIMEOUT``
+    seconds while the controller waited; any worker is when it did not catch up
+    within ``DISCO_GATHER_TIMEOUT`` seconds after another worker's failure. The
+    session then ends as after a death: ``shutdown()`` kills what does not stop.
+
+    Attributes
+    ----------
+    errors : list of WorkerError
+        The worker errors gathered before giving up on the unresponsive workers.
+    """
+
+    _what = "stopped answering"
+
+    def __init__(
+        self, worker_ids: Iterable[int], reason: str = "", errors: Iterable[WorkerError] = ()
+    ) -> None:
+        self.errors = list(errors)
+        if self.errors:
+            reason += "; before that: " + "; ".join(
+                f"worker {e.worker_id} raised {e.exc_type}: {e.remote_message}"
+                for e in self.errors[:4]
+            )
+        super().__init__(worker_ids, reason)
 
     def __reduce__(self):
         return (type(self), (self.worker_ids, self.reason))

@@ -14,6 +14,7 @@ import collections
 import importlib
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -23,9 +24,17 @@ import numpy as np
 from . import plugins, registry
 from . import protocol as P
 from .ccl.base import CCL, REDUCE_OPS
-from .channels.base import Channel, Outgoing
+from .channels.base import Channel, Outgoing, gather_timeout
 from .device import Device, as_array, as_device, as_dtype, as_shape
-from .errors import CCLError, DiscoError, SessionClosedError, WorkerDiedError, WorkerError
+from .errors import (
+    CCLError,
+    DiscoError,
+    DiscoTimeoutError,
+    SessionClosedError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerUnresponsiveError,
+)
 from .protocol import register_ref_type
 
 __all__ = [
@@ -138,6 +147,18 @@ def _close_channel(channel: Channel, state: dict) -> None:
     finally:
         if rendezvous is not None:
             rendezvous.close()
+
+
+def _by_worker(errors: list[WorkerError]) -> list[WorkerError]:
+    return sorted(errors, key=lambda e: e.worker_id)
+
+
+def _merged(errors: list[WorkerError]) -> WorkerError:
+    """One error for several: the first worker's (of its own type), the others attached."""
+    first = errors[0]
+    return WorkerError(
+        first.worker_id, first.exc_type, first.remote_message, first.remote_traceback, errors[1:]
+    )
 
 
 class Session:
@@ -264,33 +285,62 @@ class Session:
             raise
 
     def _raise_pending(self, failure: WorkerError | None = None) -> None:
-        errors = self._channel.take_errors()
+        """Raise the errors the workers reported so far (merged with ``failure``).
+
+        Reports a worker already sent are delivered first (``Channel.settle``):
+        an error surfaces at the first synchronising call that starts after the
+        worker reported it, never at a later one by chance of thread timing.
+        """
+        channel = self._channel
+        channel.settle()
+        errors = channel.take_errors()
         if not errors:
             if failure is not None:
                 raise failure
             return
         if failure is not None:
             errors.append(failure)
-        # Rare path: let every worker catch up, so that one WorkerError reports every
-        # worker's failure of the same command, and none surfaces later at random.
-        for w in range(self.num_workers):
-            self._send((P.SYNC_WORKER, w), [w])
-        for w in range(self.num_workers):
-            try:
-                self._channel.recv(w)
-            except WorkerError as exc:
-                errors.append(exc)
-        errors += self._channel.take_errors()
-        errors.sort(key=lambda e: e.worker_id)
+        self._gather(errors)
+
+    def _gather(self, errors: list[WorkerError]) -> None:
+        """Let every worker catch up, then raise one error that reports them all.
+
+        Rare path. Each worker gets a sync, so that one WorkerError reports every
+        worker's failure of the same command and none surfaces later at random.
+        The wait is bounded (``DISCO_GATHER_TIMEOUT``): workers that have not
+        caught up by then are unresponsive, and the session ends for them.
+        """
+        channel = self._channel
+        limit = gather_timeout()
+        deadline = time.monotonic() + limit
+        laggards: list[int] = []
+        try:
+            for w in range(self.num_workers):
+                self._send((P.SYNC_WORKER, w), [w])
+            for w in range(self.num_workers):
+                try:
+                    channel.recv(w, timeout=max(0.0, deadline - time.monotonic()))
+                except WorkerError as exc:
+                    errors.append(exc)
+                except DiscoTimeoutError:
+                    laggards.append(w)
+        except WorkerUnresponsiveError as exc:
+            raise WorkerUnresponsiveError(exc.worker_ids, exc.reason, _by_worker(errors)) from None
+        except WorkerDiedError as exc:
+            raise exc from _merged(_by_worker(errors))
+        channel.settle()
+        errors = _by_worker(errors + channel.take_errors())
+        if laggards:
+            many = len(laggards) > 1
+            reason = (
+                f"{'they' if many else 'it'} did not catch up within {limit:g} s "
+                f"(DISCO_GATHER_TIMEOUT) after worker {errors[0].worker_id} failed: "
+                f"{'they are' if many else 'it is'} stuck, frozen or far behind"
+            )
+            channel.mark_unresponsive(laggards, reason)
+            raise WorkerUnresponsiveError(laggards, reason, errors)
         self._poison_ccl_after_timeout(errors)
-        first = errors[0]
-        raise WorkerError(
-            first.worker_id,
-            first.exc_type,
-            first.remote_message,
-            first.remote_traceback,
-            errors[1:],
-        )
+        raise _merged(errors)
 
     def _poison_ccl_after_timeout(self, errors: list[WorkerError]) -> None:
         """After a collective timed out anywhere, no worker's CCL may run another one.

@@ -13,7 +13,7 @@ Channels
     (:func:`worker_env`, :func:`worker_argv`, :func:`exit_reason`,
     :func:`stop_worker`, :func:`start_timeout`, :func:`tee_stderr`,
     :class:`StderrTee`) and the worker loop itself (:class:`Worker`,
-    :func:`command_stream`).
+    :func:`command_stream`, :class:`HeartbeatSender`).
 Commands on the wire
     :func:`encode`, :func:`decode` (pipes from processes you started),
     :func:`decode_untrusted` (anything that crossed a socket), :func:`frame_head`,
@@ -52,6 +52,7 @@ from .channels.base import (
     BatchingLink,
     LinkChannel,
     Outgoing,
+    ReaderGate,
     ReplyHub,
     ThreadWorkerLink,
     WorkerLink,
@@ -110,7 +111,7 @@ from .protocol import (
     frame_head,
     write_frame,
 )
-from .worker import Worker, command_stream
+from .worker import HeartbeatSender, Worker, command_stream
 
 __all__ = [
     # channels
@@ -119,6 +120,7 @@ __all__ = [
     "ThreadWorkerLink",
     "BatchingLink",
     "ProcessWorkerLink",
+    "ReaderGate",
     "ReplyHub",
     "ReplyReader",
     "Outgoing",
@@ -131,6 +133,7 @@ __all__ = [
     "tee_stderr",
     "StderrTee",
     "Worker",
+    "HeartbeatSender",
     "command_stream",
     # commands on the wire
     "encode",

@@ -17,12 +17,19 @@ import abc
 import collections
 import os
 import queue
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..errors import DiscoError, WorkerDiedError, WorkerError
+from ..errors import (
+    DiscoError,
+    DiscoTimeoutError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerUnresponsiveError,
+)
 from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
 from ..worker import Worker, set_current
 
@@ -34,7 +41,40 @@ __all__ = [
     "BatchingLink",
     "LinkChannel",
     "ThreadWorkerLink",
+    "ReaderGate",
+    "liveness_timeout",
+    "gather_timeout",
 ]
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise DiscoError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value >= 0:
+        raise DiscoError(f"{name} must be >= 0 seconds, got {raw!r}")
+    return value
+
+
+def liveness_timeout() -> float:
+    """Seconds a process or socket worker may send nothing while the controller waits.
+
+    ``$DISCO_LIVENESS_TIMEOUT``, default 10; 0 turns the check off. Workers send a
+    heartbeat whenever they have sent nothing for a second, so only a worker that
+    is stopped, frozen, swapped out or holding the GIL that long goes silent.
+    """
+    return _env_seconds("DISCO_LIVENESS_TIMEOUT", 10.0)
+
+
+def gather_timeout() -> float:
+    """Seconds the controller gathers the workers' reports after a failure.
+
+    ``$DISCO_GATHER_TIMEOUT``, default 60: long enough for collectives that are
+    legitimately slow; a worker that has not caught up by then is unresponsive.
+    """
+    return _env_seconds("DISCO_GATHER_TIMEOUT", 60.0) or 60.0
 
 
 class Outgoing:
@@ -100,16 +140,38 @@ class Channel(abc.ABC):
         """Send a command to ``workers`` (all when None), in order, without waiting."""
 
     @abc.abstractmethod
-    def recv(self, worker_id: int) -> Any:
+    def recv(self, worker_id: int, timeout: float | None = None) -> Any:
         """Wait for the next reply of ``worker_id``.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Give up after this many seconds (the controller gathering reports
+            after a failure); None waits as long as the workers live.
 
         Raises
         ------
         WorkerError
             The worker answered with the failure of the synchronous command.
         WorkerDiedError
-            A worker of the session died while waiting.
+            A worker of the session died (or stopped answering:
+            :class:`WorkerUnresponsiveError`) while waiting.
+        DiscoTimeoutError
+            ``timeout`` passed with no reply.
         """
+
+    def settle(self, timeout: float = 1.0) -> None:
+        """Deliver every reply and error report the workers have already sent.
+
+        Called before the controller looks at the pending errors, so that an
+        error a worker reported before the controller's wait ended is never left
+        in a pipe or a reader's buffer. Waits at most ``timeout`` seconds.
+        Channels whose workers deliver synchronously need not override it.
+        """
+
+    def mark_unresponsive(self, worker_ids: Sequence[int], reason: str) -> None:
+        """End the session for ``worker_ids``, which stopped answering (as if they died)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot mark workers unresponsive")
 
     @abc.abstractmethod
     def take_errors(self) -> list[WorkerError]:
@@ -137,27 +199,41 @@ class ReplyHub:
         self.replies = [queue.SimpleQueue() for _ in range(num_workers)]
         self.errors: collections.deque[WorkerError] = collections.deque()
         self.dead: dict[int, str] = {}
+        #: workers declared dead because they stopped answering (a subset of ``dead``)
+        self.unresponsive: set[int] = set()
+        #: ``time.monotonic()`` of the last sign of life of each worker
+        self.seen = [time.monotonic()] * num_workers
+        #: how many controller threads wait for a reply right now
+        self.waiting = 0
         self.closing = False
         self._death_callbacks: list[Callable[[list[int], str], None]] = []
         self._lock = threading.Lock()
 
     def deliver(self, worker_id: int, msg: tuple) -> None:
-        if msg[0] == "error":
+        self.seen[worker_id] = time.monotonic()
+        kind = msg[0]
+        if kind == "error":
             self.errors.append(msg[1])
-        else:
+        elif kind != "alive":  # a heartbeat is only a sign of life
             self.replies[worker_id].put(msg)
+
+    def touch(self, worker_id: int) -> None:
+        """A sign of life that is not a whole message (bytes of a large frame)."""
+        self.seen[worker_id] = time.monotonic()
 
     def on_death(self, callback: Callable[[list[int], str], None]) -> None:
         self._death_callbacks.append(callback)
 
-    def mark_dead(self, worker_ids: Iterable[int], reason: str) -> None:
-        """Record dead workers, wake every waiter, run the death callbacks once."""
+    def mark_dead(self, worker_ids: Iterable[int], reason: str, unresponsive: bool = False) -> None:
+        """Record dead (or ``unresponsive``) workers, wake every waiter, run the death callbacks once."""
         ids = [w for w in worker_ids if w not in self.dead]
         if not ids or self.closing:
             return
         with self._lock:
             for w in ids:
                 self.dead[w] = reason
+            if unresponsive:
+                self.unresponsive.update(ids)
             callbacks = list(self._death_callbacks)
         for cb in callbacks:
             try:
@@ -169,15 +245,28 @@ class ReplyHub:
 
     def died_error(self) -> WorkerDiedError:
         reasons = sorted(set(self.dead.values()))
-        return WorkerDiedError(sorted(self.dead), "; ".join(reasons))
+        cls = WorkerUnresponsiveError if self.unresponsive >= set(self.dead) else WorkerDiedError
+        return cls(sorted(self.dead), "; ".join(reasons))
 
-    def wait(self, worker_id: int, poll: Callable[[], None], interval: float = 0.2) -> Any:
+    def wait(
+        self,
+        worker_id: int,
+        poll: Callable[[], None],
+        interval: float = 0.2,
+        deadline: float | None = None,
+    ) -> Any:
         q = self.replies[worker_id]
         while True:
             if self.dead:
                 raise self.died_error()
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DiscoTimeoutError(f"worker {worker_id} did not answer in time")
             try:
-                kind, payload = q.get(timeout=interval)
+                kind, payload = q.get(
+                    timeout=interval if deadline is None else min(interval, max(left, 0.001))
+                )
             except queue.Empty:
                 poll()
                 continue
@@ -201,6 +290,18 @@ class WorkerLink(abc.ABC):
 
     #: True when :meth:`send` may keep commands back until :meth:`flush`.
     buffered: bool = False
+
+    #: True when the workers behind this link send heartbeats (worker processes do):
+    #: the channel then declares them unresponsive after ``DISCO_LIVENESS_TIMEOUT``
+    #: seconds of silence while the controller waits.
+    heartbeats: bool = False
+
+    def input_fd(self, worker_id: int) -> int | None:
+        """The descriptor ``worker_id``'s replies arrive on (None: unknown).
+
+        Bytes waiting there are a sign of life the reader has not taken yet.
+        """
+        return None
 
     @abc.abstractmethod
     def send(self, out: Outgoing) -> None:
@@ -369,6 +470,64 @@ class ThreadWorkerLink(WorkerLink):
         self.thread.join(max(0.0, deadline - time.monotonic()))
 
 
+class ReaderGate:
+    """Lets the controller wait until a reader thread has delivered what was sent to it.
+
+    A reader thread holds :attr:`lock` while it reads and delivers messages, and
+    lets go of it only with its buffers empty, before it blocks for more bytes.
+    :meth:`settled` takes the lock (so no reader is in the middle of a message)
+    and polls the reader's descriptors: when none is readable, every byte that
+    reached them before the call has been delivered.
+
+    Parameters
+    ----------
+    fds : iterable of int
+        The descriptors the reader thread reads (more with :meth:`add`).
+    """
+
+    _READY = select.POLLIN | select.POLLHUP | select.POLLERR
+
+    def __init__(self, fds: Iterable[int] = ()) -> None:
+        self.lock = threading.Lock()
+        self._poller = select.poll()
+        self._buffered: list[Callable[[], Any]] = []
+        for fd in fds:
+            self.add(fd)
+
+    def add(self, fd: int, buffered: Callable[[], Any] | None = None) -> None:
+        """Watch ``fd``; ``buffered()`` is true while the reader holds bytes not yet delivered.
+
+        A reader that lets go of :attr:`lock` between messages (rather than only
+        before it blocks) must say so through ``buffered``.
+        """
+        self._poller.register(fd, self._READY)
+        if buffered is not None:
+            self._buffered.append(buffered)
+
+    def remove(self, fd: int) -> None:
+        """Stop watching ``fd`` (before it is closed: its number may be reused)."""
+        try:
+            self._poller.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+    def settled(self, deadline: float) -> bool:
+        """Wait until nothing is left undelivered, or until ``deadline``; True when settled."""
+        while True:
+            if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            try:
+                ready = [fd for fd, ev in self._poller.poll(0) if not ev & select.POLLNVAL]
+                ready = ready or any(b() for b in self._buffered)
+            finally:
+                self.lock.release()
+            if not ready:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)  # lets the reader thread take the bytes
+
+
 #: Longest time a buffered command waits before it is written out
 #: (``DISCO_FLUSH_DELAY`` seconds; 0 writes every command at once).
 FLUSH_DELAY = float(os.environ.get("DISCO_FLUSH_DELAY", "0.0005"))
@@ -392,6 +551,10 @@ class LinkChannel(Channel):
         self._flusher: threading.Thread | None = None
         self._flush_due = False
         self._stopping = False
+        self._closed = threading.Event()
+        #: one per reader thread: :meth:`settle` waits for each (see :class:`ReaderGate`)
+        self.gates: list[ReaderGate] = []
+        self._watcher: threading.Thread | None = None
 
     def wait_ready(self, worker_ids: Iterable[int], deadline: float, what: str = "workers") -> None:
         """Wait for the ``ready`` message of each of ``worker_ids`` until ``deadline``.
@@ -457,6 +620,73 @@ class LinkChannel(Channel):
         if missing:
             raise DiscoError(f"channel has no link for workers {sorted(missing)}")
         self._link_of = [by_worker[w] for w in range(self.num_workers)]
+        self._start_watch()
+
+    # ------------------------------------------------------------------ liveness
+    def _start_watch(self) -> None:
+        """Watch the heartbeats of the workers behind links that send them."""
+        timeout = liveness_timeout()
+        watched = [link for link in self.links if link.heartbeats]
+        if not timeout or not watched or self._watcher is not None:
+            return
+        self._watcher = threading.Thread(
+            target=self._watch_loop, args=(timeout, watched), name="disco-liveness", daemon=True
+        )
+        self._watcher.start()
+
+    def _watch_loop(self, timeout: float, links: list[WorkerLink]) -> None:
+        hub = self.hub
+        tick = min(0.5, timeout / 4)
+        last = time.monotonic()
+        while not self._closed.wait(tick):
+            now = time.monotonic()
+            seen = hub.seen
+            if now - last > max(1.0, timeout / 2):
+                # This process was not running (stopped, suspended, starved): the
+                # workers' silence is ours, so their clocks start again.
+                for w in range(len(seen)):
+                    seen[w] = max(seen[w], now)
+            last = now
+            if not hub.waiting or hub.closing:
+                continue
+            silent = [
+                w
+                for link in links
+                for w in link.worker_ids
+                if w not in hub.dead and now - seen[w] > timeout and not self._input_waiting(link, w)
+            ]
+            if silent:
+                idle = now - max(seen[w] for w in silent)
+                many = len(silent) > 1
+                hub.mark_dead(
+                    silent,
+                    f"nothing arrived from {'them' if many else 'it'} for {idle:.1f} s "
+                    f"while the controller waited (DISCO_LIVENESS_TIMEOUT={timeout:g} s; a "
+                    "stopped, frozen or swapped-out process, or one holding the GIL that long)",
+                    unresponsive=True,
+                )
+
+    def _input_waiting(self, link: WorkerLink, worker_id: int) -> bool:
+        """True when bytes from ``worker_id`` wait unread (a busy reader is no silent worker)."""
+        fd = link.input_fd(worker_id)
+        if fd is None:
+            return False
+        try:
+            ready, _, _ = select.select([fd], [], [], 0)
+        except (OSError, ValueError):
+            return True  # closed under us: the reader reports the end
+        if ready:
+            self.hub.touch(worker_id)
+        return bool(ready)
+
+    def mark_unresponsive(self, worker_ids: Sequence[int], reason: str) -> None:
+        self.hub.mark_dead(worker_ids, reason, unresponsive=True)
+
+    def settle(self, timeout: float = 1.0) -> None:
+        deadline = time.monotonic() + timeout
+        for gate in self.gates:
+            if not gate.settled(deadline):
+                return
 
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
         if workers is None:
@@ -470,12 +700,21 @@ class LinkChannel(Channel):
         if dirty and not self._flush_due:
             self._mark_dirty()
 
-    def recv(self, worker_id: int) -> Any:
+    def recv(self, worker_id: int, timeout: float | None = None) -> Any:
         self.flush()
-        link = self._link_of[worker_id]
-        if type(link) is ThreadWorkerLink:
-            link.run_pending(self.check_alive)
-        return self.hub.wait(worker_id, self.check_alive)
+        hub = self.hub
+        hub.waiting += 1  # the liveness watch judges silence only while someone waits
+        try:
+            if timeout is not None:
+                # An in-process worker's commands then run on its own thread: a
+                # function that hangs there cannot hold the controller past the bound.
+                return hub.wait(worker_id, self.check_alive, deadline=time.monotonic() + timeout)
+            link = self._link_of[worker_id]
+            if type(link) is ThreadWorkerLink:
+                link.run_pending(self.check_alive)
+            return hub.wait(worker_id, self.check_alive)
+        finally:
+            hub.waiting -= 1
 
     def take_errors(self) -> list[WorkerError]:
         return self.hub.take_errors()
@@ -497,9 +736,14 @@ class LinkChannel(Channel):
         except WorkerDiedError:
             pass
         self._stopping = True
+        self._closed.set()
         self._wake_flusher.put(None)
         self.hub.closing = True
         deadline = time.monotonic() + timeout
+        for link in self.links:
+            kill = getattr(link, "kill", None)
+            if kill is not None and self.hub.unresponsive.intersection(link.worker_ids):
+                kill()  # it answers nothing, so it would not stop either
         for link in self.links:
             try:
                 link.close(deadline)

@@ -23,7 +23,7 @@ from ..errors import WorkerDiedError
 from ..net.io import grow_pipe
 from ..net.spawn import spawn_worker, worker_argv
 from ..protocol import FrameReader, decode
-from .base import BatchingLink, LinkChannel, ReplyHub, ThreadWorkerLink
+from .base import BatchingLink, LinkChannel, ReaderGate, ReplyHub, ThreadWorkerLink
 from .stderr_tee import StderrTee, with_stderr
 
 __all__ = [
@@ -95,6 +95,8 @@ def worker_env(num_workers: int = 1) -> dict[str, str]:
 class ProcessWorkerLink(BatchingLink):
     """One worker in a child process, behind a command pipe and a reply pipe."""
 
+    heartbeats = True  # disco_core.worker.main sends them
+
     def __init__(
         self, worker_id: int, num_workers: int, num_groups: int, entrypoint: str, env: dict
     ) -> None:
@@ -132,6 +134,9 @@ class ProcessWorkerLink(BatchingLink):
 
     def exit_reason(self, wait: float = 0.0) -> str | None:
         return exit_reason(self.proc, self.worker_ids[0], wait)
+
+    def input_fd(self, worker_id: int) -> int | None:
+        return self.reply_r
 
     def poll(self) -> str | None:
         return self.dead_reason or self.exit_reason()
@@ -175,8 +180,14 @@ class ReplyReader(threading.Thread):
         super().__init__(name=name, daemon=True)
         self.hub = hub
         self.selector = selectors.DefaultSelector()
+        #: held while frames are read and delivered (the channel's ``settle`` waits on it)
+        self.gate = ReaderGate()
         for link in links:
-            self.selector.register(self.link_fd(link), selectors.EVENT_READ, link)
+            fd = self.link_fd(link)
+            self.selector.register(fd, selectors.EVENT_READ, link)
+            self.gate.add(fd)
+            # the bytes of a large frame still arriving are a sign of life
+            link.reader.progress = functools.partial(hub.touch, link.worker_ids[0])
         self.remaining = len(links)
 
     def link_fd(self, link: Any) -> int:
@@ -201,12 +212,16 @@ class ReplyReader(threading.Thread):
 
     def run(self) -> None:
         # frames that arrived with an earlier read (a handshake, an RPC reply) come first
-        for key in list(self.selector.get_map().values()):
-            if key.data.reader.has_buffered():
-                self._drain(key)
+        lock = self.gate.lock
+        with lock:
+            for key in list(self.selector.get_map().values()):
+                if key.data.reader.has_buffered():
+                    self._drain(key)
         while self.remaining:
-            for key, _ in self.selector.select():
-                self._drain(key)
+            events = self.selector.select()
+            with lock:
+                for key, _ in events:
+                    self._drain(key)
         self.selector.close()
 
     def _drain(self, key: Any) -> None:
@@ -223,6 +238,7 @@ class ReplyReader(threading.Thread):
                     break
         except (EOFError, OSError, ValueError) as exc:  # ValueError: a refused or corrupt frame
             self.selector.unregister(key.fd)
+            self.gate.remove(key.fd)
             self.remaining -= 1
             self.link_ended(link, key.fd, exc)
 
@@ -244,6 +260,7 @@ class ProcessChannel(LinkChannel):
                 procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
             self.stderr = tee_stderr(procs)
             self.reader = ReplyReader(procs, self.hub)
+            self.gates.append(self.reader.gate)
             self.reader.start()
             self.procs = procs
             self._set_links([ThreadWorkerLink(0, num_workers, num_groups, self.hub), *procs])

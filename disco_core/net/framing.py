@@ -124,9 +124,16 @@ class FrameReader:
     read, readinto : callable, optional
         ``read(n) -> bytes`` and ``readinto(view) -> int`` to read through instead
         of ``fd`` (a socket, a sealed transport); both return 0 bytes at the end.
+
+    Attributes
+    ----------
+    progress : callable or None
+        Called after each read of a large buffer's bytes: a frame still arriving
+        is a sign of life of its sender (the channels' liveness watch).
     """
 
     _CHUNK = 1 << 16
+    progress: Callable[[], None] | None = None
 
     def __init__(
         self,
@@ -196,12 +203,14 @@ class FrameReader:
             out[:have] = self.buf[self.pos : self.pos + have]
             self.pos += have
         view = memoryview(out)
-        readinto = self._readinto
+        readinto, progress = self._readinto, self.progress
         while have < n:
             got = readinto(view[have:])
             if not got:
                 raise EOFError("peer closed the stream in the middle of a frame")
             have += got
+            if progress is not None:
+                progress()
         return out
 
     def close(self) -> None:

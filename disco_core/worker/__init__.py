@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ __all__ = [
     "MissingValue",
     "main",
     "command_stream",
+    "HeartbeatSender",
 ]
 
 _local = threading.local()
@@ -334,6 +336,59 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
+class HeartbeatSender:
+    """The worker's one way to the controller: serialised messages, and a heartbeat.
+
+    Every message goes out under one lock. A daemon thread sends ``("alive",
+    None)`` whenever nothing else went out for ``interval`` seconds, so the
+    controller can tell a busy worker (its heartbeat thread still runs) from a
+    stopped or frozen one (``DISCO_LIVENESS_TIMEOUT``). The thread never waits
+    for the lock: a message being written is a sign of life already.
+
+    Parameters
+    ----------
+    send : callable
+        ``send(message)`` writes one message to the controller.
+    interval : float, optional
+        Default: a fifth of ``$DISCO_LIVENESS_TIMEOUT`` (10 s), at most 1 s.
+    """
+
+    def __init__(self, send: Callable[[tuple], None], interval: float | None = None) -> None:
+        if interval is None:
+            try:
+                timeout = float(os.environ.get("DISCO_LIVENESS_TIMEOUT", "") or 10.0)
+            except ValueError:
+                timeout = 10.0
+            interval = min(1.0, timeout / 5) if timeout > 0 else 1.0
+        self.interval = max(0.05, float(interval))
+        self._send = send
+        self.lock = threading.Lock()
+        self.last = time.monotonic()
+
+    def __call__(self, msg: tuple) -> None:
+        with self.lock:
+            self._send(msg)
+            self.last = time.monotonic()
+
+    def start(self) -> HeartbeatSender:
+        threading.Thread(target=self._beat, name="disco-heartbeat", daemon=True).start()
+        return self
+
+    def _beat(self) -> None:
+        interval, lock = self.interval, self.lock
+        while True:
+            time.sleep(interval)
+            if time.monotonic() - self.last < interval or not lock.acquire(blocking=False):
+                continue
+            try:
+                self._send(("alive", None))
+                self.last = time.monotonic()
+            except Exception:  # the link is gone: the command loop sees it too
+                return
+            finally:
+                lock.release()
+
+
 def _sealed_sender(reply_fd: int, key_fd: int) -> Callable[[tuple], None]:
     """``send(msg)`` that writes each reply frame to ``reply_fd`` as one sealed record.
 
@@ -421,9 +476,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         send = _sealed_sender(reply_fd, args.reply_key_fd)
 
+    send = HeartbeatSender(send)
     worker = Worker(args.worker_id, args.num_workers, args.num_groups, send)
     reader = FrameReader(args.cmd_fd)
     send(("ready", os.getpid()))
+    send.start()
 
     try:
         worker.run(command_stream(reader, args.untrusted).__next__)

@@ -54,6 +54,8 @@ def _start_timeout() -> float:
 class RPCWorkerLink(BatchingLink):
     """One worker in an RPC server's session process, behind the session's socket."""
 
+    heartbeats = True  # the server's worker host sends them (disco_core.spi.HeartbeatSender)
+
     def __init__(self, worker_id: int, sess: Any, host: str) -> None:
         super().__init__()
         self.worker_ids = (worker_id,)
@@ -77,6 +79,9 @@ class RPCWorkerLink(BatchingLink):
             or f"worker {self.worker_ids[0]} on {self.host}: connection broke ({exc})"
         )
         return WorkerDiedError(self.worker_ids, reason)
+
+    def input_fd(self, worker_id: int) -> int | None:
+        return self.fd
 
     def poll(self) -> str | None:
         return self.dead_reason
@@ -229,6 +234,7 @@ class RPCChannel(LinkChannel):
             else:
                 self.num_nodes, self.shares_memory = len(hosts) + 1, False
             self.reader = _ReplyReader(links, self.hub)
+            self.gates.append(self.reader.gate)
             self.reader.start()
             self.rpc_links = links
             self._set_links([ThreadWorkerLink(0, num_workers, num_groups, self.hub), *links])

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-from disco_core.spi import FrameReader, Worker, command_stream, encode, frame_head
+from disco_core.spi import FrameReader, HeartbeatSender, Worker, command_stream, encode, frame_head
 
 from . import wire
 
@@ -92,9 +92,11 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
         with lock:
             send_frame(t, frame)
 
+    send = HeartbeatSender(send)  # its own lock; the controller watches the beats
     worker = Worker(int(worker_id), int(num_workers), int(num_groups), send)
     reader = LinkFrames(conn)
     send(("ready", os.getpid()))
+    send.start()
 
     try:
         # commands crossed a socket: rebuilt from an allow-list, never unpickled

@@ -9,6 +9,7 @@ agent that relays every command to that node's workers and every reply back.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import heapq
 import ipaddress
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import queue
+import select
 import socket
 import ssl
 import struct
@@ -42,6 +44,7 @@ from disco_core.spi import (
     LinkChannel,
     Outgoing,
     ProcessWorkerLink,
+    ReaderGate,
     ReplyHub,
     ReplyReader,
     SessionKeys,
@@ -132,6 +135,21 @@ def reachable_host(host: str) -> str:
     return socket.gethostname()
 
 
+def _held(reader: StreamReader | None, tx: Any, sock: socket.socket) -> bool:
+    """True when bytes from ``sock`` wait above the kernel (in ``reader``, the seal, TLS)."""
+    if reader is not None and reader.has_buffered():
+        return True
+    if getattr(tx, "pending", 0):
+        return True
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
+
+
+def _wait_readable(sock: socket.socket, reader: StreamReader, tx: Any) -> None:
+    """Block until a message can be read: bytes in the kernel, or already held above it."""
+    if not _held(reader, tx, sock):
+        select.select([sock], [], [])
+
+
 class NodeLink(BatchingLink):
     """The controller's connection to one remote node and, through it, to its workers.
 
@@ -182,6 +200,8 @@ class NodeLink(BatchingLink):
             )
             for gid, conn in self.data.items()
         ]
+        #: one per reader thread ("node", and each reply connection's worker id)
+        self.gates: dict[Any, ReaderGate] = {}
         self.heartbeat_timeout = heartbeat_timeout
         self.heartbeat: wire.Heartbeat | None = None
         if heartbeat_timeout > 0:
@@ -193,11 +213,32 @@ class NodeLink(BatchingLink):
                 f"disco-socket-beat{node_id}",
                 send=self.tx.send_parts,
             )
+        tx = self.tx
+        self.gates["node"] = ReaderGate()
+        self.gates["node"].add(sock.fileno(), lambda: _held(self._node_reader, tx, sock))
+        self._node_reader: StreamReader | None = None
+        self._streams: dict[int, tuple[StreamReader, Any]] = {}
+        for gid, conn in self.data.items():
+            self.gates[gid] = ReaderGate()
+            self.gates[gid].add(conn.fileno(), functools.partial(self._data_held, gid, conn))
         self.reader.start()
         for t in self.data_readers:
             t.start()
         if self.heartbeat is not None:
             self.heartbeat.start()
+
+    def _data_held(self, gid: int, conn: socket.socket) -> bool:
+        stream = self._streams.get(gid)
+        return stream is not None and _held(stream[0], stream[1], conn)
+
+    heartbeats = True  # each worker's own, relayed by the agent or on its reply connection
+
+    def input_fd(self, worker_id: int) -> int | None:
+        conn = self.data.get(worker_id, self.sock)
+        try:
+            return conn.fileno()
+        except OSError:
+            return None
 
     def describe(self) -> str:
         return f"node {self.node_id} ({self.peer}, workers {_span(self.worker_ids)})"
@@ -339,13 +380,18 @@ class NodeLink(BatchingLink):
         if keys is not None:
             tx = wire.seal(tx, keys)  # the worker seals every reply frame itself
         reader = StreamReader(tx)
+        self._streams[gid] = (reader, tx)
         hub = self.hub
+        gate = self.gates[gid]
         try:
             while True:
-                header, buffers, _ = reader.read_frame()
-                reader.settle()
-                self._deliver(gid, header, buffers)
+                _wait_readable(conn, reader, tx)
+                with gate.lock:  # the channel's settle() waits for the delivery
+                    header, buffers, _ = reader.read_frame()
+                    reader.settle()
+                    self._deliver(gid, header, buffers)
         except (EOFError, OSError, ValueError, struct.error) as exc:
+            gate.remove(conn.fileno())
             if hub.closing:
                 return
             # The worker exited (its agent reports why) or the node went away (the
@@ -361,39 +407,18 @@ class NodeLink(BatchingLink):
             hub.mark_dead([gid], reason)
 
     def _read_loop(self) -> None:
-        reader = StreamReader(self.tx)
+        reader = self._node_reader = StreamReader(self.tx)
         settle = reader.settle  # act on a message only once its record verified
         hub = self.hub
         ids = set(self.worker_ids)
+        gate = self.gates["node"]
         try:
             while True:
-                kind, arg = reader.read_msg()
-                if kind == K_FRAME:
-                    if arg not in ids or arg in self.data:
-                        raise EOFError(f"protocol error: a reply tagged worker {arg}")
-                    header, buffers, _ = reader.read_frame()
-                    settle()
-                    self._deliver(arg, header, buffers)
-                elif kind == K_PING:
-                    settle()  # the kernel's receive time is the heartbeat (wire.idle_seconds)
-                elif kind == K_DIED:
-                    report = _loads(reader.read_blob())
-                    settle()
-                    if arg in ids and not hub.closing:
-                        hub.mark_dead([arg], self._death_reason(report))
-                elif kind in (K_STAT, K_FILE):
-                    answer = _loads(reader.read_blob())
-                    settle()
-                    if not isinstance(answer, dict):
-                        raise DiscoValueError(
-                            "protocol error: a module-file answer is not an object"
-                        )
-                    q = self._requests.get(arg)
-                    if q is not None:
-                        q.put(answer)
-                else:
-                    raise EOFError(f"protocol error: unknown message kind {kind}")
+                _wait_readable(self.sock, reader, self.tx)
+                with gate.lock:  # the channel's settle() waits for the delivery
+                    self._read_one(reader, settle, hub, ids)
         except (EOFError, OSError, ValueError, RecursionError, struct.error) as exc:
+            gate.remove(self.sock.fileno())
             if isinstance(exc, EOFError) and str(exc) == "connection closed":
                 what = "disconnected (the node agent exited or its machine went away)"
             else:
@@ -404,6 +429,35 @@ class NodeLink(BatchingLink):
                     log.error("disco-socket: %s", self.dead_reason)
             if not hub.closing:
                 hub.mark_dead(self.worker_ids, self.dead_reason)
+
+    def _read_one(self, reader: StreamReader, settle: Any, hub: ReplyHub, ids: set) -> None:
+        """Read one message from the node and act on it."""
+        kind, arg = reader.read_msg()
+        if kind == K_FRAME:
+            if arg not in ids or arg in self.data:
+                raise EOFError(f"protocol error: a reply tagged worker {arg}")
+            header, buffers, _ = reader.read_frame()
+            settle()
+            self._deliver(arg, header, buffers)
+        elif kind == K_PING:
+            settle()  # the kernel's receive time is the heartbeat (wire.idle_seconds)
+        elif kind == K_DIED:
+            report = _loads(reader.read_blob())
+            settle()
+            if arg in ids and not hub.closing:
+                hub.mark_dead([arg], self._death_reason(report))
+        elif kind in (K_STAT, K_FILE):
+            answer = _loads(reader.read_blob())
+            settle()
+            if not isinstance(answer, dict):
+                raise DiscoValueError(
+                    "protocol error: a module-file answer is not an object"
+                )
+            q = self._requests.get(arg)
+            if q is not None:
+                q.put(answer)
+        else:
+            raise EOFError(f"protocol error: unknown message kind {kind}")
 
     def _death_reason(self, report: Any) -> str:
         """The text of a worker death report: why, where, and the end of its stderr."""
@@ -882,6 +936,7 @@ class SocketChannel(LinkChannel):
             self.procs.append(ProcessWorkerLink(w, nw, ng, self.entrypoint, env))
         self.stderr = tee_stderr(self.procs)
         self.reader = ReplyReader(self.procs, self.hub)
+        self.gates.append(self.reader.gate)
         self.reader.start()
         if self._listener is not None:
             log.info(
@@ -893,6 +948,8 @@ class SocketChannel(LinkChannel):
             self._accept_nodes()
         thread0 = ThreadWorkerLink(0, nw, ng, self.hub)
         self._set_links([thread0, *self.procs, *sorted(self.nodes, key=lambda n: n.node_id)])
+        for node in self.nodes:
+            self.gates.extend(node.gates.values())
         self.wait_ready(range(1, self.num_workers), time.monotonic() + max(start_timeout(), 1.0))
 
     def join_command(self) -> str:

@@ -558,6 +558,32 @@ def test_frozen_node_is_declared_dead(cluster):
     assert wait_gone(pids[2:], 5) == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("token", [None, "frozen-worker"])
+def test_frozen_remote_worker_is_unresponsive(cluster, monkeypatch, token):
+    """A remote worker stopped (SIGSTOP) while its agent runs on: its own heartbeats stop.
+
+    Issue 14, finding 1 on a SocketSession: the controller used to wait for it for
+    ever. Its replies reach the controller through the agent (plain) or on its own
+    sealed reply connection (token); either way the silence is noticed.
+    """
+    monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", "2")
+    sess = cluster.session(2, 2, token=token)
+    sess.import_python_module(FUNCS)
+    pids = _values(sess.get_global_func("testing.pid")(), 4)
+    os.kill(pids[3], signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(disco.WorkerUnresponsiveError) as info:
+        sess._sync_all()
+    assert time.monotonic() - t0 < 2.0 + 3.0
+    assert info.value.worker_ids == [3]
+    assert "DISCO_LIVENESS_TIMEOUT" in str(info.value)
+    t0 = time.monotonic()
+    sess.shutdown()
+    assert time.monotonic() - t0 < 6.0
+    assert wait_gone(pids[2:], 10) == []  # the agent kills the stopped worker too
+
+
 def _agent_stderr(args, signum, after):
     """Run an agent, send it ``signum`` after ``after`` s; its exit code and stderr."""
     proc = subprocess.Popen(

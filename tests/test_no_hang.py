@@ -1,0 +1,213 @@
+"""Frozen workers, collective timeouts and late errors: every wait of the controller ends.
+
+Regression tests of issue 14's findings 1-3: a stopped worker is reported as
+``WorkerUnresponsiveError`` instead of hanging the controller; a collective
+timeout is a ``CCLTimeoutError``; a worker's error surfaces at the sync that
+follows it, every time.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+
+import pytest
+
+import disco_core as disco
+from disco_core.protocol import decode_untrusted, encode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def liveness(monkeypatch):
+    """Short liveness and gather bounds (read when a session starts)."""
+
+    def set_bounds(liveness: float = 2.0, gather: float = 60.0) -> None:
+        monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", str(liveness))
+        monkeypatch.setenv("DISCO_GATHER_TIMEOUT", str(gather))
+
+    return set_bounds
+
+
+def _stop_worker(sess: disco.Session, worker_id: int) -> int:
+    pid = sess.channel.procs[worker_id - 1].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def _wait_gone(pids, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and not _zombie(p)]
+        time.sleep(0.05)
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _shutdown_promptly(sess: disco.Session, pids: list[int]) -> None:
+    start = time.monotonic()
+    sess.shutdown()
+    assert time.monotonic() - start < 3.0, "shutdown waited for a worker that answers nothing"
+    assert _wait_gone(pids, 5.0) == [], "a stopped worker outlived its session"
+
+
+def test_frozen_worker_in_a_collective_is_unresponsive(liveness, no_leftover_children):
+    liveness(2.0)
+    sess = disco.ProcessSession(3)
+    sess.init_ccl("shm", timeout=30)
+    x = sess.empty((8,), "float32")
+    sess.allreduce(x, x)
+    sess.sync_worker_0()
+    pid = _stop_worker(sess, 2)
+    start = time.monotonic()
+    with pytest.raises(disco.WorkerUnresponsiveError) as info:
+        sess.allreduce(x, x)
+        sess.sync_worker_0()
+    took = time.monotonic() - start
+    assert info.value.worker_ids == [2]
+    assert isinstance(info.value, disco.WorkerDiedError)
+    assert "DISCO_LIVENESS_TIMEOUT" in str(info.value)
+    assert 1.5 < took < 10, took
+    with pytest.raises(disco.WorkerDiedError):  # the session is over for good
+        sess.sync_worker_0()
+    _shutdown_promptly(sess, [pid])
+
+
+def test_frozen_worker_after_a_collective_timeout(liveness, no_leftover_children):
+    """Issue 14, finding 1: the collective times out first; the gathering that follows ends."""
+    liveness(4.0)
+    sess = disco.ProcessSession(3)
+    sess.init_ccl("shm", timeout=1)
+    x = sess.empty((8,), "float32")
+    pid = _stop_worker(sess, 2)
+    start = time.monotonic()
+    with pytest.raises(disco.WorkerUnresponsiveError) as info:
+        sess.allreduce(x, x)
+        sess.sync_worker_0()
+    assert time.monotonic() - start < 15
+    assert info.value.worker_ids == [2]
+    # what was gathered before giving up: the timeouts of the workers that waited
+    assert info.value.errors, "the collective timeouts were lost"
+    assert all(isinstance(e, disco.CCLTimeoutError) for e in info.value.errors)
+    assert {e.worker_id for e in info.value.errors} <= {0, 1}
+    _shutdown_promptly(sess, [pid])
+
+
+def test_idle_frozen_worker_is_noticed_without_a_ccl(liveness, no_leftover_children):
+    liveness(1.5)
+    sess = disco.ProcessSession(2)
+    ref = sess.empty((4,), "float32")
+    pid = _stop_worker(sess, 1)
+    with pytest.raises(disco.WorkerUnresponsiveError) as info:
+        ref.debug_get_from_remote(1)
+    assert info.value.worker_ids == [1]
+    _shutdown_promptly(sess, [pid])
+
+
+def test_a_busy_worker_is_not_unresponsive(liveness):
+    """A worker function that runs longer than the liveness bound is no frozen worker."""
+    liveness(1.0)
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.call_packed("testing.sleep", 3.0)
+        sess._sync_all()  # waits the 3 s; the heartbeats say the workers live
+        big = sess.call_packed("testing.arange", 1 << 24, "float64")  # 128 MiB back
+        assert big.debug_get_from_remote(1)[-1] == ((1 << 24) - 1) * 2
+
+
+def test_collective_timeout_is_a_ccl_timeout_error(no_leftover_children):
+    """Issue 14, finding 2: ``except disco.CCLTimeoutError`` catches a worker's timeout."""
+    with disco.ProcessSession(3) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.init_ccl("shm", timeout=0.5)
+        x = sess.empty((8,), "float32")
+        sess.call_packed("testing.sleep", 2.0, 2)  # worker 2 comes late
+        sess.allreduce(x, x)
+        with pytest.raises(disco.CCLTimeoutError) as info:
+            sess.sync_worker_0()
+        err = info.value
+        assert isinstance(err, disco.WorkerError) and isinstance(err, TimeoutError)
+        assert err.worker_id in (0, 1) and err.exc_type == "CCLTimeoutError"
+        assert "remote traceback" in str(err)
+
+
+def test_worker_errors_of_disco_types_keep_their_type():
+    timeout = disco.WorkerError(3, "CCLTimeoutError", "waited", "Traceback ...")
+    assert isinstance(timeout, disco.CCLTimeoutError) and isinstance(timeout, disco.CCLError)
+    assert timeout.worker_id == 3 and "waited" in str(timeout)
+    for rebuilt in (
+        pickle.loads(pickle.dumps(timeout)),
+        decode_untrusted(*encode(("fail", timeout)))[1],
+    ):
+        assert type(rebuilt) is type(timeout) and rebuilt.worker_id == 3
+    assert isinstance(disco.WorkerError(0, "DiscoValueError", "m"), ValueError)
+    # anything that is not a Disco error of an imported module stays a plain WorkerError
+    for name in ("ValueError", "os.system", "no.such.Module", "WorkerDiedError", "1bad"):
+        assert type(disco.WorkerError(0, name, "m")) is disco.WorkerError
+
+
+def test_error_surfaces_at_the_sync_that_follows_it(no_leftover_children):
+    """Issue 14, finding 3: worker 1 fails, joins an allreduce; the next sync raises it."""
+    with disco.ProcessSession(3) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.init_ccl("shm", timeout=30)
+        x = sess.empty((8,), "float32")
+        sess.call_packed("testing.fill", x, 0.0)
+        late = []
+        for i in range(200):
+            failing = i % 10 == 0
+            if failing:
+                sess.call_packed("testing.raise_on", 1)
+            else:
+                sess.call_packed("testing.echo", i)
+            sess.allreduce(x, x)
+            try:
+                sess.sync_worker_0()
+            except disco.WorkerError as exc:
+                assert failing, f"an error surfaced late, at call {i}: {exc}"
+                assert exc.worker_id == 1
+            else:
+                if failing:
+                    late.append(i)
+        assert late == [], f"errors of calls {late} did not surface at the next sync"
+
+
+def test_gathering_after_an_error_is_bounded(liveness):
+    """A worker thread stuck in its function cannot hold the controller past the bound."""
+    liveness(gather=1.0)
+    sess = disco.ThreadedSession(2)
+    sess.import_python_module("disco_core.testing.funcs")
+    sess.call_packed("testing.sleep", 3.0, 1)  # worker 1 is busy for 3 s
+    sess.call_packed("testing.raise_on", 0)
+    start = time.monotonic()
+    with pytest.raises(disco.WorkerUnresponsiveError) as info:
+        sess.sync_worker_0()
+    assert time.monotonic() - start < 2.5
+    assert info.value.worker_ids == [1]
+    assert [e.worker_id for e in info.value.errors] == [0]
+    assert "DISCO_GATHER_TIMEOUT" in str(info.value)
+    start = time.monotonic()
+    sess.shutdown()
+    assert time.monotonic() - start < 6
+
+
+def test_no_child_left_after_unresponsive(liveness, procs):
+    liveness(1.0)
+    before = procs.children_of(os.getpid())
+    sess = disco.ProcessSession(3)
+    pid = _stop_worker(sess, 1)
+    with pytest.raises(disco.WorkerUnresponsiveError):
+        sess._sync_all()
+    _shutdown_promptly(sess, [pid])
+    assert procs.wait_gone(procs.children_of(os.getpid()) - before, 5.0) == []
