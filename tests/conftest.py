@@ -93,3 +93,32 @@ def procs():
     import types
 
     return types.SimpleNamespace(pid_gone=pid_gone, wait_gone=wait_gone, children_of=children_of)
+
+
+# ---------------------------------------------------------------- the chaos suite (tests/chaos)
+# Options live here, not in tests/chaos/conftest.py: pytest only takes options from the
+# conftest files it loads at start-up, and `bash scripts/test.sh` starts from the root.
+CHAOS_CI_ITERATIONS = 3
+CHAOS_LONG_ITERATIONS = 200
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("chaos", "the chaos suite (tests/chaos)")
+    group.addoption(
+        "--chaos-iterations",
+        type=int,
+        default=None,
+        help=f"iterations of each chaos scenario, the first a warm-up (default {CHAOS_CI_ITERATIONS})",
+    )
+    group.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help=f"the chaos suite's long mode: {CHAOS_LONG_ITERATIONS} iterations of each scenario",
+    )
+    group.addoption(
+        "--chaos-seed",
+        type=int,
+        default=None,
+        help="seed of the chaos suite's random choices (default: random, printed)",
+    )
