@@ -231,3 +231,32 @@ def test_a_full_pipe_to_a_frozen_worker_ends(liveness, no_leftover_children):
     assert time.monotonic() - start < 8
     assert info.value.worker_ids == [1]
     _shutdown_promptly(sess, [pid])
+
+
+def test_reader_gate():
+    """The gate a sync looks at: quiet only when nothing waits undelivered."""
+    from disco_core.spi import ReaderGate
+
+    assert ReaderGate().quiet()  # no descriptor at all (a channel with no reader)
+    r, w = os.pipe()
+    try:
+        held = []
+        gate = ReaderGate()
+        gate.add(r, lambda: bool(held))
+        assert gate.quiet()
+        os.write(w, b"x")
+        assert not gate.quiet()  # bytes in the pipe
+        assert not gate.settled(time.monotonic() + 0.05)
+        os.read(r, 1)
+        held.append(1)  # taken by the reader, not yet delivered
+        assert not gate.quiet()
+        held.clear()
+        with gate.lock:  # the reader is delivering
+            assert not gate.quiet()
+        assert gate.settled(time.monotonic() + 0.05)
+        gate.remove(r)
+        os.write(w, b"y")
+        assert gate.quiet()  # no longer watched
+    finally:
+        os.close(r)
+        os.close(w)

@@ -582,9 +582,9 @@ class ReaderGate:
 
     def _ready(self) -> bool:
         """True when a watched descriptor has bytes (or its end) waiting; never blocks."""
-        pollfds, nfds, zero = self._args
         if not self._fds:
             return False
+        pollfds, nfds, zero = self._args
         if _POLL_NOW is not None:
             if _POLL_NOW(pollfds, nfds, zero) <= 0:
                 return False
