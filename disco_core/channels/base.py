@@ -356,14 +356,29 @@ class BatchingLink(WorkerLink):
             with self.lock:
                 if buffers:
                     self._flush_locked()
-                    self._write_views(head, buffers)
+                    self.writing_since = time.monotonic()
+                    try:
+                        self._write_views(head, buffers)
+                    finally:
+                        self.writing_since = None
                 else:
                     self.outbox.append(head)
                     self.outbox_bytes += len(head)
                     if self.outbox_bytes >= self.OUTBOX_BYTES:
                         self._flush_locked()
         except OSError as exc:
-            raise self._died(exc) from None
+            raise self._gone(exc) from None
+
+    #: ``time.monotonic()`` when the write in progress began (None: not writing). The
+    #: liveness watch judges the workers of a link whose write does not end.
+    writing_since: float | None = None
+
+    def _gone(self, exc: OSError) -> WorkerDiedError:
+        """The error for a failed write: the hub's verdict if it has one (unresponsive)."""
+        hub = self.hub
+        if hub is not None and any(w in hub.dead for w in self.worker_ids):
+            return hub.died_error()
+        return self._died(exc)
 
     @property
     def buffered(self) -> bool:
@@ -374,14 +389,18 @@ class BatchingLink(WorkerLink):
             with self.lock:
                 self._flush_locked()
         except OSError as exc:
-            raise self._died(exc) from None
+            raise self._gone(exc) from None
 
     def _flush_locked(self) -> None:
         if self.outbox:
             data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
             self.outbox.clear()
             self.outbox_bytes = 0
-            self._write(data)
+            self.writing_since = time.monotonic()
+            try:
+                self._write(data)
+            finally:
+                self.writing_since = None
 
     def _write(self, data: bytes) -> None:
         write_all(self.out_fd, data, self._stalled)
@@ -401,15 +420,15 @@ class BatchingLink(WorkerLink):
         nothing (not even a heartbeat) for the liveness timeout; a worker that
         is only busy keeps its heartbeat, and the write waits for it.
         """
+        hub = self.hub
+        ids = self.worker_ids
+        if hub is not None and any(w in hub.dead for w in ids):
+            raise hub.died_error()
         reason = self.poll()
         if reason:
             raise self._died(BrokenPipeError(reason))
-        hub = self.hub
         if hub is None:
             return
-        ids = self.worker_ids
-        if any(w in hub.dead for w in ids):
-            raise hub.died_error()
         now = time.monotonic()
         if self.give_up_at is not None and now > self.give_up_at:
             raise WorkerDiedError(ids, "its commands were not taken before the shutdown timeout")
@@ -742,11 +761,22 @@ class LinkChannel(Channel):
                 for w in range(len(seen)):
                     seen[w] = max(seen[w], now)
             last = now
-            if not hub.waiting or hub.closing:
+            if hub.closing:
                 continue
+            # Judged: every worker while the controller waits; otherwise the workers of
+            # a link whose write does not end (a stopped reader, its buffers full).
+            judged = (
+                links
+                if hub.waiting
+                else [
+                    link
+                    for link in links
+                    if link.writing_since is not None and now - link.writing_since > tick
+                ]
+            )
             silent = [
                 w
-                for link in links
+                for link in judged
                 for w in link.worker_ids
                 if w not in hub.dead and now - seen[w] > timeout and not self._input_waiting(link, w)
             ]
@@ -756,10 +786,15 @@ class LinkChannel(Channel):
                 hub.mark_dead(
                     silent,
                     f"nothing arrived from {'them' if many else 'it'} for {idle:.1f} s "
-                    f"while the controller waited (DISCO_LIVENESS_TIMEOUT={timeout:g} s; a "
+                    f"while the controller waited on it or sent to it (DISCO_LIVENESS_TIMEOUT={timeout:g} s; a "
                     "stopped, frozen or swapped-out process, or one holding the GIL that long)",
                     unresponsive=True,
                 )
+                for link in links:  # a write stuck on them ends (their link is cut)
+                    kill = getattr(link, "kill", None)
+                    if kill is not None and link.writing_since is not None:
+                        if set(link.worker_ids) & set(silent):
+                            kill()
 
     def _input_waiting(self, link: WorkerLink, worker_id: int) -> bool:
         """True when bytes from ``worker_id`` wait unread (a busy reader is no silent worker)."""

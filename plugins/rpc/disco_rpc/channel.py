@@ -92,6 +92,18 @@ class RPCWorkerLink(BatchingLink):
     def _write_views(self, head: bytes, buffers: Any) -> None:
         self.t.send_parts([head, *buffers])  # a frame with its buffers: one record
 
+    def kill(self) -> None:
+        """Cut the link to a worker that stopped answering (a write stuck on it ends)."""
+        if self.pid and _loopback(self.host):
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def close(self, deadline: float) -> None:
         try:
             self.sock.shutdown(socket.SHUT_WR)  # end of file: an idle worker exits

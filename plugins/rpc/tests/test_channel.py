@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -133,3 +135,30 @@ def test_tracker_pool_too_small(monkeypatch, how):
         ts.close()
         srv.terminate()
         tr.terminate()
+
+
+@pytest.mark.timeout(60)
+def test_stopped_worker_with_a_full_socket_is_unresponsive(servers, monkeypatch):
+    """Commands with MiBs by value to a stopped worker fill its socket; the send ends.
+
+    The write blocked for ever before (issue 14): the liveness watch now judges the
+    workers of a link whose write does not end, and cuts that link.
+    """
+    monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", "3")  # the servers' workers beat once a second
+    sess = disco.Session.create("rpc", servers=[servers[0].addr], token="disco-secret")
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        pid = sess.call_packed("testing.pid").debug_get_from_remote(1)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(disco.WorkerUnresponsiveError) as info:
+            for _ in range(50):  # 4 MiB each
+                sess.call_packed("testing.checksum", np.ones(1 << 20, "float32"))
+            sess.sync_worker_0()
+        assert time.monotonic() - t0 < 3 + 4
+        assert info.value.worker_ids == [1]
+    finally:
+        t0 = time.monotonic()
+        sess.shutdown()
+        assert time.monotonic() - t0 < 6
+
