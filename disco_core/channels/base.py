@@ -613,13 +613,22 @@ class ReaderGate:
         return any(ev and not ev & select.POLLNVAL for ev in events)
 
     def quiet(self) -> bool:
-        """True when nothing is left undelivered right now (one ``poll``; never waits)."""
-        if not self.lock.acquire(blocking=False):
+        """True when nothing is left undelivered right now (one ``poll``; never waits).
+
+        Runs after every synchronising call, so it is kept to a lock and a poll.
+        """
+        lock = self.lock
+        if not lock.acquire(False):
             return False  # the reader is delivering
         try:
-            return not self._ready() and not any(b() for b in self._buffered)
+            if self._fds and self._ready():
+                return False
+            for buffered in self._buffered:
+                if buffered():
+                    return False
+            return True
         finally:
-            self.lock.release()
+            lock.release()
 
     def settled(self, deadline: float) -> bool:
         """Wait until nothing is left undelivered, or until ``deadline``; True when settled."""
