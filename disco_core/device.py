@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import DiscoTypeError, DiscoValueError
+
 __all__ = [
     "Device",
     "as_device",
@@ -51,23 +53,23 @@ class Device:
         elif isinstance(device_type, str) and ":" in device_type:
             name, _, idx = device_type.partition(":")
             if device_id is not None:
-                raise ValueError(f"Device({device_type!r}, {device_id}): index given twice")
+                raise DiscoValueError(f"Device({device_type!r}, {device_id}): index given twice")
             try:
                 device_id = int(idx)
             except ValueError:
-                raise ValueError(
+                raise DiscoValueError(
                     f"bad device string {device_type!r}; expected 'TYPE:INDEX', e.g. 'cuda:1'"
                 ) from None
             device_type = name
         if isinstance(device_type, int) and not isinstance(device_type, bool):
             if device_type not in _NAMES:
-                raise ValueError(f"unknown device type code {device_type}")
+                raise DiscoValueError(f"unknown device type code {device_type}")
             device_type = _NAMES[device_type]
         if not isinstance(device_type, str):
-            raise TypeError(f"device type must be a str or int, got {type(device_type).__name__}")
+            raise DiscoTypeError(f"device type must be a str or int, got {type(device_type).__name__}")
         name = _ALIASES.get(device_type.strip().lower(), device_type.strip().lower())
         if name not in _TYPE_CODES:
-            raise ValueError(
+            raise DiscoValueError(
                 f"unknown device type {device_type!r}; known: {', '.join(sorted(_TYPE_CODES))}"
             )
         device_id = 0 if device_id is None else device_id
@@ -76,7 +78,7 @@ class Device:
             or isinstance(device_id, bool)
             or device_id < 0
         ):
-            raise ValueError(f"device index must be an int >= 0, got {device_id!r}")
+            raise DiscoValueError(f"device index must be an int >= 0, got {device_id!r}")
         self.device_type = name
         self.device_id = int(device_id)
 
@@ -125,7 +127,7 @@ def as_device(device: Any) -> Device | None:
     dtype = getattr(device, "type", None)
     if isinstance(dtype, str):
         return Device(dtype, getattr(device, "index", None) or 0)
-    raise TypeError(
+    raise DiscoTypeError(
         f"cannot interpret {device!r} as a device; use disco.Device('cpu', 0) or 'cuda:0'"
     )
 
@@ -137,7 +139,7 @@ def _bfloat16():
     global _BF16
     if _BF16 is None:
         if importlib.util.find_spec("ml_dtypes") is None:
-            raise TypeError("dtype 'bfloat16' needs the ml_dtypes package: pip install ml_dtypes")
+            raise DiscoTypeError("dtype 'bfloat16' needs the ml_dtypes package: pip install ml_dtypes")
         import ml_dtypes
 
         _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -151,21 +153,21 @@ def as_dtype(dtype: Any) -> np.dtype:
     if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
         return _bfloat16()
     if dtype is None:
-        raise TypeError("dtype must be given, e.g. 'float32'")
+        raise DiscoTypeError("dtype must be given, e.g. 'float32'")
     torch_name = getattr(dtype, "is_floating_point", None) and str(dtype)
     if torch_name and torch_name.startswith("torch."):
         return as_dtype(torch_name[len("torch.") :])
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(
+        raise DiscoTypeError(
             f"unknown dtype {dtype!r}; use a NumPy dtype name such as 'float32' or 'int64'"
         ) from None
     custom = type(dt.type).__module__.startswith("ml_dtypes") or dt.type.__module__.startswith(
         "ml_dtypes"
     )
     if dt.hasobject or dt.kind in "OUSMm" or (dt.kind == "V" and not custom):
-        raise TypeError(f"dtype {dt} cannot live in a worker array; use a numeric or bool dtype")
+        raise DiscoTypeError(f"dtype {dt} cannot live in a worker array; use a numeric or bool dtype")
     return dt
 
 
@@ -176,13 +178,13 @@ def as_shape(shape: Any) -> tuple[int, ...]:
     try:
         dims = tuple(shape)
     except TypeError:
-        raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
+        raise DiscoTypeError(f"shape must be a tuple of ints, got {shape!r}") from None
     out = []
     for d in dims:
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
-            raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
+            raise DiscoTypeError(f"shape must be a tuple of ints, got {shape!r}")
         if d < 0:
-            raise ValueError(f"shape dimensions must be >= 0, got {shape!r}")
+            raise DiscoValueError(f"shape dimensions must be >= 0, got {shape!r}")
         out.append(int(d))
     return tuple(out)
 
@@ -207,7 +209,7 @@ def empty(shape: Any, dtype: Any, device: Device | None = None) -> Any:
         cp = _cupy()
         with cp.cuda.Device(device.device_id):
             return cp.empty(shape, dtype)
-    raise ValueError(f"cannot allocate arrays on {device}: only cpu, cuda and rocm are supported")
+    raise DiscoValueError(f"cannot allocate arrays on {device}: only cpu, cuda and rocm are supported")
 
 
 def is_array(value: Any) -> bool:
@@ -235,7 +237,7 @@ def as_array(value: Any) -> Any:
             pass
     if hasattr(value, "__array__"):
         return np.asarray(value)
-    raise TypeError(
+    raise DiscoTypeError(
         f"expected an array (NumPy, CuPy or anything with __dlpack__), got {type(value).__name__}"
     )
 

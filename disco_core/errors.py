@@ -188,7 +188,8 @@ class WorkerUnresponsiveError(WorkerDiedError):
 
     A process or socket worker is unresponsive when nothing (not even its
     once-a-second heartbeat) arrived from it for ``DISCO_LIVENESS_TIMEOUT``
-    seconds while the controller waited; any worker is when it did not catch up
+    seconds, judged while the controller waits on a worker or a send to it does
+    not end; any worker is when it did not catch up
     within ``DISCO_GATHER_TIMEOUT`` seconds after another worker's failure. The
     session then ends as after a death: ``shutdown()`` kills what does not stop.
 

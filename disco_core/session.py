@@ -29,13 +29,17 @@ from .device import Device, as_array, as_device, as_dtype, as_shape
 from .errors import (
     CCLError,
     DiscoError,
+    DiscoFileNotFoundError,
     DiscoTimeoutError,
+    DiscoTypeError,
+    DiscoValueError,
     SessionClosedError,
     WorkerDiedError,
     WorkerError,
     WorkerUnresponsiveError,
 )
 from .protocol import register_ref_type
+from .settings import env_seconds_or_default
 
 __all__ = [
     "Session",
@@ -80,7 +84,7 @@ class DRef:
         return f"<{type(self).__name__} register {self.reg_id}>"
 
     def __reduce__(self):
-        raise TypeError(
+        raise DiscoTypeError(
             "a DRef only has a meaning inside its session; pass it to call_packed instead"
         )
 
@@ -104,7 +108,7 @@ class DModule(DRef):
 
     def __getitem__(self, name: str) -> DPackedFunc:
         if not isinstance(name, str):
-            raise TypeError(f"module function names are str, got {type(name).__name__}")
+            raise DiscoTypeError(f"module function names are str, got {type(name).__name__}")
         session = self.session
         getter = session._get_cached_method("disco.module_get_function")
         return session._call(getter, (self, name), DPackedFunc)
@@ -118,11 +122,11 @@ def check_session_shape(num_workers: Any, num_groups: Any) -> None:
     """Validate ``num_workers`` and ``num_groups`` with a clear error."""
     for name, value in (("num_workers", num_workers), ("num_groups", num_groups)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            raise DiscoTypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise DiscoValueError(f"{name} must be >= 1, got {value}")
     if num_workers % num_groups:
-        raise ValueError(
+        raise DiscoValueError(
             f"num_workers ({num_workers}) must be a multiple of num_groups ({num_groups}): "
             "every group has the same number of workers"
         )
@@ -143,7 +147,7 @@ def _close_channel(channel: Channel, state: dict) -> None:
         # command; the session is going away, so make such waits fail now.
         rendezvous.abort("the session is shutting down")
     try:
-        channel.close(timeout=float(os.environ.get("DISCO_SHUTDOWN_TIMEOUT", "5")))
+        channel.close(timeout=env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0))
     finally:
         if rendezvous is not None:
             rendezvous.close()
@@ -171,7 +175,7 @@ class Session:
 
     def __init__(self, channel: Channel) -> None:
         if not isinstance(channel, Channel):
-            raise TypeError(f"Session needs a disco_core Channel, got {type(channel).__name__}")
+            raise DiscoTypeError(f"Session needs a disco_core Channel, got {type(channel).__name__}")
         try:
             check_session_shape(channel.num_workers, channel.num_groups)
         except (TypeError, ValueError):
@@ -259,10 +263,10 @@ class Session:
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
         if not isinstance(func, DRef) or func.session is not self:
-            raise TypeError(f"call_packed: expected a DPackedFunc of this session, got {func!r}")
+            raise DiscoTypeError(f"call_packed: expected a DPackedFunc of this session, got {func!r}")
         for a in args:
             if isinstance(a, DRef) and a.session is not self:
-                raise ValueError(f"call_packed: {a!r} belongs to another session")
+                raise DiscoValueError(f"call_packed: {a!r} belongs to another session")
         with self._lock:
             reg = self._alloc()
             try:
@@ -272,7 +276,7 @@ class Session:
                 raise
             except Exception as exc:
                 self._free_regs.append(reg)
-                raise TypeError(
+                raise DiscoTypeError(
                     f"call_packed: the arguments cannot be sent to the workers: {exc}"
                 ) from exc
         return cls(self, reg)
@@ -362,9 +366,9 @@ class Session:
 
     def _check_worker(self, worker_id: Any) -> int:
         if isinstance(worker_id, bool) or not isinstance(worker_id, (int, np.integer)):
-            raise TypeError(f"worker_id must be an int, got {type(worker_id).__name__}")
+            raise DiscoTypeError(f"worker_id must be an int, got {type(worker_id).__name__}")
         if not 0 <= worker_id < self.num_workers:
-            raise ValueError(
+            raise DiscoValueError(
                 f"worker_id {worker_id} is out of range for {self.num_workers} workers"
             )
         return int(worker_id)
@@ -394,9 +398,9 @@ class Session:
         """
         self._check_open()
         if not isinstance(name, str):
-            raise TypeError(f"get_global_func: name must be a str, got {type(name).__name__}")
+            raise DiscoTypeError(f"get_global_func: name must be a str, got {type(name).__name__}")
         if registry.get_global_func(name, allow_missing=True) is None:
-            raise ValueError(registry.missing_message(name))
+            raise DiscoValueError(registry.missing_message(name))
         with self._lock:
             reg = self._alloc()
             self._send((P.GET_GLOBAL_FUNC, reg, name))
@@ -432,14 +436,14 @@ class Session:
     def copy_from_worker_0(self, host_array: np.ndarray, remote_array: DRef) -> None:
         """Copy worker 0's ``remote_array`` into ``host_array`` (a synchronising call)."""
         if not isinstance(remote_array, DRef):
-            raise TypeError(
+            raise DiscoTypeError(
                 f"copy_from_worker_0: remote_array must be a DRef, got {type(remote_array).__name__}"
             )
         host = as_array(host_array)
         if not isinstance(host, np.ndarray):
-            raise TypeError("copy_from_worker_0: host_array must be a host (NumPy) array")
+            raise DiscoTypeError("copy_from_worker_0: host_array must be a host (NumPy) array")
         if not host.flags.writeable:
-            raise ValueError("copy_from_worker_0: host_array is read-only")
+            raise DiscoValueError("copy_from_worker_0: host_array is read-only")
         self._send((P.COPY_FROM_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
         self._recv(0)
         self._raise_pending()
@@ -453,7 +457,7 @@ class Session:
         if remote_array is None:
             remote_array = self.empty(host.shape, host.dtype, worker0_only=True)
         elif not isinstance(remote_array, DRef):
-            raise TypeError(
+            raise DiscoTypeError(
                 f"copy_to_worker_0: remote_array must be a DRef, got {type(remote_array).__name__}"
             )
         self._send((P.COPY_TO_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
@@ -496,13 +500,13 @@ class Session:
         path = os.path.abspath(os.fspath(path))
         suffix = os.path.splitext(path)[1]
         if not suffix:
-            raise ValueError(
+            raise DiscoValueError(
                 f"load_vm_module: {path} has no file suffix; module loaders are chosen by "
                 f"suffix (installed: {', '.join(sorted(plugins.registered('loader')))})"
             )
         plugins.lookup("loader", suffix)  # PluginNotFoundError here, not on the workers
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"load_vm_module: no such file: {path}")
+            raise DiscoFileNotFoundError(f"load_vm_module: no such file: {path}")
         func = self._get_cached_method("disco.load_module")
         return self._call(func, (path, as_device(device)), DModule)
 
@@ -579,7 +583,7 @@ class Session:
         """
         host = as_array(src)
         if host.ndim == 0 or host.shape[0] != self.num_workers:
-            raise ValueError(
+            raise DiscoValueError(
                 f"scatter: the first dimension of src must be the number of workers "
                 f"({self.num_workers}), got shape {tuple(host.shape)}"
             )
@@ -603,7 +607,7 @@ class Session:
         ``op`` is one of ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``.
         """
         if op not in REDUCE_OPS:
-            raise ValueError(
+            raise DiscoValueError(
                 f"allreduce: unsupported op {op!r}; expected one of {', '.join(REDUCE_OPS)}"
             )
         self._collective("allreduce", src, op, bool(in_group), dst)
@@ -679,7 +683,7 @@ class ProcessSession(Session):
     ) -> None:
         check_session_shape(num_workers, num_groups)
         if not isinstance(entrypoint, str) or not entrypoint:
-            raise TypeError("entrypoint must be a module name")
+            raise DiscoTypeError("entrypoint must be a module name")
         factory = plugins.lookup("channel", "process")
         super().__init__(
             factory(num_workers=num_workers, num_groups=num_groups, entrypoint=entrypoint)

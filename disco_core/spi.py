@@ -111,6 +111,7 @@ from .protocol import (
     frame_head,
     write_frame,
 )
+from .settings import env_seconds
 from .worker import HeartbeatSender, Worker, command_stream
 
 __all__ = [
@@ -130,6 +131,7 @@ __all__ = [
     "exit_reason",
     "stop_worker",
     "start_timeout",
+    "env_seconds",
     "tee_stderr",
     "StderrTee",
     "Worker",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import abc
 import collections
 import ctypes
-import os
 import queue
 import select
 import threading
@@ -32,6 +31,7 @@ from ..errors import (
     WorkerUnresponsiveError,
 )
 from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
+from ..settings import env_seconds, env_seconds_or_default
 from ..worker import Worker, set_current
 
 __all__ = [
@@ -48,17 +48,6 @@ __all__ = [
 ]
 
 
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise DiscoError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not value >= 0:
-        raise DiscoError(f"{name} must be >= 0 seconds, got {raw!r}")
-    return value
-
-
 def liveness_timeout() -> float:
     """Seconds a process or socket worker may send nothing while the controller waits.
 
@@ -66,7 +55,7 @@ def liveness_timeout() -> float:
     heartbeat whenever they have sent nothing for a second, so only a worker that
     is stopped, frozen, swapped out or holding the GIL that long goes silent.
     """
-    return _env_seconds("DISCO_LIVENESS_TIMEOUT", 10.0)
+    return env_seconds("DISCO_LIVENESS_TIMEOUT", 10.0)
 
 
 def gather_timeout() -> float:
@@ -75,7 +64,7 @@ def gather_timeout() -> float:
     ``$DISCO_GATHER_TIMEOUT``, default 60: long enough for collectives that are
     legitimately slow; a worker that has not caught up by then is unresponsive.
     """
-    return _env_seconds("DISCO_GATHER_TIMEOUT", 60.0) or 60.0
+    return env_seconds("DISCO_GATHER_TIMEOUT", 60.0) or 60.0
 
 
 class Outgoing:
@@ -223,7 +212,15 @@ class ReplyHub:
         self.seen[worker_id] = time.monotonic()
 
     def on_death(self, callback: Callable[[list[int], str], None]) -> None:
-        self._death_callbacks.append(callback)
+        """Call ``callback(worker_ids, reason)`` when workers die (at once if some already did)."""
+        with self._lock:
+            self._death_callbacks.append(callback)
+            dead = dict(self.dead)
+        if dead and not self.closing:
+            try:
+                callback(sorted(dead), "; ".join(sorted(set(dead.values()))))
+            except Exception:  # as in mark_dead: a failing abort must not hide the death
+                pass
 
     def mark_dead(self, worker_ids: Iterable[int], reason: str, unresponsive: bool = False) -> None:
         """Record dead (or ``unresponsive``) workers, wake every waiter, run the death callbacks once."""
@@ -648,7 +645,7 @@ class ReaderGate:
 
 #: Longest time a buffered command waits before it is written out
 #: (``DISCO_FLUSH_DELAY`` seconds; 0 writes every command at once).
-FLUSH_DELAY = float(os.environ.get("DISCO_FLUSH_DELAY", "0.0005"))
+FLUSH_DELAY = env_seconds_or_default("DISCO_FLUSH_DELAY", 0.0005)
 
 
 class LinkChannel(Channel):
@@ -794,9 +791,9 @@ class LinkChannel(Channel):
                 many = len(silent) > 1
                 hub.mark_dead(
                     silent,
-                    f"nothing arrived from {'them' if many else 'it'} for {idle:.1f} s "
-                    f"while the controller waited on it or sent to it (DISCO_LIVENESS_TIMEOUT={timeout:g} s; a "
-                    "stopped, frozen or swapped-out process, or one holding the GIL that long)",
+                    f"nothing arrived from {'them' if many else 'it'} for {idle:.1f} s, "
+                    f"more than DISCO_LIVENESS_TIMEOUT={timeout:g} s (a stopped, frozen or "
+                    "swapped-out process, or one holding the GIL that long)",
                     unresponsive=True,
                 )
                 for link in links:  # a write stuck on them ends (their link is cut)

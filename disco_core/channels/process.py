@@ -23,6 +23,7 @@ from ..errors import WorkerDiedError
 from ..net.io import grow_pipe
 from ..net.spawn import spawn_worker, worker_argv
 from ..protocol import FrameReader, decode
+from ..settings import env_seconds
 from .base import BatchingLink, LinkChannel, ReaderGate, ReplyHub, ThreadWorkerLink
 from .stderr_tee import StderrTee, with_stderr
 
@@ -38,7 +39,7 @@ __all__ = [
 
 def start_timeout() -> float:
     """Seconds to wait for workers to start (``DISCO_START_TIMEOUT``, default 60)."""
-    return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
+    return env_seconds("DISCO_START_TIMEOUT", 60.0)
 
 
 def describe_exit(code: int | None) -> str:

@@ -92,6 +92,11 @@ _USER_OPS: _UserOps | None = None
 #: Aborts of rendezvous made in this process, by token (read by worker 0's CCL).
 _ABORTS: dict[str, str] = {}
 
+#: Join threads given up on (a worker died or froze during init_ccl): MPI cannot
+#: cancel their Accept, and while one is blocked there MPI in this process is stuck
+#: (a later Open_port waits for ever), so a later init_ccl("mpi") refuses at once.
+_STUCK_JOINS: list[threading.Thread] = []
+
 #: Requests given up on (a timeout, an abort) and the CCLs that were broken at close,
 #: kept for the life of the process: MPI may still write into their buffers, which
 #: must therefore never be freed (a freed receive buffer is a segfault later).
@@ -225,6 +230,14 @@ class MPICCL(CCL):
         elif channel.num_workers == 1:
             payload["mode"] = "self"
         else:
+            stuck = [t for t in _STUCK_JOINS if t.is_alive()]
+            if stuck:
+                raise CCLError(
+                    "init_ccl('mpi'): MPI in this process is stuck: an earlier init_ccl('mpi') "
+                    "lost a worker while it joined, and MPI cannot cancel the wait for it "
+                    f"({len(stuck)} join thread(s) still blocked in MPI_Comm_accept). Run "
+                    "further MPI sessions from a new controller process, or use the 'shm' CCL"
+                )
             MPI = _runtime.mpi()
             if not _runtime.thread_level_ok(MPI):
                 raise CCLError(
@@ -329,8 +342,10 @@ class MPICCL(CCL):
             t.join(0.05)
             reason = _ABORTS.get(self.token)
             if reason:
+                _STUCK_JOINS.append(t)
                 raise CCLError(f"init_ccl('mpi') aborted: {reason}")
             if time.monotonic() > deadline:
+                _STUCK_JOINS.append(t)
                 raise CCLTimeoutError(
                     f"init_ccl('mpi'): the workers did not join one MPI communicator within "
                     f"{timeout:.0f} s (init_ccl('mpi', connect_timeout=...))"

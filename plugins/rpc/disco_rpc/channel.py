@@ -35,6 +35,7 @@ from disco_core.spi import (
     ReplyReader,
     ThreadWorkerLink,
     decode_untrusted,
+    env_seconds,
     is_loopback,
 )
 
@@ -47,7 +48,7 @@ __all__ = ["RPCChannel", "RPCWorkerLink", "run_worker", "LinkFrames"]
 
 
 def _start_timeout() -> float:
-    return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
+    return env_seconds("DISCO_START_TIMEOUT", 60.0)
 
 
 # --------------------------------------------------------------------------- controller side

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disco_core import DiscoTypeError, DiscoValueError
-from disco_core.spi import is_loopback, relay
+from disco_core.spi import env_seconds, is_loopback, relay
 
 from . import auth, wire
 from .errors import ProtocolError, RPCError
@@ -665,7 +665,7 @@ def _stop_children(children: set[int]) -> None:
 
 # --------------------------------------------------------------------------- start-up report
 def _start_timeout() -> float:
-    return float(os.environ.get("DISCO_START_TIMEOUT", "60"))
+    return env_seconds("DISCO_START_TIMEOUT", 60.0)
 
 
 def _report_ready(fd: int, exc: BaseException | None) -> None:

@@ -82,7 +82,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import select
 import socket
 import ssl
@@ -101,6 +100,7 @@ from disco_core.spi import (
     SessionKeys,
     SocketTransport,
     SSLTransport,
+    env_seconds,
     read_frame_head,
 )
 from disco_core.spi import frame_head as _frame_head
@@ -462,7 +462,7 @@ def heartbeat_timeout(value: float | None = None) -> float:
     only through TCP keepalive).
     """
     if value is None:
-        value = float(os.environ.get("DISCO_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT))
+        return env_seconds("DISCO_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT)
     value = float(value)
     if value < 0 or value != value:
         raise DiscoValueError(f"heartbeat timeout must be >= 0 seconds, got {value}")

@@ -1,0 +1,62 @@
+"""A worker lost while ``init_ccl("mpi")`` joins: an error at once, and never a hang after.
+
+Found by an outside fault run (issue 14): worker 0's join thread stays blocked in
+``MPI_Comm_accept`` (MPI cannot cancel it), and the next ``init_ccl("mpi")`` in the
+same controller waited for ever in ``MPI_Open_port``. It now refuses at once with a
+``CCLError`` that says why. The controller runs in a subprocess: its MPI is stuck
+for good afterwards, which must not spoil this test process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CONTROLLER = r"""
+import os, signal, sys, threading, time
+import disco_core as disco
+
+sess = disco.ProcessSession(2)
+sess.sync_worker_0()
+w1 = sess.channel.procs[0].proc.pid
+threading.Timer(float(sys.argv[1]), os.kill, (w1, signal.SIGKILL)).start()
+t0 = time.monotonic()
+try:
+    sess.init_ccl("mpi")
+    print("FIRST ok")
+except disco.WorkerDiedError as exc:
+    print("FIRST died", exc.worker_ids, round(time.monotonic() - t0, 2))
+except disco.CCLError as exc:
+    print("FIRST cclerror", round(time.monotonic() - t0, 2))
+sess.shutdown()
+sess = disco.ProcessSession(2)
+t0 = time.monotonic()
+try:
+    sess.init_ccl("mpi")
+    print("SECOND ok", round(time.monotonic() - t0, 2))
+except disco.CCLError as exc:
+    print("SECOND refused", round(time.monotonic() - t0, 2), "stuck" in str(exc))
+sess.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.0, 0.1, 0.3])
+def test_worker_lost_during_join_then_a_new_session(delay):
+    r = subprocess.run(
+        [sys.executable, "-c", CONTROLLER, str(delay)],
+        capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    out = r.stdout
+    assert r.returncode == 0, (out + r.stderr)[-3000:]
+    first = next(line for line in out.splitlines() if line.startswith("FIRST"))
+    second = next(line for line in out.splitlines() if line.startswith("SECOND"))
+    if first.startswith("FIRST died"):
+        assert "[1]" in first and float(first.split()[-1]) < 10, first  # about a second
+    # the second session works (the join was not stuck) or says at once why it cannot
+    if second.startswith("SECOND refused"):
+        assert second.endswith("True") and float(second.split()[2]) < 5, second
+    else:
+        assert second.startswith("SECOND ok"), second
