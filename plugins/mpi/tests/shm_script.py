@@ -45,13 +45,18 @@ def work(sess) -> None:
     assert got[3] == 3 * n, got[:4]
 
 
+def start(sess: disco.Session) -> dict:
+    """The mpi CCL on ``sess``, one allreduce, the segments observed; {worker id: pid}."""
+    sess.import_python_module("mpi_test_funcs")
+    sess.init_ccl("mpi")
+    work(sess)
+    return observe(sess)
+
+
 def process_session(n: int = 2) -> None:
     sess = disco.ProcessSession(n)
     try:
-        sess.import_python_module("mpi_test_funcs")
-        sess.init_ccl("mpi")
-        work(sess)
-        observe(sess)
+        start(sess)
     finally:
         sess.shutdown()
 
@@ -59,10 +64,7 @@ def process_session(n: int = 2) -> None:
 def killed() -> None:
     sess = disco.ProcessSession(3)
     try:
-        sess.import_python_module("mpi_test_funcs")
-        sess.init_ccl("mpi")
-        work(sess)
-        pids = observe(sess)
+        pids = start(sess)
         os.kill(pids[2], signal.SIGKILL)
         try:
             for _ in range(50):
@@ -85,10 +87,7 @@ def socket_session() -> None:
         on_listen=lambda h, p: agents.extend(start_local_agents(h, p, 2, 1, extra_args=("-q",))),
     )  # fmt: skip
     try:
-        sess.import_python_module("mpi_test_funcs")
-        sess.init_ccl("mpi")
-        work(sess)
-        observe(sess)
+        start(sess)
     finally:
         sess.shutdown()
         for a in agents:

@@ -478,6 +478,13 @@ class NodeLink(BatchingLink):
             f"(heartbeat timeout {self.heartbeat_timeout:g} s; the node is frozen or "
             "overloaded, its machine went away, or the network between them is cut)"
         )
+        paused = self.heartbeat.paused_for if self.heartbeat is not None else 0.0
+        if paused > self.heartbeat_timeout / 2:
+            self.dead_reason += (
+                f"; but this controller itself did not run for {paused:.1f} s (stopped or "
+                "suspended), and a node agent gives up on a controller that is silent for "
+                "the heartbeat timeout"
+            )
         log.error("disco-socket: %s", self.dead_reason)
         self.hub.mark_dead(self.worker_ids, self.dead_reason)
         self.kill()  # unblocks any send stuck on the dead connection

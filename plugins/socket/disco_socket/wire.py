@@ -88,6 +88,7 @@ import ssl
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -538,6 +539,9 @@ class Heartbeat:
         self.interval = heartbeat_interval(timeout)
         self.on_silence = on_silence
         self._stop = threading.Event()
+        #: the longest time this thread was late for a tick: this process was not running
+        #: (stopped, suspended), so the peer's silence may be its own doing, not the peer's
+        self.paused_for = 0.0
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLOUT)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -551,7 +555,11 @@ class Heartbeat:
         self._stop.set()
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            self.paused_for = max(self.paused_for, now - last - self.interval)
+            last = now
             try:
                 idle = idle_seconds(self.sock)
             except OSError:

@@ -980,3 +980,32 @@ def test_cli_short_form_is_documented_and_checked():
     # Both spellings of the worker count parse (then find no controller: exit code 3).
     assert run(HOST, port, "1", "--connect-timeout", "0.3", "-q").returncode == 3
     assert run(HOST, port, "--workers", "1", "--connect-timeout", "0.3", "-q").returncode == 3
+
+
+@pytest.mark.timeout(30)
+def test_heartbeat_sees_its_own_pause(monkeypatch):
+    """A controller that was itself stopped says so when it finds its nodes gone.
+
+    The heartbeat thread measures how late its own ticks were: a pause of the whole
+    process (SIGSTOP, a suspended machine) shows there, and the node's death reason
+    then names it instead of only blaming the node.
+    """
+    import types
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lsock.getsockname())
+    b, _ = lsock.accept()
+    clock = [1000.0]
+    monkeypatch.setattr(wire, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    hb = wire.Heartbeat(a, threading.Lock(), 5.0, lambda idle: None, "test-beat").start()
+    try:
+        time.sleep(0.3)
+        clock[0] += 30.0  # the next tick comes 30 s late on the process's clock
+        deadline = time.monotonic() + 5
+        while hb.paused_for < 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert 20 < hb.paused_for < 40
+    finally:
+        hb.stop()
+        for s in (a, b, lsock):
+            s.close()
