@@ -56,6 +56,7 @@ from .channels.base import (
     ReplyHub,
     ThreadWorkerLink,
     WorkerLink,
+    liveness_timeout,
 )
 from .channels.process import (
     ProcessWorkerLink,
@@ -131,6 +132,7 @@ __all__ = [
     "exit_reason",
     "stop_worker",
     "start_timeout",
+    "liveness_timeout",
     "env_seconds",
     "tee_stderr",
     "StderrTee",

@@ -91,6 +91,12 @@ def context() -> dict:
     }
 
 
+@_reg("getenv")
+def getenv(name: str) -> str | None:
+    """The worker process's environment variable ``name``."""
+    return os.environ.get(name)
+
+
 @_reg("pid")
 def pid() -> int:
     return os.getpid()

@@ -604,6 +604,10 @@ class Agent:
         extra = [p for p in welcome.get("sys_path", []) if isinstance(p, str) and os.path.isdir(p)]
         own = env.get("DISCO_SYS_PATH", "").split(os.pathsep)
         env["DISCO_SYS_PATH"] = os.pathsep.join(dict.fromkeys([*own, *extra]))
+        liveness = welcome.get("liveness_timeout")
+        if type(liveness) in (int, float) and 0 < liveness < 1e9:
+            # the workers beat often enough for the controller's DISCO_LIVENESS_TIMEOUT
+            env["DISCO_LIVENESS_TIMEOUT"] = repr(float(liveness))
         entrypoint = str(welcome.get("entrypoint") or "disco_core.worker")
         if not re.fullmatch(r"[A-Za-z_][\w.]*", entrypoint):
             raise HandshakeError(f"bad worker entry point {entrypoint!r}")

@@ -54,6 +54,7 @@ from disco_core.spi import (
     check_bind,
     decode_untrusted,
     frame_head,
+    liveness_timeout,
     new_nonce,
     resolve_token,
     start_timeout,
@@ -1154,6 +1155,8 @@ class SocketChannel(LinkChannel):
                     "sys_path": [p if p else os.getcwd() for p in sys.path],
                     "direct": self._direct,
                     "heartbeat_timeout": self.heartbeat_timeout,
+                    # the workers' heartbeats are paced by the controller's bound
+                    "liveness_timeout": liveness_timeout(),
                 },
             )
             if pending is None:

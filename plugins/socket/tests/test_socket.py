@@ -1009,3 +1009,17 @@ def test_heartbeat_sees_its_own_pause(monkeypatch):
         hb.stop()
         for s in (a, b, lsock):
             s.close()
+
+
+@pytest.mark.timeout(60)
+def test_remote_workers_beat_at_the_controllers_pace(cluster, monkeypatch):
+    """The welcome carries the controller's DISCO_LIVENESS_TIMEOUT to the agents' workers.
+
+    Their heartbeat interval is a fifth of it: a short bound on the controller is not
+    a false alarm on a node whose own environment says otherwise.
+    """
+    monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", "4")
+    sess = cluster.session(2, 1)
+    sess.import_python_module(FUNCS)
+    r = sess.call_packed("testing.getenv", "DISCO_LIVENESS_TIMEOUT")
+    assert r.debug_get_from_remote(1) == "4.0"  # set by the agent from the welcome ("4" inherited)
