@@ -260,3 +260,26 @@ def test_reader_gate():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_worker_that_never_beats_is_not_judged(liveness, tmp_path, monkeypatch):
+    """A worker of an older version sends no heartbeat: its silence proves nothing.
+
+    Only a worker whose first heartbeat arrived (it goes before "ready") is judged by
+    its silence; one that never announced them is waited for as before.
+    """
+    (tmp_path / "silent_worker_entry.py").write_text(
+        "import disco_core.worker as w\n"
+        "w.HeartbeatSender.start = lambda self: self  # as a worker without heartbeats\n"
+        "w.main()\n"
+    )
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
+    liveness(1.0)
+    with disco.ProcessSession(2, entrypoint="silent_worker_entry") as sess:
+        assert 1 not in sess.channel.hub.beating
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.call_packed("testing.sleep", 2.5)
+        sess._sync_all()  # 2.5 s of silence from worker 1, more than the bound
+    with disco.ProcessSession(2) as sess:
+        assert sess.channel.hub.beating == {1}

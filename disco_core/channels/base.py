@@ -191,6 +191,9 @@ class ReplyHub:
         self.dead: dict[int, str] = {}
         #: workers declared dead because they stopped answering (a subset of ``dead``)
         self.unresponsive: set[int] = set()
+        #: workers that said they send heartbeats (their first ``alive`` message): only
+        #: they are judged by their silence (a worker of an older version never beats)
+        self.beating: set[int] = set()
         #: ``time.monotonic()`` of the last sign of life of each worker
         self.seen = [time.monotonic()] * num_workers
         #: how many controller threads wait for a reply right now
@@ -204,8 +207,10 @@ class ReplyHub:
         kind = msg[0]
         if kind == "error":
             self.errors.append(msg[1])
-        elif kind != "alive":  # a heartbeat is only a sign of life
+        elif kind != "alive":
             self.replies[worker_id].put(msg)
+        else:  # a heartbeat is only a sign of life, and says the worker sends them
+            self.beating.add(worker_id)
 
     def touch(self, worker_id: int) -> None:
         """A sign of life that is not a whole message (bytes of a large frame)."""
@@ -430,7 +435,8 @@ class BatchingLink(WorkerLink):
         if self.give_up_at is not None and now > self.give_up_at:
             raise WorkerDiedError(ids, "its commands were not taken before the shutdown timeout")
         idle = now - max(hub.seen[w] for w in ids)
-        if self.heartbeats and self.liveness and idle > self.liveness and not hub.closing:
+        beating = all(w in hub.beating for w in ids)
+        if beating and self.liveness and idle > self.liveness and not hub.closing:
             hub.mark_dead(
                 ids,
                 f"it took no command and sent nothing for {idle:.1f} s "
@@ -784,7 +790,10 @@ class LinkChannel(Channel):
                 w
                 for link in judged
                 for w in link.worker_ids
-                if w not in hub.dead and now - seen[w] > timeout and not self._input_waiting(link, w)
+                if w in hub.beating
+                and w not in hub.dead
+                and now - seen[w] > timeout
+                and not self._input_waiting(link, w)
             ]
             if silent:
                 idle = now - max(seen[w] for w in silent)

@@ -371,6 +371,8 @@ class HeartbeatSender:
             self.last = time.monotonic()
 
     def start(self) -> HeartbeatSender:
+        """Send the first heartbeat now (it tells the controller to expect them), then beat."""
+        self(("alive", None))
         threading.Thread(target=self._beat, name="disco-heartbeat", daemon=True).start()
         return self
 
@@ -480,8 +482,8 @@ def main(argv: list[str] | None = None) -> None:
     send = HeartbeatSender(send)
     worker = Worker(args.worker_id, args.num_workers, args.num_groups, send)
     reader = FrameReader(args.cmd_fd)
+    send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
     send(("ready", os.getpid()))
-    send.start()
 
     try:
         worker.run(command_stream(reader, args.untrusted).__next__)

@@ -95,8 +95,8 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
     send = HeartbeatSender(send)  # its own lock; the controller watches the beats
     worker = Worker(int(worker_id), int(num_workers), int(num_groups), send)
     reader = LinkFrames(conn)
+    send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
     send(("ready", os.getpid()))
-    send.start()
 
     try:
         # commands crossed a socket: rebuilt from an allow-list, never unpickled
