@@ -757,7 +757,8 @@ def test_worker_seals_its_replies_with_the_key_from_its_pipe():
         body = wire.recv_exact(a, length + 16)
         good = wire.seal(_Replay(raw + body), SessionKeys(send=os.urandom(64), recv=key))
         header, bufs, _ = wire.StreamReader(good).read_frame()
-        assert P.decode_untrusted(header, bufs) == ("ready", proc.pid)
+        # the worker's first message: its first heartbeat, before "ready"
+        assert P.decode_untrusted(header, bufs) == ("alive", None)
         bad = wire.seal(_Replay(raw + body), SessionKeys(send=key, recv=os.urandom(64)))
         with pytest.raises(DiscoError, match="integrity"):
             wire.StreamReader(bad).read_frame()
