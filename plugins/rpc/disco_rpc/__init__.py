@@ -13,6 +13,7 @@
     server.terminate()
 """
 
+from . import base
 from .client import (
     BenchmarkResult,
     LocalSession,
@@ -58,5 +59,6 @@ __all__ = [
     "RPCError",
     "RPCSessionTimeoutError",
     "RPCAuthError",
+    "base",
     "__version__",
 ]

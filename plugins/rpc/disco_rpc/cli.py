@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tls-cert", default=None)
     t.add_argument("--tls-key", default=None)
     t.add_argument("--match-timeout", type=float, default=10.0)
+    t.add_argument(
+        "--tvm-protocol",
+        action="store_true",
+        help="also speak TVM's tracker protocol (TVM's rpc_server, connect_tracker, "
+        "query_rpc_tracker), which has no authentication: beyond loopback it needs "
+        "--allow-insecure-bind",
+    )
     t.add_argument("--allow-insecure-bind", action="store_true")
     t.add_argument("--silent", action="store_true")
     t.epilog = "The token is read from $DISCO_TOKEN."
@@ -171,6 +178,8 @@ def _run(args) -> int:
 
         ctx = _tls_client(args.tls_ca, args.tls_insecure)
         with connect_tracker(args.host, args.port, ssl_context=ctx) as ts:
+            # as TVM's python -m tvm.exec.query_rpc_tracker prints it
+            print(f"Tracker address {args.host}:{args.port}\n")
             print(ts.text_summary())
         return 0
     if args.cmd == "stdio":
@@ -243,6 +252,7 @@ def _tracker_or_proxy(args) -> int:
                 args.host, args.port, args.port_end, args.silent,
                 ssl_context=_tls_server(args.tls_cert, args.tls_key),
                 match_timeout=args.match_timeout, allow_insecure_bind=args.allow_insecure_bind,
+                tvm_protocol=args.tvm_protocol,
             )  # fmt: skip
         else:
             from .proxy import Proxy

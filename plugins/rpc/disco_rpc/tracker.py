@@ -42,7 +42,7 @@ import time
 from typing import Any
 
 from disco_core import DiscoValueError
-from disco_core.spi import AcceptLoop, Drain, Slots, SocketHandshake
+from disco_core.spi import AcceptLoop, Drain, Slots, SocketHandshake, is_loopback
 
 from . import auth, wire
 from .client import connect
@@ -67,8 +67,16 @@ from .protocol import (  # noqa: F401 (the tracker's codes, also names of this m
     ticket_key,
 )
 from .service import Registration, ServiceProcess, bind_listener, check_bind, open_tracker_link
+from .tvm_tracker import SniffHandshake, TVMWorld, serve_tvm_link
 
-__all__ = ["Tracker", "TrackerSession", "connect_tracker", "Registration", "serve_tracker"]
+__all__ = [
+    "Tracker",
+    "TrackerSession",
+    "connect_tracker",
+    "Registration",
+    "serve_tracker",
+    "format_summary",
+]
 
 logger = logging.getLogger("disco_rpc.tracker")
 
@@ -209,6 +217,8 @@ class TrackerState:
         self.next_sid = itertools.count(1)
         self.match_timeout = match_timeout
         self.max_summary_bytes = int(max_summary_bytes)
+        #: TVM-protocol servers and requests (``tvm_protocol=True``), listed by summary() too
+        self.tvm: TVMWorld | None = None
 
     # all methods below run with self.lock held
     def put(self, link: _Link, key: str, addr: tuple, busy: str | None = None) -> int:
@@ -322,8 +332,9 @@ class TrackerState:
     def summary(self, max_bytes: int | None = None) -> dict:
         """TVM's summary: ``server_info`` (``"key": "server:<key>"``) and ``queue_info`` per key.
 
-        It always fits in one frame of ``max_bytes`` (default: ``max_summary_bytes``):
-        it lists at most :data:`SUMMARY_MAX_SERVERS` servers and
+        Servers of both protocols are listed (TVM's marked ``"protocol": "tvm"``)
+        and counted per key. It always fits in one frame of ``max_bytes`` (default:
+        ``max_summary_bytes``): it lists at most :data:`SUMMARY_MAX_SERVERS` servers and
         :data:`SUMMARY_MAX_KEYS` keys, fewer if their bytes need it, and then says
         so in ``"truncated": {"server_info": [listed, total], "queue_info": [listed, total]}``
         (absent when everything is listed).
@@ -337,20 +348,23 @@ class TrackerState:
         for key, q in self.queues.items():
             n = sum(1 for _p, _s, w in q if not w.link.closed)
             counts.setdefault(key, {"free": 0, "pending": 0, "total": 0})["pending"] = n
-        servers = list(self.servers.values())
+        servers = [
+            {
+                "addr": [e.addr[0], e.addr[1]],
+                "key": f"server:{e.key}",
+                "free": e.ticket is None,
+                "in_session": e.started,
+            }
+            for e in self.servers.values()
+        ]
+        if self.tvm is not None:
+            servers += self.tvm.server_info()
+            self.tvm.add_counts(counts)
         ns = min(len(servers), SUMMARY_MAX_SERVERS)
         nk = min(len(counts), SUMMARY_MAX_KEYS)
         while True:
             out: dict[str, Any] = {
-                "server_info": [
-                    {
-                        "addr": [e.addr[0], e.addr[1]],
-                        "key": f"server:{e.key}",
-                        "free": e.ticket is None,
-                        "in_session": e.started,
-                    }
-                    for e in servers[:ns]
-                ],
+                "server_info": servers[:ns],
                 "queue_info": dict(itertools.islice(counts.items(), nk)),
             }
             if ns < len(servers) or nk < len(counts):
@@ -458,23 +472,37 @@ def _transport(sock: socket.socket) -> Any:
     return wire.SSLTransport(sock) if isinstance(sock, ssl.SSLSocket) else wire.SocketTransport(sock)  # fmt: skip
 
 
-def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, watch_fd: int | None = None, *, max_links: int = MAX_LINKS, max_pending: int = MAX_PENDING, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:  # fmt: skip
+def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, watch_fd: int | None = None, *, max_links: int = MAX_LINKS, max_pending: int = MAX_PENDING, handshake_timeout: float = HANDSHAKE_TIMEOUT, tvm_protocol: bool = False) -> None:  # fmt: skip
     """Serve the tracker on ``listen_sock`` until SIGTERM or ``watch_fd`` closes.
 
     One thread accepts connections and runs their handshakes
     (:class:`disco_core.net.accept.AcceptLoop`: at most ``max_pending`` at once,
     ``handshake_timeout`` seconds each, no thread for them); each authenticated
     link then gets a thread, up to ``max_links`` (beyond, it is told so and closed).
+    With ``tvm_protocol``, a connection that starts with TVM's tracker magic is
+    served by :mod:`disco_rpc.tvm_tracker` instead (a thread too, within ``max_links``).
     """
     state = TrackerState(match_timeout, min(int(max_message_bytes), TRACKER_MAX_MESSAGE_BYTES))
     slots = Slots(max_links)
     roles = (REGISTRANT_KEY.encode(), CLIENT_KEY.encode())
+    if tvm_protocol:
+        state.tvm = TVMWorld(state.lock, MAX_KEY_BYTES, MAX_HOST_BYTES)
 
-    def make_handshake(sock: socket.socket, addr: Any) -> SocketHandshake:
+    def make_ours(sock: socket.socket, addr: Any) -> SocketHandshake:
         machine = auth.ServerHandshake("", token, key_check=lambda kb: kb in roles)
         return SocketHandshake(sock, addr, machine, ssl_context)
 
-    def on_ready(hs: SocketHandshake) -> None:
+    def make_handshake(sock: socket.socket, addr: Any) -> Any:
+        return SniffHandshake(sock, addr, make_ours) if tvm_protocol else make_ours(sock, addr)
+
+    def on_ready(hs: Any) -> None:
+        if getattr(hs, "tvm", False):
+            sock = hs.detach(None)
+            _tune_link(sock)
+            if not slots.start_thread(serve_tvm_link, sock, hs.addr, state.tvm, state.summary, name="tracker-tvm-link"):  # fmt: skip
+                logger.warning("refused a TVM link from %s: %d links already", hs.addr, slots.limit)  # fmt: skip
+                loop.adopt(Drain(sock, hs.addr), timeout=2.0)
+            return
         sock = hs.detach(None)
         _tune_link(sock)
         conn = wire.Conn(_transport(sock), max_message_bytes)
@@ -525,13 +553,21 @@ class Tracker(ServiceProcess):
     match_timeout : float
         Seconds a client has to reach the server it was given; then the server
         goes back into the pool.
+    tvm_protocol : bool
+        Also speak TVM's tracker protocol on the same port, for TVM's own servers
+        and clients (:mod:`disco_rpc.tvm_tracker`). That protocol has no
+        authentication, so on a non-loopback ``host`` it needs
+        ``allow_insecure_bind`` even with a token or TLS.
     """
 
     _kind = "Tracker"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9190, port_end: int = 9199, silent: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
+    def __init__(self, host: str = "127.0.0.1", port: int = 9190, port_end: int = 9199, silent: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, allow_insecure_bind: bool = False, reuse_addr: bool = True, tvm_protocol: bool = False) -> None:  # fmt: skip
         token_b = auth.resolve_token(token)
         check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC tracker")
+        if tvm_protocol and not is_loopback(host):
+            # TVM's peers prove nothing: as open as a tracker with neither token nor TLS
+            check_bind(host, None, None, allow_insecure_bind, what="RPC tracker's TVM protocol")  # fmt: skip
         if silent:
             logger.setLevel(logging.ERROR)
         self.host = host
@@ -540,7 +576,7 @@ class Tracker(ServiceProcess):
 
         def serve(watch_fd: int) -> None:
             signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
-            serve_tracker(sock, token_b, ssl_context, max_message_bytes, match_timeout, watch_fd)
+            serve_tracker(sock, token_b, ssl_context, max_message_bytes, match_timeout, watch_fd, tvm_protocol=tvm_protocol)  # fmt: skip
 
         try:
             self._fork(serve)
@@ -624,14 +660,15 @@ class TrackerSession:
         """``{"server_info": [...], "queue_info": {key: {"free", "pending", "total"}}}``.
 
         ``server_info`` entries are ``{"addr": [host, port], "key": "server:<key>",
-        "free": bool, "in_session": bool}``. When the tracker has more than fits in
+        "free": bool, "in_session": bool}`` (a TVM-protocol server's:
+        ``{"addr", "key", "free", "protocol": "tvm"}``). When the tracker has more than fits in
         one reply, some are left out and ``"truncated"`` says
         ``{"server_info": [listed, total], "queue_info": [listed, total]}``.
         """
         return self._call(T_SUMMARY, None)
 
     def text_summary(self) -> str:
-        """The summary as the tables ``disco-rpc query`` prints."""
+        """The summary as TVM's ``text_summary`` prints it (``disco-rpc query`` prints it too)."""
         return format_summary(self.summary())
 
     def request(self, key: str, priority: int = 1, session_timeout: float = 0, max_retry: int = 5, session_constructor_args: list | None = None, *, wait_timeout: float | None = None, **connect_args: Any):  # fmt: skip
@@ -735,24 +772,44 @@ class TrackerSession:
 
 
 def format_summary(s: dict) -> str:
-    lines = ["Server List", "-" * 40, f"{'server-address':<24} {'key':<14}", "-" * 40]
-    for info in s.get("server_info", []):
-        addr = f"{info['addr'][0]}:{info['addr'][1]}"
-        state = "" if info.get("free") else " (in use)"
-        lines.append(f"{addr:<24} {info['key']}{state}")
-    lines += ["-" * 40, "", "Queue Status", "-" * 40]
-    lines.append(f"{'key':<16} {'total':>6} {'free':>6} {'pending':>8}")
-    lines.append("-" * 40)
-    for key, q in sorted(s.get("queue_info", {}).items()):
-        lines.append(f"{key:<16} {q['total']:>6} {q['free']:>6} {q['pending']:>8}")
-    lines.append("-" * 40)
+    """A summary as TVM's ``TrackerSession.text_summary`` prints it (same text, same layout).
+
+    It reads TVM's layout only (``server_info`` entries' ``addr`` and ``key``,
+    ``queue_info``'s ``free`` and ``pending``), so a summary from TVM's own tracker
+    prints too. A key's total is ``queue_info``'s ``total`` when given (it counts
+    servers a truncated list leaves out), else counted from ``server_info`` as TVM
+    does. A truncated summary ends with a line that says so.
+    """
+    total_ct: dict[str, int] = {}
+    res = "Server List\n"
+    res += "------------------------------\n"
+    res += "server-address           key\n"
+    res += "------------------------------\n"
+    for item in sorted(s.get("server_info", []), key=lambda x: x["key"]):
+        res += f"{':'.join(map(str, item['addr'])):21s}    " + item["key"] + "\n"
+        key = item["key"].split(":", 1)[-1]  # 'server:rasp3b' -> 'rasp3b'
+        total_ct[key] = total_ct.get(key, 0) + 1
+    res += "------------------------------\n"
+    res += "\n"
+    queue_info = s.get("queue_info", {})
+    keys = sorted(queue_info)
+    max_key_len = max((len(k) for k in keys), default=0)
+    res += "Queue Status\n"
+    title = f"{'key':<{max_key_len}s}   total  free  pending\n"
+    separate_line = "-" * len(title) + "\n"
+    res += separate_line + title + separate_line
+    for k in keys:
+        q = queue_info[k]
+        total = q.get("total", total_ct.get(k, 0))
+        free, pending = q["free"], q["pending"]
+        if total or pending:
+            res += f"{k:<{max_key_len}}   {total:<5d}  {free:<4d}  {pending:<7d}\n"
+    res += separate_line
     cut = s.get("truncated")
     if cut:
-        servers, keys = cut.get("server_info", (0, 0)), cut.get("queue_info", (0, 0))
-        lines.append(
-            f"(truncated: {servers[0]} of {servers[1]} servers and {keys[0]} of {keys[1]} keys listed)"  # fmt: skip
-        )
-    return "\n".join(lines)
+        servers, keys_cut = cut.get("server_info", (0, 0)), cut.get("queue_info", (0, 0))
+        res += f"(truncated: {servers[0]} of {servers[1]} servers and {keys_cut[0]} of {keys_cut[1]} keys listed)\n"  # fmt: skip
+    return res
 
 
 def connect_tracker(url: str, port: int, *, token: Any = None, ssl_context: Any = None, server_token: Any = None, server_ssl_context: Any = None) -> TrackerSession:  # fmt: skip
