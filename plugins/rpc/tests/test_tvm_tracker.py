@@ -241,6 +241,25 @@ def test_dead_clients_and_servers_give_their_slots_back(tracker):
         ts.close()
 
 
+def test_the_cpp_tvm_rpc_messages(tracker):
+    """The exact text the C++ tvm_rpc sends (apps/cpp_rpc/rpc_tracker_client.h) is understood."""
+
+    def send_bytes(s: socket.socket, text: str) -> bytes:  # its SendBytes, then RecvBytes
+        s.sendall(struct.pack("<i", len(text)) + text.encode())
+        (n,) = struct.unpack("<i", base.recvall(s, 4))
+        return base.recvall(s, n)
+
+    s = _conn(tracker)
+    try:
+        assert send_bytes(s, '[5, {"key": "server:cpp", "addr": [null, "9128"]}]') == b"0"
+        assert send_bytes(s, '[3, "cpp", [9128, "cpp:0.123"], null]') == b"0"
+        assert b'"cpp:0.123"' in send_bytes(s, "[7]")  # it searches the text for its key
+        with rpc.connect_tracker("127.0.0.1", tracker.port) as ts:
+            assert ts.summary()["queue_info"]["cpp"] == {"free": 1, "pending": 0, "total": 1}
+    finally:
+        s.close()
+
+
 def _bogus_messages() -> list[tuple[str, bytes]]:
     def msg(value) -> bytes:
         body = (value if isinstance(value, str) else json.dumps(value)).encode()
