@@ -67,7 +67,7 @@ from .protocol import (  # noqa: F401 (the tracker's codes, also names of this m
     ticket_key,
 )
 from .service import Registration, ServiceProcess, bind_listener, check_bind, open_tracker_link
-from .tvm_tracker import SniffHandshake, TVMWorld, serve_tvm_link
+from .tvm_tracker import MAX_TVM_LINKS, SniffHandshake, TVMWorld, serve_tvm_link
 
 __all__ = [
     "Tracker",
@@ -472,7 +472,7 @@ def _transport(sock: socket.socket) -> Any:
     return wire.SSLTransport(sock) if isinstance(sock, ssl.SSLSocket) else wire.SocketTransport(sock)  # fmt: skip
 
 
-def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, watch_fd: int | None = None, *, max_links: int = MAX_LINKS, max_pending: int = MAX_PENDING, handshake_timeout: float = HANDSHAKE_TIMEOUT, tvm_protocol: bool = False) -> None:  # fmt: skip
+def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, watch_fd: int | None = None, *, max_links: int = MAX_LINKS, max_pending: int = MAX_PENDING, handshake_timeout: float = HANDSHAKE_TIMEOUT, tvm_protocol: bool = False, max_tvm_links: int = MAX_TVM_LINKS) -> None:  # fmt: skip
     """Serve the tracker on ``listen_sock`` until SIGTERM or ``watch_fd`` closes.
 
     One thread accepts connections and runs their handshakes
@@ -480,13 +480,15 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
     ``handshake_timeout`` seconds each, no thread for them); each authenticated
     link then gets a thread, up to ``max_links`` (beyond, it is told so and closed).
     With ``tvm_protocol``, a connection that starts with TVM's tracker magic is
-    served by :mod:`disco_rpc.tvm_tracker` instead (a thread too, within ``max_links``).
+    served by :mod:`disco_rpc.tvm_tracker` instead (a thread too, up to ``max_tvm_links``,
+    a cap of their own: unauthenticated peers cannot crowd out authenticated links).
     """
     state = TrackerState(match_timeout, min(int(max_message_bytes), TRACKER_MAX_MESSAGE_BYTES))
     slots = Slots(max_links)
     roles = (REGISTRANT_KEY.encode(), CLIENT_KEY.encode())
     if tvm_protocol:
         state.tvm = TVMWorld(state.lock, MAX_KEY_BYTES, MAX_HOST_BYTES)
+        tvm_slots = Slots(max_tvm_links)
 
     def make_ours(sock: socket.socket, addr: Any) -> SocketHandshake:
         machine = auth.ServerHandshake("", token, key_check=lambda kb: kb in roles)
@@ -499,8 +501,8 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
         if getattr(hs, "tvm", False):
             sock = hs.detach(None)
             _tune_link(sock)
-            if not slots.start_thread(serve_tvm_link, sock, hs.addr, state.tvm, state.summary, name="tracker-tvm-link"):  # fmt: skip
-                logger.warning("refused a TVM link from %s: %d links already", hs.addr, slots.limit)  # fmt: skip
+            if not tvm_slots.start_thread(serve_tvm_link, sock, hs.addr, state.tvm, state.summary, name="tracker-tvm-link"):  # fmt: skip
+                logger.warning("refused a TVM link from %s: %d TVM links already", hs.addr, tvm_slots.limit)  # fmt: skip
                 loop.adopt(Drain(sock, hs.addr), timeout=2.0)
             return
         sock = hs.detach(None)

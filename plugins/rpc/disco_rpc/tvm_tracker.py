@@ -31,7 +31,9 @@ entries marked ``"protocol": "tvm"``, and counts a key's servers of both kinds.
 What a peer may cost is bounded: a message is at most
 :data:`~disco_rpc.base.TRACKER_MAX_JSON_BYTES` (a larger or non-positive size
 closes the connection before anything more is read), the rest of a message must
-arrive within :data:`MESSAGE_TIMEOUT` seconds of its first byte, a connection has
+arrive within :data:`MESSAGE_TIMEOUT` seconds of its first byte, at most
+:data:`MAX_TVM_LINKS` TVM connections are served at once (apart from the tracker's
+own links, which they cannot crowd out), a connection has
 at most :data:`MAX_PUTS_PER_LINK` free slots and :data:`MAX_REQUESTS_PER_LINK`
 requests waiting, and keys, hosts and match keys are bounded. Anything malformed
 (not JSON, wrong types, an unknown code) closes that connection, as TVM's
@@ -66,6 +68,7 @@ __all__ = [
     "SniffHandshake",
     "serve_tvm_link",
     "MESSAGE_TIMEOUT",
+    "MAX_TVM_LINKS",
     "MAX_PUTS_PER_LINK",
     "MAX_REQUESTS_PER_LINK",
     "MAX_MATCHKEY_BYTES",
@@ -75,6 +78,9 @@ logger = logging.getLogger("disco_rpc.tracker")
 
 #: Seconds the rest of a message has to arrive once its first byte did.
 MESSAGE_TIMEOUT = 10.0
+#: TVM-protocol connections served at once: a cap of their own, so that peers who prove
+#: nothing cannot take the threads of the tracker's authenticated links.
+MAX_TVM_LINKS = 512
 #: Free slots one connection may have put at once (a TVM server has one).
 MAX_PUTS_PER_LINK = 64
 #: Requests one connection may have waiting at once.

@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -48,8 +49,8 @@ def _wait(pred, timeout=10.0):
 
 
 def _conn(tr) -> socket.socket:
-    """A TVM-protocol connection to ``tr`` (the magic sent and answered)."""
-    s = socket.create_connection(("127.0.0.1", tr.port), timeout=5)
+    """A TVM-protocol connection to ``tr`` (a tracker or a port; the magic sent and answered)."""
+    s = socket.create_connection(("127.0.0.1", tr if isinstance(tr, int) else tr.port), timeout=5)
     s.sendall(struct.pack("<i", base.RPC_TRACKER_MAGIC))
     assert struct.unpack("<i", base.recvall(s, 4))[0] == base.RPC_TRACKER_MAGIC
     return s
@@ -355,6 +356,34 @@ def test_per_connection_caps(tracker):
         assert _wait(lambda: "few" not in ts.summary()["queue_info"])
     finally:
         ts.close()
+
+
+def test_tvm_links_cannot_crowd_out_ours():
+    """TVM links (who prove nothing) have a cap of their own, apart from authenticated links."""
+    from disco_rpc import tracker as T
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    r, w = os.pipe()
+    kwargs = {"watch_fd": r, "max_links": 2, "max_tvm_links": 2, "tvm_protocol": True}
+    th = threading.Thread(target=T.serve_tracker, args=(lst,), kwargs=kwargs, daemon=True)
+    th.start()
+    port = lst.getsockname()[1]
+    held = [_conn(port) for _ in range(2)]
+    try:
+        third = socket.create_connection(("127.0.0.1", port), timeout=5)
+        third.sendall(struct.pack("<i", base.RPC_TRACKER_MAGIC))
+        assert _closed(third)  # refused: two TVM links already
+        third.close()
+        with rpc.connect_tracker("127.0.0.1", port) as ts:  # ours still get in
+            assert ts.summary() == {"server_info": [], "queue_info": {}}
+        assert _call(held[0], [C.PING]) == C.SUCCESS
+    finally:
+        for s in held:
+            s.close()
+        os.close(w)
+        th.join(10)
+        os.close(r)
+        lst.close()
 
 
 def test_worlds_apart_and_our_protocol_unchanged(tracker):
