@@ -25,16 +25,39 @@ pip_install "apache-tvm[rpc]==0.27.0.post1" ||
 # imports flow one way, inside the core and each plugin (.importlinter)
 .venv/bin/lint-imports --no-cache || exit 1
 
-status=0
+# The suites run in two streams side by side (most of their time is spent waiting
+# on processes, sockets and timeouts, not on the CPU): the core's suite in one,
+# the plugins' in the other. DISCO_TEST_STREAMS=1 runs them one after another.
+# Each stream's output is printed whole when it ends, so the logs do not interleave.
 run() {  # run pytest in a folder; "no tests ran" (exit 5) only counts when filtering
-  (cd "$1" && "$OLDPWD/.venv/bin/python" -m pytest "${@:2}")
+  (cd "$1" && "$ROOT/.venv/bin/python" -m pytest "${@:2}")
   local rc=$?
-  if [ $rc -ne 0 ] && ! { [ $rc -eq 5 ] && [ $# -gt 1 ]; }; then status=1; fi
+  if [ $rc -ne 0 ] && ! { [ $rc -eq 5 ] && [ $# -gt 1 ]; }; then return 1; fi
 }
 ROOT=$PWD
-run "$ROOT" "$@"
-for p in plugins/*/; do
-  [ -d "$p/tests" ] && run "$ROOT/$p" "$@"
-done
+core_stream() { run "$ROOT" "$@"; }
+plugin_stream() {
+  local rc=0
+  for p in plugins/*/; do
+    [ -d "$p/tests" ] && { run "$ROOT/$p" "$@" || rc=1; }
+  done
+  return $rc
+}
+status=0
+if [ "${DISCO_TEST_STREAMS:-2}" = 1 ]; then
+  core_stream "$@" || status=1
+  plugin_stream "$@" || status=1
+else
+  logs=$(mktemp -d)
+  trap 'rm -rf "$logs"' EXIT
+  core_stream "$@" >"$logs/core" 2>&1 &
+  core_pid=$!
+  plugin_stream "$@" >"$logs/plugins" 2>&1 &
+  plugin_pid=$!
+  wait $plugin_pid || status=1
+  echo "=== plugin suites (plugins/*/tests)"; cat "$logs/plugins"
+  wait $core_pid || status=1
+  echo "=== core suite (tests/)"; cat "$logs/core"
+fi
 [ $status -eq 0 ] && echo "all suites passed" || echo "some suite failed"
 exit $status
