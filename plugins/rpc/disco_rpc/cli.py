@@ -64,9 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=9091)
     s.add_argument("--port-end", type=int, default=9199)
     s.add_argument("--key", default="")
-    s.add_argument("--load-library", default=None, help="comma-separated .py/.so files")
+    s.add_argument(
+        "--load-library", default=None, help=".py/.so files separated by ':' (TVM's) or ','"
+    )
     s.add_argument("--no-fork", action="store_true")
-    s.add_argument("--timeout", type=float, default=None, help="longest session, seconds")
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a connecting client has for its handshake (TVM's socket timeout; at most "
+        "10, the default); not a limit on sessions",
+    )
+    s.add_argument("--session-timeout", type=float, default=None, help="longest session, seconds")
     s.add_argument(
         "--liveness-timeout",
         type=float,
@@ -201,7 +210,7 @@ def _files(args) -> int:
         elif args.cmd == "download":
             sess.download(args.path, target=args.out, progress=_Bar(f"download {args.path}"))
         else:
-            names = sess.listdir(args.path)
+            names = sess.listdir_names(args.path)
             if names:
                 print("\n".join(names))
     return 0
@@ -281,7 +290,7 @@ def _managed_server(args) -> int:
             args.host, args.port, args.port_end, is_proxy=args.through_proxy,
             tracker_addr=_hostport(args.tracker), key=args.key,
             load_library=args.load_library, custom_addr=args.custom_addr, no_fork=args.no_fork,
-            timeout=args.timeout, work_dir=args.work_dir,
+            timeout=args.timeout, session_timeout=args.session_timeout, work_dir=args.work_dir,
             max_message_bytes=args.max_message_bytes,
             ssl_context=_tls_server(args.tls_cert, args.tls_key),
             allow_insecure_bind=args.allow_insecure_bind,
@@ -301,6 +310,8 @@ def _server(args) -> int:
     from .errors import RPCError
     from .server import (
         ServerConfig,
+        _handshake_timeout,
+        _positive_or_none,
         bind_listener,
         check_bind,
         load_libraries,
@@ -321,8 +332,10 @@ def _server(args) -> int:
         return 2
     try:
         liveness = resolve_liveness_timeout(args.liveness_timeout)
+        session_timeout = _positive_or_none(args.session_timeout, "--session-timeout")
+        handshake_timeout = _handshake_timeout(args.timeout)
         sock = bind_listener(args.host, args.port, args.port_end)
-    except (RPCError, ValueError) as exc:
+    except (RPCError, ValueError, TypeError) as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)
         return 1
     cfg = ServerConfig(
@@ -331,7 +344,8 @@ def _server(args) -> int:
         ssl_context=ctx,
         work_dir=os.path.abspath(args.work_dir) if args.work_dir else "",
         max_message_bytes=args.max_message_bytes,
-        timeout=args.timeout,
+        session_timeout=session_timeout,
+        handshake_timeout=handshake_timeout,
         no_fork=args.no_fork,
         libs=load_libraries(args.load_library),
         liveness_timeout=liveness,

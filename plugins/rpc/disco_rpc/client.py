@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import secrets
 import select
@@ -139,9 +140,12 @@ class RemoteModule(RemoteObject):
         except RPCError as exc:
             if not exc.exc_type.endswith("KeyError"):
                 raise
-            raise RPCAttributeError(
-                exc.remote_message, exc.exc_type, exc.remote_traceback
-            ) from None
+            # TVM's message (tvm_ffi.Module.get_function), then the server's reason
+            err = RPCAttributeError(
+                f"Module has no function '{name}' (remote {exc.exc_type}: {exc.remote_message})"
+            )
+            err.exc_type, err.remote_traceback = exc.exc_type, exc.remote_traceback
+            raise err from None
         if isinstance(fn, RemoteFunction):
             fn.name = name
         return fn
@@ -149,7 +153,7 @@ class RemoteModule(RemoteObject):
     def __getitem__(self, name: str) -> RemoteFunction:
         return self.get_function(name)
 
-    def time_evaluator(self, func_name: str, dev: Any, number: int = 10, repeat: int = 1, min_repeat_ms: float = 0, limit_zero_time_iterations: int = 100, cooldown_interval_ms: float = 0, repeats_to_cooldown: int = 1, f_preproc: str = "", *, restype: str | None = None) -> Callable[..., BenchmarkResult]:  # fmt: skip
+    def time_evaluator(self, func_name: str, dev: Any, number: int = 10, repeat: int = 1, min_repeat_ms: float = 0, limit_zero_time_iterations: int = 100, cooldown_interval_ms: float = 0, repeats_to_cooldown: int = 1, cache_flush_bytes: int = 0, f_preproc: str = "", *, restype: str | None = None) -> Callable[..., BenchmarkResult]:  # fmt: skip
         """A callable that runs ``func_name`` on the server and times it there, as TVM's.
 
         ``evaluator(*args)`` calls the function once to warm up, then ``repeat``
@@ -158,21 +162,51 @@ class RemoteModule(RemoteObject):
         :class:`BenchmarkResult` of the per-call seconds of each repeat. A repeat
         whose measured time is exactly zero (a clock too coarse for it) is run
         again with the same ``number``, at most ``limit_zero_time_iterations``
-        times, as TVM's. Arguments are sent once; remote tensors are passed by
-        reference. ``restype`` sets the result type of a C function (shared
-        libraries and ``system_lib()``).
+        times, as TVM's. ``f_preproc`` names a global function of the server,
+        called with the same arguments before each repeat (TVM's
+        ``"cache_flush_cpu_non_first_arg"`` evicts the arrays after the first
+        from the CPU caches); ``cache_flush_bytes`` copies an array of that size on
+        ``dev`` before each timed run. Arguments are sent once; remote tensors are
+        passed by reference. ``restype`` sets the result type of a C function
+        (shared libraries and ``system_lib()``).
+
+        Raises
+        ------
+        RPCError
+            ``f_preproc`` names no global function of the server (raised here).
+        DiscoValueError
+            ``cache_flush_bytes`` is negative.
         """
-        if f_preproc:
-            raise NotImplementedError("f_preproc is not supported by disco-rpc")
+        try:
+            cache_flush_bytes = operator.index(cache_flush_bytes)
+        except TypeError:
+            raise DiscoTypeError(
+                f"time_evaluator: cache_flush_bytes must be an int, got {type(cache_flush_bytes).__name__}"  # fmt: skip
+            ) from None
+        if cache_flush_bytes < 0:
+            raise DiscoValueError(
+                f"time_evaluator: cache_flush_bytes must be >= 0, got {cache_flush_bytes}"
+            )
+        f_preproc = f_preproc or ""
+        if not isinstance(f_preproc, str):
+            raise DiscoTypeError(
+                "time_evaluator: f_preproc must be the name of a global function of the "
+                f"server (a str), got {type(f_preproc).__name__}"
+            )
         sess = self._rpc_sess
+        if f_preproc:
+            sess.get_function(f_preproc)  # a name the server lacks fails here, as in TVM
         d = Device(dev.device_type, dev.device_id) if dev is not None else None
         module = self
+        # sent only when used, so a server of an earlier release still times plain calls
+        extra = (int(cache_flush_bytes), f_preproc) if cache_flush_bytes or f_preproc else ()
 
         def evaluator(*args: Any) -> BenchmarkResult:
             res = sess._request(
                 protocol.OP_TIME_EVAL, module, func_name, d, int(number), int(repeat),
                 float(min_repeat_ms or 0), int(limit_zero_time_iterations),
                 float(cooldown_interval_ms or 0), int(repeats_to_cooldown or 1), restype, args,
+                *extra,
             )  # fmt: skip
             return BenchmarkResult(res)
 
@@ -231,7 +265,10 @@ class RemoteDevice(Device):
         return bool(self._rpc_sess._request(OP_DEV_EXIST, Device(self.device_type, self.device_id)))
 
     def __repr__(self) -> str:
-        return f"remote[{self._rpc_sess._label}]:{self.device_type}:{self.device_id}"
+        # TVM's form: the session's index in this process's session table
+        return f"remote[{self._rpc_sess._tbl_index}]:{self.device_type}({self.device_id})"
+
+    __str__ = __repr__
 
 
 class RemoteTensor(RemoteObject):
@@ -277,6 +314,30 @@ class RemoteTensor(RemoteObject):
 
 
 # --------------------------------------------------------------------------- sessions
+class _SessionTable:
+    """The per-process table of sessions whose index a remote device prints, as TVM's.
+
+    A session takes the lowest free index; its index becomes free again when the
+    session object is gone (not when it is closed: its devices may still be printed).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.slots: list[weakref.ref] = []
+
+    def insert(self, sess: RPCSession) -> int:
+        with self.lock:
+            for i, ref in enumerate(self.slots):
+                if ref() is None:
+                    self.slots[i] = weakref.ref(sess)
+                    return i
+            self.slots.append(weakref.ref(sess))
+            return len(self.slots) - 1
+
+
+_SESSIONS = _SessionTable()
+
+
 class RPCSession:
     """A session with an RPC server; made by :func:`connect`, :class:`LocalSession`, ...
 
@@ -299,6 +360,7 @@ class RPCSession:
         self._logging = enable_logging
         self._funcs: dict[str, RemoteFunction] = {}
         self.info: dict = {}
+        self._tbl_index = _SESSIONS.insert(self)  # TVM's name for it
         # liveness: requests are sent under _send_lock, so the heartbeat thread can
         # slip a heartbeat between them (README, "Liveness")
         self._send_lock = threading.Lock()
@@ -404,7 +466,7 @@ class RPCSession:
         if self._server_timeout and elapsed >= self._server_timeout * 0.95:
             raise RPCSessionTimeoutError(
                 f"RPC session timed out: it ran {elapsed:.2f} s, past the server's session time "
-                f"limit of {self._server_timeout:g} s (Server(timeout=...)), and the server "
+                f"limit of {self._server_timeout:g} s (Server(session_timeout=...)), and the server "
                 f"ended it (during {what})"
             ) from None
         why = "the server process died or dropped the session"
@@ -564,9 +626,9 @@ class RPCSession:
     def download(self, path: str, *, target: str | None = None, progress: Progress | None = None) -> Any:  # fmt: skip
         """Return the contents of a remote file, or stream them into the local file ``target``.
 
-        The contents come back as a ``memoryview`` of bytes (``bytes(data)`` copies
-        them). With ``target`` they are written to a temporary file beside it, renamed
-        to ``target`` once complete: a failed download leaves ``target`` untouched.
+        The contents come back as a ``bytearray``, as TVM's. With ``target`` they are
+        written to a temporary file beside it, renamed to ``target`` once complete (a
+        failed download leaves ``target`` untouched), and ``target`` is returned.
         ``progress(done_bytes, total_bytes)`` is called after each chunk (once with
         ``(0, 0)`` for an empty file).
         """
@@ -575,10 +637,9 @@ class RPCSession:
     def _fetch(self, op: int, path: str, target: str | None, progress: Progress | None) -> Any:
         if target is None:
 
-            def into_memory(conn: wire.Conn, size: int) -> memoryview:
-                # np.empty: no zero-filling pass over memory the socket overwrites anyway
-                out = memoryview(np.empty(int(size), np.uint8)).cast("B")
-                conn.recv_stream(op, int(size), into=out, progress=progress)
+            def into_memory(conn: wire.Conn, size: int) -> bytearray:
+                out = bytearray(int(size))  # TVM's type; the socket fills it in place
+                conn.recv_stream(op, int(size), into=memoryview(out), progress=progress)
                 return out
 
             return self._exchange(op, (path,), recv_stream=into_memory)
@@ -594,9 +655,16 @@ class RPCSession:
         """Remove a remote file or folder (inside the work folder)."""
         self._request(OP_REMOVE, path)
 
-    def listdir(self, path: str = ".") -> list[str]:
-        """The names in a remote folder of the work folder, sorted."""
-        return self._request(OP_LISTDIR, path)
+    def listdir(self, path: str = ".") -> str:
+        """The names in a remote folder of the work folder, sorted and joined by ``,`` (TVM's).
+
+        ``""`` for an empty folder; :meth:`listdir_names` gives the list.
+        """
+        return ",".join(self.listdir_names(path))
+
+    def listdir_names(self, path: str = ".") -> list[str]:
+        """The names in a remote folder of the work folder, as a sorted list."""
+        return list(self._request(OP_LISTDIR, path))
 
     def load_module(self, path: str, device: Any = None) -> RemoteModule:
         """Load an uploaded module: ``.py`` through the core's loaders, ``.so`` through ctypes,
@@ -604,8 +672,9 @@ class RPCSession:
         dev = Device(device.device_type, device.device_id) if device is not None else None
         return self._request(OP_LOAD_MODULE, path, dev)
 
-    def download_linked_module(self, path: str) -> memoryview:
-        """Link an uploaded ``.tar`` of object files with the server's ``cc``; return the ``.so``."""
+    def download_linked_module(self, path: str) -> bytearray:
+        """Link an uploaded ``.tar`` of object files with the server's ``cc``; return the ``.so``
+        as a ``bytearray`` (TVM's type)."""
         return self._fetch(OP_LINK, path, None, None)
 
     def ping(self) -> None:
@@ -793,7 +862,10 @@ class LocalSession(RPCSession):
                 raise _remote_error(handler.error_value(exc)) from None
         with src.file:
             if target is None:
-                data = memoryview(src.file.read())
+                data = bytearray(src.size)
+                got = src.file.readinto(data)
+                if got != src.size:
+                    raise TransferError(f"the file ended {src.size - got} bytes early")
                 if progress is not None:
                     progress(len(data), len(data))
                 return data

@@ -116,8 +116,18 @@ def _lookup(name):
     except ImportError:
         fn = None
     if fn is None:
+        if name in CACHE_FLUSH_NAMES:  # TVM's f_preproc: no arrays here, nothing to flush
+            return _no_flush
         raise ValueError(f"global function {name!r} is not registered")
     return fn
+
+
+#: TVM's cache-flushing ``f_preproc`` (disco_rpc.handler.CACHE_FLUSH_NAMES).
+CACHE_FLUSH_NAMES = ("cache_flush_cpu_non_first_arg", "cache_flush_cpu_preproc")
+
+
+def _no_flush(*_args):
+    return None
 
 
 # --------------------------------------------------------------------------- values
@@ -533,7 +543,8 @@ class Session:
             pipe.send_stream(proto.OP_DOWNLOAD, f, size, self.chunk)
 
     def time_eval(
-        self, module, name, _dev, number, repeat, min_ms, zero_limit, cool_ms, cool_every, restype, args
+        self, module, name, _dev, number, repeat, min_ms, zero_limit, cool_ms, cool_every, restype, args,
+        flush_bytes=0, preproc="",
     ):  # fmt: skip
         if module is None:
             fn = _lookup(name)
@@ -541,13 +552,20 @@ class Session:
             fn = module.get_function(name, restype)
         else:
             fn = module[name]
+        pre = _lookup(preproc) if preproc else None
+        # TVM's cache_flush_bytes: one buffer copied into another before each timed run
+        flush = (bytearray(flush_bytes), bytes(flush_bytes)) if flush_bytes else None
         fn(*args)
         number, results = max(1, number), []
         for i in range(max(1, repeat)):
+            if pre is not None:
+                pre(*args)
             elapsed, zeros = 0.0, 0
             while True:  # as TVM's: grow `number` until a repeat lasts min_ms
                 if elapsed > 0:
                     number = int(max(min_ms / 1e3 / (elapsed / number) + 1, number * 1.618))
+                if flush is not None:
+                    flush[0][:] = flush[1]
                 t0 = time.perf_counter()
                 for _ in range(number):
                     fn(*args)

@@ -15,6 +15,7 @@ import ctypes
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import select
 import shutil
@@ -80,6 +81,9 @@ __all__ = [
     "check_bind",
     "is_loopback",
     "bind_listener",
+    "load_libraries",
+    "split_load_library",
+    "HANDSHAKE_TIMEOUT",
     # the liveness of a session's client (disco_rpc.service)
     "LIVENESS_ENV",
     "DEFAULT_LIVENESS_TIMEOUT",
@@ -109,7 +113,11 @@ class ServerConfig:
     #: the server's private temporary folder (session folders, link scratch)
     temp_root: str | None = None
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
-    timeout: float | None = None
+    #: the longest any session may last (``Server(session_timeout=...)``; None: no limit)
+    session_timeout: float | None = None
+    #: seconds a connecting client has for its handshake and session request (TVM's
+    #: ``Server(timeout=...)`` lowers it; never above :data:`HANDSHAKE_TIMEOUT`)
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
     no_fork: bool = False
     libs: list = field(default_factory=list)
     #: the link to a tracker (listener side), when the server registered with one
@@ -120,12 +128,30 @@ class ServerConfig:
     liveness_timeout: float = 0.0
 
 
-def load_libraries(load_library: Any) -> list:
-    """Load ``.py`` files (their ``register_func`` calls run) and shared libraries."""
+def split_load_library(load_library: Any) -> list[str]:
+    """The files of a ``load_library`` argument: a list, or one string separated by ``:``
+    (TVM 0.27's separator) or ``,`` (this project's earlier one).
+
+    A string that names an existing file as a whole is that one file, separators
+    and all, so no path that exists is split.
+    """
     if not load_library:
         return []
-    if isinstance(load_library, str):
-        load_library = [p for p in load_library.split(",") if p]
+    if isinstance(load_library, (str, os.PathLike)):
+        text = os.fspath(load_library)
+        if os.path.isfile(text):
+            return [text]
+        return [p for p in re.split("[:,]", text) if p]
+    return [os.fspath(p) for p in load_library]
+
+
+def load_libraries(load_library: Any) -> list:
+    """Load ``.py`` files (their ``register_func`` calls run) and shared libraries.
+
+    ``load_library`` is a list of paths or one string of them (:func:`split_load_library`);
+    relative paths are taken from the current folder, as TVM's.
+    """
+    load_library = split_load_library(load_library)
     libs = []
     for path in load_library:
         path = os.path.abspath(os.fspath(path))
@@ -136,6 +162,25 @@ def load_libraries(load_library: Any) -> list:
         else:
             libs.append(ctypes.CDLL(path, mode=getattr(ctypes, "RTLD_GLOBAL", 0)))
     return libs
+
+
+def _positive_or_none(value: Any, name: str) -> float | None:
+    """``value`` as seconds (> 0), or None for no limit; anything else is refused."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise DiscoTypeError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not seconds > 0:
+        raise DiscoValueError(f"{name} must be > 0 seconds (None: no limit), got {value!r}")
+    return seconds
+
+
+def _handshake_timeout(timeout: Any) -> float:
+    """TVM's ``Server(timeout=...)``: the handshake's time, capped by :data:`HANDSHAKE_TIMEOUT`."""
+    seconds = _positive_or_none(timeout, "timeout")
+    return HANDSHAKE_TIMEOUT if seconds is None else min(seconds, HANDSHAKE_TIMEOUT)
 
 
 def _min_positive(*values: Any) -> float:
@@ -155,7 +200,7 @@ def serve_session(conn: wire.Conn, addr: Any, cfg: ServerConfig, forked: bool, o
     handler = live = None
     sock = conn.t.sock
     try:
-        sock.settimeout(HANDSHAKE_TIMEOUT)
+        sock.settimeout(cfg.handshake_timeout)
         handler = SessionHandler(cfg.work_dir or None, cfg.libs, cfg.temp_root)
         if on_handler is not None:
             on_handler(handler)
@@ -209,14 +254,14 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             conn.peer_max = int(init[2])
         beats = int(init[3]) if len(init) > 3 and init[3] in (BEATS_IDLE, BEATS_ALWAYS) else 0
         conn.peer_beats = beats  # read by _start_liveness
-        timeout = _min_positive(session_timeout, cfg.timeout)
+        timeout = _min_positive(session_timeout, cfg.session_timeout)
         inner, log_relay = None, False
         info = {
             "pid": os.getpid(),
             "version": auth.VERSION,
             "work_dir": handler.work,
             "max_message_bytes": cfg.max_message_bytes,
-            "server_timeout": float(cfg.timeout or 0),
+            "server_timeout": float(cfg.session_timeout or 0),
         }
         if ctor:
             inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max, beats)
@@ -296,7 +341,7 @@ def _construct(
     info = dict(info)
     info["via"] = f"{host}:{port}"
     # this server ends the chained session at its own limit too
-    info["server_timeout"] = _min_positive(cfg.timeout, info.get("server_timeout"))
+    info["server_timeout"] = _min_positive(cfg.session_timeout, info.get("server_timeout"))
     return inner, info, enable_logging
 
 
@@ -356,7 +401,7 @@ class _Handshake:
             )
         self.sock = sock
         self.addr = addr
-        self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        self.deadline = time.monotonic() + cfg.handshake_timeout
         self.hs = auth.ServerHandshake(cfg.key, cfg.token, key_check)
         self.buf = bytearray()
 
@@ -730,7 +775,8 @@ class Server(ServiceProcess):
         Clients must present this key (an empty key accepts any).
     load_library : str or list of str
         Files loaded in the server at start: ``.py`` files (their ``register_func``
-        calls run) and shared libraries (their symbols reach ``system_lib()``).
+        calls run) and shared libraries (their symbols reach ``system_lib()``). One
+        string may name several, separated by ``:`` (TVM 0.27's separator) or ``,``.
     custom_addr : str, optional
         The host the tracker gives clients (default ``host``).
     silent : bool
@@ -742,7 +788,10 @@ class Server(ServiceProcess):
     reuse_addr : bool
         Set ``SO_REUSEADDR`` on the listening socket.
     timeout : float, optional
-        The longest any session may last, in seconds.
+        As TVM's, a timeout for the operations on the server's socket, not a limit
+        on sessions: a client that connects has this long to complete its handshake
+        and session request (at most :data:`HANDSHAKE_TIMEOUT`, 10 s, the server's
+        bound on work before authentication; that bound by default).
     token : str or bytes, optional
         Shared secret clients must prove they know (default ``$DISCO_TOKEN``).
     ssl_context : ssl.SSLContext, optional
@@ -764,11 +813,14 @@ class Server(ServiceProcess):
         it, during long calls too. A client that closed its connection (it died) is
         noticed within a second. Default ``$DISCO_RPC_LIVENESS_TIMEOUT``, else 8;
         0 turns the checks off. See the README, "Liveness".
+    session_timeout : float, optional
+        The longest any session may last, in seconds (a client's own
+        ``session_timeout`` may only shorten it); None: no limit.
     """
 
     _kind = "Server"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False, tracker_token: Any = None, tracker_ssl_context: Any = None, proxy_token: Any = None, proxy_ssl_context: Any = None, liveness_timeout: float | None = None) -> None:  # fmt: skip
+    def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False, tracker_token: Any = None, tracker_ssl_context: Any = None, proxy_token: Any = None, proxy_ssl_context: Any = None, liveness_timeout: float | None = None, session_timeout: float | None = None) -> None:  # fmt: skip
         self.host = host
         self.key = key
         self.custom_addr = custom_addr
@@ -784,7 +836,8 @@ class Server(ServiceProcess):
             ssl_context=ssl_context,
             work_dir=os.path.abspath(os.fspath(work_dir)) if work_dir else "",
             max_message_bytes=int(max_message_bytes),
-            timeout=timeout,
+            session_timeout=_positive_or_none(session_timeout, "session_timeout"),
+            handshake_timeout=_handshake_timeout(timeout),
             no_fork=no_fork,
             behind_proxy=is_proxy,
             liveness_timeout=resolve_liveness_timeout(liveness_timeout),
