@@ -375,10 +375,9 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
 
 def _gone(sock: Any) -> bool:
     """Whether a held client closed its connection (or sent bytes, which it must not yet)."""
-    try:
-        return bool(select.select([sock], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
+    poller = select.poll()  # not select(): the proxy may hold more than 1024 descriptors
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _refuse(sock: Any, status: int) -> None:

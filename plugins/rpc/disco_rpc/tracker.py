@@ -799,10 +799,9 @@ def _frame_ready(conn: wire.Conn, timeout: float) -> bool:
     sock = t.sock
     if isinstance(sock, ssl.SSLSocket) and sock.pending():
         return True
-    try:
-        return bool(select.select([sock], [], [], max(0.0, timeout))[0])
-    except InterruptedError:
-        return False
+    poller = select.poll()  # not select(): a process may hold more than 1024 descriptors
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
 def format_summary(s: dict) -> str:
