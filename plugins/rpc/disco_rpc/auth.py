@@ -338,6 +338,18 @@ def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_cont
         sock.close()
         if isinstance(exc, RPCError):
             raise
+        if isinstance(exc, TimeoutError):
+            # through a proxy, the answer waits for a server of the key: say so
+            hint = (
+                " (a proxy holds a client until a server with its key is free: pass a "
+                "larger connect_timeout to wait longer)"
+                if peer == "RPC server"
+                else ""
+            )
+            raise RPCError(
+                f"no answer from the {peer} at {url}:{port} within connect_timeout="
+                f"{connect_timeout:g} s{hint}"
+            ) from None
         if isinstance(exc, (OSError, EOFError)):
             raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}") from exc
         raise

@@ -358,7 +358,12 @@ class RPCSession:
         self._server_timeout = 0.0
         self._start = time.monotonic()
         self._logging = enable_logging
-        self._funcs: dict[str, RemoteFunction] = {}
+        # weak values: a strong cache would make a cycle (a remote function refers to its
+        # session), so a dropped session would stay open, its server busy, until the
+        # garbage collector ran (a tracker request for that key waited for ever)
+        self._funcs: weakref.WeakValueDictionary[str, RemoteFunction] = (
+            weakref.WeakValueDictionary()
+        )
         self.info: dict = {}
         self._tbl_index = _SESSIONS.insert(self)  # TVM's name for it
         # liveness: requests are sent under _send_lock, so the heartbeat thread can

@@ -6,7 +6,9 @@ token, optional TLS) and waits. A client connects to the proxy exactly as to a
 server (``rpc.connect(proxy_host, proxy_port, key=...)``): the proxy reads the
 client's hello (fixed-size fields and a key of at most 4 KiB), picks an idle
 server registered under that key, tells it a client arrived, forwards the hello
-and then relays bytes both ways. Authentication between client and server stays
+and then relays bytes both ways. A client with no idle server of its key is held,
+as TVM's proxy holds it, until one registers or comes back from a session, for
+up to ``timeout_client`` seconds. Authentication between client and server stays
 end to end (the server's token), and so does the seal on every later frame: the
 proxy never decodes a client's frames and cannot alter them, and a fake backend
 that relays a real client's handshake gains nothing. The server runs each paired
@@ -31,6 +33,7 @@ import threading
 import time
 from typing import Any
 
+from disco_core import DiscoValueError
 from disco_core.spi import AcceptLoop, Slots, SocketHandshake, relay
 
 from . import auth, wire
@@ -58,8 +61,14 @@ __all__ = ["Proxy", "serve_proxy", "serve_via_proxy"]
 
 logger = logging.getLogger("disco_rpc.proxy")
 
-#: Seconds a client waits for an idle server with its key.
-DEFAULT_WAIT = 10.0
+#: Seconds a client is held for an idle server with its key (TVM's ``timeout_client``).
+DEFAULT_WAIT = 600.0
+#: Clients held at once, at most: beyond, a client is refused at once, so that held
+#: clients (anyone can send a hello with any key) never take every connection slot.
+MAX_HELD = 512
+#: Seconds a client with a tracker's ticket is held at most: the tracker revokes a ticket
+#: not used within its ``match_timeout`` (10 s by default), so a longer wait cannot succeed.
+TICKET_WAIT = 10.0
 #: Seconds a server has to come back after a session before it leaves the tracker.
 REJOIN_GRACE = 5.0
 #: Connections the proxy serves at once after their hello (servers, waiting and paired clients).
@@ -87,9 +96,11 @@ class _Backend:
 
 
 class _ProxyState:
-    def __init__(self, host: str, port: int, tracker_addr: Any, tracker_token: Any, tracker_ssl: Any) -> None:  # fmt: skip
+    def __init__(self, host: str, port: int, tracker_addr: Any, tracker_token: Any, tracker_ssl: Any, max_held: int = MAX_HELD) -> None:  # fmt: skip
         self.cv = threading.Condition()
         self.backends: dict[str, _Backend] = {}
+        self.held = 0  # clients waiting for a server now
+        self.max_held = int(max_held)
         self.addr = (host, port)
         self.tracker_addr = tracker_addr
         self.tracker_token = tracker_token
@@ -111,13 +122,23 @@ class _ProxyState:
         return None
 
     def refusal(self, key: str, ticket: str | None) -> int | None:
-        """The status that refuses a client at once (it cannot be paired by waiting), or None."""
+        """The status that refuses a client at once (it cannot be paired by waiting), or None.
+
+        A key with no server yet is not refused: the client is held until one registers
+        (TVM's ``timeout_client``); only a ticketless client of tracker-managed servers is.
+        """
         mine = [b for b in self.backends.values() if b.key == key]
-        if not mine:
-            return auth.NO_SERVER
-        if ticket is None and all(b.reg is not None for b in mine):
+        if ticket is None and mine and all(b.reg is not None for b in mine):
             return auth.TICKET_REQUIRED
         return None
+
+    def timed_out(self, key: str, ticket: str | None) -> int:
+        """The status of a client held for its whole wait."""
+        if ticket is not None:
+            return auth.KEY_MISMATCH  # no server of the key was told of this ticket
+        if any(b.key == key for b in self.backends.values()):
+            return auth.SERVERS_BUSY
+        return auth.NO_SERVER
 
 
 def _relay(a: Any, b: Any, a_buffered: bytes = b"", b_buffered: bytes = b"") -> None:
@@ -247,16 +268,24 @@ def _serve_backend(conn, sock, addr, state: _ProxyState) -> None:
         b = state.backends.get(server_id)
         if b is None:
             b = state.backends[server_id] = _Backend(server_id, key)
+        need_reg = state.tracker_addr is not None and b.reg is None
+    reg = None
+    if need_reg:  # outside the lock: talking to the tracker must not stop every pairing
+        try:
+            reg = Registration(
+                state.tracker_addr, key, state.addr,
+                token=state.tracker_token, ssl_context=state.tracker_ssl,
+            )  # fmt: skip
+            reg.busy = lambda b=b: b.ticket
+        except (RPCError, OSError, EOFError, wire.ProtocolError) as exc:
+            logger.warning("cannot register %r with the tracker: %s", key, exc)
+    with state.cv:
+        if reg is not None:
+            if b.reg is None:
+                b.reg = reg
+            else:  # another link of this server registered it meanwhile
+                reg.close()
         b.conn, b.gone_since = conn, None
-        if state.tracker_addr is not None and b.reg is None:
-            try:
-                b.reg = Registration(
-                    state.tracker_addr, key, state.addr,
-                    token=state.tracker_token, ssl_context=state.tracker_ssl,
-                )  # fmt: skip
-                b.reg.busy = lambda b=b: b.ticket
-            except (RPCError, OSError) as exc:
-                logger.warning("cannot register %r with the tracker: %s", key, exc)
         conn.send(REPLY, P_REGISTER, None)
         state.cv.notify_all()
     logger.info("server %s (key %r) is behind the proxy", server_id, key)
@@ -283,27 +312,43 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
     key, sep, ticket = text.rpartition(TICKET_SEP)
     if not sep:
         key, ticket = text, None
-    deadline = time.monotonic() + wait
+    deadline = time.monotonic() + (wait if ticket is None else min(wait, TICKET_WAIT))
+    held = False
     with state.cv:
-        while True:
-            b = state.idle(key, ticket)
-            if b is not None:
-                # the link is this thread's now; the server registers another one at
-                # once, so a client that never authenticates cannot keep it busy
-                server_conn, b.conn = b.conn, None
-                b.sessions += 1
-                if ticket is not None:
-                    b.ticket = ticket
-                break
-            status = state.refusal(key, ticket)
-            left = deadline - time.monotonic()
-            if status is None and left <= 0:
-                status = auth.SERVERS_BUSY if ticket is None else auth.KEY_MISMATCH
-            if status is not None:
-                logger.warning("cannot pair %s with a server of key %r (status %d)", addr, key, status)  # fmt: skip
-                _refuse(sock, status)
-                return
-            state.cv.wait(min(left, 0.2))
+        try:
+            while True:
+                b = state.idle(key, ticket)
+                if b is not None:
+                    # the link is this thread's now; the server registers another one at
+                    # once, so a client that never authenticates cannot keep it busy
+                    server_conn, b.conn = b.conn, None
+                    b.sessions += 1
+                    if ticket is not None:
+                        b.ticket = ticket
+                    break
+                status = state.refusal(key, ticket)
+                left = deadline - time.monotonic()
+                if status is None and left <= 0:
+                    status = state.timed_out(key, ticket)
+                if status is None and not held:
+                    if state.held >= state.max_held:
+                        logger.warning("%d clients held already: refusing %s", state.held, addr)
+                        status = auth.SERVERS_BUSY
+                    else:
+                        held = True
+                        state.held += 1
+                if status is not None:
+                    logger.warning("cannot pair %s with a server of key %r (status %d)", addr, key, status)  # fmt: skip
+                    _refuse(sock, status)
+                    return
+                state.cv.wait(min(left, 0.2))
+                if _gone(sock):  # the client gave up (its own connect_timeout) or misbehaved
+                    logger.info("client %s left while held for key %r", addr, key)
+                    sock.close()
+                    return
+        finally:
+            if held:
+                state.held -= 1
     try:
         server_conn.send(REQUEST, P_PAIRED, None)
         server_conn.t.sock.settimeout(10.0)
@@ -326,6 +371,13 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
             state.cv.notify_all()
         if ticket is not None and b.reg is not None:
             b.reg.report(T_END, ticket)
+
+
+def _gone(sock: Any) -> bool:
+    """Whether a held client closed its connection (or sent bytes, which it must not yet)."""
+    poller = select.poll()  # not select(): the proxy may hold more than 1024 descriptors
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _refuse(sock: Any, status: int) -> None:
@@ -353,16 +405,18 @@ def _janitor(state: _ProxyState, stop: threading.Event) -> None:
                         del state.backends[sid]
 
 
-def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes | None = None, ssl_context: Any = None, tracker_addr: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, watch_fd: int | None = None, *, max_connections: int = MAX_CONNECTIONS, max_pending: int = MAX_PENDING, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:  # fmt: skip
+def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes | None = None, ssl_context: Any = None, tracker_addr: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, watch_fd: int | None = None, *, max_connections: int = MAX_CONNECTIONS, max_pending: int = MAX_PENDING, handshake_timeout: float = HANDSHAKE_TIMEOUT, max_held: int = MAX_HELD) -> None:  # fmt: skip
     """Serve the proxy on ``listen_sock`` until ``watch_fd`` closes (or forever).
 
     One thread accepts connections and reads their first hello
     (:class:`disco_core.net.accept.AcceptLoop`: at most ``max_pending`` at once,
     ``handshake_timeout`` seconds each, no thread for them; a backend also proves
     the proxy's token there). Then each connection gets a thread, up to
-    ``max_connections`` (beyond, a client is told the servers are busy).
+    ``max_connections`` (beyond, a client is told the servers are busy). A client
+    with no idle server of its key is held up to ``wait`` seconds, at most
+    ``max_held`` clients at once.
     """
-    state = _ProxyState(host, port, tracker_addr, tracker_token, tracker_ssl_context)
+    state = _ProxyState(host, port, tracker_addr, tracker_token, tracker_ssl_context, max_held)
     stop = threading.Event()
     threading.Thread(target=_janitor, args=(state, stop), daemon=True).start()
     slots = Slots(max_connections)
@@ -392,6 +446,13 @@ def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes |
         stop.set()
 
 
+def _seconds(name: str, value: Any) -> float:
+    """``value`` as a positive number of seconds, else a DiscoValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise DiscoValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
 class Proxy(ServiceProcess):
     """Start an RPC proxy in a separate process, as ``tvm.rpc.proxy.Proxy``.
 
@@ -403,6 +464,16 @@ class Proxy(ServiceProcess):
     port, port_end : int
         The first free port in ``[port, port_end)`` is used (``proxy.port``);
         servers and clients both connect to it.
+    web_port : int
+        TVM's WebSocket port: not supported (only 0).
+    timeout_client : float
+        Seconds a client is held until a server with its key is idle (one registers,
+        or comes back from a session), as TVM's; then it is refused with the reason
+        (no server registered for the key, or every one stayed busy). The client
+        waits as long as its own ``connect_timeout`` allows.
+    timeout_server : float
+        Accepted for TVM's signature; an idle server stays registered as long as
+        its link is open (TVM's reconnects after ``timeout_server``).
     tracker_addr : (str, int), optional
         Register the servers behind the proxy with this tracker.
     token : str or bytes, optional
@@ -412,15 +483,17 @@ class Proxy(ServiceProcess):
         Speak TLS with servers and clients (a server-side context).
     tracker_token, tracker_ssl_context :
         For the link to the tracker (the proxy's token by default).
-    wait : float
-        Seconds a client waits for an idle server with its key.
+    wait : float, optional
+        The former name of ``timeout_client``; when given, it wins.
     """
 
     _kind = "Proxy"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199, web_port: int = 0, timeout_client: float = 600, timeout_server: float = 600, tracker_addr: Any = None, index_page: Any = None, resource_files: Any = None, *, token: Any = None, ssl_context: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float = DEFAULT_WAIT, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
+    def __init__(self, host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199, web_port: int = 0, timeout_client: float = 600, timeout_server: float = 600, tracker_addr: Any = None, index_page: Any = None, resource_files: Any = None, *, token: Any = None, ssl_context: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float | None = None, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
         if web_port:
             raise NotImplementedError("the web (WebSocket) port of TVM's proxy is not supported")
+        wait = _seconds("timeout_client" if wait is None else "wait", timeout_client if wait is None else wait)  # fmt: skip
+        _seconds("timeout_server", timeout_server)
         token_b = auth.resolve_token(token)
         check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC proxy")
         self.host = host

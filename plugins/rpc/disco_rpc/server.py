@@ -984,8 +984,10 @@ def register_with_proxy(host: str, port: int, key: str, token: Any, ssl_context:
         strict=strict,
     )  # fmt: skip
     try:
+        conn.t.settimeout(10.0)  # the proxy answers at once: one that does not is not waited for
         conn.send(REQUEST, P_REGISTER, (key, server_id))
         conn.recv()
+        conn.t.settimeout(None)
     except BaseException:
         conn.close()
         raise
@@ -1112,10 +1114,12 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
 def _take_pairing(idle: wire.Conn) -> socket.socket | None:
     """The proxy paired a client with ``idle`` (or the link broke): acknowledge; return its socket."""
     try:
+        idle.t.settimeout(10.0)  # select saw the frame begin; the rest follows at once
         _k, op, _v = idle.recv()
         if op != P_PAIRED:
             raise wire.ProtocolError(f"unexpected message {op} from the proxy")
         idle.send(REPLY, P_ACK, None)
+        idle.t.settimeout(None)
     except (OSError, EOFError, wire.ProtocolError) as exc:
         _proxy_log.info("lost the proxy: %s", exc)
         idle.close()

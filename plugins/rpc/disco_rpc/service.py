@@ -470,6 +470,10 @@ class Liveness:
 
 
 # --------------------------------------------------------------------------- links to a tracker
+#: Seconds a registration link waits for the tracker's answer or for room to send.
+REGISTRATION_TIMEOUT = 10.0
+
+
 def open_tracker_link(addr: Any, role_key: str, token: Any, ssl_context: Any, timeout: float = 10.0) -> wire.Conn:  # fmt: skip
     """An authenticated link to the tracker at ``addr`` in the role ``role_key``."""
     host, port = addr
@@ -512,8 +516,15 @@ class Registration:
         self.last_try = time.monotonic()
         busy = self.busy() if self.busy is not None else None
         conn = open_tracker_link(self.tracker_addr, REGISTRANT_KEY, self.token, self.ssl_context)
-        conn.send(REQUEST, T_PUT, (self.key, self.addr[0], self.addr[1], busy))
-        kind, _op, value = conn.recv()
+        # bounded: the tracker answers at once; the bound stays for the link's later
+        # sends and reads (poll reads only frames select saw begin)
+        conn.t.settimeout(REGISTRATION_TIMEOUT)
+        try:
+            conn.send(REQUEST, T_PUT, (self.key, self.addr[0], self.addr[1], busy))
+            kind, _op, value = conn.recv()
+        except BaseException:
+            conn.close()
+            raise
         if kind != REPLY:
             conn.close()
             why = value[1] if isinstance(value, (tuple, list)) and len(value) > 1 else value
@@ -526,7 +537,7 @@ class Registration:
             try:
                 self.connect()
                 _tracker_log.info("registered again with the tracker at %s:%s", *self.tracker_addr)
-            except (RPCError, OSError) as exc:
+            except (RPCError, OSError, EOFError, wire.ProtocolError) as exc:
                 _tracker_log.debug("tracker not reachable yet: %s", exc)
 
     def fileno(self) -> int:

@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import ssl
@@ -103,6 +104,12 @@ _SUMMARY_SLACK = 4096
 _MAX_TICKET_CHARS = 64
 #: Seconds a send to a peer that does not read may block before its link is dropped.
 _SEND_TIMEOUT = 2.0
+#: Seconds a client gives the tracker to answer what it answers at once (a summary, a
+#: ping) or to finish a reply it began; then the tracker is taken for gone (an RPCError).
+REPLY_TIMEOUT = 30.0
+#: Seconds a client waiting for a server hears nothing before it pings the tracker: the
+#: wait lasts as long as servers stay busy, but not past a tracker that stopped answering.
+ALIVE_EVERY = 30.0
 
 
 def _check_key(key: Any) -> str:
@@ -607,16 +614,20 @@ class TrackerSession:
         self._conn = open_tracker_link(self._addr, CLIENT_KEY, self._token, self._ssl)
 
     def _call(self, op: int, value: Any, timeout: float | None = None) -> Any:
-        """One request and its reply; ``timeout`` bounds the wait (``TimeoutError``)."""
+        """One request and its reply; ``timeout`` bounds the wait (``TimeoutError``).
+
+        Without ``timeout`` the wait is bounded all the same: a reply the tracker gives
+        at once must come within :data:`REPLY_TIMEOUT`, and the wait for a server
+        (``T_REQUEST``) lasts as long as the tracker answers a ping after every
+        :data:`ALIVE_EVERY` seconds of silence; else an :class:`RPCError` says so.
+        """
         with self._lock:
             if self._conn is None:
                 self._connect()
             conn = self._conn
             try:
-                conn.t.settimeout(timeout)
                 conn.send(REQUEST, op, value)
-                kind, _op, result = conn.recv()
-                conn.t.settimeout(None)
+                kind, _op, result = self._reply(conn, op, timeout)
             except BaseException as exc:
                 # Interrupted, timed out or broken: a reply may still be on its way,
                 # so this connection is out of sync. Dropping it also makes the
@@ -632,6 +643,42 @@ class TrackerSession:
         if kind == ERROR:
             raise RPCError(f"the tracker refused: {result[0]}: {result[1]}")
         return result
+
+    def _reply(self, conn: wire.Conn, op: int, timeout: float | None) -> tuple:
+        """The tracker's reply to ``op``, its answers to this method's pings skipped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        quiet = ALIVE_EVERY if op == T_REQUEST else REPLY_TIMEOUT
+        since, pinged = time.monotonic(), False
+        while True:
+            until = since + quiet if deadline is None else min(since + quiet, deadline)
+            if not _frame_ready(conn, until - time.monotonic()):
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError("no reply from the tracker in time")
+                if now - since < quiet:
+                    continue
+                if op == T_REQUEST and not pinged:  # a long wait: is the tracker still there?
+                    conn.send(REQUEST, T_PING, None)
+                    since, pinged, quiet = now, True, REPLY_TIMEOUT
+                    continue
+                raise RPCError(
+                    f"the tracker at {self._addr[0]}:{self._addr[1]} did not answer for "
+                    f"{quiet:g} s (stopped, overloaded or cut off); gave up waiting"
+                )
+            conn.t.settimeout(REPLY_TIMEOUT)  # a frame that began must end
+            try:
+                kind, rop, result = conn.recv()
+            except TimeoutError:
+                raise RPCError(
+                    f"the tracker at {self._addr[0]}:{self._addr[1]} stopped in the middle of "
+                    f"a reply ({REPLY_TIMEOUT:g} s without a byte)"
+                ) from None
+            finally:
+                conn.t.settimeout(None)
+            if kind == REPLY and rop == T_PING and op != T_PING:
+                since, pinged, quiet = time.monotonic(), False, ALIVE_EVERY
+                continue
+            return kind, rop, result
 
     def _drop(self) -> None:
         if self._conn is not None:
@@ -701,7 +748,10 @@ class TrackerSession:
         if self._server_ssl is not None:
             connect_args.setdefault("ssl_context", self._server_ssl)
         deadline = None if wait_timeout is None else time.monotonic() + float(wait_timeout)
-        last: BaseException | None = None
+        # the last failure as text, logged as text: the exception refers to this frame and
+        # its callers' (their sessions) through its traceback, so keeping it (here, or in a
+        # log record a handler keeps) kept those sessions, and their servers, busy
+        last = ""
         for _ in range(max(1, int(max_retry))):
             host, port, ticket = self._wait_for_server(key, priority, deadline, wait_timeout)
             try:
@@ -714,8 +764,10 @@ class TrackerSession:
                     **connect_args,
                 )
             except RPCError as exc:
-                last = exc
-                logger.warning("server %s:%s for key %r failed: %s; retrying", host, port, key, exc)
+                last = str(exc)
+                logger.warning(
+                    "server %s:%s for key %r failed: %s; retrying", host, port, key, last
+                )
                 try:
                     self._call_noreply(T_FAIL, ticket)
                 except RPCError:
@@ -753,7 +805,7 @@ class TrackerSession:
 
     def request_and_run(self, key: str, func: Any, priority: int = 1, session_timeout: float = 0, max_retry: int = 2, **connect_args: Any) -> Any:  # fmt: skip
         """Request a session and run ``func(session)``; retry on a server that drops."""
-        last: BaseException | None = None
+        last = ""  # text, not the exception: see request()
         for _ in range(max(1, int(max_retry))):
             sess = self.request(key, priority, session_timeout, **connect_args)
             try:
@@ -763,14 +815,32 @@ class TrackerSession:
             except RPCError as exc:
                 if not sess.closed:
                     raise  # the function failed remotely: not the server's fault
-                last = exc
-                logger.warning("session for key %r dropped: %s; retrying", key, exc)
+                last = str(exc)
+                logger.warning("session for key %r dropped: %s; retrying", key, last)
             finally:
                 sess.close()
         raise RPCError(f"request_and_run for key {key!r} failed {max_retry} times: {last}")
 
     def __repr__(self) -> str:
         return f"<TrackerSession {self._addr[0]}:{self._addr[1]}>"
+
+
+def _frame_ready(conn: wire.Conn, timeout: float) -> bool:
+    """Whether ``conn`` has bytes to read, waiting up to ``timeout`` seconds.
+
+    Bytes already taken from the socket count (the connection's buffer, a sealed
+    record's verified bytes or the rest of a large one, TLS's decrypted bytes):
+    ``select`` cannot see them.
+    """
+    t = conn.t
+    if conn.buffered() or getattr(t, "pending", 0) or getattr(t, "record_left", 0):
+        return True
+    sock = t.sock
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    poller = select.poll()  # not select(): a process may hold more than 1024 descriptors
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
 def format_summary(s: dict) -> str:
