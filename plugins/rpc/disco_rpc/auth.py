@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import Any
 
 from disco_core import DiscoValueError
@@ -50,9 +51,12 @@ from .errors import ProtocolError, RPCAuthError, RPCError
 from .protocol import (
     AUTH_FAILED,
     BAD_VERSION,
+    HELD,
+    HELD_NOTICE_EVERY,
     KEY_MISMATCH,
     LABEL,
     MAGIC,
+    MAX_HELD_WAIT,
     MAX_KEY_BYTES,
     NO_SERVER,
     OK,
@@ -75,6 +79,8 @@ __all__ = [
     "NO_SERVER",
     "SERVERS_BUSY",
     "TICKET_REQUIRED",
+    "HELD",
+    "held_notice",
     "resolve_token",
     "client_handshake",
     "server_handshake",
@@ -90,6 +96,7 @@ __all__ = [
 _HELLO = struct.Struct("<8sII")
 _REPLY = struct.Struct(f"<8sIBB{NONCE_BYTES}s")
 _STATUS = struct.Struct(f"<B{PROOF_BYTES}s")
+_HELD_NOTICE = _REPLY.pack(MAGIC, VERSION, HELD, 0, bytes(NONCE_BYTES))
 
 
 def seal(conn: Any, keys: SessionKeys | None) -> None:
@@ -131,13 +138,28 @@ def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool =
         raise DiscoValueError(f"key is longer than {MAX_KEY_BYTES} bytes")
     hello = pack_hello(VERSION, kb, new_nonce())
     conn.t.send_parts([hello])
-    try:
-        reply = bytes(conn.read_exact(_REPLY.size))
-    except EOFError:
-        raise RPCAuthError(
-            "the peer closed the connection during the handshake (not a disco-rpc server, "
-            "or it refused this client)"
-        ) from None
+    held_until = None
+    while True:
+        try:
+            reply = bytes(conn.read_exact(_REPLY.size))
+        except EOFError:
+            raise RPCAuthError(
+                "the peer closed the connection during the handshake (not a disco-rpc "
+                "server, or it refused this client)"
+            ) from None
+        if reply != _HELD_NOTICE:
+            break
+        # A proxy holds this client until a server of its key is free (TVM's
+        # timeout_client) and says so every HELD_NOTICE_EVERY seconds, so the socket's
+        # timeout (connect_timeout) runs between notices, not over the whole wait. The
+        # notice is not part of the transcript: a forged one can only make us wait.
+        now = time.monotonic()
+        if held_until is None:
+            held_until = now + MAX_HELD_WAIT
+        elif now > held_until:
+            raise RPCAuthError(
+                f"the proxy held this client for more than {MAX_HELD_WAIT:g} s; giving up"
+            )
     if reply == hello[: _REPLY.size]:
         # a real server's reply carries its own random nonce: this is our hello echoed
         raise RPCAuthError("the peer echoed the handshake back: it is not a disco-rpc server")
@@ -194,6 +216,11 @@ def _check_status(status: int, version: int, key: str) -> None:
         ),
     }
     raise RPCAuthError(messages.get(status, f"the server refused the connection (status {status})"))
+
+
+def held_notice() -> bytes:
+    """What a proxy sends a client it holds (at once, then every ``HELD_NOTICE_EVERY`` s)."""
+    return _HELD_NOTICE
 
 
 def refusal(status: int) -> bytes:
@@ -341,8 +368,8 @@ def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_cont
         if isinstance(exc, TimeoutError):
             # through a proxy, the answer waits for a server of the key: say so
             hint = (
-                " (a proxy holds a client until a server with its key is free: pass a "
-                "larger connect_timeout to wait longer)"
+                " (a proxy holds a client until a server with its key is free and says so "
+                f"every {HELD_NOTICE_EVERY:g} s: a shorter connect_timeout gives up while held)"
                 if peer == "RPC server"
                 else ""
             )

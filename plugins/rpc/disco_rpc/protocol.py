@@ -81,6 +81,14 @@ MAX_KEY_BYTES = 4096
 OK, KEY_MISMATCH, BAD_VERSION, AUTH_FAILED = 0, 1, 2, 3
 # statuses a proxy answers with when it cannot pair a client with a server
 NO_SERVER, SERVERS_BUSY, TICKET_REQUIRED = 4, 5, 6
+#: Not a refusal: a proxy holds this client until a server of its key is free, and
+#: says so at once and every :data:`HELD_NOTICE_EVERY` seconds; the real reply follows.
+HELD = 7
+#: Seconds between two "held" notices of a proxy.
+HELD_NOTICE_EVERY = 2.0
+#: Seconds a client stays held, at most, whatever a proxy says (TVM's ``timeout_client``
+#: is 600 by default; this bounds what a misbehaving proxy can make a client wait).
+MAX_HELD_WAIT = 3600.0
 
 # --------------------------------------------------------------------------- frames
 # frame kinds

@@ -39,6 +39,7 @@ from disco_core.spi import AcceptLoop, Slots, SocketHandshake, relay
 from . import auth, wire
 from .errors import RPCError
 from .protocol import (  # noqa: F401 (the proxy's codes, also names of this module)
+    HELD_NOTICE_EVERY,
     P_ACK,
     P_PAIRED,
     P_REGISTER,
@@ -314,6 +315,7 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
         key, ticket = text, None
     deadline = time.monotonic() + (wait if ticket is None else min(wait, TICKET_WAIT))
     held = False
+    next_notice = 0.0
     with state.cv:
         try:
             while True:
@@ -341,6 +343,13 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
                     logger.warning("cannot pair %s with a server of key %r (status %d)", addr, key, status)  # fmt: skip
                     _refuse(sock, status)
                     return
+                now = time.monotonic()
+                if now >= next_notice:  # the client's connect_timeout runs between these
+                    next_notice = now + HELD_NOTICE_EVERY
+                    if not _notify_held(sock):
+                        logger.info("client %s left while held for key %r", addr, key)
+                        sock.close()
+                        return
                 state.cv.wait(min(left, 0.2))
                 if _gone(sock):  # the client gave up (its own connect_timeout) or misbehaved
                     logger.info("client %s left while held for key %r", addr, key)
@@ -378,6 +387,22 @@ def _gone(sock: Any) -> bool:
     poller = select.poll()  # not select(): the proxy may hold more than 1024 descriptors
     poller.register(sock.fileno(), select.POLLIN)
     return bool(poller.poll(0))
+
+
+def _notify_held(sock: Any) -> bool:
+    """Tell a held client it is held (a few bytes, never blocking); False if it is gone."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    events = poller.poll(0)
+    if not events:
+        return True  # its buffer is full of notices: it is not reading, but not gone either
+    if events[0][1] & (select.POLLERR | select.POLLHUP):
+        return False
+    try:
+        sock.sendall(auth.held_notice())  # a few bytes into a writable socket: no wait
+    except OSError:
+        return False
+    return True
 
 
 def _refuse(sock: Any, status: int) -> None:

@@ -304,3 +304,69 @@ def test_proxy_timeouts_are_checked(bad):
         rpc.Proxy(port=9800, port_end=9900, timeout_client=bad)
     with pytest.raises(ValueError, match="timeout_server must be a positive number"):
         rpc.Proxy(port=9800, port_end=9900, timeout_server=bad)
+
+
+def test_held_client_outlasts_its_connect_timeout():
+    """Held by the proxy, a client waits past its own connect_timeout (TVM's client waits
+    as long as the proxy holds it): the proxy says "held" every HELD_NOTICE_EVERY s."""
+    from disco_rpc.protocol import HELD_NOTICE_EVERY
+
+    px = rpc.Proxy(port=9800, port_end=9900, timeout_client=30)
+    got: dict = {}
+    timeout = HELD_NOTICE_EVERY + 1.0
+
+    def client() -> None:
+        try:
+            with rpc.connect("127.0.0.1", px.port, key="slow", token="t", connect_timeout=timeout) as s:  # fmt: skip
+                got["sum"] = s.get_function("pxy.add")(4, 5)
+        except Exception as exc:  # reported below
+            got["error"] = exc
+
+    th = threading.Thread(target=client, daemon=True)
+    th.start()
+    srv = None
+    try:
+        time.sleep(2 * timeout)  # twice the client's connect_timeout
+        assert not got, got
+        srv = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="slow", token="t")
+        th.join(20)
+        assert got.get("sum") == 9, got
+    finally:
+        if srv is not None:
+            srv.terminate()
+        px.terminate()
+
+
+def test_forged_held_notices_cannot_hold_a_client_for_ever(monkeypatch):
+    """A peer that only ever says "held" (a fake proxy) is given up on after MAX_HELD_WAIT."""
+    import socket
+
+    from disco_rpc import auth
+
+    monkeypatch.setattr(auth, "MAX_HELD_WAIT", 1.0)
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    stop = threading.Event()
+
+    def fake_proxy() -> None:
+        conn, _ = lst.accept()
+        with conn:
+            while not stop.is_set():
+                try:
+                    conn.sendall(auth.held_notice())
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+    th = threading.Thread(target=fake_proxy, daemon=True)
+    th.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(rpc.RPCAuthError, match="held this client for more than 1 s"):
+            rpc.connect("127.0.0.1", lst.getsockname()[1], key="k", connect_timeout=5)
+        assert time.monotonic() - t0 < 4
+    finally:
+        stop.set()
+        th.join(5)
+        lst.close()
