@@ -173,8 +173,10 @@ class _Request:
 class TVMWorld:
     """The TVM-protocol slots and requests of a tracker.
 
-    Every method must be called with ``lock`` held: the tracker's own state's lock,
-    so that one summary sees both worlds at one instant.
+    Every method but :meth:`deliver` must be called with ``lock`` held: the tracker's
+    own state's lock, so that one summary sees both worlds at one instant. Nothing is
+    sent with it held (a peer that does not read would stall both worlds): matches wait
+    in ``outbox`` until :meth:`deliver`.
 
     Parameters
     ----------
@@ -192,6 +194,8 @@ class TVMWorld:
         self.free: dict[str, list[_Value]] = {}
         self.queues: dict[str, list] = {}
         self.seq = itertools.count()
+        #: matches made with the lock held, sent by :meth:`deliver` once it is released
+        self.outbox: list[tuple[_Request, _Value]] = []
 
     def check_key(self, key: Any) -> str:
         return _text(key, "a key", self.max_key_bytes)
@@ -251,14 +255,36 @@ class TVMWorld:
             if r.link.closed:
                 continue
             v = pool.pop(0)
-            if r.link.send([TrackerCode.SUCCESS, [v.host, v.port, v.matchkey]]):
-                v.link.values.remove(v)
-            else:  # the client is gone: the slot stays free for the next one
-                pool.insert(0, v)
+            v.link.values.remove(v)
+            # sent by deliver(), without the lock: a client that does not read must not
+            # hold the lock (both worlds' state) while a send to it blocks
+            self.outbox.append((r, v))
         if q is not None and not q:
             del self.queues[key]
         if pool is not None and not pool:
             del self.free[key]
+
+    def deliver(self) -> None:
+        """Send the matches made since the last call; call it with the lock **released**.
+
+        A client that cannot be sent its match (gone, or not reading) gives the slot
+        back to the front of its key's pool, unless the slot's own connection closed
+        meanwhile.
+        """
+        while True:
+            with self.lock:
+                if not self.outbox:
+                    return
+                batch, self.outbox = self.outbox, []
+            for r, v in batch:
+                if r.link.send([TrackerCode.SUCCESS, [v.host, v.port, v.matchkey]]):
+                    continue
+                with self.lock:
+                    if v.link.closed:
+                        continue
+                    v.link.values.insert(0, v)
+                    self.free.setdefault(v.key, []).insert(0, v)
+                    self._match(v.key)
 
     # -- summary ---------------------------------------------------------------------
     def server_info(self) -> list[dict]:
@@ -432,16 +458,22 @@ def _handle(link: TVMLink, world: TVMWorld, args: Any, summary: Callable[[int | 
         host = link.host if custom is None else world.check_host(custom)
         with world.lock:
             world.put(link, key, host, port, matchkey)
+        world.deliver()
         link.send(TrackerCode.SUCCESS)
     elif code == TrackerCode.REQUEST:
         if len(args) < 4:
             raise _Bogus("REQUEST takes [REQUEST, key, user, priority]")
         key = world.check_key(args[1])
         priority = args[3]
-        if type(priority) not in (int, float) or not math.isfinite(priority):
-            raise _Bogus(f"a priority must be a number, not {priority!r}")
+        try:  # an int beyond a float's range overflows
+            finite = type(priority) in (int, float) and math.isfinite(priority)
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise _Bogus(f"a priority must be a finite number, not {str(priority)[:40]}")
         with world.lock:
             world.request(link, key, priority)
+        world.deliver()
     elif code == TrackerCode.GET_PENDING_MATCHKEYS:
         with world.lock:
             keys = world.pending_matchkeys(link)

@@ -288,6 +288,7 @@ def _bogus_messages() -> list[tuple[str, bytes]]:
         ("PUT with a number host", msg([C.PUT, "k", [9000, "m"], 127001])),
         ("REQUEST with a text priority", msg([C.REQUEST, "k", "", "high"])),
         ("REQUEST without a priority", msg([C.REQUEST, "k", ""])),
+        ("REQUEST with a priority beyond a float", msg(f'[4, "k", "", 1{"0" * 400}]')),
         ("UPDATE_INFO with a list", msg([C.UPDATE_INFO, ["server:k"]])),
         ("UPDATE_INFO with a bad addr", msg([C.UPDATE_INFO, {"addr": [None, "x"]}])),
     ]
@@ -569,3 +570,83 @@ def test_real_tvm_server_and_client(tracker, tmp_path):
                 pass
             proc.wait(10)
         log.close()
+
+
+def test_a_priority_beyond_a_float_is_bogus_not_a_crash():
+    """An int priority a float cannot hold (JSON allows it) is a bogus message, not an OverflowError."""  # fmt: skip
+    world = tvm_tracker.TVMWorld(threading.Lock())
+    a, b = socket.socketpair()
+    try:
+        link = tvm_tracker.TVMLink(a, ("127.0.0.1", 1))
+        with pytest.raises(tvm_tracker._Bogus):
+            tvm_tracker._handle(link, world, [C.REQUEST, "k", "", 10**400], lambda n: {})
+        assert not world.queues
+    finally:
+        a.close()
+        b.close()
+
+
+class _StuckSocket:
+    """A socket whose sends block until released: a client that does not read."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.sending = threading.Event()
+        self.sent: list[bytes] = []
+
+    def sendall(self, data: bytes) -> None:
+        self.sending.set()
+        self.release.wait(10)
+        self.sent.append(data)
+
+    def shutdown(self, how: int) -> None:
+        pass
+
+
+def test_a_client_that_does_not_read_never_holds_the_trackers_lock():
+    """Redteam: a TVM client that reads its replies a trickle at a time (its own thread blocked
+    in a send, holding its send lock) must not stall the lock both worlds share when a
+    server's PUT matches its request: matches are sent with the lock released."""
+    lock = threading.Lock()
+    world = tvm_tracker.TVMWorld(lock)
+    stuck = _StuckSocket()
+    client = tvm_tracker.TVMLink(stuck, ("127.0.0.1", 1))
+    server = tvm_tracker.TVMLink(_StuckSocket(), ("127.0.0.1", 2))
+    server.sock.release.set()
+    with lock:
+        world.add(client)
+        world.add(server)
+        world.request(client, "k", 1)
+        world.put(server, "k", "127.0.0.1", 9000, "k:0.5")
+        assert world.outbox and not server.values  # matched, not yet sent
+    t = threading.Thread(target=world.deliver, daemon=True)
+    t.start()
+    assert stuck.sending.wait(5)
+    assert lock.acquire(timeout=1), "the lock is held while a send to a stuck client blocks"
+    lock.release()
+    stuck.release.set()
+    t.join(5)
+    assert not t.is_alive()
+    assert json.loads(stuck.sent[0][4:]) == [C.SUCCESS, ["127.0.0.1", 9000, "k:0.5"]]
+
+
+def test_a_match_that_cannot_be_sent_gives_the_slot_back():
+    lock = threading.Lock()
+    world = tvm_tracker.TVMWorld(lock)
+    a, b = socket.socketpair()
+    b.close()
+    gone = tvm_tracker.TVMLink(a, ("127.0.0.1", 1))
+    server = tvm_tracker.TVMLink(_StuckSocket(), ("127.0.0.1", 2))
+    server.sock.release.set()
+    try:
+        with lock:
+            world.add(gone)
+            world.add(server)
+            world.request(gone, "k", 1)
+            world.put(server, "k", "127.0.0.1", 9000, "k:0.5")
+        world.deliver()
+        with lock:
+            assert [v.matchkey for v in world.free["k"]] == ["k:0.5"]
+            assert world.pending_matchkeys(server) == ["k:0.5"]
+    finally:
+        a.close()
