@@ -28,6 +28,7 @@ entries and says so under ``"truncated"`` when it must).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -336,11 +337,15 @@ class TrackerState:
         if q is not None and not q:
             self.queues.pop(key, None)
 
-    def summary(self, max_bytes: int | None = None) -> dict:
+    def summary(self, max_bytes: int | None = None, *, ours: bool = True) -> dict:
         """TVM's summary: ``server_info`` (``"key": "server:<key>"``) and ``queue_info`` per key.
 
         Servers of both protocols are listed (TVM's marked ``"protocol": "tvm"``)
-        and counted per key. It always fits in one frame of ``max_bytes`` (default:
+        and counted per key; a key with servers or requests of both worlds also has
+        TVM's world's counts in its entry's ``"tvm"`` (so that this project's clients
+        can tell what they may get).
+        ``ours=False`` leaves this project's servers out: what a TVM peer, who proves
+        nothing, is shown (it can use none of them anyway). It always fits in one frame of ``max_bytes`` (default:
         ``max_summary_bytes``): it lists at most :data:`SUMMARY_MAX_SERVERS` servers and
         :data:`SUMMARY_MAX_KEYS` keys, fewer if their bytes need it, and then says
         so in ``"truncated": {"server_info": [listed, total], "queue_info": [listed, total]}``
@@ -348,11 +353,11 @@ class TrackerState:
         """
         budget = (self.max_summary_bytes if max_bytes is None else int(max_bytes)) - _SUMMARY_SLACK  # fmt: skip
         counts: dict[str, dict] = {}
-        for e in self.servers.values():
+        for e in self.servers.values() if ours else ():
             qi = counts.setdefault(e.key, {"free": 0, "pending": 0, "total": 0})
             qi["total"] += 1
             qi["free"] += e.ticket is None
-        for key, q in self.queues.items():
+        for key, q in self.queues.items() if ours else ():
             n = sum(1 for _p, _s, w in q if not w.link.closed)
             counts.setdefault(key, {"free": 0, "pending": 0, "total": 0})["pending"] = n
         servers = [
@@ -362,11 +367,19 @@ class TrackerState:
                 "free": e.ticket is None,
                 "in_session": e.started,
             }
-            for e in self.servers.values()
+            for e in (self.servers.values() if ours else ())
         ]
         if self.tvm is not None:
             servers += self.tvm.server_info()
-            self.tvm.add_counts(counts)
+            tvm_counts: dict[str, dict] = {}
+            self.tvm.add_counts(tvm_counts)
+            for key, tc in tvm_counts.items():
+                mixed = key in counts  # servers or requests of this project's world too
+                qi = counts.setdefault(key, {"free": 0, "pending": 0, "total": 0})
+                for field in ("free", "pending", "total"):
+                    qi[field] += tc[field]
+                if mixed:
+                    qi["tvm"] = tc
         ns = min(len(servers), SUMMARY_MAX_SERVERS)
         nk = min(len(counts), SUMMARY_MAX_KEYS)
         while True:
@@ -508,7 +521,9 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
         if getattr(hs, "tvm", False):
             sock = hs.detach(None)
             _tune_link(sock)
-            if not tvm_slots.start_thread(serve_tvm_link, sock, hs.addr, state.tvm, state.summary, name="tracker-tvm-link"):  # fmt: skip
+            # a TVM peer proves nothing: it is shown TVM's world only
+            tvm_summary = functools.partial(state.summary, ours=False)
+            if not tvm_slots.start_thread(serve_tvm_link, sock, hs.addr, state.tvm, tvm_summary, name="tracker-tvm-link"):  # fmt: skip
                 logger.warning("refused a TVM link from %s: %d TVM links already", hs.addr, tvm_slots.limit)  # fmt: skip
                 loop.adopt(Drain(sock, hs.addr), timeout=2.0)
             return
@@ -787,10 +802,18 @@ class TrackerSession:
     def pool_text(self, key: str) -> str:
         """How many servers of ``key`` the tracker has, in words (for error messages)."""
         try:
-            q = self.summary()["queue_info"].get(key)
+            summary = self.summary()
         except RPCError as exc:
             return f"the tracker could not be asked: {exc}"
-        if not q:
+        q = summary["queue_info"].get(key)
+        # TVM's servers (a TVM-mode tracker) are of no use to this client: leave them out
+        if q and "tvm" in q:
+            q = {f: q[f] - q["tvm"][f] for f in ("free", "pending", "total")}
+        elif q and "truncated" not in summary:
+            mine = [s for s in summary["server_info"] if s.get("key") == f"server:{key}"]
+            if mine and all(s.get("protocol") == "tvm" for s in mine):
+                q = None
+        if not q or not q["total"]:
             return f"the tracker has no server registered for key {key!r}"
         return (
             f"the tracker has {q['total']} server(s) for key {key!r}: {q['free']} free, "

@@ -20,13 +20,14 @@ list that starts with a :class:`~disco_rpc.base.TrackerCode`:
 * ``[REQUEST, key, user, priority]`` -> ``[SUCCESS, [host, port, matchkey]]`` once
   a slot of ``key`` is free (higher priority first, then first come)
 * ``[GET_PENDING_MATCHKEYS]`` -> the match keys this connection put that no client took
-* ``[SUMMARY]`` -> ``[SUCCESS, summary]`` (the tracker's one summary, both protocols)
+* ``[SUMMARY]`` -> ``[SUCCESS, summary]`` (the tracker's summary of TVM's world only)
 * ``[STOP, stop_key]`` -> ``FAIL`` (this tracker is stopped by its owner, never remotely)
 
 The two worlds are kept apart: a TVM client is only given slots that TVM-protocol
 peers put (it cannot speak this project's authenticated protocol), and this
-project's clients only this project's servers; ``summary()`` lists both, TVM's
-entries marked ``"protocol": "tvm"``, and counts a key's servers of both kinds.
+project's clients only this project's servers; this project's ``summary()`` lists
+both, TVM's entries marked ``"protocol": "tvm"``, and counts a key's servers of both
+kinds, while a TVM peer, who proves nothing, is shown TVM's world only.
 
 What a peer may cost is bounded: a message is at most
 :data:`~disco_rpc.base.TRACKER_MAX_JSON_BYTES` (a larger or non-positive size

@@ -401,10 +401,41 @@ def test_worlds_apart_and_our_protocol_unchanged(tracker):
         tvm_server = _conn(tracker)
         assert _call(tvm_server, [C.PUT, "mixed", [9126, "mixed:0.1"], None]) == C.SUCCESS
         assert base.recvjson(tvm_client) == [C.SUCCESS, ["127.0.0.1", 9126, "mixed:0.1"]]
-        assert _wait(lambda: ts.summary()["queue_info"]["mixed"] == {"free": 1, "pending": 0, "total": 1})  # fmt: skip
+        want = {"free": 1, "pending": 0, "total": 1}  # ours; the TVM slot went to the TVM client
+        assert _wait(lambda: ts.summary()["queue_info"]["mixed"] == want), ts.summary()
         tvm_server.close()
     finally:
         tvm_client.close()
+        ts.close()
+        srv.terminate()
+
+
+def test_a_tvm_peer_sees_only_tvms_world_and_cannot_skew_ours(tracker):
+    """A TVM peer proves nothing: its SUMMARY leaves our servers out, and the slots it
+    PUTs under our key do not count as servers our clients could get (red team, finding 3)."""
+    srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tracker.addr, key="ours")
+    ts = rpc.connect_tracker("127.0.0.1", tracker.port)
+    peer = _conn(tracker)
+    try:
+        assert _wait(lambda: "ours" in ts.summary()["queue_info"])
+        status, seen = _call(peer, [C.SUMMARY])
+        assert status == C.SUCCESS
+        assert seen["server_info"] == [] and "ours" not in seen["queue_info"]
+        for i in range(3):  # fake slots under our key, at an address of the peer's choosing
+            assert _call(peer, [C.PUT, "ours", [6666, f"ours:{i}"], None]) == C.SUCCESS
+        q = ts.summary()["queue_info"]["ours"]
+        assert q["free"] == 4 and q["tvm"]["free"] == 3  # TVM's layout counts all; "tvm" says which
+        assert ts.pool_text("ours") == (
+            "the tracker has 1 server(s) for key 'ours': 1 free, 0 request(s) waiting"
+        )
+        other = _conn(tracker)
+        assert _call(other, [C.UPDATE_INFO, {"key": "server:only-tvm", "addr": ["127.0.0.1", 9]}]) == C.SUCCESS  # fmt: skip
+        assert _call(other, [C.PUT, "only-tvm", [9, "only-tvm:0"], None]) == C.SUCCESS
+        assert ts.summary()["queue_info"]["only-tvm"] == {"free": 1, "pending": 0, "total": 1}
+        assert ts.pool_text("only-tvm") == "the tracker has no server registered for key 'only-tvm'"
+        other.close()
+    finally:
+        peer.close()
         ts.close()
         srv.terminate()
 
