@@ -64,6 +64,9 @@ class WorkerContext:
         The worker's default device (``cpu:0``; a CCL such as nccl binds a GPU).
     ccl : CCL or None
         The collective library, once ``init_ccl`` ran.
+    extra : dict
+        Facts a channel adds; ``"entrypoint"``: on worker 0, the module the session's
+        worker processes run (the ``process`` and ``socket`` channels set it).
     """
 
     worker_id: int
