@@ -846,7 +846,7 @@ class CCLContract:
     @pytest.mark.parametrize("kind", ["shape", "dtype"])
     @pytest.mark.parametrize("op", ["allreduce", "allgather", "broadcast", "scatter", "gather"])
     def test_mismatched_buffers(self, session, op, kind):
-        """One worker (via ``debug_copy_from``) passes a different array: all members fail."""
+        """One worker (via ``ccl_kit.replace_on``) passes a different array: all members fail."""
         sess = session()
         nw = self.num_workers
         odd = nw - 1
