@@ -112,7 +112,12 @@ def register_count() -> int:
 
 @_builtin("import_python_module")
 def import_python_module(module_name: str) -> None:
+    """Import a Python module on the calling worker (the functions it registers appear)."""
     importlib.import_module(module_name)
+
+
+# TVM's Session.import_python_module calls this name.
+register_func("runtime.disco._import_python_module", import_python_module, override=True)
 
 
 @_builtin("load_module")
@@ -205,6 +210,26 @@ def scatter_from_worker0(src, in_group, dst) -> None:
 @collective
 def gather_to_worker0(src, in_group, dst) -> None:
     _ccl().gather(_arr(src), _arr(dst), bool(in_group))
+
+
+@_builtin("share_with_group_roots")
+@collective
+def share_with_group_roots(buf) -> None:
+    """Copy worker 0's ``buf`` into ``buf`` of every other group's first worker.
+
+    Point to point over the CCL; the other workers do nothing. ``Session.broadcast``
+    and ``Session.scatter`` use it with ``in_group=True`` so that every group starts
+    from the host data that entered through worker 0.
+    """
+    ctx = current()
+    if ctx.num_groups == 1 or not ctx.is_group_root:
+        return
+    ccl = _ccl()
+    if ctx.worker_id == 0:
+        for g in range(1, ctx.num_groups):
+            ccl.send(_arr(buf), g * ctx.group_size)
+    else:
+        ccl.recv(_arr(buf), 0)
 
 
 @_builtin("barrier")

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _memory, plugins, registry
+from . import _memory, plugins
 from . import protocol as P
 from .ccl.base import CCL, REDUCE_OPS
 from .channels.base import Channel, Outgoing, gather_timeout
@@ -55,18 +55,22 @@ __all__ = [
 class DRef:
     """A register on every worker of a session.
 
-    Dropping the last reference frees the register on every worker.
+    The register is freed on every worker when the last handle to it is dropped:
+    the :class:`DRef` itself and any :class:`DPackedFunc` or :class:`DModule`
+    wrapped around it (TVM's ``DPackedFunc(dref, session)``) share it.
     """
 
-    __slots__ = ("session", "reg_id", "__weakref__")
+    __slots__ = ("session", "reg_id", "_owner", "__weakref__")
 
     def __init__(self, session: Session, reg_id: int) -> None:
         self.session = session
         self.reg_id = reg_id
+        self._owner: DRef | None = None  # None: this handle frees the register
 
     def __del__(self) -> None:
-        session = self.session
-        if session is not None and self.reg_id:
+        # A wrapper keeps its owner alive instead: the owner frees the register, once.
+        session = getattr(self, "session", None)
+        if session is not None and self.reg_id and getattr(self, "_owner", None) is None:
             session._release(self.reg_id)
 
     def debug_get_from_remote(self, worker_id: int = 0) -> Any:
@@ -77,7 +81,23 @@ class DRef:
         return self.session._debug_get(self, worker_id)
 
     def debug_copy_from(self, worker_id: int, value: Any) -> None:
-        """Set the register on one worker to ``value`` (a synchronising call)."""
+        """Copy ``value`` into the array this register holds on one worker (synchronising).
+
+        As in TVM, the data is copied into the existing array, so every alias of it
+        on that worker sees the new data; a shape or dtype that differs from the
+        array's is an error (:class:`~disco_core.WorkerError` of type ``ValueError``,
+        raised here). A register that holds no array (``None``, as on the workers a
+        ``worker0_only`` array skips, or any other value) takes ``value`` instead, as
+        TVM's ``DiscoWorker::SetRegister`` does; a register that was never set or
+        was freed is an error.
+
+        Parameters
+        ----------
+        worker_id : int
+            The worker whose register receives the data.
+        value : numpy.ndarray or object
+            A host array (anything with ``__dlpack__`` is copied to one first).
+        """
         self.session._debug_set(self, worker_id, value)
 
     def __repr__(self) -> str:
@@ -92,19 +112,75 @@ class DRef:
 register_ref_type(DRef)
 
 
+def _wrap(obj: DRef, dref: Any, session: Any) -> None:
+    """``obj`` becomes another handle to ``dref``'s register (TVM's ``Wrapper(dref, session)``)."""
+    name = type(obj).__name__
+    if not isinstance(dref, DRef):
+        order = isinstance(dref, Session)
+        hint = " (the arguments are (dref, session), TVM's order)" if order else ""
+        raise DiscoTypeError(
+            f"{name}(dref, session): dref must be a DRef, got {type(dref).__name__}{hint}"
+        )
+    if not isinstance(session, Session):
+        raise DiscoTypeError(
+            f"{name}(dref, session): session must be a disco_core.Session, got {type(session).__name__}"
+        )
+    if dref.session is not session:
+        raise DiscoValueError(f"{name}(dref, session): {dref!r} belongs to another session")
+    if not dref.reg_id:
+        raise DiscoValueError(f"{name}(dref, session): {dref!r} names no register")
+    obj.session = session
+    obj.reg_id = dref.reg_id
+    # The one handle that frees the register; this one keeps it alive meanwhile.
+    obj._owner = dref if dref._owner is None else dref._owner
+
+
+def _handle(cls: type, session: Session, reg_id: int) -> Any:
+    """A new handle of class ``cls`` that owns register ``reg_id`` (internal construction)."""
+    obj = cls.__new__(cls)
+    obj.session = session
+    obj.reg_id = reg_id
+    obj._owner = None
+    return obj
+
+
 class DPackedFunc(DRef):
-    """A function in a register on every worker; calling it is ``session.call_packed(self, *args)``."""
+    """A function in a register on every worker; calling it is ``session.call_packed(self, *args)``.
+
+    Parameters
+    ----------
+    dref : DRef
+        The register holding the function (TVM's order: ``DPackedFunc(dref, session)``).
+        Both handles share the register: it is freed when the last one is dropped.
+    session : Session
+        The session ``dref`` belongs to.
+    """
 
     __slots__ = ()
+
+    def __init__(self, dref: DRef, session: Session) -> None:
+        _wrap(self, dref, session)
 
     def __call__(self, *args: Any) -> DRef:
         return self.session.call_packed(self, *args)
 
 
 class DModule(DRef):
-    """A module loaded on every worker; ``module["name"]`` is a :class:`DPackedFunc`."""
+    """A module loaded on every worker; ``module["name"]`` is a :class:`DPackedFunc`.
+
+    Parameters
+    ----------
+    dref : DRef
+        The register holding the module (TVM's order: ``DModule(dref, session)``).
+        Both handles share the register: it is freed when the last one is dropped.
+    session : Session
+        The session ``dref`` belongs to.
+    """
 
     __slots__ = ()
+
+    def __init__(self, dref: DRef, session: Session) -> None:
+        _wrap(self, dref, session)
 
     def __getitem__(self, name: str) -> DPackedFunc:
         if not isinstance(name, str):
@@ -279,7 +355,7 @@ class Session:
                 raise DiscoTypeError(
                     f"call_packed: the arguments cannot be sent to the workers: {exc}"
                 ) from exc
-        return cls(self, reg)
+        return DRef(self, reg) if cls is DRef else _handle(cls, self, reg)
 
     def _recv(self, worker_id: int) -> Any:
         """The reply of ``worker_id``; its failure comes merged with the errors that led to it."""
@@ -391,20 +467,26 @@ class Session:
     def get_global_func(self, name: str) -> DPackedFunc:
         """Get a global function (``disco_core.register_func``) on every worker.
 
+        The name is looked up by each worker, as in TVM, so a function that only
+        the workers register (a custom ``entrypoint``, a module imported only
+        there) is reachable. Worker 0 lives in the controller's process: when it
+        lacks the name it imports the session's custom ``entrypoint`` module, if
+        any, and otherwise looks the name up again when the function is called
+        (a clear error on worker 0 if it is still missing then).
+
         Raises
         ------
-        ValueError
-            No function of that name is registered (checked here, at the call site).
+        WorkerError
+            At the next synchronising call, naming the function, when no worker
+            has it (a ``ValueError`` on the workers).
         """
         self._check_open()
         if not isinstance(name, str):
             raise DiscoTypeError(f"get_global_func: name must be a str, got {type(name).__name__}")
-        if registry.get_global_func(name, allow_missing=True) is None:
-            raise DiscoValueError(registry.missing_message(name))
         with self._lock:
             reg = self._alloc()
             self._send((P.GET_GLOBAL_FUNC, reg, name))
-        return DPackedFunc(self, reg)
+        return _handle(DPackedFunc, self, reg)
 
     def import_python_module(self, module_name: str) -> None:
         """Import a Python module on every worker (so the functions it registers exist).
@@ -550,25 +632,51 @@ class Session:
             raise
         self._state["ccl"] = ccl
 
-    def _collective(self, name: str, *args: Any) -> None:
+    def _collective_ready(self, name: str) -> None:
         if self._state["ccl"] is None:
             self._check_open()
             raise CCLError(
                 f"{name}: no CCL is initialised; call session.init_ccl('shm') (or 'mpi', 'nccl') first"
             )
+
+    def _collective(self, name: str, *args: Any) -> None:
+        self._collective_ready(name)
         self.call_packed(self._get_cached_method(f"disco.{name}"), *args)
+
+    def _host_to_roots(self, name: str, host: np.ndarray, in_group: bool) -> DRef:
+        """``host`` on worker 0 (``in_group=False``) or on every group's first worker.
+
+        The data enters once, through worker 0; with several groups worker 0 then
+        sends it to the other groups' first workers over the CCL (point to point),
+        so every group starts from the same data.
+        """
+        self._collective_ready(name)
+        ref = self.empty(host.shape, host.dtype, worker0_only=True, in_group=in_group)
+        self.copy_to_worker_0(host, ref)
+        if in_group and self.num_groups > 1:
+            self.call_packed(self._get_cached_method("disco.share_with_group_roots"), ref)
+        return ref
 
     def broadcast(self, src: Any, dst: DRef | None = None, in_group: bool = True) -> DRef:
         """Send a host array to every worker; returns ``dst`` (allocated when None).
 
-        Every worker receives the same data whatever ``in_group`` says (with several
-        groups the data goes from worker 0 to all, so each group gets it).
+        Parameters
+        ----------
+        src : array
+            The host array.
+        dst : DRef, optional
+            Where every worker receives it; allocated with ``src``'s shape and dtype when None.
+        in_group : bool
+            True (the default): the broadcast runs within each group, from the group's
+            first worker, and every group receives the same data. False: one broadcast
+            from worker 0 across all workers. Both end with ``src`` on every worker.
         """
         host = as_array(src)
+        in_group = bool(in_group)
+        src_ref = self._host_to_roots("broadcast", host, in_group)
         if dst is None:
             dst = self.empty(host.shape, host.dtype)
-        src_ref = self.copy_to_worker_0(host)
-        self._collective("broadcast_from_worker0", src_ref, False, dst)
+        self._collective("broadcast_from_worker0", src_ref, in_group, dst)
         return dst
 
     def broadcast_from_worker0(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
@@ -577,20 +685,36 @@ class Session:
         return dst
 
     def scatter(self, src: Any, dst: DRef | None = None, in_group: bool = True) -> DRef:
-        """Send ``src[w]`` of a host array to worker ``w``; returns ``dst``.
+        """Send one slice of a host array along its first axis to each worker; returns ``dst``.
 
-        ``src.shape[0]`` must equal ``num_workers`` (with any number of groups).
+        Parameters
+        ----------
+        src : array
+            The host array. With ``in_group=True`` (the default) its first dimension is
+            the group size and every group gets the same shards: worker ``w`` receives
+            ``src[w % group_size]``. With ``in_group=False`` it is ``num_workers`` and
+            worker ``w`` receives ``src[w]``. With one group both are the same.
+        dst : DRef, optional
+            Allocated with shape ``src.shape[1:]`` when None.
+        in_group : bool
+            Scatter within each group (from its first worker) or across all workers.
         """
         host = as_array(src)
-        if host.ndim == 0 or host.shape[0] != self.num_workers:
-            raise DiscoValueError(
-                f"scatter: the first dimension of src must be the number of workers "
-                f"({self.num_workers}), got shape {tuple(host.shape)}"
+        in_group = bool(in_group)
+        size = self.num_workers // self.num_groups if in_group else self.num_workers
+        if host.ndim == 0 or host.shape[0] != size:
+            what = (
+                f"the group size ({size}; in_group=True scatters within each group)"
+                if in_group and self.num_groups > 1
+                else f"the number of workers ({self.num_workers})"
             )
+            raise DiscoValueError(
+                f"scatter: the first dimension of src must be {what}, got shape {tuple(host.shape)}"
+            )
+        src_ref = self._host_to_roots("scatter", host, in_group)
         if dst is None:
             dst = self.empty(host.shape[1:], host.dtype)
-        src_ref = self.copy_to_worker_0(host)
-        self._collective("scatter_from_worker0", src_ref, False, dst)
+        self._collective("scatter_from_worker0", src_ref, in_group, dst)
         return dst
 
     def scatter_from_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
@@ -672,15 +796,32 @@ class ProcessSession(Session):
     num_workers : int
         Number of workers.
     num_groups : int
-        Number of worker groups; must divide ``num_workers``.
+        Number of worker groups; must divide ``num_workers``. A str here is taken as
+        the ``entrypoint`` (``ProcessSession(num_workers, entrypoint)``, the form of
+        TVM's older documentation).
     entrypoint : str
         The module the children run as ``python -m <entrypoint>``; it must end by
-        calling :func:`disco_core.worker.main`.
+        calling :func:`disco_core.worker.main` (under ``if __name__ == "__main__"``:
+        worker 0 imports it when it lacks a global function, see
+        :meth:`Session.get_global_func`). Default ``"disco_core.worker"``.
     """
 
     def __init__(
-        self, num_workers: int, num_groups: int = 1, entrypoint: str = "disco_core.worker"
+        self,
+        num_workers: int,
+        num_groups: int | str = 1,
+        entrypoint: str | None = None,
     ) -> None:
+        if isinstance(num_groups, str):
+            # ProcessSession(num_workers, entrypoint): the form of TVM's older documentation.
+            if entrypoint is not None:
+                raise DiscoTypeError(
+                    "ProcessSession: the entrypoint was given twice (as the second argument "
+                    "and as entrypoint=); use ProcessSession(num_workers, num_groups, entrypoint)"
+                )
+            num_groups, entrypoint = 1, num_groups
+        if entrypoint is None:
+            entrypoint = "disco_core.worker"
         check_session_shape(num_workers, num_groups)
         if not isinstance(entrypoint, str) or not entrypoint:
             raise DiscoTypeError("entrypoint must be a module name")

@@ -20,7 +20,8 @@ Commands on the wire
     :func:`write_frame`, :class:`FrameReader`, :data:`FLAG_BATCH`.
 CCLs
     :class:`CCL`, :class:`Rendezvous`, :data:`REDUCE_OPS`, :mod:`validate`
-    (the argument checks every collective runs on every member), and
+    (the argument checks every collective runs on every member),
+    :func:`average_in_place` (``avg`` as NCCL computes it, integers included), and
     :meth:`CCL.preflight` (worker-side checks before a blocking initialisation).
 Network layer
     :mod:`net` (:mod:`~disco_core.net.io`, :mod:`~disco_core.net.framing`,
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 from . import net, protocol, registry
 from .ccl import validate
-from .ccl.base import CCL, REDUCE_OPS, Rendezvous
+from .ccl.base import CCL, REDUCE_OPS, Rendezvous, average_in_place
 from .channels.base import (
     BatchingLink,
     LinkChannel,
@@ -155,6 +156,7 @@ __all__ = [
     "CCL",
     "Rendezvous",
     "REDUCE_OPS",
+    "average_in_place",
     "validate",
     # network layer
     "net",

@@ -32,7 +32,7 @@ def sess(request):
 
 def _scatter_inputs(sess, xs):
     # scatter allocates its dst with empty: the arrays land in the workers' arenas
-    return sess.scatter(np.stack(xs))
+    return sess.scatter(np.stack(xs), in_group=False)
 
 
 def test_empty_arrays_come_from_the_arena(sess):
@@ -77,8 +77,11 @@ def test_mixed_arena_and_private_arrays_fall_back_to_staging(sess):
     n = sess.num_workers
     xs = _inputs(n, "float32")
     src = _scatter_inputs(sess, xs)
-    # worker n-1 gets a private (non-arena) array for its src
-    src.debug_copy_from(n - 1, xs[n - 1].copy())
+    # worker n-1 gets a private (non-arena) array for its src (an argument's copy)
+    sess.import_python_module("disco_core.testing.ccl_funcs")
+    src = sess.call_packed("ccl_kit.replace_on", src, n - 1, xs[n - 1])
+    inside = sess.get_global_func("testing.in_ccl_memory")
+    assert inside(src).debug_get_from_remote(n - 1) is False
     dst = sess.empty((N,), "float32")
     sess.allreduce(src, dst, "sum", in_group=False)
     want = functools.reduce(np.add, xs)

@@ -38,14 +38,47 @@ import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..channels.base import Channel
     from ..worker import WorkerContext
 
-__all__ = ["CCL", "Rendezvous", "REDUCE_OPS"]
+__all__ = ["CCL", "Rendezvous", "REDUCE_OPS", "average_in_place"]
 
 #: Reduction operators, in TVM's ``ReduceKind`` order.
 REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
+
+
+def average_in_place(total: Any, n: int) -> None:
+    """Turn ``total``, the members' sum in its own dtype, into their ``avg``, in place.
+
+    Floating dtypes: ``total / n`` rounded to the dtype. Integer dtypes follow
+    NCCL's ``ncclAvg`` (a sum, then a division by the member count): the quotient
+    truncated toward zero, exactly (no detour through floating point, which would
+    round large ``int64`` values).
+
+    Parameters
+    ----------
+    total : numpy.ndarray
+        The sum (wrapped in the dtype, as the CCL computed it); overwritten.
+    n : int
+        The number of members.
+    """
+    dt = total.dtype
+    if dt.kind not in "iu":
+        np.true_divide(total, n, out=total, casting="unsafe")
+        return
+    if n == 1:
+        return
+    if n > np.iinfo(dt).max:  # |total| < n: every quotient truncates to zero
+        total[...] = 0
+        return
+    d = dt.type(n)
+    # total - fmod(total, n) is an exact multiple of n nearer zero (no overflow),
+    # so the floor division that follows is exact and truncates toward zero.
+    np.subtract(total, np.fmod(total, d), out=total)
+    np.floor_divide(total, d, out=total)
 
 
 class Rendezvous:

@@ -18,7 +18,8 @@ descriptor of its arguments, so mismatched calls fail on every member at once.
 Reduction order: ``allreduce`` combines contributions in rank order,
 ``((x0 op x1) op x2) ...``, elementwise in the array's own dtype (NumPy ufuncs),
 so results are bit-identical to ``functools.reduce(ufunc, xs)`` in NumPy; ``avg``
-divides the sum by the member count and is defined for floating dtypes only.
+divides the sum by the member count (on integers truncated toward zero, as NCCL's
+``ncclAvg``: :func:`~disco_core.ccl.base.average_in_place`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 
 from ..errors import CCLError, CCLTimeoutError
 from . import _arena, _futex, validate
-from .base import CCL, Rendezvous
+from .base import CCL, Rendezvous, average_in_place
 
 __all__ = ["ShmCCL", "ShmRendezvous", "Layout", "abort_segment"]
 
@@ -434,7 +435,7 @@ class ShmCCL(CCL):
                 for k in range(2, n):
                     ufunc(out, parts[k], out=out)
             if op == "avg":
-                np.true_divide(out, n, out=out, casting="unsafe")
+                average_in_place(out, n)
             return
         # Large (or invalid): agree on the call and on where every array lives first.
         self._slots(comm)
@@ -462,7 +463,7 @@ class ShmCCL(CCL):
                 for k in range(1, n):
                     ufunc(acc, slots[k, lo:hi].view(src.dtype), out=acc)
                 if op == "avg":
-                    np.true_divide(acc, n, out=acc, casting="unsafe")
+                    average_in_place(acc, n)
             self._barrier(comm, "allreduce")
             dst_b[off : off + c] = slots[0, :c]
             off += c
@@ -490,7 +491,7 @@ class ShmCCL(CCL):
                 for k in range(2, n):
                     ufunc(t, srcs[k][a:b], out=t)
             if op == "avg":
-                np.true_divide(t, n, out=t, casting="unsafe")
+                average_in_place(t, n)
             for d in dsts:  # all reads of this piece are done: src may be dst
                 d[a:b] = t
         self._barrier(comm, "allreduce")  # nobody returns while others still use its arrays

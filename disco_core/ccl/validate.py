@@ -167,8 +167,8 @@ def check(op: str, descs: Sequence[Desc], members: Sequence[int]) -> None:
         kind = np.dtype(_dtype(root.src[0])).kind
         if op.endswith(":avg"):
             need(
-                kind in "fc" or root.src[0] in ("bfloat16",),
-                f"op 'avg' needs a floating dtype, got {root.src[0]} (use 'sum' and divide)",
+                kind != "b",
+                f"op 'avg' needs a numeric dtype, got {root.src[0]} (bool has no average)",
             )
         return
     if name == "allgather":

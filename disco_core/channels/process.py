@@ -266,7 +266,10 @@ class ProcessChannel(LinkChannel):
             self.gates.append(self.reader.gate)
             self.reader.start()
             self.procs = procs
-            self._set_links([ThreadWorkerLink(0, num_workers, num_groups, self.hub), *procs])
+            link0 = ThreadWorkerLink(0, num_workers, num_groups, self.hub)
+            # Worker 0 imports the children's entrypoint for a global function it lacks.
+            link0.worker.ctx.extra["entrypoint"] = entrypoint
+            self._set_links([link0, *procs])
             self.wait_ready(range(1, num_workers), time.monotonic() + start_timeout())
         except BaseException:
             self.hub.closing = True

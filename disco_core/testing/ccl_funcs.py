@@ -53,10 +53,14 @@ def _on_device(arr: Any) -> Any:
         return cupy.asarray(arr)
 
 
-@_reg("place")
-def place(arr: Any) -> Any:
-    """``arr`` (set from the controller with ``debug_copy_from``) on the worker's device."""
-    return _on_device(arr)
+@_reg("replace_on")
+def replace_on(arr: Any, worker: int, value: Any) -> Any:
+    """``value`` (on the device) on worker ``worker``, ``arr`` unchanged elsewhere.
+
+    The kit makes one worker pass a different array this way (``debug_copy_from``
+    copies into the existing array and refuses another shape or dtype).
+    """
+    return _on_device(value) if current().worker_id == int(worker) else arr
 
 
 def _call(name: str, *args: Any) -> Any:

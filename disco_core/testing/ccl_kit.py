@@ -28,8 +28,8 @@ The reference semantics (what every CCL promises):
 * ``allreduce`` combines the members' arrays in rank order,
   ``functools.reduce(ufunc, [x0, x1, ...])`` elementwise in the array's dtype
   (``np.add``, ``np.multiply``, ``np.minimum``, ``np.maximum``); ``avg`` is that sum
-  divided by the member count in the array's dtype (floating dtypes only: on
-  integers and bool it is a :class:`~disco_core.errors.CCLError`);
+  divided by the member count in the array's dtype, on integers truncated toward
+  zero as NCCL's ``ncclAvg`` does (on bool it is a :class:`~disco_core.errors.CCLError`);
 * ``allgather`` and ``gather_to_worker0`` concatenate along axis 0 in rank order;
   ``scatter_from_worker0`` gives member ``r`` the ``r``-th equal piece of the root's
   flat ``src``; ``broadcast_from_worker0`` copies the root's ``src``; the root of a
@@ -51,8 +51,8 @@ Class attributes a subclass may set:
 ``supports_empty_arrays`` (bool, default True)
     Whether 0-element arrays are tested.
 ``avg_exact`` (bool, default True)
-    ``avg`` is bit-identical to ``sum / n``; when False (NCCL pre-multiplies by
-    ``1/n``) it is compared with a tolerance.
+    ``avg`` of floats is bit-identical to ``sum / n``; when False (NCCL pre-multiplies
+    by ``1/n``) it is compared with a tolerance. ``avg`` of integers is always exact.
 ``small_round_options`` (dict or None)
     ``init_ccl`` options that make the CCL move little data per round, so that the
     multi-round tests exercise several rounds with small arrays (``shm``:
@@ -108,11 +108,19 @@ _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maxi
 
 # ---------------------------------------------------------------------------- references
 def reference_allreduce(xs: Sequence[np.ndarray], op: str) -> np.ndarray:
-    """``functools.reduce(ufunc, xs)`` in the arrays' dtype; ``avg`` = that sum / len(xs)."""
+    """``functools.reduce(ufunc, xs)`` in the arrays' dtype; ``avg`` = that sum / len(xs).
+
+    On integers ``avg`` is NCCL's: the (wrapped) sum divided by ``len(xs)``,
+    truncated toward zero (computed here on Python ints, exactly).
+    """
     with np.errstate(all="ignore"):
         acc = functools.reduce(_UFUNCS["sum" if op == "avg" else op], xs)
         acc = np.array(acc, copy=True)
-        if op == "avg":
+        if op == "avg" and acc.dtype.kind in "iu":
+            n = len(xs)
+            flat = [abs(v) // n * (1 if v >= 0 else -1) for v in acc.reshape(-1).tolist()]
+            acc = np.array(flat, dtype=acc.dtype).reshape(acc.shape)
+        elif op == "avg":
             np.true_divide(acc, len(xs), out=acc, casting="unsafe")
     return acc
 
@@ -168,9 +176,8 @@ def _values(ref: disco.DRef, workers: Sequence[int]) -> dict[int, Any]:
 
 
 def _put(sess: disco.Session, ref: disco.DRef, worker: int, value: np.ndarray) -> disco.DRef:
-    """``ref`` with worker ``worker``'s value set to ``value``, on that worker's device."""
-    ref.debug_copy_from(worker, value)
-    return sess.call_packed("ccl_kit.place", ref)
+    """``ref`` with worker ``worker``'s value replaced by ``value``, on that worker's device."""
+    return sess.call_packed("ccl_kit.replace_on", ref, worker, value)
 
 
 def _sync(sess: disco.Session) -> None:
@@ -183,9 +190,7 @@ def _sync(sess: disco.Session) -> None:
 def _default_ops(dtype: str) -> tuple[str, ...]:
     if dtype == "bool":
         return ("min", "max")  # logical and / or
-    if dtype in FLOAT_DTYPES:
-        return OPS
-    return ("sum", "prod", "min", "max")  # avg of integers is an error (tested apart)
+    return OPS
 
 
 _ALLREDUCE_CASES = [(op, dt) for op in OPS for dt in DTYPES if op in _default_ops(dt)]
@@ -322,7 +327,7 @@ class CCLContract:
             pytest.skip("bfloat16 needs ml_dtypes (pip install ml_dtypes)")
 
     def reduce_ops(self, dtype: str) -> tuple[str, ...]:
-        """The ops tested on ``dtype``: all on floats; no avg on integers; min/max on bool.
+        """The ops tested on ``dtype``: all on numbers; min/max on bool.
 
         Override to leave out ops the CCL lacks (the others are skipped).
         """
@@ -333,7 +338,7 @@ class CCLContract:
 
     def check_allreduce(self, got: Any, xs: list[np.ndarray], op: str, what: str) -> None:
         ref = reference_allreduce(xs, op)
-        if op == "avg" and not self.avg_exact:
+        if op == "avg" and not self.avg_exact and ref.dtype.kind not in "iu":
             assert got.dtype == ref.dtype and got.shape == ref.shape, what
             tol = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6}.get(str(ref.dtype), 1e-12)
             np.testing.assert_allclose(
@@ -784,27 +789,44 @@ class CCLContract:
 
     @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "uint8", "bool"])
     def test_controller_scatter(self, session, dtype):
+        """``in_group=False``: ``src[w]`` to worker ``w``; ``in_group=True`` (the default):
+        ``src`` has one row per group member and every group gets the same rows."""
         self.need_dtype(dtype)
         nw = self.num_workers
         for groups in self.layouts():
             sess = session(groups)
+            size = nw // groups
             host = make_input((nw, 3, 2), dtype, _seed("cs", dtype, groups), 99)
-            for in_group in (True, False):
-                dst = sess.scatter(host, in_group=in_group)
+            dst = sess.scatter(host, in_group=False)
+            for w, got in _values(dst, range(nw)).items():
+                assert_bits(got, host[w], f"scatter groups={groups} in_group=False w{w}")
+            shards = make_input((size, 3, 2), dtype, _seed("cs-g", dtype, groups), 98)
+            keep = shards.copy()
+            for dst in (sess.scatter(shards, in_group=True), sess.scatter(shards)):
                 for w, got in _values(dst, range(nw)).items():
-                    assert_bits(got, host[w], f"scatter groups={groups} in_group={in_group} w{w}")
+                    assert_bits(got, keep[w % size], f"scatter groups={groups} in_group w{w}")
             given = sess.empty((3, 2), dtype)
-            assert sess.scatter(host, given) is given
+            assert sess.scatter(shards, given) is given
             for w, got in _values(given, range(nw)).items():
-                assert_bits(got, host[w], f"scatter into dst, groups={groups} w{w}")
+                assert_bits(got, keep[w % size], f"scatter into dst, groups={groups} w{w}")
+            assert_bits(shards, keep, "the host array must not change")
 
     def test_controller_scatter_wrong_first_dim(self, session):
         sess = session()
         nw = self.num_workers
         for bad in (np.zeros((nw + 1, 2), "float32"), np.zeros((), "float32"), np.zeros(0)):
-            with pytest.raises(ValueError, match="first dimension|workers"):
-                sess.scatter(bad)
+            for in_group in (True, False):
+                with pytest.raises(ValueError, match="first dimension|workers"):
+                    sess.scatter(bad, in_group=in_group)
         self.assert_usable(sess)
+        groups = self.grouped()
+        if groups > 1:  # in groups the first dimension is the group size
+            sess = session(groups)
+            with pytest.raises(ValueError, match="group size"):
+                sess.scatter(np.zeros((nw, 2), "float32"))
+            with pytest.raises(ValueError, match="number of workers"):
+                sess.scatter(np.zeros((nw // groups, 2), "float32"), in_group=False)
+            self.assert_usable(sess)
 
     def test_controller_one_element(self, session):
         sess = session(self.layouts()[-1])
@@ -814,14 +836,17 @@ class CCLContract:
             assert_bits(got, host, f"worker {w}")
         small = "int16" if "int16" in self.dtypes else "int8"  # 2 bytes, or the least a CCL has
         host2 = np.arange(nw, dtype=small)
-        for w, got in _values(sess.scatter(host2), range(nw)).items():
+        for w, got in _values(sess.scatter(host2, in_group=False), range(nw)).items():
             assert_bits(got, host2[w], f"worker {w}")
+        size = nw // self.layouts()[-1]
+        for w, got in _values(sess.scatter(host2[:size]), range(nw)).items():
+            assert_bits(got, host2[w % size], f"worker {w}, in its group")
 
     # ------------------------------------------------------------------ wrong use
     @pytest.mark.parametrize("kind", ["shape", "dtype"])
     @pytest.mark.parametrize("op", ["allreduce", "allgather", "broadcast", "scatter", "gather"])
     def test_mismatched_buffers(self, session, op, kind):
-        """One worker (via ``debug_copy_from``) passes a different array: all members fail."""
+        """One worker (via ``ccl_kit.replace_on``) passes a different array: all members fail."""
         sess = session()
         nw = self.num_workers
         odd = nw - 1
@@ -922,15 +947,34 @@ class CCLContract:
         self.expect_ccl_error(sess, range(self.num_workers), r"dst|root")
         self.assert_usable(sess)
 
-    @pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "uint8", "bool"])
-    def test_avg_of_integers_is_an_error(self, session, dtype):
-        self.need_dtype(dtype)
+    def test_avg_of_bool_is_an_error(self, session):
+        self.need_dtype("bool")
         sess = session()
-        src = sess.call_packed("ccl_kit.input", (4,), dtype, 1)
-        dst = sess.empty((4,), dtype)
+        src = sess.call_packed("ccl_kit.input", (4,), "bool", 1)
+        dst = sess.empty((4,), "bool")
         sess.allreduce(src, dst, "avg", in_group=False)
         self.expect_ccl_error(sess, range(self.num_workers), r"avg")
         self.assert_usable(sess)
+
+    @pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "uint8"])
+    def test_avg_of_integers_truncates_toward_zero(self, session, dtype):
+        """NCCL's ``ncclAvg`` on integers: the sum divided by the member count, truncated
+        toward zero (-1/n is 0, not -1), exact even where float64 would round."""
+        self.need_dtype(dtype)
+        nw = self.num_workers
+        sess = session()
+        big = {"int64": 2**60 + 13}.get(dtype, 100)  # float64(2**60 + 13) loses the 13
+        first = [-1, 1, -7, 7, -(2 * nw + 1), 2 * nw + 1, -big, big]
+        if dtype.startswith("u"):
+            first = [abs(v) for v in first]
+        host = np.zeros((nw, len(first)), dtype)
+        host[0] = first
+        src = sess.scatter(host, in_group=False)
+        dst = sess.empty((len(first),), dtype)
+        sess.allreduce(src, dst, "avg", in_group=False)
+        want = np.array([abs(v) // nw * (1 if v >= 0 else -1) for v in first], dtype)
+        for w, got in _values(dst, range(nw)).items():
+            assert_bits(got, want, f"avg of {dtype}, worker {w}")
 
     def test_unknown_reduce_op(self, session):
         sess = session()

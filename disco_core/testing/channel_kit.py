@@ -192,12 +192,18 @@ class ChannelContract:
         assert _values(r, 3) == [5, 5, 5]
         assert _values(sess.call_packed(f, "a", "b"), 3) == ["ab"] * 3
 
-    def test_unknown_function_is_value_error_at_call_site(self, sess):
-        with pytest.raises(ValueError, match="testing.no_such_function"):
-            sess.get_global_func("testing.no_such_function")
+    def test_unknown_function_is_an_error_at_the_first_sync(self, sess):
+        """As in TVM, the workers look the name up: missing everywhere, it is a
+        WorkerError (a ValueError there) naming the function at the next sync."""
+        f = sess.get_global_func("testing.no_such_function")
+        with pytest.raises(disco.WorkerError, match="testing.no_such_function") as info:
+            _sync_all(sess)
+        assert info.value.exc_type == "ValueError"
         with pytest.raises(TypeError):
             sess.get_global_func(42)
-        sess.sync_worker_0()  # nothing was sent, nothing is pending
+        f(1)  # calling it fails too, clearly
+        with pytest.raises(disco.WorkerError, match="testing.no_such_function"):
+            _sync_all(sess)
         _sync_all(sess)
 
     def test_call_packed_rejects_non_function(self, sess):
@@ -469,10 +475,17 @@ class ChannelContract:
             s[:] = 99  # debug_copy_from copied: later changes stay here
         for w, got in enumerate(_values(r, 3)):
             np.testing.assert_array_equal(got, np.full(3, w * 1.5))
-        r.debug_copy_from(2, {"any": ("picklable", 1)})
-        assert r.debug_get_from_remote(2) == {"any": ("picklable", 1)}
         r.debug_copy_from(1, DLPackOnly(np.arange(3.0)))
         np.testing.assert_array_equal(r.debug_get_from_remote(1), np.arange(3.0))
+        # An array is copied into, as in TVM: another shape, dtype or kind is an error.
+        for bad in (np.zeros(4), np.zeros(3, "float32"), {"any": 1}):
+            with pytest.raises(disco.WorkerError, match="debug_copy_from"):
+                r.debug_copy_from(2, bad)
+        np.testing.assert_array_equal(r.debug_get_from_remote(2), np.full(3, 3.0))
+        # A register holding no array takes the value (TVM's SetRegister).
+        n = sess.get_global_func("testing.echo")(None)
+        n.debug_copy_from(2, {"any": ("picklable", 1)})
+        assert n.debug_get_from_remote(2) == {"any": ("picklable", 1)}
 
     def test_debug_bad_worker_id(self, sess):
         r = sess.get_global_func("testing.echo")(1)

@@ -8,6 +8,7 @@ the worker they run on for its facts with :func:`current`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -63,6 +64,9 @@ class WorkerContext:
         The worker's default device (``cpu:0``; a CCL such as nccl binds a GPU).
     ccl : CCL or None
         The collective library, once ``init_ccl`` ran.
+    extra : dict
+        Facts a channel adds; ``"entrypoint"``: on worker 0, the module the session's
+        worker processes run (the ``process`` and ``socket`` channels set it).
     """
 
     worker_id: int
@@ -163,6 +167,7 @@ class Worker:
         self.regs: dict[int, Any] = self.ctx.registers
         self.send = send
         self._names: dict[int, str] = {}  # register -> global function name, for messages
+        self._imported: dict[str, str] = {}  # entrypoint -> why its import failed, or ""
 
     # -- registers --------------------------------------------------------------------
     def get_reg(self, reg_id: int) -> Any:
@@ -234,6 +239,8 @@ class Worker:
             _, reg, name = cmd
             fn = registry.get_global_func(name, allow_missing=True)
             if fn is None:
+                fn = self._missing_global(name)
+            if fn is None:
                 self.regs[reg] = _Failed(registry.missing_message(name))
                 self._report(
                     ValueError(registry.missing_message(name)),
@@ -256,17 +263,47 @@ class Worker:
             self._sync_op(lambda: to_host(self.get_reg(cmd[1])))
         elif action == P.DEBUG_SET_REGISTER:
             _, reg, _, value = cmd
-
-            def _set():
-                self.regs[reg] = value
-
-            self._sync_op(_set)
+            self._sync_op(lambda: self._debug_set(reg, value))
         elif action == P.SHUTDOWN:
             self.close()
             return False
         else:
             self._report(DiscoError(f"unknown command action {action!r}"), "protocol")
         return True
+
+    def _missing_global(self, name: str) -> Callable | None:
+        """Worker 0's answer for a global function its process lacks (None: report it).
+
+        Worker 0 runs in the controller's process, which need not register what the
+        other workers do: it first imports the session's custom entrypoint module
+        (the children run it as ``__main__``), then settles for a function that looks
+        the name up again when called. A worker alone in its session has nobody to
+        defer to; in a session of threads the others report the missing name.
+        """
+        ctx = self.ctx
+        if ctx.worker_id != 0 or ctx.num_workers == 1:
+            return None
+        entry = ctx.extra.get("entrypoint")
+        if entry and entry != "disco_core.worker" and entry not in self._imported:
+            self._imported[entry] = _import_entrypoint(entry)
+            fn = registry.get_global_func(name, allow_missing=True)
+            if fn is not None:
+                return fn
+        return _LateBound(name, self._imported.get(entry, "") if entry else "")
+
+    def _debug_set(self, reg: int, value: Any) -> None:
+        """``DRef.debug_copy_from``: copy into the register's array, or set a register that holds none."""
+        held = self.get_reg(reg)  # never set, freed or failed: an error
+        if held is None or not _is_array(held):
+            self.regs[reg] = value  # TVM's DiscoWorker::SetRegister assigns a non-array
+            return
+        if not _is_array(value):
+            raise ValueError(
+                f"debug_copy_from: register {reg} holds an array "
+                f"({as_array(held).dtype}{list(held.shape)}); the value must be an array of "
+                f"that shape and dtype, got {type(value).__name__}"
+            )
+        _copy_into(held, value, "debug_copy_from")
 
     def _sync_op(self, op: Callable[[], Any]) -> None:
         try:
@@ -305,6 +342,51 @@ class Worker:
 
 def _nothing() -> None:
     return None
+
+
+def _is_array(value: Any) -> bool:
+    """NumPy, CuPy, or anything else with ``__dlpack__`` (torch tensors)."""
+    return isinstance(value, np.ndarray) or hasattr(value, "__dlpack__")
+
+
+def _import_entrypoint(module: str) -> str:
+    """Import a session's entrypoint module in worker 0's process; why it failed, or ""."""
+    try:
+        importlib.import_module(module)
+    except (Exception, SystemExit) as exc:  # SystemExit: a main() run outside __main__
+        return (
+            f"importing the session's entrypoint module {module!r} there failed "
+            f"({type(exc).__name__}: {exc}); a main() call belongs under "
+            "if __name__ == '__main__'"
+        )
+    return ""
+
+
+class _LateBound:
+    """Worker 0's stand-in for a global function that only other workers had when asked.
+
+    It looks the name up again when called, so a function registered in the
+    controller's process later (an import) still runs.
+    """
+
+    __slots__ = ("name", "note")
+
+    def __init__(self, name: str, note: str) -> None:
+        self.name, self.note = name, note
+
+    def __call__(self, *args: Any) -> Any:
+        fn = registry.get_global_func(self.name, allow_missing=True)
+        if fn is None:
+            note = f"; {self.note}" if self.note else ""
+            raise ValueError(
+                f"{registry.missing_message(self.name)} (looked up by worker 0, which runs in "
+                "the controller's process; the other workers have it: register it in the "
+                f"controller too, e.g. import the module that defines it there{note})"
+            )
+        return fn(*args)
+
+    def __repr__(self) -> str:
+        return f"<global function {self.name!r}, looked up when called>"
 
 
 def _copy_into(dst: Any, src: Any, what: str) -> None:

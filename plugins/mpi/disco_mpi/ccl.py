@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from disco_core import CCLError, CCLTimeoutError, DiscoTypeError, DiscoValueError
-from disco_core.spi import CCL, Rendezvous, validate
+from disco_core.spi import CCL, Rendezvous, average_in_place, validate
 
 from . import _runtime
 
@@ -568,7 +568,7 @@ class MPICCL(CCL):
             req = comm.Iallreduce(sbuf, [dst, dst.size, mtype], mop)
             self._wait(req, "allreduce", dst.nbytes)
         if op == "avg":
-            np.true_divide(dst, n, out=dst, casting="unsafe")
+            average_in_place(dst, n)  # integers: truncated toward zero, as NCCL's ncclAvg
 
     def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)

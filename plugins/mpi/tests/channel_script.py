@@ -27,7 +27,7 @@ np.testing.assert_array_equal(
     ag.debug_get_from_remote(n - 1), np.concatenate([make((5,), "float64", 1, w) for w in range(n)])
 )
 host = np.arange(n * 2, dtype="int32").reshape(n, 2)
-sc = sess.scatter(host)
+sc = sess.scatter(host, in_group=False)
 assert sc.debug_get_from_remote(2).tolist() == host[2].tolist()
 wid = sess.get_global_func("disco.worker_id")()
 assert [wid.debug_get_from_remote(w) for w in range(n)] == list(range(n))

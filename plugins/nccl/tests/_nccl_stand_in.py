@@ -259,12 +259,16 @@ class NcclCommunicator:
         hub = self._live("allReduce")
         sends = self._gather(hub, sendbuf)
         parts = [_memory(p, count, datatype) for p in sends]
-        if op == 4:  # ncclAvg on floats is a pre-multiplied sum: sum(x * (1/n))
+        integer = parts[0].dtype.kind in "iu"
+        if op == 4 and not integer:  # ncclAvg on floats is a pre-multiplied sum: sum(x * (1/n))
             scale = parts[0].dtype.type(1.0 / self.ndev)
             parts = [part * scale for part in parts]
         out = parts[0].copy()
         for part in parts[1:]:
             _OPS[op](out, part, out=out)
+        if op == 4 and integer:  # on integers a sum, then a C division: truncated toward zero
+            d = out.dtype.type(self.ndev)
+            out = (out - np.fmod(out, d)) // d
         hub.barrier.wait()  # everyone has read every input before anyone writes
         _memory(recvbuf, count, datatype)[...] = out
 

@@ -96,11 +96,13 @@ LAYOUTS = [(1, True), (2, True), (2, False), (4, True)]
 def test_allreduce_every_op_in_world_and_groups(session, groups, split, dtype):
     sess = session(groups, split=split)
     host = (np.arange(N * 6).reshape(N, 6) % 7 - 3).astype(dtype)
-    x = sess.scatter(host)  # through ncclSend/ncclRecv from worker 0
+    x = sess.scatter(host, in_group=False)  # through ncclSend/ncclRecv from worker 0
     for w in range(N):
         np.testing.assert_array_equal(_get(x, w), host[w])
     y = sess.empty((6,), dtype)
-    ops = ["sum", "prod", "min", "max"] + (["avg"] if dtype == "float32" else [])
+    ops = ["sum", "prod", "min", "max", "avg"]
+    # ncclAvg on integers: the sum divided by the member count, truncated toward zero
+    avg = np.trunc if dtype.startswith("int") else np.asarray
     for in_group in (False, True):
         for op in ops:
             sess.allreduce(x, y, op, in_group=in_group)
@@ -111,7 +113,7 @@ def test_allreduce_every_op_in_world_and_groups(session, groups, split, dtype):
                     "prod": part.prod(0),
                     "min": part.min(0),
                     "max": part.max(0),
-                    "avg": part.sum(0) / len(part),
+                    "avg": avg(part.sum(0) / len(part)),
                 }[op].astype(dtype)
                 np.testing.assert_array_equal(_get(y, w), ref, err_msg=f"{op} {in_group} w{w}")
 
@@ -120,7 +122,7 @@ def test_allreduce_every_op_in_world_and_groups(session, groups, split, dtype):
 def test_allgather_broadcast_scatter_gather(session, groups, split):
     sess = session(groups, split=split)
     host = np.arange(N * 3, dtype=np.float64).reshape(N, 3)
-    x = sess.scatter(host)
+    x = sess.scatter(host, in_group=False)
     g = sess.empty((N * 3,), "float64")
     sess.allgather(x, g, in_group=False)
     for w in range(N):
@@ -151,7 +153,7 @@ def test_allgather_broadcast_scatter_gather(session, groups, split):
 def test_point_to_point_rings_pairs_and_groups(session):
     sess = session(2)
     host = np.arange(N * 5, dtype=np.int64).reshape(N, 5)
-    x = sess.scatter(host)
+    x = sess.scatter(host, in_group=False)
     out = sess.empty((5,), "int64")
     nxt = sess.call_packed("ccl_kit.peer", "next")
     prv = sess.call_packed("ccl_kit.peer", "prev")
@@ -172,7 +174,7 @@ def test_point_to_point_rings_pairs_and_groups(session):
 @pytest.mark.parametrize("kind", ["size", "dtype"])
 def test_a_receiver_with_the_wrong_buffer_fails_and_takes_the_message_off_the_wire(session, kind):
     sess = session()
-    x = sess.scatter(np.arange(N * 4, dtype=np.float32).reshape(N, 4))
+    x = sess.scatter(np.arange(N * 4, dtype=np.float32).reshape(N, 4), in_group=False)
     wrong = sess.empty((3,), "float32") if kind == "size" else sess.empty((4,), "int32")
     sess.call_packed("ccl_kit.call_on", (0,), "send_to_worker", x, 1)
     sess.call_packed("ccl_kit.call_on", (1,), "recv_from_worker", wrong, 0)
@@ -188,7 +190,7 @@ def test_a_receiver_with_the_wrong_buffer_fails_and_takes_the_message_off_the_wi
 # --------------------------------------------------------------------- agreement
 def test_mismatched_calls_fail_on_every_worker_with_the_same_error(session):
     sess = session()
-    x = sess.scatter(np.ones((N, 4), np.float32))
+    x = sess.scatter(np.ones((N, 4), np.float32), in_group=False)
     y = sess.empty((4,), "float32")
     ops = ("sum",) * (N - 1) + ("max",)
     sess.call_packed("ccl_kit.allreduce_per_worker_op", x, y, ops, False)
@@ -219,7 +221,7 @@ def test_arrays_nccl_cannot_take_are_refused_on_every_worker(session, make_src, 
 
 def test_validate_false_skips_the_descriptor_exchange(session):
     sess = session(validate=False)
-    x = sess.scatter(np.ones((N, 2), np.float32))
+    x = sess.scatter(np.ones((N, 2), np.float32), in_group=False)
     y = sess.empty((2,), "float32")
     _sync_all(sess)
     before = [list(c.calls) for c in NcclCommunicator.made]
@@ -249,7 +251,7 @@ def test_collectives_run_on_the_workers_gpu_whatever_the_controller_made_current
     import cupy
 
     cupy.cuda.Device(1).use()  # the controller's thread may run worker 0's commands
-    x = sess.scatter(np.ones((N, 2), np.float32))
+    x = sess.scatter(np.ones((N, 2), np.float32), in_group=False)
     y = sess.empty((2,), "float32")
     sess.allreduce(x, y)  # the stand-in refuses an operation with another GPU current
     assert _get(y, 0).tolist() == [4.0, 4.0]
@@ -281,7 +283,7 @@ def test_one_group_shares_the_world_communicator_and_destroys_it_once(session):
 
 def test_cupy_before_14_takes_ids_as_tuples(session):
     sess = session(2, split=False, old_ids=True)
-    x = sess.scatter(np.arange(N, dtype=np.float32).reshape(N, 1))
+    x = sess.scatter(np.arange(N, dtype=np.float32).reshape(N, 1), in_group=False)
     y = sess.empty((1,), "float32")
     sess.allreduce(x, y, in_group=True)
     assert [_get(y, w).item() for w in range(N)] == [1.0, 1.0, 5.0, 5.0]

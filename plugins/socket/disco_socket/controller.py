@@ -955,6 +955,8 @@ class SocketChannel(LinkChannel):
                 on_listen(*self.address)
             self._accept_nodes()
         thread0 = ThreadWorkerLink(0, nw, ng, self.hub)
+        # Worker 0 imports the nodes' entrypoint for a global function it lacks.
+        thread0.worker.ctx.extra["entrypoint"] = self.entrypoint
         self._set_links([thread0, *self.procs, *sorted(self.nodes, key=lambda n: n.node_id)])
         for node in self.nodes:
             self.gates.extend(node.gates.values())
