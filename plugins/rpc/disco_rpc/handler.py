@@ -70,6 +70,7 @@ from .protocol import (  # noqa: F401 (every operation code: handler.OP_CALL is 
     OP_TIME_EVAL,
     OP_UPLOAD,
     PART_PREFIX,
+    POPEN_WORK_DIR_ENV,
     REPLY,
 )
 from .wire import FileSource, HandleRef
@@ -93,7 +94,7 @@ logger = logging.getLogger("disco_rpc")
 
 #: The environment variable through which PopenSession hands its child the session's
 #: work folder (made and removed by the client, so a crashed child leaves nothing).
-WORK_DIR_ENV = "DISCO_RPC_POPEN_WORK_DIR"
+WORK_DIR_ENV = POPEN_WORK_DIR_ENV
 _PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
 #: The clock of ``time_evaluator`` (a module attribute so a test can stop it).
 _clock = time.perf_counter
