@@ -16,8 +16,10 @@ import stat
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -283,6 +285,10 @@ class SessionHandler:
         else:
             self.work = tempfile.mkdtemp(prefix="disco-rpc-session-", dir=temp_root)
         self.scratch: list[str] = []  # link folders, deleted at close
+        # run at close, first: e.g. killing an rpc.PopenSession child, which would
+        # otherwise outlive a session process that ends with os._exit
+        self.on_close: list[Callable[[], Any]] = []
+        self._close_lock = threading.RLock()
         self.objects: dict[int, Any] = {}
         self.next_id = 1
         self.libs = libs if libs is not None else []
@@ -621,15 +627,25 @@ class SessionHandler:
         return so
 
     def close(self) -> None:
-        """Drop the session's objects and delete its folders (a shared work folder stays)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.objects.clear()
-        for d in self.scratch:
-            shutil.rmtree(d, ignore_errors=True)
-        if self.owns_work:
-            shutil.rmtree(self.work, ignore_errors=True)
+        """Drop the session's objects and delete its folders (a shared work folder stays).
+
+        Two watchdogs (session time, liveness) may call it at once and ``os._exit``
+        right after: a second call returns only once the first is done.
+        """
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+            for hook in self.on_close:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - the session's folders go all the same
+                    logger.exception("a session's cleanup failed")
+            self.objects.clear()
+            for d in self.scratch:
+                shutil.rmtree(d, ignore_errors=True)
+            if self.owns_work:
+                shutil.rmtree(self.work, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- serving

@@ -21,6 +21,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -91,6 +92,8 @@ class PipeChild:
 
     def __init__(self, binary: Any, *, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, temp_root: str | None = None) -> None:  # fmt: skip
         self.closed = False
+        self._close_lock = threading.Lock()
+        self._closed_event = threading.Event()
         self.proc: subprocess.Popen | None = None
         self._root = tempfile.mkdtemp(prefix="disco-rpc-popen-", dir=temp_root)
         try:
@@ -172,17 +175,30 @@ class PipeChild:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
 
-    def close(self) -> None:
-        """Close the pipes, let the child exit (killed after :data:`EXIT_GRACE`), remove its files."""
-        if self.closed:
+    def close(self, grace: float = EXIT_GRACE) -> None:
+        """Close the pipes, let the child exit (killed after ``grace`` s), remove its files.
+
+        Safe from several threads: ``grace`` 0 kills the child at once even while
+        another thread is giving it its grace period, and every call returns only
+        once the child is gone (a session process may ``os._exit`` right after).
+        """
+        if grace <= 0:
+            self.kill()
+        with self._close_lock:
+            first = not self.closed
+            self.closed = True
+        if not first:
+            self._closed_event.wait()
             return
-        self.closed = True
-        wire.CLOSE_IN_CHILD.difference_update(self._fds)
-        wire.Conn.close(self.conn)
-        if self.exit_code(EXIT_GRACE) is None:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self._root, ignore_errors=True)
+        try:
+            wire.CLOSE_IN_CHILD.difference_update(self._fds)
+            wire.Conn.close(self.conn)
+            if self.exit_code(grace) is None:
+                self.proc.kill()
+                self.proc.wait()
+            shutil.rmtree(self._root, ignore_errors=True)
+        finally:
+            self._closed_event.set()
 
 
 class _ChildConn(wire.Conn):

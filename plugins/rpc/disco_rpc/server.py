@@ -221,6 +221,9 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
         }
         if ctor:
             inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max, beats)
+            child = getattr(inner, "child", None)  # rpc.PopenSession's: ends with the session
+            if child is not None:
+                handler.on_close.append(lambda: child.close(grace=0))
         own = cfg.liveness_timeout if can_watch(conn) else 0.0
         lt = _min_positive(own, info.get("liveness_timeout"))
         if lt:

@@ -424,3 +424,31 @@ def test_popen_constructor_behind_a_token(tmp_path):
             assert s.info["minrpc"] is True
     finally:
         server.terminate()
+
+
+def test_popen_constructor_child_ends_with_a_timed_out_session(tmp_path):
+    """The server's session time limit ends the popen child too, even inside a long call."""
+    (tmp_path / "slow.py").write_text(
+        "import time, disco_core\n"
+        "disco_core.register_func('slow.sleep', lambda t: time.sleep(t) or t)\n"
+    )
+    path = str(tmp_path / "slow.minrpc")
+    rpc.with_minrpc()(path, [str(tmp_path / "slow.py")])
+    with open(path, "rb") as f:
+        binary = f.read()
+    server = rpc.Server(key="x2", timeout=1)
+    try:
+        sess = rpc.connect("127.0.0.1", server.port, key="x2", session_constructor_args=["rpc.PopenSession", binary])  # fmt: skip
+        pid = sess.info["pid"]
+        with pytest.raises(rpc.RPCSessionTimeoutError):
+            sess.get_function("slow.sleep")(30)
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # killed, waiting for init to reap it
+            time.sleep(0.05)
+        else:
+            assert not os.path.exists(f"/proc/{pid}"), "the popen child outlived its session"
+    finally:
+        server.terminate()
