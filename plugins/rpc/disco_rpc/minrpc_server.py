@@ -662,12 +662,31 @@ def parse_fds(argv):
     raise ValueError(f"expected two pipe descriptors, got {argv}")
 
 
+def die_with_parent():
+    """End with the process that started this one, when it asked to (a server's session).
+
+    A session process killed outright (SIGKILL) runs no cleanup: the kernel then
+    kills this server too, instead of leaving it running a long call (Linux only).
+    """
+    parent = os.environ.get(proto.POPEN_PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != parent:  # the parent died before the prctl: it never fires
+        sys.exit(1)
+
+
 def main():
     try:
         fds = parse_fds(sys.argv[1:])
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"minrpc-server: {exc}\n{USAGE}")
         sys.exit(2)
+    die_with_parent()
     here = os.path.dirname(os.path.abspath(__file__))
     build_dir = None
     if os.path.isfile(here):  # running from a zipapp: unpack its build folder

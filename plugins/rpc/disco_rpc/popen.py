@@ -27,7 +27,7 @@ from typing import Any
 
 from . import auth, wire
 from .errors import RPCError
-from .protocol import POPEN_WORK_DIR_ENV
+from .protocol import POPEN_PARENT_ENV, POPEN_WORK_DIR_ENV
 
 __all__ = ["PipeChild", "child_argv"]
 
@@ -79,6 +79,10 @@ class PipeChild:
         The largest frame accepted from the child.
     temp_root : str, optional
         Where the child's folder is made (the system's temporary folder by default).
+    die_with_parent : bool
+        Ask the child (``$DISCO_RPC_POPEN_PARENT``; minimal servers honour it on
+        Linux) to have the kernel kill it when the thread that started it ends: for a
+        server's session, whose process may be killed outright.
 
     Attributes
     ----------
@@ -90,7 +94,7 @@ class PipeChild:
         The session folder handed to the child (``DISCO_RPC_POPEN_WORK_DIR``).
     """
 
-    def __init__(self, binary: Any, *, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, temp_root: str | None = None) -> None:  # fmt: skip
+    def __init__(self, binary: Any, *, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, temp_root: str | None = None, die_with_parent: bool = False) -> None:  # fmt: skip
         self.closed = False
         self._close_lock = threading.Lock()
         self._closed_event = threading.Event()
@@ -105,6 +109,9 @@ class PipeChild:
             os.mkdir(self.work_dir, 0o700)
             os.mkdir(tmp, 0o700)
             env = {**os.environ, POPEN_WORK_DIR_ENV: self.work_dir, "TMPDIR": tmp}
+            env.pop(POPEN_PARENT_ENV, None)
+            if die_with_parent:
+                env[POPEN_PARENT_ENV] = str(os.getpid())
             self._spawn(argv, fd_args, env)
         except BaseException:
             shutil.rmtree(self._root, ignore_errors=True)

@@ -320,7 +320,7 @@ def _construct_popen(args: list, timeout: float, cfg: ServerConfig, client_max: 
             '["rpc.PopenSession", open(path, "rb").read()], not '
             f"{[type(a).__name__ for a in args]}"
         )
-    child = PipeChild(bytes(args[0]), max_message_bytes=cfg.max_message_bytes, temp_root=cfg.temp_root)  # fmt: skip
+    child = PipeChild(bytes(args[0]), max_message_bytes=cfg.max_message_bytes, temp_root=cfg.temp_root, die_with_parent=True)  # fmt: skip
     try:
         child.handshake(HANDSHAKE_TIMEOUT)
         inner = child.conn

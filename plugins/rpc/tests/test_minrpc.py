@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -442,13 +443,59 @@ def test_popen_constructor_child_ends_with_a_timed_out_session(tmp_path):
         pid = sess.info["pid"]
         with pytest.raises(rpc.RPCSessionTimeoutError):
             sess.get_function("slow.sleep")(30)
-        deadline = time.monotonic() + 5
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        assert _gone(pid), "the popen child outlived its session"
+    finally:
+        server.terminate()
+
+
+def _gone(pid, within=5.0):
+    """Whether ``pid`` ends (or is a zombie, killed and waiting to be reaped) within ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break  # killed, waiting for init to reap it
-            time.sleep(0.05)
-        else:
-            assert not os.path.exists(f"/proc/{pid}"), "the popen child outlived its session"
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _call_into(fn, arg, errors):
+    try:
+        fn(arg)
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        errors.append(exc)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_popen_constructor_child_dies_with_a_killed_session_process(tmp_path):
+    """A session process killed outright (no cleanup runs) takes the popen child with it."""
+    import signal
+
+    (tmp_path / "slow.py").write_text(
+        "import time, disco_core\n"
+        "disco_core.register_func('slow.sleep', lambda t: time.sleep(t) or t)\n"
+    )
+    path = str(tmp_path / "slow.minrpc")
+    rpc.with_minrpc()(path, [str(tmp_path / "slow.py")])
+    with open(path, "rb") as f:
+        binary = f.read()
+    server = rpc.Server(key="x3")
+    try:
+        sess = rpc.connect("127.0.0.1", server.port, key="x3", session_constructor_args=["rpc.PopenSession", binary])  # fmt: skip
+        pid = sess.info["pid"]
+        with open(f"/proc/{pid}/stat") as f:
+            session_pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the child's parent
+        assert session_pid not in (os.getpid(), 1)
+        errors = []
+        call = threading.Thread(target=_call_into, args=(sess.get_function("slow.sleep"), 30, errors))  # fmt: skip
+        call.start()
+        time.sleep(0.3)  # the child is inside the call: it reads no end of file
+        os.kill(session_pid, signal.SIGKILL)
+        assert _gone(pid), "the popen child outlived its killed session process"
+        call.join(10)
+        assert not call.is_alive() and isinstance(errors[0], rpc.RPCError)
     finally:
         server.terminate()
