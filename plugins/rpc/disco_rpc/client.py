@@ -7,10 +7,6 @@ import operator
 import os
 import secrets
 import select
-import stat
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -22,7 +18,7 @@ import numpy as np
 from disco_core import DiscoTypeError, DiscoValueError
 from disco_core.spi import Device, as_dtype, as_shape, to_host
 
-from . import auth, handler, protocol, wire
+from . import handler, protocol, wire
 from .auth import open_conn
 from .errors import (
     ProtocolError,
@@ -32,7 +28,8 @@ from .errors import (
     StreamAbortedError,
     TransferError,
 )
-from .handler import WORK_DIR_ENV, SessionHandler
+from .handler import SessionHandler
+from .popen import PipeChild
 from .protocol import (
     BEATS_ALWAYS,
     BEATS_IDLE,
@@ -884,78 +881,57 @@ class LocalSession(RPCSession):
 
 
 class PopenSession(RPCSession):
-    """A server started as a child process and spoken to over its stdin/stdout pipes.
+    """A server started as a child process and spoken to over two pipes, as TVM's.
 
     Parameters
     ----------
     binary : str, bytes or list of str
-        A path to an executable or to a Python file (run with this interpreter), the
-        bytes of an executable, or a full argument list. The program must serve the
-        protocol on its standard input and output, e.g. by calling
-        :func:`disco_rpc.serve_stdio` (``python -m disco_rpc stdio`` does).
+        A path to an executable (a :func:`disco_rpc.with_minrpc` output, or any
+        program that serves the protocol), the bytes of one, or a path to a Python
+        file (run with this interpreter): as TVM's ``rpc.CreatePipeClient``, it gets
+        the numbers of its two pipe ends (read, write) as its last two arguments,
+        and the same pipes as its stdin and stdout. A list is a full command, run as
+        given, that serves on its stdin/stdout (``[sys.executable, "-m",
+        "disco_rpc", "stdio"]``, a program calling :func:`disco_rpc.serve_stdio`).
     max_message_bytes : int
         The largest frame accepted from the server.
     startup_timeout : float
         Seconds the program has to answer the handshake.
+
+    Raises
+    ------
+    RPCError
+        The binary is missing, not executable, exits before it serves, or does not
+        answer the handshake (a ``RuntimeError``, as TVM raises); the child is not
+        left running.
     """
 
     def __init__(self, binary: Any, *, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, startup_timeout: float = 60.0) -> None:  # fmt: skip
-        self._tmpdir = None
-        argv = self._argv(binary)
-        # The session's work folder is made (and removed) here, not by the child: a
-        # child that ends abruptly (os._exit, a signal) cannot clean up after itself.
-        self._workdir = tempfile.TemporaryDirectory(prefix="disco-rpc-popen-work-")
-        env = {**os.environ, WORK_DIR_ENV: self._workdir.name}
-        self._proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env
-        )
-        transport = wire.PipeTransport(self._proc.stdout.fileno(), self._proc.stdin.fileno())
-        self._fds = (transport.rfd, transport.wfd)
-        wire.CLOSE_IN_CHILD.update(self._fds)
-        conn = wire.Conn(transport, max_message_bytes)
-        super().__init__(conn, label=f"popen:{os.path.basename(argv[0])}")
+        self._child = None
+        # The session's folders are made (and removed) here, not by the child: a child
+        # that ends abruptly (os._exit, a signal) cannot clean up after itself.
+        self._child = child = PipeChild(binary, max_message_bytes=max_message_bytes)
+        self._proc = child.proc
+        super().__init__(child.conn, label=f"popen:{child.label}")
         try:
-            transport.settimeout(startup_timeout)
-            auth.client_handshake(conn, "", None)
+            child.handshake(startup_timeout)
+            child.conn.t.settimeout(startup_timeout)
             self._init(0, None)
-            transport.settimeout(None)
+            child.conn.t.settimeout(None)
         except BaseException as exc:
-            self._proc.kill()  # not a working server: no grace period
+            child.kill()  # not a working server: no grace period
             self.close()
             if isinstance(exc, RPCError):
                 raise
             if isinstance(exc, TimeoutError):
                 raise RPCError(
-                    f"{argv!r} did not answer the disco-rpc handshake within {startup_timeout:g} s: "  # fmt: skip
-                    "it is not a disco-rpc server (it must call disco_rpc.serve_stdio() or be "
-                    "`python -m disco_rpc stdio`), or it hangs before serving"
+                    f"{child.argv!r} did not answer the session's start within {startup_timeout:g} s"
                 ) from None
-            raise RPCError(f"the server {argv!r} did not start: {exc}") from exc
-
-    def _argv(self, binary: Any) -> list[str]:
-        if isinstance(binary, (list, tuple)):
-            return [os.fspath(a) for a in binary]
-        if isinstance(binary, (bytes, bytearray)):
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="disco-rpc-popen-")
-            path = os.path.join(self._tmpdir.name, "server.bin")
-            with open(path, "wb") as f:
-                f.write(binary)
-            os.chmod(path, stat.S_IRUSR | stat.S_IXUSR)
-            return [path]
-        path = os.path.abspath(os.fspath(binary))
-        if not os.path.isfile(path):
-            raise RPCError(f"{path} does not exist")
-        if path.endswith(".py"):
-            return [sys.executable, path]
-        if not os.access(path, os.X_OK):
-            raise RPCError(f"{path} is not executable")
-        return [path]
+            raise RPCError(f"the server {child.argv!r} did not start: {exc}") from exc
 
     def _fail(self, op: int, exc: BaseException):
-        try:  # a pipe that closed: the process is exiting, give it a moment to be reaped
-            code = self._proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            code = None
+        # a pipe that closed: the process is exiting, give it a moment to be reaped
+        code = self._child.exit_code(1.0)
         if code is not None and not self._closed:
             self._shutdown_transport()
             raise RPCError(
@@ -966,25 +942,9 @@ class PopenSession(RPCSession):
 
     def _shutdown_transport(self) -> None:
         self._closed = True
-        proc = getattr(self, "_proc", None)
-        if proc is None:
-            return
-        wire.CLOSE_IN_CHILD.difference_update(self._fds)
-        for f in (proc.stdin, proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-        workdir = getattr(self, "_workdir", None)
-        if workdir is not None:
-            workdir.cleanup()
+        self._stop_heartbeats()
+        if self._child is not None:
+            self._child.close()
 
 
 class _Heartbeats:

@@ -16,8 +16,10 @@ import stat
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -70,6 +72,7 @@ from .protocol import (  # noqa: F401 (every operation code: handler.OP_CALL is 
     OP_TIME_EVAL,
     OP_UPLOAD,
     PART_PREFIX,
+    POPEN_WORK_DIR_ENV,
     REPLY,
 )
 from .wire import FileSource, HandleRef
@@ -95,7 +98,7 @@ logger = logging.getLogger("disco_rpc")
 
 #: The environment variable through which PopenSession hands its child the session's
 #: work folder (made and removed by the client, so a crashed child leaves nothing).
-WORK_DIR_ENV = "DISCO_RPC_POPEN_WORK_DIR"
+WORK_DIR_ENV = POPEN_WORK_DIR_ENV
 _PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
 #: The clock of ``time_evaluator`` (a module attribute so a test can stop it).
 _clock = time.perf_counter
@@ -351,6 +354,10 @@ class SessionHandler:
         else:
             self.work = tempfile.mkdtemp(prefix="disco-rpc-session-", dir=temp_root)
         self.scratch: list[str] = []  # link folders, deleted at close
+        # run at close, first: e.g. killing an rpc.PopenSession child, which would
+        # otherwise outlive a session process that ends with os._exit
+        self.on_close: list[Callable[[], Any]] = []
+        self._close_lock = threading.RLock()
         self.objects: dict[int, Any] = {}
         self.next_id = 1
         self.libs = libs if libs is not None else []
@@ -700,15 +707,25 @@ class SessionHandler:
         return so
 
     def close(self) -> None:
-        """Drop the session's objects and delete its folders (a shared work folder stays)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.objects.clear()
-        for d in self.scratch:
-            shutil.rmtree(d, ignore_errors=True)
-        if self.owns_work:
-            shutil.rmtree(self.work, ignore_errors=True)
+        """Drop the session's objects and delete its folders (a shared work folder stays).
+
+        Two watchdogs (session time, liveness) may call it at once and ``os._exit``
+        right after: a second call returns only once the first is done.
+        """
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+            for hook in self.on_close:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - the session's folders go all the same
+                    logger.exception("a session's cleanup failed")
+            self.objects.clear()
+            for d in self.scratch:
+                shutil.rmtree(d, ignore_errors=True)
+            if self.owns_work:
+                shutil.rmtree(self.work, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- serving

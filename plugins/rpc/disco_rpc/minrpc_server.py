@@ -42,25 +42,13 @@ else:  # the zipapp's __main__
 #: client that spawned it, and no other party can reach them (the handshake answers
 #: "no authentication required").
 MAX_MESSAGE_BYTES = 1 << 30
-proto.CHUNK, STREAM_CHUNK = (
-    proto.CHUNK_FRAME,
-    proto.CHUNK,
-)  # a chunk frame's kind; a file chunk's size
+# Local names only: assigning to proto's would change disco_rpc.protocol for every
+# module of the package when this file is imported from it.
+CHUNK_KIND = proto.CHUNK_FRAME  # a chunk frame's kind
+STREAM_CHUNK = proto.CHUNK  # a file chunk's size
 FUNC, MODULE = proto.HANDLE_FUNC, proto.HANDLE_MODULE
 HEAD = proto.FRAME_HEAD
 PART_RE = re.compile(re.escape(proto.PART_PREFIX) + r"[0-9a-f]{16}\Z")
-(
-    proto.OP_INIT, proto.OP_GET_FUNC, proto.OP_CALL, proto.OP_UPLOAD, proto.OP_DOWNLOAD, proto.OP_REMOVE, proto.OP_LISTDIR,
-    proto.OP_LOAD_MODULE, proto.OP_MOD_FUNC, proto.OP_TENSOR, proto.OP_EMPTY, proto.OP_TENSOR_GET, proto.OP_TENSOR_SET,
-    proto.OP_DEV_SYNC, proto.OP_DEV_EXIST, proto.OP_LINK, proto.OP_SYSTEM_LIB, proto.OP_PING, proto.OP_FREE, proto.OP_TIME_EVAL,
-) = range(1, 21)  # fmt: skip
-(
-    proto.T_NONE, proto.T_FALSE, proto.T_TRUE, proto.T_INT, proto.T_BIGINT, proto.T_FLOAT, proto.T_COMPLEX, proto.T_STR, proto.T_BYTES, proto.T_BUF,
-    proto.T_TUPLE, proto.T_LIST, proto.T_DICT, proto.T_ARRAY, proto.T_HANDLE, proto.T_DEVICE, proto.T_DTYPE,
-) = range(17)  # fmt: skip
-FUNC, MODULE = 1, 2
-proto.INLINE_BYTES = 1 << 14
-HEAD = struct.Struct("<BBHII")
 RESTYPES = {
     "int": ctypes.c_int, "int32": ctypes.c_int32, "int64": ctypes.c_int64,
     "uint64": ctypes.c_uint64, "float": ctypes.c_float, "float32": ctypes.c_float,
@@ -262,7 +250,12 @@ class Pipe:
                 view = view[os.write(self.wfd, view) :]
 
     def recv(self, resolve):
-        kind, op, _flags, meta_len, nbuf = HEAD.unpack(self.read(HEAD.size))
+        while True:
+            head = self.read(HEAD.size)
+            # a client's "still here" (relayed by a server's rpc.PopenSession): nothing to do
+            if head != proto.HEARTBEAT_FRAME:
+                break
+        kind, op, _flags, meta_len, nbuf = HEAD.unpack(head)
         if nbuf > 1 << 16 or meta_len + 8 * nbuf > MAX_MESSAGE_BYTES:
             raise EOFError("frame over the size limit")
         lens = struct.unpack(f"<{nbuf}Q", self.read(8 * nbuf)) if nbuf else ()
@@ -284,7 +277,7 @@ class Pipe:
     def chunk_head(self, op, left):
         """A chunk's size; 0 for the end (expected when ``left`` is 0)."""
         kind, cop, flags, meta_len, nbuf = HEAD.unpack(self.read(HEAD.size))
-        if kind != proto.CHUNK or cop != op:
+        if kind != CHUNK_KIND or cop != op:
             raise EOFError("expected a file chunk: the connection is out of sync")
         if flags & proto.FLAG_ABORT and nbuf == 0 and meta_len <= 1 << 16:
             reason = Decoder(self.read(meta_len), [], None).value()
@@ -320,13 +313,13 @@ class Pipe:
             n = min(chunk, size - done)
             data = f.read(n)
             self.write(
-                struct.pack("<BBHIIQ", proto.CHUNK, op, 0, 0, 1, n), data + bytes(n - len(data))
+                struct.pack("<BBHIIQ", CHUNK_KIND, op, 0, 0, 1, n), data + bytes(n - len(data))
             )
             if len(data) < n:  # the file shrank: the padding is followed by an abort
-                self.send(proto.CHUNK, op, "the file ended early", None, proto.FLAG_ABORT)
+                self.send(CHUNK_KIND, op, "the file ended early", None, proto.FLAG_ABORT)
                 return
             done += n
-        self.write(HEAD.pack(proto.CHUNK, op, proto.FLAG_END, 0, 0))
+        self.write(HEAD.pack(CHUNK_KIND, op, proto.FLAG_END, 0, 0))
 
 
 # --------------------------------------------------------------------------- modules
@@ -434,7 +427,10 @@ def _load_file(path):
 # --------------------------------------------------------------------------- the session
 class Session:
     def __init__(self, build_dir):
-        self.work = tempfile.mkdtemp(prefix="disco-minrpc-")
+        # PopenSession makes the session's folder and removes it, even after a crash here
+        given = os.environ.get(proto.POPEN_WORK_DIR_ENV)
+        self.own_work = not given
+        self.work = given or tempfile.mkdtemp(prefix="disco-minrpc-")
         self.build_dir = build_dir
         self.objects = {}
         self.next_id = 1
@@ -591,7 +587,8 @@ class Session:
         }
 
     def close(self):
-        shutil.rmtree(self.work, ignore_errors=True)
+        if self.own_work:
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 def error_value(exc):
@@ -600,10 +597,16 @@ def error_value(exc):
     return (name, str(exc), "".join(traceback.format_exception(t, exc, exc.__traceback__)))
 
 
-def serve(build_dir=None):
-    rfd, wfd = os.dup(0), os.dup(1)
+def serve(build_dir=None, fds=(0, 1)):
+    """Serve one session on the pipe descriptors ``fds`` (read, write)."""
+    rfd, wfd = os.dup(fds[0]), os.dup(fds[1])
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
     sys.stdout.flush()
     os.dup2(2, 1)  # what the functions print goes to stderr
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # only the protocol reads the client's pipe
+    os.close(null)
     pipe = Pipe(rfd, wfd)
     _install_registry_stub()
     sess = Session(build_dir)
@@ -658,7 +661,50 @@ def serve(build_dir=None):
         sess.close()
 
 
+USAGE = """usage: minrpc-server [READ_FD WRITE_FD]
+
+Serve one disco-rpc session on the pipe descriptors READ_FD and WRITE_FD, as TVM's
+posix_popen_server (rpc.PopenSession passes them), or on stdin/stdout without them.
+"""
+
+
+def parse_fds(argv):
+    """The pipe descriptors of the command line ``argv`` (without the program): ``(read, write)``."""
+    if not argv:
+        return 0, 1
+    if len(argv) == 2 and all(a.isdigit() for a in argv):
+        fds = int(argv[0]), int(argv[1])
+        for fd in fds:
+            os.fstat(fd)  # OSError (EBADF) for a descriptor this process lacks
+        return fds
+    raise ValueError(f"expected two pipe descriptors, got {argv}")
+
+
+def die_with_parent():
+    """End with the process that started this one, when it asked to (a server's session).
+
+    A session process killed outright (SIGKILL) runs no cleanup: the kernel then
+    kills this server too, instead of leaving it running a long call (Linux only).
+    """
+    parent = os.environ.get(proto.POPEN_PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != parent:  # the parent died before the prctl: it never fires
+        sys.exit(1)
+
+
 def main():
+    try:
+        fds = parse_fds(sys.argv[1:])
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"minrpc-server: {exc}\n{USAGE}")
+        sys.exit(2)
+    die_with_parent()
     here = os.path.dirname(os.path.abspath(__file__))
     build_dir = None
     if os.path.isfile(here):  # running from a zipapp: unpack its build folder
@@ -675,7 +721,7 @@ def main():
     elif os.path.isdir(os.path.join(here, "build")):
         build_dir = os.path.join(here, "build")
     try:
-        serve(build_dir)
+        serve(build_dir, fds)
     finally:
         if build_dir and build_dir.startswith(tempfile.gettempdir()):
             shutil.rmtree(build_dir, ignore_errors=True)

@@ -56,6 +56,8 @@ __all__ = [
     "BEATS_IDLE",
     "BEATS_ALWAYS",
     "PART_PREFIX",
+    "POPEN_WORK_DIR_ENV",
+    "POPEN_PARENT_ENV",
     "TRACKER_MAX_MESSAGE_BYTES",
     "REGISTRANT_KEY",
     "CLIENT_KEY",
@@ -174,6 +176,12 @@ BEATS_NONE, BEATS_IDLE, BEATS_ALWAYS = 0, 1, 2
 #: Uploads are written to a hidden temporary file of this name pattern, then renamed;
 #: ``listdir`` hides exactly these names and uploads may not use them.
 PART_PREFIX = ".disco-rpc-part-"
+#: The environment variable through which a popen session hands its child the session's
+#: work folder (made and removed by the parent, so a crashed child leaves nothing).
+POPEN_WORK_DIR_ENV = "DISCO_RPC_POPEN_WORK_DIR"
+#: Set (to the parent's pid) by a server for the child of an ``rpc.PopenSession``
+#: constructor: a minimal server then asks the kernel to end it with its parent.
+POPEN_PARENT_ENV = "DISCO_RPC_POPEN_PARENT"
 
 # --------------------------------------------------------------------------- tracker
 #: Frames on tracker links are small; this bounds them.

@@ -43,6 +43,7 @@ from .handler import (
     error_value,
     serve_conn,
 )
+from .popen import PipeChild
 from .protocol import (
     ERROR,
     P_ACK,
@@ -265,6 +266,9 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
         }
         if ctor:
             inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max, beats)
+            child = getattr(inner, "child", None)  # rpc.PopenSession's: ends with the session
+            if child is not None:
+                handler.on_close.append(lambda: child.close(grace=0))
         own = cfg.liveness_timeout if can_watch(conn) else 0.0
         lt = _min_positive(own, info.get("liveness_timeout"))
         if lt:
@@ -322,9 +326,12 @@ def _construct(
     name, args = ctor[0], list(ctor[1:])
     if name in ("rpc.LocalSession", "LocalSession"):
         return None, {"pid": os.getpid(), "version": auth.VERSION}, False
+    if name in ("rpc.PopenSession", "PopenSession"):
+        return _construct_popen(args, timeout, cfg, client_max, beats)
     if name not in ("rpc.Connect", "Connect"):
         raise DiscoValueError(
-            f"unknown session constructor {name!r}; known: rpc.LocalSession, rpc.Connect"
+            f"unknown session constructor {name!r}; known: rpc.LocalSession, rpc.Connect, "
+            "rpc.PopenSession"
         )
     host, port, key, enable_logging, options, rest = connect_args(args)
     inner = auth.open_conn(
@@ -345,6 +352,45 @@ def _construct(
     return inner, info, enable_logging
 
 
+def _construct_popen(args: list, timeout: float, cfg: ServerConfig, client_max: int | None, beats: int):  # fmt: skip
+    """``["rpc.PopenSession", binary]``: run the client's binary here and relay to it, as TVM.
+
+    Only the bytes of an executable (a :func:`disco_rpc.with_minrpc` output) are
+    accepted, not a path on this machine: the client's program runs in a folder of
+    its own, removed with the session.
+    """
+    if len(args) != 1 or not isinstance(args[0], (bytes, bytearray)):
+        raise DiscoTypeError(
+            "rpc.PopenSession takes the bytes of the server binary: "
+            '["rpc.PopenSession", open(path, "rb").read()], not '
+            f"{[type(a).__name__ for a in args]}"
+        )
+    child = PipeChild(bytes(args[0]), max_message_bytes=cfg.max_message_bytes, temp_root=cfg.temp_root, die_with_parent=True)  # fmt: skip
+    try:
+        child.handshake(HANDSHAKE_TIMEOUT)
+        inner = child.conn
+        inner.t.settimeout(HANDSHAKE_TIMEOUT)
+        # the client's heartbeats pass through the relay: the child skips them
+        inner.send(wire.REQUEST, OP_INIT, ((), (timeout, [], client_max, beats)))
+        kind, _op, info = inner.recv()
+        inner.t.settimeout(None)
+        if kind != REPLY:
+            exc_type, msg, _tb = info
+            raise RPCError(f"the popen server refused the session: {exc_type}: {msg}")
+    except TimeoutError:
+        child.close()
+        raise RPCError(
+            f"the popen server did not start its session within {HANDSHAKE_TIMEOUT:g} s"
+        ) from None
+    except BaseException:
+        child.close()
+        raise
+    info = dict(info)
+    info["via"] = "popen"
+    info["server_timeout"] = _min_positive(cfg.timeout, info.get("server_timeout"))
+    return inner, info, False
+
+
 def _relay(outer: wire.Conn, inner: wire.Conn, log: bool = False) -> None:
     """Copy bytes both ways until either side closes (a chained session).
 
@@ -354,7 +400,9 @@ def _relay(outer: wire.Conn, inner: wire.Conn, log: bool = False) -> None:
     """
     owed = [src.take_buffered() for src in (outer, inner)]  # read past their last frames
     if log:
-        logger.info("relaying a chained session to %s", inner.t.sock.getpeername())
+        sock = getattr(inner.t, "sock", None)  # a popen session's child has pipes
+        peer = sock.getpeername() if sock is not None else "a child process"
+        logger.info("relaying a chained session to %s", peer)
     moved = (0, 0)
     try:
         moved = relay(outer.t, inner.t, owed[0], owed[1])
