@@ -387,7 +387,7 @@ def _construct_popen(args: list, timeout: float, cfg: ServerConfig, client_max: 
         raise
     info = dict(info)
     info["via"] = "popen"
-    info["server_timeout"] = _min_positive(cfg.timeout, info.get("server_timeout"))
+    info["server_timeout"] = _min_positive(cfg.session_timeout, info.get("server_timeout"))
     return inner, info, False
 
 

@@ -326,7 +326,7 @@ def test_minrpc_output_speaks_on_its_fd_arguments(tmp_path):
         sess._init(0, None)
         assert sess.info["minrpc"] is True and sess.info["pid"] == proc.pid
         sess.upload(b"x", "a.bin")
-        assert sess.listdir(".") == ["a.bin"]
+        assert sess.listdir(".") == "a.bin"
     finally:
         sess.close()
     assert proc.wait(timeout=10) == 0  # the end of its pipe ends it
@@ -365,7 +365,7 @@ def test_popen_session_cleans_up_and_skips_heartbeats(tmp_path):
     assert os.path.isfile(os.path.join(sess._child.work_dir, "a.bin"))
     for _ in range(3):
         sess._conn.send_heartbeat()
-    assert sess.listdir(".") == ["a.bin"]
+    assert sess.listdir(".") == "a.bin"
     pid = sess.info["pid"]
     sess.close()
     assert not os.path.exists(root)
@@ -437,7 +437,7 @@ def test_popen_constructor_child_ends_with_a_timed_out_session(tmp_path):
     rpc.with_minrpc()(path, [str(tmp_path / "slow.py")])
     with open(path, "rb") as f:
         binary = f.read()
-    server = rpc.Server(key="x2", timeout=1)
+    server = rpc.Server(key="x2", session_timeout=1)
     try:
         sess = rpc.connect("127.0.0.1", server.port, key="x2", session_constructor_args=["rpc.PopenSession", binary])  # fmt: skip
         pid = sess.info["pid"]
