@@ -18,6 +18,7 @@ import pytest
 import disco_core as disco
 from disco_core.ccl.shm import ShmCCL
 from disco_core.testing.ccl_kit import CCLContract, assert_bits, make_input, session_maker
+from disco_core.testing.procfs import shm_in_use
 from disco_core.worker import current
 
 CCL_FUNCS = "disco_core.testing.ccl_funcs"
@@ -31,37 +32,13 @@ def _dev_shm() -> set[str]:
         return set()
 
 
-def _in_use(names: set[str]) -> set[str]:
-    """Those of ``/dev/shm/<name>`` that some live process maps or holds open."""
-    paths = {f"/dev/shm/{n}": n for n in names}
-    used: set[str] = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    path = line.rstrip("\n").split(None, 5)[-1]
-                    if path.endswith(" (deleted)"):
-                        path = path[: -len(" (deleted)")]
-                    if path in paths:
-                        used.add(paths[path])
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target in paths:
-                    used.add(paths[target])
-        except OSError:
-            continue
-    return used
-
-
 def _leftovers(before: set[str]) -> set[str]:
     """New entries of /dev/shm that nobody uses (other programs may create their own)."""
     new = _dev_shm() - before
     if not new:
         return set()
     new = {n for n in new if os.path.exists(f"/dev/shm/{n}")}
-    return new - _in_use(new)
+    return new - shm_in_use(new)
 
 
 def _memfds(pid: int | str = "self") -> int:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 import disco_core as disco
+from disco_core.testing.procfs import shm_in_use
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -146,25 +147,7 @@ def _unused_shm(names: set[str]) -> set[str]:
     suite may run beside this one, see scripts/test.sh); one left behind by a killed
     worker is used by nobody. A live child of ours is reported as a child anyway.
     """
-    if not names:
-        return set()
-    paths = {f"/dev/shm/{n}": n for n in names}
-    used: set[str] = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    path = line.rstrip("\n").split(None, 5)[-1].removesuffix(" (deleted)")
-                    if path in paths:
-                        used.add(paths[path])
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target in paths:
-                    used.add(paths[target])
-        except OSError:
-            continue
+    used = shm_in_use(names)
     return {n for n in names if n not in used and os.path.exists(f"/dev/shm/{n}")}
 
 
