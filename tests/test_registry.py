@@ -97,5 +97,9 @@ def test_sessions_use_the_registry(names):
         r = sess.get_global_func("test.reg.session")("x", 2)
         assert r.debug_get_from_remote(1) == ("x", 2, 1)
     with disco.ThreadedSession(1) as sess:
-        with pytest.raises(ValueError):
-            sess.get_global_func("test.reg.not.there")
+        # looked up by the workers (it may exist only there): missing, it fails at the sync
+        missing = sess.get_global_func("test.reg.not.there")
+        with pytest.raises(disco.WorkerError, match="test.reg.not.there") as err:
+            sess.sync_worker_0()
+        assert isinstance(err.value, ValueError) or err.value.exc_type == "ValueError"
+        del missing

@@ -25,7 +25,9 @@ import struct
 import time
 from typing import Any
 
-from .errors import ProtocolError
+from disco_core import NetworkError
+
+from .errors import ProtocolError, RPCError
 
 __all__ = [
     "RPC_MAGIC",
@@ -99,7 +101,7 @@ def recvall(sock: socket.socket, nbytes: int) -> bytes:
     while nread < nbytes:
         n = sock.recv_into(view[nread:], nbytes - nread)
         if not n:
-            raise OSError("connection reset")
+            raise NetworkError("connection reset")  # an OSError, as TVM's
         nread += n
     return bytes(buf)
 
@@ -179,6 +181,6 @@ def connect_with_retry(addr: tuple, timeout: float = 60, retry_period: float = 5
             if sock_err.args[0] not in (errno.ECONNREFUSED,):
                 raise
             if time.time() - tstart > timeout:
-                raise RuntimeError(f"Failed to connect to server {addr!s}") from None
+                raise RPCError(f"Failed to connect to server {addr!s}") from None  # a RuntimeError
             logger.warning("Cannot connect to tracker %s, retry in %g secs...", addr, retry_period)
             time.sleep(retry_period)

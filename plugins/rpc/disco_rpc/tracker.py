@@ -43,7 +43,7 @@ import threading
 import time
 from typing import Any
 
-from disco_core import DiscoValueError
+from disco_core import DiscoTimeoutError, DiscoValueError
 from disco_core.spi import AcceptLoop, Drain, Slots, SocketHandshake, is_loopback
 
 from . import auth, wire
@@ -669,7 +669,7 @@ class TrackerSession:
             if not _frame_ready(conn, until - time.monotonic()):
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
-                    raise TimeoutError("no reply from the tracker in time")
+                    raise DiscoTimeoutError("no reply from the tracker in time")
                 if now - since < quiet:
                     continue
                 if op == T_REQUEST and not pinged:  # a long wait: is the tracker still there?
