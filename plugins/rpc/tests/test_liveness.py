@@ -344,9 +344,9 @@ def test_sealed_heartbeats_do_not_fill_the_queue_during_a_call():
         srv.terminate()
 
 
-def test_tls_client_kept_and_frozen_noticed(tmp_path):
+def test_tls_client_kept_and_frozen_noticed(tls_files):
     """TLS clients beat only between calls: a long call is not cut, a frozen idle one is."""
-    cert, key = _tls_files(tmp_path)
+    cert, key = tls_files
     sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     sctx.load_cert_chain(cert, key)
     srv = rpc.Server(port=10200, port_end=10300, ssl_context=sctx, token="tok", liveness_timeout=BOUND)  # fmt: skip
@@ -382,10 +382,10 @@ TLS_DOWNLOADER = textwrap.dedent(
 )
 
 
-def test_tls_client_frozen_mid_download(tmp_path):
+def test_tls_client_frozen_mid_download(tls_files):
     """A frozen TLS client cannot beat during a call; one that stops taking its reply
     (a download) is noticed all the same: its session ends within the bound."""
-    cert, key = _tls_files(tmp_path)
+    cert, key = tls_files
     sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     sctx.load_cert_chain(cert, key)
     srv = rpc.Server(port=10200, port_end=10300, ssl_context=sctx, token="tok", liveness_timeout=BOUND)  # fmt: skip
@@ -407,19 +407,6 @@ def test_tls_client_frozen_mid_download(tmp_path):
 def _stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rpartition(")")[2].split()[0] == "T"
-
-
-def _tls_files(d):
-    cert, key = d / "cert.pem", d / "key.pem"
-    r = subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        capture_output=True,
-    )  # fmt: skip
-    if r.returncode != 0:
-        pytest.skip(f"openssl could not make a certificate: {r.stderr.decode()[:200]}")
-    return str(cert), str(key)
 
 
 # --------------------------------------------------------------------------- settings

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 import ssl
 import struct
-import subprocess
 
 import numpy as np
 import pytest
@@ -205,29 +203,6 @@ def test_decoder_never_builds_objects():
 
 
 # --------------------------------------------------------------------------- TLS
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    try:
-        from cryptography import x509  # noqa: F401
-
-        have_crypto = True
-    except ImportError:
-        have_crypto = False
-    if not have_crypto and not shutil.which("openssl"):
-        pytest.skip("neither the cryptography package nor the openssl CLI is available")
-    cert, key = d / "cert.pem", d / "key.pem"
-    r = subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        capture_output=True,
-    )  # fmt: skip
-    if r.returncode != 0:
-        pytest.skip(f"openssl could not make a certificate: {r.stderr.decode()[:200]}")
-    return str(cert), str(key)
-
-
 def test_tls(tls_files):
     cert, key = tls_files
     sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

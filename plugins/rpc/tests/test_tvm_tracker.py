@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -459,23 +458,6 @@ def test_tvm_protocol_is_opt_in():
     # TVM's protocol has no authentication: beyond loopback a token is not enough
     with pytest.raises(disco.InsecureBindError, match="TVM protocol"):
         rpc.Tracker(host="0.0.0.0", port=9600, port_end=9700, token="secret", tvm_protocol=True)
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    if not shutil.which("openssl"):
-        pytest.skip("the openssl command is not available to make a certificate")
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    r = subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        capture_output=True,
-    )  # fmt: skip
-    if r.returncode != 0:
-        pytest.skip(f"openssl could not make a certificate: {r.stderr.decode()[:200]}")
-    return str(cert), str(key)
 
 
 def test_tvm_protocol_beside_tls_and_a_token(tls_files):
