@@ -84,8 +84,9 @@ class DRef:
         """Copy ``value`` into the array this register holds on one worker (synchronising).
 
         As in TVM, the data is copied into the existing array, so every alias of it
-        on that worker sees the new data; a shape or dtype that differs from the
-        array's is an error (:class:`~disco_core.WorkerError` of type ``ValueError``,
+        on that worker sees the new data; the shape may differ when the number of
+        elements is the same (C order, as TVM copies whenever the sizes match), and a
+        different size or dtype is an error (:class:`~disco_core.WorkerError` of type ``ValueError``,
         raised here). A register that holds no array (``None``, as on the workers a
         ``worker0_only`` array skips, or any other value) takes ``value`` instead, as
         TVM's ``DiscoWorker::SetRegister`` does; a register that was never set or
@@ -511,8 +512,14 @@ class Session:
 
     def sync_worker_0(self) -> None:
         """Wait until worker 0 has run every command so far; raise pending worker errors."""
-        self._send((P.SYNC_WORKER, 0), [0])
-        self._recv(0)
+        self._sync_worker(0)
+
+    def _sync_worker(self, worker_id: int) -> None:
+        """Wait until ``worker_id`` has run every command so far (TVM's ``_sync_worker``,
+        which TVM's own tests call); raise pending worker errors."""
+        w = self._check_worker(worker_id)
+        self._send((P.SYNC_WORKER, w), [w])
+        self._recv(w)
         self._raise_pending()
 
     def copy_from_worker_0(self, host_array: np.ndarray, remote_array: DRef) -> None:

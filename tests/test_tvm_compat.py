@@ -335,6 +335,74 @@ def test_tvm_group_scatter(kind):
         np.testing.assert_equal(d_dst.debug_get_from_remote(3), array_2[1, :, :])
 
 
+def test_tvm_allgather(kind):
+    # TVM's test copies a flat (18,) array into a (3, 3, 2) one: debug_copy_from (as
+    # TVM's Tensor::CopyFrom) needs the same size, not the same shape.
+    array = np.arange(36, dtype="float32")
+    with _tvm_ccl_session(kind, 2) as sess:
+        d_src = sess.empty((3, 3, 2), "float32")
+        d_dst = sess.empty((3, 4, 3), "float32")
+        d_src.debug_copy_from(0, array[:18])
+        d_src.debug_copy_from(1, array[18:])
+        sess.allgather(d_src, d_dst)
+        np.testing.assert_equal(d_dst.debug_get_from_remote(0), array.reshape(3, 4, 3))
+        np.testing.assert_equal(d_dst.debug_get_from_remote(1), array.reshape(3, 4, 3))
+
+
+def test_tvm_group_allgather(kind):
+    array_1 = np.arange(36, dtype="float32")
+    array_2 = np.arange(48, dtype="float32")
+    with _tvm_ccl_session(kind, 4, 2) as sess:
+        d_src_1 = sess.empty((3, 3, 2), "float32")
+        d_dst_1 = sess.empty((3, 4, 3), "float32")
+        d_src_2 = sess.empty((2, 4, 3), "float32")
+        d_dst_2 = sess.empty((2, 6, 4), "float32")
+        d_src_1.debug_copy_from(0, array_1[:18])
+        d_src_1.debug_copy_from(1, array_1[18:])
+        d_src_2.debug_copy_from(2, array_2[:24])
+        d_src_2.debug_copy_from(3, array_2[24:])
+        sess.allgather(d_src_1, d_dst_1, in_group=True)
+        sess.allgather(d_src_2, d_dst_2, in_group=True)
+        np.testing.assert_equal(d_dst_1.debug_get_from_remote(0), array_1.reshape(3, 4, 3))
+        np.testing.assert_equal(d_dst_1.debug_get_from_remote(1), array_1.reshape(3, 4, 3))
+        np.testing.assert_equal(d_dst_2.debug_get_from_remote(2), array_2.reshape(2, 6, 4))
+        np.testing.assert_equal(d_dst_2.debug_get_from_remote(3), array_2.reshape(2, 6, 4))
+
+
+def test_tvm_gather(kind):
+    array = np.arange(36, dtype="float32")
+    with _tvm_ccl_session(kind, 2) as sess:
+        d_src = sess.empty((3, 3, 2), "float32")
+        d_dst = sess.empty((3, 4, 3), "float32", worker0_only=True)
+        d_src.debug_copy_from(0, array[:18])
+        d_src.debug_copy_from(1, array[18:])
+        sess.gather_to_worker0(d_src, d_dst)
+        np.testing.assert_equal(d_dst.debug_get_from_remote(0), array.reshape(3, 4, 3))
+
+
+def test_tvm_sync_worker(kind):
+    # TVM's test_session.py syncs every worker with the private sess._sync_worker(i).
+    with _open(kind, 3) as sess:
+        r = sess.get_global_func("disco.worker_id")()
+        for i in range(sess.num_workers):
+            sess._sync_worker(i)
+        assert r.debug_get_from_remote(2) == 2
+
+
+def test_copies_need_the_same_size_and_dtype_not_the_same_shape(kind):
+    with _open(kind, 2) as sess:
+        x = sess.empty((2, 3), "int32")
+        x.debug_copy_from(1, np.arange(6, dtype="int32"))
+        np.testing.assert_array_equal(x.debug_get_from_remote(1), np.arange(6).reshape(2, 3))
+        sess.copy_to_worker_0(np.arange(6, dtype="int32").reshape(3, 2), x)
+        out = np.zeros(6, "int32")
+        sess.copy_from_worker_0(out, x)
+        np.testing.assert_array_equal(out, np.arange(6))
+        for bad in (np.zeros(5, "int32"), np.zeros(6, "float32")):
+            with pytest.raises(disco.WorkerError, match="the dtype and the number of elements"):
+                x.debug_copy_from(1, bad)
+
+
 # ---------------------------------------------------------------- 6. avg on integers
 @pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint64"])
 def test_average_in_place_is_ncclavg_on_integers(dtype):

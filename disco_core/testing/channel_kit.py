@@ -444,7 +444,7 @@ class ChannelContract:
         with pytest.raises((ValueError, disco.WorkerError), match="shape|dtype"):
             sess.copy_to_worker_0(np.zeros(4, "int32"), dst)
         with pytest.raises((ValueError, disco.WorkerError), match="shape"):
-            sess.copy_from_worker_0(np.zeros((2, 2), "float32"), dst)
+            sess.copy_from_worker_0(np.zeros((2, 3), "float32"), dst)
         # The session is fine and no stale error surfaces later.
         sess.sync_worker_0()
         _sync_all(sess)
@@ -452,6 +452,11 @@ class ChannelContract:
         out = np.zeros(4, "float32")
         sess.copy_from_worker_0(out, dst)
         np.testing.assert_array_equal(out, 1)
+        # As TVM's Tensor::CopyFrom: the same number of elements fits whatever the shape.
+        sess.copy_to_worker_0(np.arange(4, dtype="float32").reshape(2, 2), dst)
+        out = np.zeros((2, 2), "float32")
+        sess.copy_from_worker_0(out, dst)
+        np.testing.assert_array_equal(out, [[0, 1], [2, 3]])
 
     def test_copy_bad_arguments(self, sess):
         dst = sess.empty((4,), "float32")
@@ -477,11 +482,16 @@ class ChannelContract:
             np.testing.assert_array_equal(got, np.full(3, w * 1.5))
         r.debug_copy_from(1, DLPackOnly(np.arange(3.0)))
         np.testing.assert_array_equal(r.debug_get_from_remote(1), np.arange(3.0))
-        # An array is copied into, as in TVM: another shape, dtype or kind is an error.
+        # An array is copied into, as in TVM: another size, dtype or kind is an error.
         for bad in (np.zeros(4), np.zeros(3, "float32"), {"any": 1}):
             with pytest.raises(disco.WorkerError, match="debug_copy_from"):
                 r.debug_copy_from(2, bad)
         np.testing.assert_array_equal(r.debug_get_from_remote(2), np.full(3, 3.0))
+        # The same number of elements in another shape fits (TVM copies whenever the
+        # sizes match; its own allgather test copies a flat array into a (3, 3, 2) one).
+        r.debug_copy_from(0, np.arange(3.0).reshape(3, 1))
+        np.testing.assert_array_equal(r.debug_get_from_remote(0), np.arange(3.0))
+        r.debug_copy_from(0, sources[0] * 0)
         # A register holding no array takes the value (TVM's SetRegister).
         n = sess.get_global_func("testing.echo")(None)
         n.debug_copy_from(2, {"any": ("picklable", 1)})

@@ -391,11 +391,17 @@ class _LateBound:
 
 def _copy_into(dst: Any, src: Any, what: str) -> None:
     dst_arr, src_arr = as_array(dst), as_array(src)
-    if dst_arr.shape != src_arr.shape or dst_arr.dtype != src_arr.dtype:
+    # As TVM's Tensor::CopyFrom, the data is copied whatever the shapes, when it fits
+    # exactly (TVM's own tests copy a flat array into a (3, 3, 2) one); the elements
+    # are taken in C order. Unlike TVM, the dtypes must match (TVM copies the bytes).
+    if dst_arr.size != src_arr.size or dst_arr.dtype != src_arr.dtype:
         raise ValueError(
             f"{what}: shape/dtype mismatch: destination is {dst_arr.dtype}{list(dst_arr.shape)}, "
-            f"source is {src_arr.dtype}{list(src_arr.shape)}"
+            f"source is {src_arr.dtype}{list(src_arr.shape)} (the dtype and the number of "
+            "elements must match)"
         )
+    if src_arr.shape != dst_arr.shape:
+        src_arr = src_arr.reshape(dst_arr.shape)
     if isinstance(dst_arr, np.ndarray) and isinstance(src_arr, np.ndarray):
         np.copyto(dst_arr, src_arr)
     elif isinstance(dst_arr, np.ndarray):
