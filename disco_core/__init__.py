@@ -43,6 +43,7 @@ from .errors import (
     WorkerUnresponsiveError,
 )
 from .hookspecs import hookimpl, hookspec
+from .host_array import HostArray
 from .registry import get_global_func, list_global_func_names, register_func
 from .session import (
     DModule,
@@ -65,6 +66,7 @@ __all__ = [
     "DPackedFunc",
     "DModule",
     "Device",
+    "HostArray",
     "Channel",
     "CCL",
     "Rendezvous",

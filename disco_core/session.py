@@ -38,6 +38,7 @@ from .errors import (
     WorkerError,
     WorkerUnresponsiveError,
 )
+from .host_array import with_numpy_method
 from .protocol import register_ref_type
 from .settings import env_seconds_or_default
 
@@ -755,7 +756,7 @@ class Session:
         self._send((P.DEBUG_GET_FROM_REMOTE, ref.reg_id, w), [w])
         value = self._recv(w)
         self._raise_pending()
-        return value
+        return with_numpy_method(value)  # arrays also have TVM's .numpy()
 
     def _debug_set(self, ref: DRef, worker_id: int, value: Any) -> None:
         w = self._check_worker(worker_id)

@@ -310,13 +310,15 @@ def _server(args) -> int:
     from .errors import RPCError
     from .server import (
         ServerConfig,
-        _handshake_timeout,
         _positive_or_none,
         bind_listener,
         check_bind,
         load_libraries,
         resolve_liveness_timeout,
         serve_forever,
+    )
+    from .server import (
+        handshake_timeout as resolve_handshake_timeout,
     )
 
     logging.basicConfig(
@@ -333,7 +335,7 @@ def _server(args) -> int:
     try:
         liveness = resolve_liveness_timeout(args.liveness_timeout)
         session_timeout = _positive_or_none(args.session_timeout, "--session-timeout")
-        handshake_timeout = _handshake_timeout(args.timeout)
+        handshake_timeout = resolve_handshake_timeout(args.timeout)
         sock = bind_listener(args.host, args.port, args.port_end)
     except (RPCError, ValueError, TypeError) as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)

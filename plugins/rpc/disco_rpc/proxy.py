@@ -514,7 +514,7 @@ class Proxy(ServiceProcess):
 
     _kind = "Proxy"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199, web_port: int = 0, timeout_client: float = 600, timeout_server: float = 600, tracker_addr: Any = None, index_page: Any = None, resource_files: Any = None, *, token: Any = None, ssl_context: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float | None = None, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
+    def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, web_port: int = 0, timeout_client: float = 600, timeout_server: float = 600, tracker_addr: Any = None, index_page: Any = None, resource_files: Any = None, *, token: Any = None, ssl_context: Any = None, tracker_token: Any = None, tracker_ssl_context: Any = None, wait: float | None = None, allow_insecure_bind: bool = False, reuse_addr: bool = True) -> None:  # fmt: skip
         if web_port:
             raise NotImplementedError("the web (WebSocket) port of TVM's proxy is not supported")
         wait = _seconds("timeout_client" if wait is None else "wait", timeout_client if wait is None else wait)  # fmt: skip

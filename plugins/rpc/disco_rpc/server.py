@@ -178,8 +178,8 @@ def _positive_or_none(value: Any, name: str) -> float | None:
     return seconds
 
 
-def _handshake_timeout(timeout: Any) -> float:
-    """TVM's ``Server(timeout=...)``: the handshake's time, capped by :data:`HANDSHAKE_TIMEOUT`."""
+def handshake_timeout(timeout: Any) -> float:
+    """TVM's ``Server(timeout=...)`` (and ``Tracker``'s): the handshake's time, capped by :data:`HANDSHAKE_TIMEOUT`."""
     seconds = _positive_or_none(timeout, "timeout")
     return HANDSHAKE_TIMEOUT if seconds is None else min(seconds, HANDSHAKE_TIMEOUT)
 
@@ -885,7 +885,7 @@ class Server(ServiceProcess):
             work_dir=os.path.abspath(os.fspath(work_dir)) if work_dir else "",
             max_message_bytes=int(max_message_bytes),
             session_timeout=_positive_or_none(session_timeout, "session_timeout"),
-            handshake_timeout=_handshake_timeout(timeout),
+            handshake_timeout=handshake_timeout(timeout),
             no_fork=no_fork,
             behind_proxy=is_proxy,
             liveness_timeout=resolve_liveness_timeout(liveness_timeout),

@@ -68,8 +68,9 @@ from .protocol import (  # noqa: F401 (the tracker's codes, also names of this m
     TRACKER_MAX_MESSAGE_BYTES,
     ticket_key,
 )
+from .server import handshake_timeout
 from .service import Registration, ServiceProcess, bind_listener, check_bind, open_tracker_link
-from .tvm_tracker import MAX_TVM_LINKS, SniffHandshake, TVMWorld, serve_tvm_link
+from .tvm_tracker import MAX_TVM_LINKS, SniffHandshake, TVMWorld, remember_key, serve_tvm_link
 
 __all__ = [
     "Tracker",
@@ -227,12 +228,16 @@ class TrackerState:
         self.max_summary_bytes = int(max_summary_bytes)
         #: TVM-protocol servers and requests (``tvm_protocol=True``), listed by summary() too
         self.tvm: TVMWorld | None = None
+        #: keys that had servers, latest last: summary() keeps listing a key whose servers
+        #: all left (free 0), as TVM's does, for the last SUMMARY_MAX_KEYS keys of each world
+        self.seen_keys: dict[str, None] = {}
 
     # all methods below run with self.lock held
     def put(self, link: _Link, key: str, addr: tuple, busy: str | None = None) -> int:
         """Register a server; ``busy``: the ticket of the session it is serving (it registers
         again after a tracker restart in the middle of a session)."""
         sid = next(self.next_sid)
+        remember_key(self.seen_keys, key, SUMMARY_MAX_KEYS)
         e = self.servers[sid] = _ServerEntry(sid, key, addr, link)
         self.by_key.setdefault(key, {})[sid] = e
         if busy and busy not in self.by_ticket:
@@ -380,6 +385,9 @@ class TrackerState:
                     qi[field] += tc[field]
                 if mixed:
                     qi["tvm"] = tc
+        seen_tvm = self.tvm.seen if self.tvm is not None else ()
+        for key in itertools.chain(self.seen_keys if ours else (), seen_tvm):
+            counts.setdefault(key, {"free": 0, "pending": 0, "total": 0})
         ns = min(len(servers), SUMMARY_MAX_SERVERS)
         nk = min(len(counts), SUMMARY_MAX_KEYS)
         while True:
@@ -569,6 +577,12 @@ class Tracker(ServiceProcess):
         The first free port in ``[port, port_end)`` is used (``tracker.port``).
     silent : bool
         Log only errors.
+    reuse_addr : bool
+        Set ``SO_REUSEADDR`` on the listening socket.
+    timeout : float, optional
+        As TVM's: a timeout on the tracker's socket operations; here the time a
+        connecting peer has for its handshake, capped at the 10 s kept on work
+        before authentication.
     token : str or bytes, optional
         The shared secret every server, proxy and client must prove (default
         ``$DISCO_TOKEN``).
@@ -586,7 +600,8 @@ class Tracker(ServiceProcess):
 
     _kind = "Tracker"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9190, port_end: int = 9199, silent: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, allow_insecure_bind: bool = False, reuse_addr: bool = True, tvm_protocol: bool = False) -> None:  # fmt: skip
+    def __init__(self, host: str = "127.0.0.1", port: int = 9190, port_end: int = 9199, silent: bool = False, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, allow_insecure_bind: bool = False, tvm_protocol: bool = False) -> None:  # fmt: skip
+        hs_timeout = handshake_timeout(timeout)
         token_b = auth.resolve_token(token)
         check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC tracker")
         if tvm_protocol and not is_loopback(host):
@@ -600,7 +615,7 @@ class Tracker(ServiceProcess):
 
         def serve(watch_fd: int) -> None:
             signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
-            serve_tracker(sock, token_b, ssl_context, max_message_bytes, match_timeout, watch_fd, tvm_protocol=tvm_protocol)  # fmt: skip
+            serve_tracker(sock, token_b, ssl_context, max_message_bytes, match_timeout, watch_fd, handshake_timeout=hs_timeout, tvm_protocol=tvm_protocol)  # fmt: skip
 
         try:
             self._fork(serve)

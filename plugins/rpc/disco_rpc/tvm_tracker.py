@@ -197,6 +197,8 @@ class TVMWorld:
         self.seq = itertools.count()
         #: matches made with the lock held, sent by :meth:`deliver` once it is released
         self.outbox: list[tuple[_Request, _Value]] = []
+        #: keys that had slots, latest last (summary() lists them after their servers left)
+        self.seen: dict[str, None] = {}
 
     def check_key(self, key: Any) -> str:
         return _text(key, "a key", self.max_key_bytes)
@@ -213,6 +215,7 @@ class TVMWorld:
         v = _Value(link, key, host, port, matchkey)
         link.values.append(v)
         self.free.setdefault(key, []).append(v)
+        remember_key(self.seen, key)
         self._match(key)
 
     def request(self, link: TVMLink, key: str, priority: float) -> None:
@@ -318,6 +321,14 @@ class TVMWorld:
             entry(key)["free"] += len(pool)
         for key, q in self.queues.items():
             entry(key)["pending"] += sum(1 for _p, _s, r in q if not r.link.closed)
+
+
+def remember_key(seen: dict[str, None], key: str, limit: int = 1000) -> None:
+    """Move ``key`` to the end of ``seen``, which keeps the last ``limit`` keys."""
+    seen.pop(key, None)
+    seen[key] = None
+    if len(seen) > limit:
+        del seen[next(iter(seen))]
 
 
 # --------------------------------------------------------------------------- the handshake

@@ -295,3 +295,48 @@ def test_split_load_library(tmp_path):
     odd.write_bytes(b"")
     assert split_load_library(str(odd)) == [str(odd)]  # an existing file is never split
     assert split_load_library(os.fspath(odd) + ":b.so") == [str(tmp_path / "odd"), "name", "1.so", "b.so"]  # fmt: skip
+
+
+def test_tracker_and_proxy_take_tvms_arguments():
+    """TVM: ``Tracker(host, port=9190, port_end=9199, silent=False, reuse_addr=True,
+    timeout=None)`` and ``Proxy(host, port=9091, ...)`` (the porter's findings 4 and 5)."""
+    import inspect
+
+    params = list(inspect.signature(rpc.Tracker).parameters.values())
+    assert [p.name for p in params[:6]] == ["host", "port", "port_end", "silent", "reuse_addr", "timeout"]  # fmt: skip
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params[:6])
+    assert inspect.signature(rpc.Proxy).parameters["port"].default == 9091
+    tr = rpc.Tracker("127.0.0.1", 9190, 9300, False, True, 0.5)
+    try:
+        t0 = time.monotonic()  # a peer that says nothing is dropped after `timeout`
+        s = socket.create_connection(("127.0.0.1", tr.port), timeout=5)
+        assert s.recv(1) == b""
+        assert time.monotonic() - t0 < 3
+        s.close()
+    finally:
+        tr.terminate()
+    with pytest.raises(ValueError, match="timeout"):
+        rpc.Tracker(port=9190, port_end=9300, timeout=-1)
+
+
+def test_tracker_summary_keeps_a_key_whose_servers_left():
+    """TVM's test_rpc_tracker_register: after the server stops, ``queue_info[key]`` is still
+    there, with nothing free."""
+    tr = rpc.Tracker(port=9190, port_end=9300)
+    srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tr.addr, key="gone")
+    ts = rpc.connect_tracker("127.0.0.1", tr.port)
+    try:
+        deadline = time.monotonic() + 10
+        while ts.summary()["queue_info"].get("gone", {}).get("free") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.terminate()
+        while ts.summary()["queue_info"]["gone"]["free"] != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ts.summary()["queue_info"]["gone"] == {"free": 0, "pending": 0, "total": 0}
+        assert "no server registered" in ts.pool_text("gone")
+    finally:
+        ts.close()
+        srv.terminate()
+        tr.terminate()
