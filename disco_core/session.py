@@ -113,6 +113,9 @@ class DRef:
 
 register_ref_type(DRef)
 
+#: Immutable argument types: a call with only these (and handles) is ``shared``.
+_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
 
 def _wrap(obj: DRef, dref: Any, session: Any) -> None:
     """``obj`` becomes another handle to ``dref``'s register (TVM's ``Wrapper(dref, session)``)."""
@@ -253,7 +256,9 @@ class Session:
 
     def __init__(self, channel: Channel) -> None:
         if not isinstance(channel, Channel):
-            raise DiscoTypeError(f"Session needs a disco_core Channel, got {type(channel).__name__}")
+            raise DiscoTypeError(
+                f"Session needs a disco_core Channel, got {type(channel).__name__}"
+            )
         try:
             check_session_shape(channel.num_workers, channel.num_groups)
         except (TypeError, ValueError):
@@ -320,8 +325,13 @@ class Session:
             raise SessionClosedError("this session has been shut down")
 
     def _send(
-        self, cmd: tuple, workers: Sequence[int] | None = None, by_reference: bool = False
+        self,
+        cmd: tuple,
+        workers: Sequence[int] | None = None,
+        by_reference: bool = False,
+        shared: bool = False,
     ) -> None:
+        """Send ``cmd``; ``shared``: its values are all immutable (see ``Outgoing``)."""
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
         channel = self._channel
@@ -332,23 +342,35 @@ class Session:
                 while released:
                     ids.append(released.popleft())
                 # The kill rides in the same frame as the command: one write, not two.
-                channel.send(Outgoing((P.KILL_REG, tuple(ids)), cmd, by_reference=by_reference))
+                channel.send(
+                    Outgoing(
+                        (P.KILL_REG, tuple(ids)), cmd, by_reference=by_reference, shared=shared
+                    )
+                )
                 self._free_regs.extend(ids)
                 return
-            channel.send(Outgoing(cmd, by_reference=by_reference), workers)
+            channel.send(Outgoing(cmd, by_reference=by_reference, shared=shared), workers)
 
     def _call(self, func: DRef, args: tuple, cls: type = DRef) -> Any:
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
         if not isinstance(func, DRef) or func.session is not self:
-            raise DiscoTypeError(f"call_packed: expected a DPackedFunc of this session, got {func!r}")
+            raise DiscoTypeError(
+                f"call_packed: expected a DPackedFunc of this session, got {func!r}"
+            )
+        shared = True
         for a in args:
-            if isinstance(a, DRef) and a.session is not self:
-                raise DiscoValueError(f"call_packed: {a!r} belongs to another session")
+            if type(a) in _PLAIN:
+                continue
+            if isinstance(a, DRef):
+                if a.session is not self:
+                    raise DiscoValueError(f"call_packed: {a!r} belongs to another session")
+            else:
+                shared = False  # copied for in-process workers, encoded at once
         with self._lock:
             reg = self._alloc()
             try:
-                self._send((P.CALL_PACKED, reg, func.reg_id, args))
+                self._send((P.CALL_PACKED, reg, func.reg_id, args), shared=shared)
             except (DiscoError, OSError):
                 self._free_regs.append(reg)
                 raise
@@ -399,7 +421,7 @@ class Session:
         laggards: list[int] = []
         try:
             for w in range(self.num_workers):
-                self._send((P.SYNC_WORKER, w), [w])
+                self._send((P.SYNC_WORKER, w), [w], shared=True)
             for w in range(self.num_workers):
                 try:
                     channel.recv(w, timeout=max(0.0, deadline - time.monotonic()))
@@ -460,7 +482,7 @@ class Session:
     def _sync_all(self) -> None:
         """Wait until every worker has run every command so far; raise their errors."""
         for w in range(self.num_workers):
-            self._send((P.SYNC_WORKER, w), [w])
+            self._send((P.SYNC_WORKER, w), [w], shared=True)
         for w in range(self.num_workers):
             self._recv(w)
         self._raise_pending()
@@ -487,7 +509,7 @@ class Session:
             raise DiscoTypeError(f"get_global_func: name must be a str, got {type(name).__name__}")
         with self._lock:
             reg = self._alloc()
-            self._send((P.GET_GLOBAL_FUNC, reg, name))
+            self._send((P.GET_GLOBAL_FUNC, reg, name), shared=True)
         return _handle(DPackedFunc, self, reg)
 
     def import_python_module(self, module_name: str) -> None:
@@ -519,7 +541,7 @@ class Session:
         """Wait until ``worker_id`` has run every command so far (TVM's ``_sync_worker``,
         which TVM's own tests call); raise pending worker errors."""
         w = self._check_worker(worker_id)
-        self._send((P.SYNC_WORKER, w), [w])
+        self._send((P.SYNC_WORKER, w), [w], shared=True)
         self._recv(w)
         self._raise_pending()
 

@@ -35,7 +35,8 @@ arrays (NumPy on cpu), ``None`` where TVM passes an empty ``Optional``; the
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -100,8 +101,42 @@ class Rendezvous:
         """Release what :meth:`CCL.rendezvous` made (called once, at shutdown)."""
 
 
+#: The operations that wait for other workers (see ``CCL.__init_subclass__``).
+WAITING_OPS = (
+    "allreduce",
+    "allgather",
+    "broadcast",
+    "scatter",
+    "gather",
+    "send",
+    "recv",
+    "barrier",
+)
+
+
+def _hands_over_first(op: Callable) -> Callable:
+    """``op``, after the worker's ``ctx.hand_over()`` (when it has one)."""
+
+    @functools.wraps(op)
+    def waiting_op(self: CCL, *args: Any, **kwargs: Any) -> Any:
+        hand_over = getattr(self.ctx, "hand_over", None)  # a test's stand-in ctx may lack it
+        if hand_over is not None:
+            hand_over()
+        return op(self, *args, **kwargs)
+
+    waiting_op.__disco_hands_over__ = True  # type: ignore[attr-defined]
+    return waiting_op
+
+
 class CCL(abc.ABC):
     """The worker's half of a collective library.
+
+    Every operation that waits for other workers (:data:`WAITING_OPS`) first calls
+    ``ctx.hand_over()`` when the worker has one: a worker in the controller's
+    process may run on the controller's own thread while the channel still holds
+    back the other workers' commands (it writes them in batches), and they must
+    have them before anyone waits for them. Subclasses get this by themselves
+    (``__init_subclass__`` wraps their operations), so a plugin cannot forget it.
 
     Parameters
     ----------
@@ -125,6 +160,14 @@ class CCL(abc.ABC):
         self, ctx: WorkerContext, payload: Any, device_ids: Sequence[int] = (), **options: Any
     ) -> None:
         self.ctx = ctx
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in WAITING_OPS:
+            op = cls.__dict__.get(name)
+            if callable(op) and not getattr(op, "__disco_hands_over__", False):
+                if not getattr(op, "__isabstractmethod__", False):
+                    setattr(cls, name, _hands_over_first(op))
 
     @classmethod
     def rendezvous(cls, channel: Channel, device_ids: Sequence[int], **options: Any) -> Rendezvous:

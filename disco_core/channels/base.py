@@ -78,13 +78,18 @@ class Outgoing:
         In-process workers get ``cmd`` itself rather than a private copy (used for
         the host arrays of ``copy_to/from_worker_0``, which worker 0 reads or writes
         in place).
+    shared : bool
+        Every value in the commands is immutable (ints, strs, handles...): in-process
+        workers may take them as they are, and a channel may encode them later,
+        together with the commands that follow (:meth:`LinkChannel.send`).
     """
 
-    __slots__ = ("cmds", "by_reference", "_frame")
+    __slots__ = ("cmds", "by_reference", "shared", "_frame")
 
-    def __init__(self, *cmds: tuple, by_reference: bool = False) -> None:
+    def __init__(self, *cmds: tuple, by_reference: bool = False, shared: bool = False) -> None:
         self.cmds = cmds
         self.by_reference = by_reference
+        self.shared = shared
         self._frame: Frame | None = None
 
     @property
@@ -100,7 +105,7 @@ class Outgoing:
 
     def local(self) -> tuple:
         """The commands for an in-process worker: its own copy of every mutable value."""
-        if self.by_reference:
+        if self.by_reference or self.shared:
             return self.cmds
         return tuple([isolate_command(c) for c in self.cmds])
 
@@ -294,6 +299,13 @@ class WorkerLink(abc.ABC):
     #: True when :meth:`send` may keep commands back until :meth:`flush`.
     buffered: bool = False
 
+    #: True when the channel may hold this link's commands back and hand them over
+    #: in batches (encoded once for every such link, :meth:`LinkChannel.send`).
+    defers: bool = False
+
+    #: True for a worker in the controller's process (:class:`ThreadWorkerLink`).
+    in_process: bool = False
+
     #: True when the workers behind this link send heartbeats (worker processes do):
     #: the channel then declares them unresponsive after ``DISCO_LIVENESS_TIMEOUT``
     #: seconds of silence while the controller waits.
@@ -342,6 +354,7 @@ class BatchingLink(WorkerLink):
     #: An outbox this large is flushed at once.
     OUTBOX_BYTES = 1 << 16
     out_fd: int
+    defers = True
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -453,12 +466,18 @@ class BatchingLink(WorkerLink):
 class ThreadWorkerLink(WorkerLink):
     """A worker running in a thread of the controller's process.
 
-    Commands wait in a deque; a token queue wakes the thread. When the controller
-    needs this worker's reply it runs the pending commands itself, on its own
-    thread (under the same lock, so the order is kept): a synchronising call then
-    costs no thread switch at all, while commands still run in the background
-    between synchronising calls.
+    Commands wait in a deque. When the controller needs this worker's reply it
+    runs the pending commands itself, on its own thread (under the same lock, so
+    the order is kept): a synchronising call costs no thread switch at all.
+    Sending does not wake the worker's thread either: a wake-up is a futex call
+    and a fight for the GIL with the controller, tens of microseconds on a busy
+    small machine, for every command. The channel wakes it (:meth:`wake`) when
+    commands have waited ``FLUSH_DELAY`` with no synchronising call to run them,
+    or when the controller is about to wait for another worker, so asynchronous
+    commands still start promptly and run in the background.
     """
+
+    in_process = True
 
     def __init__(self, worker_id: int, num_workers: int, num_groups: int, hub: ReplyHub) -> None:
         self.worker_ids = (worker_id,)
@@ -517,7 +536,15 @@ class ThreadWorkerLink(WorkerLink):
 
     def send(self, out: Outgoing) -> None:
         self.pending.extend(out.local())
-        self.tokens.put(None)
+
+    @property
+    def buffered(self) -> bool:  # type: ignore[override]
+        return bool(self.pending)
+
+    def flush(self) -> None:
+        """Wake the worker's thread to run what is pending (if anything is)."""
+        if self.pending:
+            self.tokens.put(None)
 
     def poll(self) -> str | None:
         if not self.thread.is_alive() and not self.stopped and not self.hub.closing:
@@ -654,12 +681,22 @@ class ReaderGate:
 FLUSH_DELAY = env_seconds_or_default("DISCO_FLUSH_DELAY", 0.0005)
 
 
+#: Most commands held back in a channel's batch before it is handed to the links.
+BATCH_COMMANDS = 256
+
+
 class LinkChannel(Channel):
     """A :class:`Channel` made of links, one per worker or per node.
 
-    Links may buffer small commands; the channel flushes them before it waits for
-    a reply, and a flusher thread flushes them within :data:`FLUSH_DELAY` seconds
-    otherwise, so asynchronous commands always start promptly.
+    Commands whose values are all immutable (``Outgoing.shared``: nearly every
+    ``call_packed``) and that go to every worker are not encoded one by one: they
+    wait in one batch for all the deferring links (:attr:`WorkerLink.defers`), and
+    leave as one frame, encoded once for all of them, with one write per link.
+    The batch is handed over before any other command to those links (so each
+    link's order is kept), before the controller waits for a reply, when it
+    holds :data:`BATCH_COMMANDS`, and within :data:`FLUSH_DELAY` seconds
+    otherwise (a flusher thread, which also wakes in-process workers that have
+    commands waiting), so asynchronous commands always start promptly.
     """
 
     def __init__(self, num_workers: int, num_groups: int) -> None:
@@ -676,6 +713,11 @@ class LinkChannel(Channel):
         #: one per reader thread: :meth:`settle` waits for each (see :class:`ReaderGate`)
         self.gates: list[ReaderGate] = []
         self._watcher: threading.Thread | None = None
+        #: shared commands for every deferring link, oldest first (under ``_batch_lock``)
+        self._batch: list[tuple] = []
+        self._batch_lock = threading.Lock()
+        self._deferring: list[WorkerLink] = []  # links that take the batch
+        self._direct: list[WorkerLink] = []  # the others: they get every command at once
 
     def wait_ready(self, worker_ids: Iterable[int], deadline: float, what: str = "workers") -> None:
         """Wait for the ``ready`` message of each of ``worker_ids`` until ``deadline``.
@@ -705,16 +747,24 @@ class LinkChannel(Channel):
                 return
             time.sleep(FLUSH_DELAY)
             self._flush_due = False
-            for link in self.links:
-                if link.buffered:
-                    try:
-                        link.flush()
-                    except WorkerDiedError as exc:
-                        self.hub.mark_dead(exc.worker_ids, exc.reason)
+            self._kick()
+
+    def _kick(self) -> None:
+        """:meth:`flush`, for the flusher thread: a dead worker is marked, not raised."""
+        try:
+            self._seal()
+        except WorkerDiedError as exc:
+            self.hub.mark_dead(exc.worker_ids, exc.reason)
+        for link in self.links:
+            if link.buffered:
+                try:
+                    link.flush()
+                except WorkerDiedError as exc:
+                    self.hub.mark_dead(exc.worker_ids, exc.reason)
 
     def _mark_dirty(self) -> None:
         if FLUSH_DELAY <= 0:
-            self.flush()
+            self._kick()
             return
         if self._flusher is None:
             self._flusher = threading.Thread(
@@ -725,14 +775,35 @@ class LinkChannel(Channel):
         self._wake_flusher.put(None)
 
     def flush(self) -> None:
-        """Write out every buffered command now."""
+        """Hand every held-back command to its workers now (writes, wake-ups).
+
+        It is also ``ctx.hand_over`` of the workers in this process (see
+        :class:`~disco_core.worker.WorkerContext`).
+        """
+        self._seal()
         for link in self.links:
             if link.buffered:
                 link.flush()
 
+    def _seal(self) -> None:
+        """Hand the batch of shared commands to every deferring link (encoded once)."""
+        if not self._batch:
+            return
+        with self._batch_lock:  # taken and handed over at once: two sealers keep the order
+            cmds, self._batch = self._batch, []
+            if cmds:
+                out = Outgoing(*cmds, shared=True)
+                for link in self._deferring:
+                    link.send(out)
+
     def _set_links(self, links: list[WorkerLink]) -> None:
         # In-process links first: a pipe that blocks must never delay worker 0.
         self.links = sorted(links, key=lambda link: not isinstance(link, ThreadWorkerLink))
+        self._deferring = [link for link in self.links if link.defers]
+        self._direct = [link for link in self.links if not link.defers]
+        for link in self.links:
+            if isinstance(link, ThreadWorkerLink):
+                link.worker.ctx.hand_over = self.flush
         by_worker: dict[int, WorkerLink] = {}
         for link in links:
             for w in link.worker_ids:
@@ -839,28 +910,49 @@ class LinkChannel(Channel):
 
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
         if workers is None:
+            if out.shared and self._deferring:
+                # The common case (a call_packed to everyone): no encoding, no write now.
+                with self._batch_lock:
+                    batch = self._batch
+                    batch.extend(out.cmds)
+                    full = len(batch) >= BATCH_COMMANDS
+                for link in self._direct:
+                    link.send(out)
+                if full:
+                    self.flush()
+                elif not self._flush_due:
+                    self._mark_dirty()
+                return
             targets = self.links
+        elif len(workers) == 1:
+            targets = (self._link_of[workers[0]],)
         else:
             targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
-        dirty = False
+        if self._batch and any(link.defers for link in targets):
+            self._seal()  # what was sent before goes first
         for link in targets:
             link.send(out)
-            dirty = dirty or link.buffered
-        if dirty and not self._flush_due:
+        if not self._flush_due:
             self._mark_dirty()
 
     def recv(self, worker_id: int, timeout: float | None = None) -> Any:
-        self.flush()
+        link = self._link_of[worker_id]
+        inline = timeout is None and type(link) is ThreadWorkerLink
+        if not inline:
+            # The worker waited for may itself wait for the others (a collective).
+            self.flush()
+        # else: the worker's commands run right here, on this thread, and the others'
+        # stay held back (no write, no wake-up) unless it waits for them: the CCL
+        # calls ctx.hand_over() first. A sync then costs no system call at all.
         hub = self.hub
         hub.waiting += 1  # the liveness watch judges silence only while someone waits
         try:
-            if timeout is not None:
+            if not inline:
                 # An in-process worker's commands then run on its own thread: a
                 # function that hangs there cannot hold the controller past the bound.
-                return hub.wait(worker_id, self.check_alive, deadline=time.monotonic() + timeout)
-            link = self._link_of[worker_id]
-            if type(link) is ThreadWorkerLink:
-                link.run_pending(self.check_alive)
+                deadline = None if timeout is None else time.monotonic() + timeout
+                return hub.wait(worker_id, self.check_alive, deadline=deadline)
+            link.run_pending(self.check_alive)
             return hub.wait(worker_id, self.check_alive)
         finally:
             hub.waiting -= 1

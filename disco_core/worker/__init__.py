@@ -67,6 +67,12 @@ class WorkerContext:
     extra : dict
         Facts a channel adds; ``"entrypoint"``: on worker 0, the module the session's
         worker processes run (the ``process`` and ``socket`` channels set it).
+    hand_over : callable or None
+        In the controller's process only: the channel's ``hand_over()``, which
+        hands every command it holds back to the other workers. The CCL calls it
+        before an operation that waits for them (see ``CCL``): a worker that
+        runs on the controller's thread must never wait for a peer whose
+        commands are still held back.
     """
 
     worker_id: int
@@ -76,6 +82,7 @@ class WorkerContext:
     ccl: Any = None
     registers: dict = field(default_factory=dict, repr=False)
     extra: dict = field(default_factory=dict)
+    hand_over: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def group_size(self) -> int:
@@ -216,9 +223,11 @@ class Worker:
         if action == P.CALL_PACKED:
             _, reg, func_reg, args = cmd
             try:
-                func = self.get_reg(func_reg)
-                lenient = getattr(func, "_disco_collective", False)
-                args = self._resolve(args, lenient)
+                func = self.regs.get(func_reg, _ABSENT)
+                if type(func) is _Failed or func is _ABSENT:
+                    func = self.get_reg(func_reg)  # raises, naming the register
+                if args:
+                    args = self._resolve(args, getattr(func, "_disco_collective", False))
                 result = func(*args)
                 if reg:
                     self.regs[reg] = result
