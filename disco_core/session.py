@@ -70,9 +70,13 @@ class DRef:
 
     def __del__(self) -> None:
         # A wrapper keeps its owner alive instead: the owner frees the register, once.
-        session = getattr(self, "session", None)
-        if session is not None and self.reg_id and getattr(self, "_owner", None) is None:
-            session._release(self.reg_id)
+        try:
+            if self._owner is None and self.reg_id:
+                session = self.session
+                if not session._state["closed"]:
+                    session._released.append(self.reg_id)
+        except AttributeError:  # never fully constructed
+            pass
 
     def debug_get_from_remote(self, worker_id: int = 0) -> Any:
         """Fetch the register's value from one worker (arrays come back as NumPy).
@@ -167,7 +171,7 @@ class DPackedFunc(DRef):
         _wrap(self, dref, session)
 
     def __call__(self, *args: Any) -> DRef:
-        return self.session.call_packed(self, *args)
+        return self.session._call(self, args)
 
 
 class DModule(DRef):
@@ -367,15 +371,31 @@ class Session:
                     raise DiscoValueError(f"call_packed: {a!r} belongs to another session")
             else:
                 shared = False  # copied for in-process workers, encoded at once
+        # The hot path of every session: _send() inlined.
         with self._lock:
-            reg = self._alloc()
+            free = self._free_regs
+            reg = free.pop() if free else self._alloc()
+            cmd = (P.CALL_PACKED, reg, func.reg_id, args)
+            released = self._released
+            ids: list[int] = []
             try:
-                self._send((P.CALL_PACKED, reg, func.reg_id, args), shared=shared)
-            except (DiscoError, OSError):
-                self._free_regs.append(reg)
-                raise
-            except Exception as exc:
-                self._free_regs.append(reg)
+                if released:
+                    while released:
+                        ids.append(released.popleft())
+                    # The kill rides in the same frame as the command: one write, not two.
+                    cmds = ((P.KILL_REG, tuple(ids)), cmd)
+                else:
+                    cmds = (cmd,)
+                if shared:
+                    self._channel.send_shared(cmds)
+                else:
+                    self._channel.send(Outgoing(*cmds))
+                free.extend(ids)
+            except BaseException as exc:
+                free.append(reg)
+                released.extendleft(reversed(ids))  # freed with a later command
+                if isinstance(exc, (DiscoError, OSError)) or not isinstance(exc, Exception):
+                    raise
                 raise DiscoTypeError(
                     f"call_packed: the arguments cannot be sent to the workers: {exc}"
                 ) from exc
@@ -541,8 +561,12 @@ class Session:
         """Wait until ``worker_id`` has run every command so far (TVM's ``_sync_worker``,
         which TVM's own tests call); raise pending worker errors."""
         w = self._check_worker(worker_id)
-        self._send((P.SYNC_WORKER, w), [w], shared=True)
-        self._recv(w)
+        self._check_open()
+        try:
+            self._channel.sync(w)
+        except WorkerError as exc:
+            self._raise_pending(exc)
+            raise
         self._raise_pending()
 
     def copy_from_worker_0(self, host_array: np.ndarray, remote_array: DRef) -> None:

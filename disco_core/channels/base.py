@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .. import protocol
 from ..errors import (
     DiscoError,
     DiscoTimeoutError,
@@ -154,6 +155,25 @@ class Channel(abc.ABC):
         DiscoTimeoutError
             ``timeout`` passed with no reply.
         """
+
+    def send_shared(self, cmds: tuple[tuple, ...]) -> None:
+        """Send commands whose values are all immutable to every worker, without waiting.
+
+        The hot path of every session (``call_packed``). The default is
+        :meth:`send`; a channel may take the commands as they are, without an
+        :class:`Outgoing` (see :meth:`LinkChannel.send_shared`).
+        """
+        self.send(Outgoing(*cmds, shared=True))
+
+    def sync(self, worker_id: int) -> None:
+        """Wait until ``worker_id`` has run every command sent to it so far.
+
+        What TVM's ``SyncWorker`` command does, and the default is that command
+        and its reply. A channel may do it faster for a worker in this process.
+        Raises as :meth:`recv` does.
+        """
+        self.send(Outgoing((protocol.SYNC_WORKER, worker_id), shared=True), [worker_id])
+        self.recv(worker_id)
 
     def settle(self, timeout: float = 1.0) -> None:
         """Deliver every reply and error report the workers have already sent.
@@ -519,20 +539,28 @@ class ThreadWorkerLink(WorkerLink):
                 self.worker_ids, f"worker thread stopped: {type(exc).__name__}: {exc}"
             )
 
-    def run_pending(self, poll: Callable[[], None]) -> None:
-        """Run the queued commands on the calling (controller) thread."""
-        if not self.pending:
+    def run_pending(self, poll: Callable[[], None], sync: bool = False) -> None:
+        """Run the queued commands on the calling (controller) thread.
+
+        ``sync``: then do what a ``SyncWorker`` command does (the CCL's
+        ``synchronize``), raising its failure as a :class:`WorkerError`; this
+        waits for a command the worker's own thread is running, too.
+        """
+        if not self.pending and not sync:
             return
-        while not self.lock.acquire(timeout=0.2):
+        lock = self.lock
+        while not lock.acquire(timeout=0.2):
             poll()  # the worker thread is busy; meanwhile notice dead peers
         try:
             previous = set_current(self.worker.ctx)
             try:
                 self._drain()
+                if sync and not self.stopped:
+                    self.worker.synchronize()
             finally:
                 set_current(previous)
         finally:
-            self.lock.release()
+            lock.release()
 
     def send(self, out: Outgoing) -> None:
         self.pending.extend(out.local())
@@ -693,10 +721,14 @@ class LinkChannel(Channel):
     wait in one batch for all the deferring links (:attr:`WorkerLink.defers`), and
     leave as one frame, encoded once for all of them, with one write per link.
     The batch is handed over before any other command to those links (so each
-    link's order is kept), before the controller waits for a reply, when it
-    holds :data:`BATCH_COMMANDS`, and within :data:`FLUSH_DELAY` seconds
-    otherwise (a flusher thread, which also wakes in-process workers that have
-    commands waiting), so asynchronous commands always start promptly.
+    link's order is kept), before the controller waits for a worker in another
+    process, before a worker of this process waits for the others (a CCL
+    operation calls ``ctx.hand_over``, which is :meth:`flush`), when it holds
+    :data:`BATCH_COMMANDS`, and within :data:`FLUSH_DELAY` seconds otherwise (a
+    flusher thread, which also wakes in-process workers that have commands
+    waiting), so asynchronous commands always start promptly. A sync with a
+    worker of this process (worker 0) runs its commands on the calling thread
+    and hands nothing over: it costs no system call and no thread switch.
     """
 
     def __init__(self, num_workers: int, num_groups: int) -> None:
@@ -713,11 +745,17 @@ class LinkChannel(Channel):
         #: one per reader thread: :meth:`settle` waits for each (see :class:`ReaderGate`)
         self.gates: list[ReaderGate] = []
         self._watcher: threading.Thread | None = None
-        #: shared commands for every deferring link, oldest first (under ``_batch_lock``)
+        #: shared commands for every deferring link, oldest first. Always the same
+        #: list: senders only extend it (atomic under the GIL), sealers cut from its
+        #: front under ``_seal_lock``, so no sender ever takes a lock for it.
         self._batch: list[tuple] = []
-        self._batch_lock = threading.Lock()
+        self._seal_lock = threading.Lock()
         self._deferring: list[WorkerLink] = []  # links that take the batch
         self._direct: list[WorkerLink] = []  # the others: they get every command at once
+        self._pendings: list[collections.deque] = []  # the in-process workers' queues
+        self._direct_others: list[WorkerLink] = []  # direct links not in this process
+        # A subclass with its own send() (it looks at every command) gets every one there.
+        self._fast_shared = type(self).send is LinkChannel.send
 
     def wait_ready(self, worker_ids: Iterable[int], deadline: float, what: str = "workers") -> None:
         """Wait for the ``ready`` message of each of ``worker_ids`` until ``deadline``.
@@ -787,12 +825,14 @@ class LinkChannel(Channel):
 
     def _seal(self) -> None:
         """Hand the batch of shared commands to every deferring link (encoded once)."""
-        if not self._batch:
+        batch = self._batch
+        if not batch:
             return
-        with self._batch_lock:  # taken and handed over at once: two sealers keep the order
-            cmds, self._batch = self._batch, []
-            if cmds:
-                out = Outgoing(*cmds, shared=True)
+        with self._seal_lock:  # cut and handed over at once: two sealers keep the order
+            n = len(batch)
+            if n:
+                out = Outgoing(*batch[:n], shared=True)
+                del batch[:n]  # a sender's extend meanwhile went after these n
                 for link in self._deferring:
                     link.send(out)
 
@@ -801,6 +841,8 @@ class LinkChannel(Channel):
         self.links = sorted(links, key=lambda link: not isinstance(link, ThreadWorkerLink))
         self._deferring = [link for link in self.links if link.defers]
         self._direct = [link for link in self.links if not link.defers]
+        self._pendings = [link.pending for link in self._direct if type(link) is ThreadWorkerLink]
+        self._direct_others = [link for link in self._direct if type(link) is not ThreadWorkerLink]
         for link in self.links:
             if isinstance(link, ThreadWorkerLink):
                 link.worker.ctx.hand_over = self.flush
@@ -908,21 +950,28 @@ class LinkChannel(Channel):
             if not gate.settled(deadline):
                 return
 
+    def send_shared(self, cmds: tuple[tuple, ...]) -> None:
+        if not self._fast_shared:
+            return self.send(Outgoing(*cmds, shared=True))
+        # No encoding, no write, no wake-up now: the batch leaves as one frame.
+        batch = self._batch
+        if self._deferring:
+            batch += cmds
+        for pending in self._pendings:
+            pending.extend(cmds)  # in-process workers take immutable values as they are
+        if self._direct_others:
+            out = Outgoing(*cmds, shared=True)
+            for link in self._direct_others:
+                link.send(out)
+        if len(batch) >= BATCH_COMMANDS:
+            self.flush()
+        elif not self._flush_due:
+            self._mark_dirty()
+
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
         if workers is None:
-            if out.shared and self._deferring:
-                # The common case (a call_packed to everyone): no encoding, no write now.
-                with self._batch_lock:
-                    batch = self._batch
-                    batch.extend(out.cmds)
-                    full = len(batch) >= BATCH_COMMANDS
-                for link in self._direct:
-                    link.send(out)
-                if full:
-                    self.flush()
-                elif not self._flush_due:
-                    self._mark_dirty()
-                return
+            if out.shared:
+                return self.send_shared(out.cmds)
             targets = self.links
         elif len(workers) == 1:
             targets = (self._link_of[workers[0]],)
@@ -956,6 +1005,25 @@ class LinkChannel(Channel):
             return hub.wait(worker_id, self.check_alive)
         finally:
             hub.waiting -= 1
+
+    def sync(self, worker_id: int) -> None:
+        link = self._link_of[worker_id]
+        if type(link) is not ThreadWorkerLink:
+            return super().sync(worker_id)
+        # A worker of this process syncs right here: no command, no reply to queue.
+        hub = self.hub
+        if hub.dead:
+            raise hub.died_error()
+        hub.waiting += 1  # the liveness watch judges silence only while someone waits
+        try:
+            link.run_pending(self.check_alive, sync=True)
+        finally:
+            hub.waiting -= 1
+        if hub.dead:
+            raise hub.died_error()
+        if link.stopped:
+            self.check_alive()
+            raise WorkerDiedError([worker_id], "worker thread stopped")
 
     def take_errors(self) -> list[WorkerError]:
         return self.hub.take_errors()

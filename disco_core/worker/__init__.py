@@ -152,6 +152,7 @@ class _Failed:
 
 
 _ABSENT = object()
+_CALL_PACKED, _KILL_REG = P.CALL_PACKED, P.KILL_REG  # module globals: the hot path's tests
 
 
 class Worker:
@@ -220,7 +221,7 @@ class Worker:
     def execute(self, cmd: tuple) -> bool:
         """Execute one command; return False after a shutdown command."""
         action = cmd[0]
-        if action == P.CALL_PACKED:
+        if action == _CALL_PACKED:
             _, reg, func_reg, args = cmd
             try:
                 func = self.regs.get(func_reg, _ABSENT)
@@ -240,7 +241,7 @@ class Worker:
                 self._report(exc, f"call_packed({name})")
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
-        elif action == P.KILL_REG:
+        elif action == _KILL_REG:
             pop = self.regs.pop
             for reg in cmd[1]:
                 pop(reg, None)
@@ -279,6 +280,21 @@ class Worker:
         else:
             self._report(DiscoError(f"unknown command action {action!r}"), "protocol")
         return True
+
+    def synchronize(self) -> None:
+        """What a ``SyncWorker`` command does, for a caller on this worker's thread.
+
+        Raises
+        ------
+        WorkerError
+            The CCL's ``synchronize`` failed (e.g. a GPU stream's error).
+        """
+        ccl = self.ctx.ccl
+        if ccl is not None:
+            try:
+                ccl.synchronize()
+            except Exception as exc:
+                raise self._error(exc) from None
 
     def _missing_global(self, name: str) -> Callable | None:
         """Worker 0's answer for a global function its process lacks (None: report it).
