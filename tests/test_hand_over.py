@@ -1,0 +1,189 @@
+"""How commands reach the workers: held back, handed over in batches, never forgotten.
+
+A sync with worker 0 (in the controller's process) runs its commands on the
+controller's thread and hands nothing to the other workers; the others get theirs
+in batches, one frame per batch. These tests check that this costs nothing in
+correctness: a worker that waits for the others (a collective) first hands the
+held-back commands over, and commands nobody syncs on still run within
+``FLUSH_DELAY`` (the flusher thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+from disco_core import registry
+from disco_core.ccl.base import CCL, WAITING_OPS
+from disco_core.channels import base
+from disco_core.worker import current
+
+pytestmark = pytest.mark.timeout(60)
+
+KINDS = {"threaded": disco.ThreadedSession, "process": disco.ProcessSession}
+
+
+@pytest.fixture
+def slow_flusher(monkeypatch):
+    """The flusher waits 30 s: only a sync, a wait or ``ctx.hand_over`` hands commands over."""
+    monkeypatch.setattr(base, "FLUSH_DELAY", 30.0)
+
+
+def test_sync_with_worker0_hands_nothing_to_worker_processes(slow_flusher):
+    with disco.ProcessSession(2) as sess:
+        f = sess.get_global_func("disco.worker_id")
+        sess._sync_worker(1)  # everything so far is out
+        writes = []
+        link = sess.channel._link_of[1]
+        real = link._write
+        link._write = lambda data: (writes.append(len(data)), real(data))[1]
+        for _ in range(10):
+            r = f()
+            sess.sync_worker_0()
+            assert r.debug_get_from_remote(0) == 0
+        assert writes == []  # ten round trips with worker 0, no write to worker 1
+        assert len(sess.channel._batch) >= 10  # held back, not lost
+        assert r.debug_get_from_remote(1) == 1  # a wait for worker 1 hands them over
+        assert len(writes) == 1  # ... in one frame
+        assert not sess.channel._batch
+
+
+def test_a_batch_is_one_write_per_worker_process(slow_flusher):
+    with disco.ProcessSession(3) as sess:
+        f = sess.get_global_func("disco.worker_id")
+        sess._sync_all()
+        counts = {}
+        for w in (1, 2):
+            link = sess.channel._link_of[w]
+            real = link._write
+
+            def counted(data, w=w, real=real):
+                counts[w] = counts.get(w, 0) + 1
+                real(data)
+
+            link._write = counted
+        refs = [f() for _ in range(100)]
+        sess._sync_all()
+        assert counts == {1: 1, 2: 1}
+        assert [int(refs[-1].debug_get_from_remote(w)) for w in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_worker0_in_a_collective_hands_the_others_their_commands(slow_flusher, kind):
+    """Worker 0 runs the allreduce on the controller's thread at the sync: without
+    ``ctx.hand_over`` worker 1 would get its command only when the flusher wakes (30 s)."""
+    with KINDS[kind](2) as sess:
+        sess.init_ccl("shm")
+        x = sess.empty((4,), "float32")
+        for w in range(2):
+            x.debug_copy_from(w, np.full(4, w + 1, dtype=np.float32))
+        t0 = time.monotonic()
+        sess.allreduce(x, x)
+        sess.sync_worker_0()
+        assert time.monotonic() - t0 < 10
+        np.testing.assert_array_equal(x.debug_get_from_remote(0), np.full(4, 3, np.float32))
+        np.testing.assert_array_equal(x.debug_get_from_remote(1), np.full(4, 3, np.float32))
+
+
+_RAN: list[int] = []
+
+
+@registry.register_func("test.hand_over.note", override=True)
+def _note(value: int) -> None:
+    _RAN.append((current().worker_id, value))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_commands_run_without_a_sync(kind):
+    """Nobody syncs: worker 0 (and a thread worker 1) still run the command, soon."""
+    _RAN.clear()
+    with KINDS[kind](2) as sess:
+        note = sess.get_global_func("test.hand_over.note")
+        note(7)
+        want = {(0, 7)} if kind == "process" else {(0, 7), (1, 7)}
+        deadline = time.monotonic() + 5
+        while set(_RAN) != want and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert set(_RAN) == want
+
+
+def test_ccl_subclasses_hand_over_before_every_waiting_operation():
+    calls = []
+
+    class Probe(CCL):
+        name = "probe"
+
+        def allreduce(self, src, dst, op, in_group):
+            calls.append("allreduce")
+
+        def allgather(self, src, dst, in_group):
+            calls.append("allgather")
+
+        def broadcast(self, src, dst, in_group):
+            calls.append("broadcast")
+
+        def scatter(self, src, dst, in_group):
+            calls.append("scatter")
+
+        def gather(self, src, dst, in_group):
+            calls.append("gather")
+
+        def send(self, buf, peer):
+            calls.append("send")
+
+        def recv(self, buf, peer):
+            calls.append("recv")
+
+        def barrier(self, in_group=False):
+            calls.append("barrier")
+
+    class Ctx:
+        def hand_over(self):
+            calls.append("hand_over")
+
+    ccl = Probe(Ctx(), None)
+    ccl.allreduce(1, 1, "sum", False)
+    ccl.allgather(1, 1, False)
+    ccl.broadcast(1, 1, False)
+    ccl.scatter(1, 1, False)
+    ccl.gather(1, 1, False)
+    ccl.send(1, 0)
+    ccl.recv(1, 0)
+    ccl.barrier()
+    assert calls == [x for op in WAITING_OPS for x in ("hand_over", op)]
+
+    class Sub(Probe):  # wrapped once, not twice, when a subclass keeps the method
+        pass
+
+    calls.clear()
+    Sub(Ctx(), None).barrier()
+    assert calls == ["hand_over", "barrier"]
+
+
+def test_hand_over_from_another_thread_while_the_controller_sends():
+    """A flusher-like thread hands over all the time while the controller sends:
+    every worker still sees every command once, in order."""
+    with disco.ProcessSession(3) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        lst = sess.get_global_func("testing.new_list")()
+        append = sess.get_global_func("testing.append")
+        stop = threading.Event()
+
+        def hammer():
+            while not stop.is_set():
+                sess.channel.flush()
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        try:
+            for i in range(3000):
+                append(lst, i)
+        finally:
+            stop.set()
+            t.join()
+        for w in range(3):
+            assert list(lst.debug_get_from_remote(w)) == list(range(3000))
