@@ -10,6 +10,7 @@ held-back commands over, and commands nobody syncs on still run within
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -187,3 +188,36 @@ def test_hand_over_from_another_thread_while_the_controller_sends():
             t.join()
         for w in range(3):
             assert list(lst.debug_get_from_remote(w)) == list(range(3000))
+
+
+@registry.register_func("test.hand_over.waits_for_worker_1", override=True)
+def _waits_for_worker_1(path: str) -> int:
+    """Worker 0 waits for a file that worker 1 writes: no CCL, so it hands over itself."""
+    ctx = current()
+    if ctx.worker_id == 1:
+        with open(path, "w") as f:
+            f.write("1")
+        return 1
+    ctx.hand_over()
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError("worker 1 never ran its command")
+        time.sleep(0.001)
+    return 0
+
+
+def test_a_user_function_hands_over_by_itself(slow_flusher, tmp_path):
+    with disco.ThreadedSession(2) as sess:
+        f = sess.get_global_func("test.hand_over.waits_for_worker_1")
+        t0 = time.monotonic()
+        r = f(str(tmp_path / "flag"))
+        sess.sync_worker_0()
+        assert time.monotonic() - t0 < 10
+        assert r.debug_get_from_remote(0) == 0
+
+
+def test_hand_over_does_nothing_where_nothing_is_held():
+    from disco_core.worker import WorkerContext
+
+    WorkerContext(1, 2, 1).hand_over()  # a worker process's context: a no-op

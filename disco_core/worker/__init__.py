@@ -67,12 +67,13 @@ class WorkerContext:
     extra : dict
         Facts a channel adds; ``"entrypoint"``: on worker 0, the module the session's
         worker processes run (the ``process`` and ``socket`` channels set it).
-    hand_over : callable or None
-        In the controller's process only: the channel's ``hand_over()``, which
-        hands every command it holds back to the other workers. The CCL calls it
-        before an operation that waits for them (see ``CCL``): a worker that
-        runs on the controller's thread must never wait for a peer whose
-        commands are still held back.
+    hand_over : callable
+        Hands every command the controller's channel holds back to the other
+        workers (on workers in the controller's process; elsewhere it does
+        nothing). The CCL calls it before an operation that waits for them (see
+        ``CCL``): a worker that runs on the controller's thread must never wait
+        for a peer whose commands are still held back. A user function that
+        waits for another worker by other means calls it first, too.
     """
 
     worker_id: int
@@ -82,7 +83,7 @@ class WorkerContext:
     ccl: Any = None
     registers: dict = field(default_factory=dict, repr=False)
     extra: dict = field(default_factory=dict)
-    hand_over: Callable[[], None] | None = field(default=None, repr=False)
+    hand_over: Callable[[], None] = field(default=lambda: None, repr=False)
 
     @property
     def group_size(self) -> int:
