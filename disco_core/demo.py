@@ -49,10 +49,27 @@ class DemoResult:
     errors: dict[int, float] = field(default_factory=dict)
     failure: str | None = None
     blas: str = "default"
+    #: NumPy steps taken in turn with this row's steps (same machine state)
+    numpy_times: list[float] = field(default_factory=list)
+    #: per step: the step's time minus worker 0's time in the matrix products and GELU
+    overheads: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
         return statistics.median(self.step_times) if self.step_times else float("nan")
+
+    @property
+    def numpy_median(self) -> float:
+        return statistics.median(self.numpy_times) if self.numpy_times else float("nan")
+
+    @property
+    def overhead(self) -> float:
+        return statistics.median(self.overheads) if self.overheads else float("nan")
+
+    @property
+    def speedup(self) -> float:
+        """NumPy's time over this row's, from the steps taken in turn."""
+        return self.numpy_median / self.median
 
     @property
     def max_error(self) -> float:
@@ -191,8 +208,19 @@ def _run_numpy(x, w1, w2, args, ref) -> DemoResult:
         t0 = time.perf_counter()
         y = demo_funcs.mlp_reference(x, w1, w2)
         res.step_times.append(time.perf_counter() - t0)
+    res.numpy_times = res.step_times
+    res.overheads = [0.0]
     res.errors[0] = float(np.max(np.abs(y - ref)))
     return res
+
+
+def _numpy_step(x, w1, w2, threads: int | None) -> float:
+    """One NumPy step with the controller's own BLAS threads (worker 0 shares the process)."""
+    if threads is not None:
+        demo_funcs.blas_threads(threads)
+    t0 = time.perf_counter()
+    demo_funcs.mlp_reference(x, w1, w2)
+    return time.perf_counter() - t0
 
 
 def _workers(n: int) -> str:
@@ -236,11 +264,13 @@ def _run_session(x, w1, w2, args, ref, n: int) -> DemoResult:
         sess.import_python_module("disco_core.demo_funcs")
         mlp = sess.get_global_func(demo_funcs.MLP_SHARD)
         threads = args.blas_threads if args.blas_threads is not None else max(1, _cores() // n)
+        numpy_threads = None
         if threads > 0:
             # Every worker gets its share of the cores (one BLAS thread pool per core
             # would oversubscribe the machine n times over).
             old = sess.call_packed(demo_funcs.BLAS_THREADS, threads).debug_get_from_remote(0)
             res.blas = str(threads) if old is not None else "?"
+            numpy_threads = old  # the controller's own, for its NumPy steps
         w1_shards, w2_shards = shard_weights(w1, w2, n)
         w1_ref = sess.scatter(w1_shards)  # worker w: (d_model, d_ff/n), columns of W1
         w2_ref = sess.scatter(w2_shards)  # worker w: (d_ff/n, d_model), rows of W2
@@ -257,14 +287,22 @@ def _run_session(x, w1, w2, args, ref, n: int) -> DemoResult:
         )
 
         y = np.empty(ref.shape, ref.dtype)
+        # NumPy and Disco steps in turn, so that both see the same machine (a small
+        # VM's speed drifts by tens of percent from one second to the next).
         for i in range(args.warmup + args.steps):
+            numpy_s = _numpy_step(x, w1, w2, numpy_threads)
+            if numpy_threads is not None:
+                demo_funcs.blas_threads(threads)  # worker 0's share again
             t0 = time.perf_counter()
             sess.broadcast(x, x_ref)
-            mlp(x_ref, w1_ref, w2_ref, partial)
+            compute = mlp(x_ref, w1_ref, w2_ref, partial)
             sess.allreduce(partial, out_ref, "sum")
             sess.copy_from_worker_0(y, out_ref)
+            step_s = time.perf_counter() - t0
             if i >= args.warmup:
-                res.step_times.append(time.perf_counter() - t0)
+                res.step_times.append(step_s)
+                res.numpy_times.append(numpy_s)
+                res.overheads.append(step_s - float(compute.debug_get_from_remote(0)))
         # Worker 0's copy came back with the last step; every other worker must agree.
         res.errors[0] = float(np.max(np.abs(y - ref)))
         for w in range(1, n):
@@ -277,13 +315,15 @@ def _fmt_ms(seconds: float | None) -> str:
     return "-" if seconds is None or seconds != seconds else f"{seconds * 1e3:.2f}"
 
 
-def _table(results: list[DemoResult], flops: float, base: float) -> str:
+def _table(results: list[DemoResult], flops: float) -> str:
     header = (
         "configuration",
         "BLAS thr",
         "start s",
         "setup s",
         "ms/step",
+        "numpy ms",
+        "overhead ms",
         "GFLOP/s",
         "speedup",
         "max |err|",
@@ -291,7 +331,7 @@ def _table(results: list[DemoResult], flops: float, base: float) -> str:
     rows = [header]
     for r in results:
         if r.failure:
-            rows.append((r.label, r.blas, "-", "-", "-", "-", "-", "FAILED"))
+            rows.append((r.label, r.blas, "-", "-", "-", "-", "-", "-", "-", "FAILED"))
             continue
         med = r.median
         rows.append(
@@ -301,8 +341,10 @@ def _table(results: list[DemoResult], flops: float, base: float) -> str:
                 "-" if r.start_s is None else f"{r.start_s:.2f}",
                 "-" if r.setup_s is None else f"{r.setup_s:.2f}",
                 _fmt_ms(med),
+                _fmt_ms(r.numpy_median),
+                _fmt_ms(r.overhead),
                 f"{flops / med / 1e9:.1f}",
-                f"{base / med:.2f}x",
+                f"{r.speedup:.2f}x",
                 "reference" if r.workers is None else f"{r.max_error:.2e}",
             )
         )
@@ -361,7 +403,8 @@ def run(args: argparse.Namespace) -> int:
             worst = max(res.errors, key=res.errors.get)
             verdict = "ok" if res.max_error <= tol else "ABOVE TOLERANCE"
             _say(
-                f"[{_workers(n)}] {_fmt_ms(res.median)} ms/step; "
+                f"[{_workers(n)}] {_fmt_ms(res.median)} ms/step (NumPy in turn: "
+                f"{_fmt_ms(res.numpy_median)} ms, overhead {_fmt_ms(res.overhead)} ms); "
                 f"max abs error {res.max_error:.2e} (worker {worst}) {verdict}"
             )
         finally:
@@ -371,12 +414,15 @@ def run(args: argparse.Namespace) -> int:
         results.append(res)
 
     _say("")
-    _say(_table(results, flops, base.median))
+    _say(_table(results, flops))
     _say("")
     _say(
-        "BLAS thr = BLAS threads per worker (cores / workers, at least 1); start = "
-        "constructor until every worker is ready; setup = init_ccl + scatter of the weights; "
-        "ms/step = median; speedup against the numpy row."
+        "BLAS thr = BLAS threads per worker (cores / workers, at least 1; NumPy: the "
+        "process's own); start = constructor until every worker is ready; setup = init_ccl "
+        "+ scatter of the weights; ms/step = median; numpy ms = the median of NumPy steps "
+        "taken in turn with that row's steps (all cores' BLAS threads), and speedup = numpy "
+        "ms / ms/step; overhead = a step's time outside worker 0's matrix products and GELU "
+        "(broadcast, allreduce, copy back, waiting for the other workers, control plane)."
     )
 
     failed = [r for r in results if r.failure]

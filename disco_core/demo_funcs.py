@@ -8,14 +8,22 @@ and summed.
 
 from __future__ import annotations
 
-import ctypes
-import os
+import time
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from .registry import register_func
 
-__all__ = ["gelu", "mlp_reference", "mlp_shard", "blas_threads", "MLP_SHARD", "BLAS_THREADS"]
+__all__ = [
+    "gelu",
+    "mlp_reference",
+    "mlp_shard",
+    "blas_threads",
+    "blas_controller",
+    "MLP_SHARD",
+    "BLAS_THREADS",
+]
 
 #: The global name of :func:`mlp_shard`.
 MLP_SHARD = "disco_demo.mlp_shard"
@@ -49,8 +57,8 @@ def mlp_reference(x: np.ndarray, w1: np.ndarray, w2: np.ndarray) -> np.ndarray:
 
 
 @register_func(MLP_SHARD)
-def mlp_shard(x: np.ndarray, w1_shard: np.ndarray, w2_shard: np.ndarray, out: np.ndarray) -> None:
-    """This worker's part of the MLP block, written into ``out``.
+def mlp_shard(x: np.ndarray, w1_shard: np.ndarray, w2_shard: np.ndarray, out: np.ndarray) -> float:
+    """This worker's part of the MLP block, written into ``out``; returns its seconds.
 
     ``w1_shard`` is a block of columns of W1 (column-parallel) and ``w2_shard`` the
     matching block of rows of W2 (row-parallel), so ``gelu`` applies elementwise to
@@ -66,70 +74,38 @@ def mlp_shard(x: np.ndarray, w1_shard: np.ndarray, w2_shard: np.ndarray, out: np
         raise ValueError(
             f"mlp_shard: out has shape {out.shape}, expected {(x.shape[0], w2_shard.shape[1])}"
         )
+    t0 = time.perf_counter()
     np.matmul(gelu(x @ w1_shard), w2_shard, out=out)
+    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------- BLAS threads
 # Each worker of a tensor-parallel step should use its share of the cores: a BLAS
 # that starts one thread per core in every worker oversubscribes the machine (with
-# OpenBLAS's spinning threads, 10x slower). threadpoolctl does this properly when it
-# is installed; otherwise we talk to OpenBLAS / MKL found among the loaded libraries.
-_SETTERS = (
-    ("openblas", "openblas_get_num_threads", "openblas_set_num_threads"),
-    ("openblas", "openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-    ("openblas", "scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-    ("openblas", "scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
-    ("mkl_rt", "MKL_Get_Max_Threads", "MKL_Set_Num_Threads"),
-)
+# OpenBLAS's spinning threads, 10x slower). threadpoolctl knows every BLAS and
+# OpenMP runtime NumPy may have loaded, and how to set each.
+_CONTROLLER: ThreadpoolController | None = None
 
 
-def _blas_libraries() -> list[tuple[object, object]]:
-    """(getter, setter) pairs of the BLAS libraries loaded in this process (Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({line.split()[-1] for line in f if ".so" in line})
-    except OSError:
-        return []
-    found = []
-    for path in paths:
-        base = os.path.basename(path).lower()
-        for tag, get_name, set_name in _SETTERS:
-            if tag not in base:
-                continue
-            try:
-                lib = ctypes.CDLL(path)
-                getter, setter = getattr(lib, get_name), getattr(lib, set_name)
-            except (OSError, AttributeError):
-                continue
-            getter.restype = ctypes.c_int
-            found.append((getter, setter))
-            break
-    return found
+def blas_controller() -> ThreadpoolController:
+    """This process's :class:`threadpoolctl.ThreadpoolController` (made once, after NumPy loaded its BLAS)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER
 
 
 @register_func(BLAS_THREADS)
 def blas_threads(num_threads: int | None = None) -> int | None:
     """Set the BLAS thread count of this process (``None``: only ask); return the old one.
 
-    Returns ``None`` when no BLAS library could be controlled. In a ProcessSession,
+    Returns ``None`` when no BLAS library could be found. In a ProcessSession,
     worker 0 shares the controller's process, so this changes the controller's BLAS.
     """
-    try:
-        import threadpoolctl  # type: ignore[import-not-found]
-    except ImportError:
-        threadpoolctl = None
-    if threadpoolctl is not None:
-        infos = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
-        if infos:
-            old = int(infos[0]["num_threads"])
-            if num_threads is not None:
-                threadpoolctl.threadpool_limits(int(num_threads), user_api="blas")
-            return old
-    libs = _blas_libraries()
-    if not libs:
+    blas = blas_controller().select(user_api="blas")
+    if not blas.lib_controllers:
         return None
-    old = int(libs[0][0]())
+    old = int(blas.lib_controllers[0].num_threads)
     if num_threads is not None:
-        for _, setter in libs:
-            setter(int(num_threads))
+        blas.limit(limits=int(num_threads))  # stays set: the context is never left
     return old

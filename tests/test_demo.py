@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import disco_core as disco
 from disco_core import demo, demo_funcs
 
 SMALL = ["--d-model", "64", "--d-ff", "256", "--batch", "4", "--steps", "2", "--warmup", "1"]
@@ -136,3 +137,25 @@ def test_blas_threads_round_trip():
     finally:
         demo_funcs.blas_threads(old)
     assert demo_funcs.blas_threads() == old
+
+
+def test_blas_threads_are_set_through_threadpoolctl_in_a_worker_process():
+    """The worker's BLAS really runs with the count the demo asks for."""
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.demo_funcs")
+        sess.call_packed(demo_funcs.BLAS_THREADS, 1)
+        now = sess.call_packed(demo_funcs.BLAS_THREADS, None)
+        assert now.debug_get_from_remote(1) == 1
+
+
+def test_the_table_has_the_overhead_and_the_numpy_steps_taken_in_turn(capsys):
+    assert demo.main(["--workers", "1", "--steps", "3", "--warmup", "1", "--d-model", "64",
+                      "--d-ff", "256", "--batch", "8"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("configuration"))
+    assert "numpy ms" in header and "overhead ms" in header
+    row = next(line for line in out.splitlines() if line.startswith("disco process, 1 worker"))
+    cells = row.split()
+    overhead = float(cells[cells.index("worker") + 6])
+    step = float(cells[cells.index("worker") + 4])
+    assert 0 <= overhead <= step
