@@ -120,6 +120,10 @@ class Placement:
         finally:
             _set_process(self.controller_cpus)
 
+    def move(self, cpus: set[int]) -> None:
+        """Move every thread of this process onto ``cpus`` (until the next move)."""
+        _set_process(set(cpus))
+
     def rank_cpus(self, rank: int) -> set[int]:
         """The CPUs of rank ``rank`` of a peer that runs every rank as a process
         (MPI, gloo): rank 0 where the controller would be, the others where workers are."""
