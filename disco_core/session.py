@@ -727,10 +727,15 @@ class Session:
         """
         host = as_array(src)
         in_group = bool(in_group)
-        src_ref = self._host_to_roots("broadcast", host, in_group)
+        self._collective_ready("broadcast")
         if dst is None:
             dst = self.empty(host.shape, host.dtype)
-        self._collective("broadcast_from_worker0", src_ref, in_group, dst)
+        # No staging array: the data goes straight into worker 0's dst (one copy),
+        # which then broadcasts in place (to the other groups' roots first).
+        self.copy_to_worker_0(host, dst)
+        if in_group and self.num_groups > 1:
+            self.call_packed(self._get_cached_method("disco.share_with_group_roots"), dst)
+        self._collective("broadcast_from_worker0", dst, in_group, dst)
         return dst
 
     def broadcast_from_worker0(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:

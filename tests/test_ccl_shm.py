@@ -348,3 +348,25 @@ class TestShmProcess2(ShmContract):
     @pytest.fixture
     def make_session(self):
         return session_maker(disco.ProcessSession, "shm")
+
+
+@pytest.mark.timeout(60)
+def test_a_communicator_of_one_copies_and_still_checks():
+    """Groups of one (the n == 1 fast path): the result is the array itself, and a
+    mismatched call is still an error naming it."""
+    with disco.ProcessSession(2, num_groups=2) as sess:
+        sess.init_ccl("shm")
+        x = sess.empty((6,), "float32")
+        for w in range(2):
+            x.debug_copy_from(w, np.arange(6, dtype=np.float32) + w)
+        y = sess.empty((6,), "float32")
+        sess.allreduce(x, y, "sum", in_group=True)
+        for w in range(2):
+            np.testing.assert_array_equal(y.debug_get_from_remote(w), np.arange(6) + w)
+        b = sess.broadcast(np.full(6, 7, np.float32), y)
+        for w in range(2):
+            np.testing.assert_array_equal(b.debug_get_from_remote(w), np.full(6, 7))
+        wrong = sess.empty((5,), "float32")
+        with pytest.raises(disco.WorkerError, match="allreduce"):
+            sess.allreduce(x, wrong, "sum", in_group=True)
+            sess._sync_all()

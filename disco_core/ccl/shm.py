@@ -420,6 +420,14 @@ class ShmCCL(CCL):
             src_b, total = validate.flat_bytes(src_c), src_c.nbytes
             dst_b = validate.flat_bytes(dst) if dst.flags.c_contiguous else None
         itemsize = src.dtype.itemsize if isinstance(src, np.ndarray) else 1
+        if n == 1 and src_b is not None and dst_b is not None:
+            # A communicator of one (a group of one, a session of one): the checks
+            # every call gets, then the sum is the array itself.
+            self._slots(comm)
+            self._exchange(comm, self._describe(name, src, dst), name)
+            if src_b.ctypes.data != dst_b.ctypes.data:
+                dst_b[:total] = src_b
+            return
         if src_b is not None and dst_b is not None and 0 < total <= min(comm.slot, _SMALL):
             # Small: one round trip. Every member reduces the whole array itself,
             # in rank order, straight into its dst (no second barrier).
@@ -546,6 +554,13 @@ class ShmCCL(CCL):
             else None
         )
         total = dst_b.nbytes if dst_b is not None else 0
+        if comm.n == 1 and src_b is not None and dst_b is not None and src_b.nbytes == total:
+            # A communicator of one: the checks every call gets, then a copy (if any).
+            self._slots(comm)
+            self._exchange(comm, self._describe("broadcast", src, dst), "broadcast")
+            if src_b.ctypes.data != dst_b.ctypes.data:
+                dst_b[:] = src_b
+            return
         cap = comm.n * comm.slot
         off, first = 0, True
         while first or off < total:
