@@ -164,7 +164,7 @@ class CCL(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for name in WAITING_OPS:
-            op = cls.__dict__.get(name)
+            op = getattr(cls, name, None)  # also one inherited from a mixin that is no CCL
             if callable(op) and not getattr(op, "__disco_hands_over__", False):
                 if not getattr(op, "__isabstractmethod__", False):
                     setattr(cls, name, _hands_over_first(op))

@@ -16,8 +16,11 @@ from __future__ import annotations
 import abc
 import collections
 import ctypes
+import fcntl
 import queue
 import select
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -399,7 +402,7 @@ class BatchingLink(WorkerLink):
                 else:
                     self.outbox.append(head)
                     self.outbox_bytes += len(head)
-                    if self.outbox_bytes >= self.OUTBOX_BYTES:
+                    if self.outbox_bytes >= self.OUTBOX_BYTES and not self.hold:
                         self._flush_locked()
         except OSError as exc:
             raise self._gone(exc) from None
@@ -419,12 +422,48 @@ class BatchingLink(WorkerLink):
     def buffered(self) -> bool:
         return bool(self.outbox)
 
+    #: True while a hand-over fills the outbox: it must not write (and block) by itself.
+    hold = False
+
     def flush(self) -> None:
         try:
             with self.lock:
                 self._flush_locked()
         except OSError as exc:
             raise self._gone(exc) from None
+
+    def room(self) -> int | None:
+        """Bytes ``out_fd`` takes now without blocking (a pipe's free space), or None if unknown."""
+        if type(self)._write is not BatchingLink._write:
+            return None  # a link that writes elsewhere (a socket, sealed records)
+        try:
+            size = fcntl.fcntl(self.out_fd, _F_GETPIPE_SZ)
+            queued = struct.unpack("i", fcntl.ioctl(self.out_fd, termios.FIONREAD, b"\0" * 4))[0]
+        except OSError:
+            return None
+        return size - queued
+
+    def flush_if_room(self) -> bool:
+        """Write the outbox only if that cannot block; True when nothing is left to write.
+
+        For a worker of the controller's process about to wait for its peers
+        (``ctx.hand_over``): a full pipe means a peer is not reading (it may be
+        waiting for this very worker), so blocking there could never end.
+        """
+        if not self.lock.acquire(timeout=0.002):
+            return False  # another thread is writing: it hands the commands over
+        try:
+            if not self.outbox:
+                return True
+            room = self.room()
+            if room is None or self.outbox_bytes > room:
+                return False
+            self._flush_locked()
+            return True
+        except OSError as exc:
+            raise self._gone(exc) from None
+        finally:
+            self.lock.release()
 
     def _flush_locked(self) -> None:
         if self.outbox:
@@ -704,6 +743,8 @@ class ReaderGate:
             time.sleep(0.0002)  # lets the reader thread take the bytes
 
 
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
+
 #: Longest time a buffered command waits before it is written out
 #: (``DISCO_FLUSH_DELAY`` seconds; 0 writes every command at once).
 FLUSH_DELAY = env_seconds_or_default("DISCO_FLUSH_DELAY", 0.0005)
@@ -723,7 +764,7 @@ class LinkChannel(Channel):
     The batch is handed over before any other command to those links (so each
     link's order is kept), before the controller waits for a worker in another
     process, before a worker of this process waits for the others (a CCL
-    operation calls ``ctx.hand_over``, which is :meth:`flush`), when it holds
+    operation calls ``ctx.hand_over``, which is :meth:`hand_over`), when it holds
     :data:`BATCH_COMMANDS`, and within :data:`FLUSH_DELAY` seconds otherwise (a
     flusher thread, which also wakes in-process workers that have commands
     waiting), so asynchronous commands always start promptly. A sync with a
@@ -780,15 +821,28 @@ class LinkChannel(Channel):
 
     def _flush_loop(self) -> None:
         while True:
-            self._wake_flusher.get()
+            now = self._wake_flusher.get()
             if self._stopping:
                 return
-            time.sleep(FLUSH_DELAY)
-            self._flush_due = False
+            if not now:
+                time.sleep(FLUSH_DELAY)
+                self._flush_due = False
             self._kick()
+
+    def _kick_now(self) -> None:
+        """Let the flusher thread hand everything over at once (it may block; the caller must not)."""
+        if self._flusher is None:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="disco-flush", daemon=True
+            )
+            self._flusher.start()
+        self._wake_flusher.put(True)
 
     def _kick(self) -> None:
         """:meth:`flush`, for the flusher thread: a dead worker is marked, not raised."""
+        for link in self.links:  # in-process workers first: a full pipe may wait for them
+            if type(link) is ThreadWorkerLink:
+                link.flush()
         try:
             self._seal()
         except WorkerDiedError as exc:
@@ -813,15 +867,48 @@ class LinkChannel(Channel):
         self._wake_flusher.put(None)
 
     def flush(self) -> None:
-        """Hand every held-back command to its workers now (writes, wake-ups).
+        """Hand every held-back command to its workers now (wake-ups, then writes).
 
-        It is also ``ctx.hand_over`` of the workers in this process (see
-        :class:`~disco_core.worker.WorkerContext`).
+        The workers of this process are woken first: a write to a full pipe
+        may wait for a peer that waits for them. :meth:`hand_over` is the
+        variant that never blocks.
         """
+        for link in self.links:  # in-process workers first: a full pipe may wait for them
+            if type(link) is ThreadWorkerLink:
+                link.flush()
         self._seal()
         for link in self.links:
             if link.buffered:
                 link.flush()
+
+    def hand_over(self) -> None:
+        """``ctx.hand_over`` of the workers in this process: :meth:`flush` that never blocks.
+
+        The caller is a worker about to wait for its peers. What fits in their
+        pipes is written now; the rest (a peer not reading, e.g. waiting for this
+        worker) goes through the flusher thread, which may wait for room.
+        """
+        for link in self.links:
+            if type(link) is ThreadWorkerLink:
+                link.flush()
+        if self._batch:
+            if not self._seal_lock.acquire(timeout=0.002):
+                self._kick_now()  # another thread is sealing, maybe blocked on a full pipe
+                return
+            try:
+                for link in self._deferring:
+                    link.hold = True
+                try:
+                    self._seal_locked()
+                finally:
+                    for link in self._deferring:
+                        link.hold = False
+            finally:
+                self._seal_lock.release()
+        for link in self._deferring:
+            if link.buffered and not link.flush_if_room():
+                self._kick_now()
+                return
 
     def _seal(self) -> None:
         """Hand the batch of shared commands to every deferring link (encoded once)."""
@@ -829,12 +916,16 @@ class LinkChannel(Channel):
         if not batch:
             return
         with self._seal_lock:  # cut and handed over at once: two sealers keep the order
-            n = len(batch)
-            if n:
-                out = Outgoing(*batch[:n], shared=True)
-                del batch[:n]  # a sender's extend meanwhile went after these n
-                for link in self._deferring:
-                    link.send(out)
+            self._seal_locked()
+
+    def _seal_locked(self) -> None:
+        batch = self._batch
+        n = len(batch)
+        if n:
+            out = Outgoing(*batch[:n], shared=True)
+            del batch[:n]  # a sender's extend meanwhile went after these n
+            for link in self._deferring:
+                link.send(out)
 
     def _set_links(self, links: list[WorkerLink]) -> None:
         # In-process links first: a pipe that blocks must never delay worker 0.
@@ -845,7 +936,7 @@ class LinkChannel(Channel):
         self._direct_others = [link for link in self._direct if type(link) is not ThreadWorkerLink]
         for link in self.links:
             if isinstance(link, ThreadWorkerLink):
-                link.worker.ctx.hand_over = self.flush
+                link.worker.ctx.hand_over = self.hand_over
         by_worker: dict[int, WorkerLink] = {}
         for link in links:
             for w in link.worker_ids:
