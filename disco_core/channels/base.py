@@ -380,7 +380,8 @@ class BatchingLink(WorkerLink):
     defers = True
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Re-entrant: a hand-over holds it while it seals the batch into this outbox.
+        self.lock = threading.RLock()
         self.outbox: list[bytes] = []
         self.outbox_bytes = 0
 
@@ -444,7 +445,7 @@ class BatchingLink(WorkerLink):
         return size - queued
 
     def flush_if_room(self) -> bool:
-        """Write the outbox only if that cannot block; True when nothing is left to write.
+        """Write the outbox only if that cannot block on a full pipe; True when all is written.
 
         For a worker of the controller's process about to wait for its peers
         (``ctx.hand_over``): a full pipe means a peer is not reading (it may be
@@ -456,8 +457,10 @@ class BatchingLink(WorkerLink):
             if not self.outbox:
                 return True
             room = self.room()
-            if room is None or self.outbox_bytes > room:
+            if room is not None and self.outbox_bytes > room:
                 return False
+            # Room unknown (a socket, whose buffers are large): write now, as flush() does;
+            # through the flusher thread it could wait for the GIL for milliseconds.
             self._flush_locked()
             return True
         except OSError as exc:
@@ -884,31 +887,40 @@ class LinkChannel(Channel):
     def hand_over(self) -> None:
         """``ctx.hand_over`` of the workers in this process: :meth:`flush` that never blocks.
 
-        The caller is a worker about to wait for its peers. What fits in their
-        pipes is written now; the rest (a peer not reading, e.g. waiting for this
-        worker) goes through the flusher thread, which may wait for room.
+        The caller is a worker about to wait for its peers. It wakes the other
+        in-process workers, and writes to the others what fits in their pipes now;
+        when a pipe is full or another thread is writing (a peer not reading may be
+        waiting for this very worker), the flusher thread hands the rest over.
         """
         for link in self.links:
             if type(link) is ThreadWorkerLink:
                 link.flush()
-        if self._batch:
-            if not self._seal_lock.acquire(timeout=0.002):
-                self._kick_now()  # another thread is sealing, maybe blocked on a full pipe
-                return
+        deferring = self._deferring
+        if not self._batch and not any(link.buffered for link in deferring):
+            return
+        held = []
+        try:
+            # Seal lock, then every link's lock (the order _seal takes them): a thread
+            # stuck writing holds one, and then the flusher takes over.
+            for lock in (self._seal_lock, *[link.lock for link in deferring]):
+                if not lock.acquire(timeout=0.002):
+                    self._kick_now()
+                    return
+                held.append(lock)
+            for link in deferring:
+                link.hold = True
             try:
-                for link in self._deferring:
-                    link.hold = True
-                try:
-                    self._seal_locked()
-                finally:
-                    for link in self._deferring:
-                        link.hold = False
+                self._seal_locked()
             finally:
-                self._seal_lock.release()
-        for link in self._deferring:
-            if link.buffered and not link.flush_if_room():
-                self._kick_now()
-                return
+                for link in deferring:
+                    link.hold = False
+            for link in deferring:
+                if link.buffered and not link.flush_if_room():
+                    self._kick_now()
+                    return
+        finally:
+            for lock in reversed(held):
+                lock.release()
 
     def _seal(self) -> None:
         """Hand the batch of shared commands to every deferring link (encoded once)."""
