@@ -92,3 +92,28 @@ def test_worker0_collective_does_not_deadlock_on_a_full_pipe():
         proc.communicate()
         pytest.fail("the controller hung (deadlock on worker 1's full pipe)")
     assert proc.returncode == 0 and b"done" in out, out.decode(errors="replace")[-2000:]
+
+
+def test_a_direct_command_does_not_overtake_a_batch_being_written():
+    """The flusher cut the batch and blocks writing it to worker 1 (busy, its pipe full);
+    a command for worker 2 alone must still reach worker 2 after that batch, not before.
+
+    It used to: ``send`` saw the batch empty (already cut) and wrote straight to
+    worker 2, whose ``debug_get`` then found the register not yet set.
+    """
+    import time
+
+    import disco_core as disco
+
+    with disco.ProcessSession(3) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        sleep = sess.get_global_func("testing.sleep")
+        big = "x" * 8_000_000  # larger than any pipe: the write waits for worker 1
+        for i in range(3):
+            sess._sync_all()
+            sleep(0.3, 1)  # worker 1 reads nothing for 0.3 s
+            time.sleep(0.02)  # the flusher hands that over
+            x = echo(big + str(i))
+            time.sleep(0.02)  # the flusher has cut the batch and is writing it to worker 1
+            assert x.debug_get_from_remote(2) == big + str(i)

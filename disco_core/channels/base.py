@@ -828,7 +828,7 @@ class LinkChannel(Channel):
             if self._stopping:
                 return
             if not now:
-                time.sleep(FLUSH_DELAY)
+                time.sleep(min(FLUSH_DELAY, threading.TIMEOUT_MAX))  # inf would raise
                 self._flush_due = False
             self._kick()
 
@@ -1080,10 +1080,16 @@ class LinkChannel(Channel):
             targets = (self._link_of[workers[0]],)
         else:
             targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
-        if self._batch and any(link.defers for link in targets):
-            self._seal()  # what was sent before goes first
-        for link in targets:
-            link.send(out)
+        if any(link.defers for link in targets):
+            # What was sent before goes first, also when another thread (the flusher,
+            # a worker's hand_over) has cut the batch and is still writing it out.
+            with self._seal_lock:
+                self._seal_locked()
+                for link in targets:
+                    link.send(out)
+        else:
+            for link in targets:
+                link.send(out)
         if not self._flush_due:
             self._mark_dirty()
 
