@@ -71,7 +71,7 @@ def _pid_gone(pid: int) -> bool:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
         return state in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between open and read
         return True
     except OSError:  # no /proc: fall back to a signal 0 probe
         try:
