@@ -13,6 +13,8 @@
         print(y.debug_get_from_remote(1))   # [0. 2. 4. 6.]
 """
 
+# First: elsewhere than Linux, one clear error instead of a failure deep inside.
+from . import _platform  # noqa: F401  # isort: skip
 from . import builtins as _builtins  # noqa: F401  (registers the disco.* functions)
 from . import worker
 from .ccl.base import CCL, REDUCE_OPS, Rendezvous
@@ -37,6 +39,7 @@ from .errors import (
     PluginLoadError,
     PluginNotFoundError,
     SessionClosedError,
+    UnsupportedPlatformError,
     UntrustedValueError,
     WorkerDiedError,
     WorkerError,
@@ -99,5 +102,6 @@ __all__ = [
     "DiscoFileNotFoundError",
     "DiscoPermissionError",
     "DiscoTimeoutError",
+    "UnsupportedPlatformError",
     "__version__",
 ]

@@ -28,11 +28,16 @@ __all__ = [
     "DiscoFileNotFoundError",
     "DiscoPermissionError",
     "DiscoTimeoutError",
+    "UnsupportedPlatformError",
 ]
 
 
 class DiscoError(RuntimeError):
     """Base class of every error raised by Disco."""
+
+
+class UnsupportedPlatformError(DiscoError):
+    """Disco runs on Linux only (memfd_create, futex, splice, /proc); raised on import elsewhere."""
 
 
 class WorkerError(DiscoError):
