@@ -32,7 +32,7 @@ def collective(func: Callable) -> Callable:
     receives a :class:`~disco_core.worker.MissingValue`), so the worker takes part and
     every peer raises the same error instead of waiting for it.
     """
-    func._disco_collective = True
+    func._disco_collective = True  # type: ignore[attr-defined]
     return func
 
 

@@ -400,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
                 traceback.print_exc()
             _say(f"[{_workers(n)}] FAILED: {res.failure}")
         else:
-            worst = max(res.errors, key=res.errors.get)
+            worst = max(res.errors, key=lambda w: res.errors[w])
             verdict = "ok" if res.max_error <= tol else "ABOVE TOLERANCE"
             _say(
                 f"[{_workers(n)}] {_fmt_ms(res.median)} ms/step (NumPy in turn: "
@@ -433,8 +433,8 @@ def run(args: argparse.Namespace) -> int:
         for r in above:
             _say(f"CHECK FAILED: {r.label}: max abs error {r.max_error:.3e} > tolerance {tol:.1e}")
         return 1
-    worst = max(r.max_error for r in results)
-    _say(f"check passed: max abs error {worst:.2e} <= tolerance {tol:.1e} on every worker")
+    worst_error = max(r.max_error for r in results)
+    _say(f"check passed: max abs error {worst_error:.2e} <= tolerance {tol:.1e} on every worker")
     return 0
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = [
     "DiscoError",
@@ -136,14 +137,14 @@ def _remote_class(exc_type: str) -> type[WorkerError]:
                 (WorkerError, target),
                 {"__module__": __name__},
             )
-            cls._base_new = staticmethod(_layout_new(cls))
+            cls._base_new = staticmethod(_layout_new(cls))  # type: ignore[attr-defined]
         except TypeError:  # a layout no subclass can combine with WorkerError
             cls = WorkerError
         _REMOTE_CLASSES[target] = cls
     return cls
 
 
-def _layout_new(cls: type) -> object:
+def _layout_new(cls: type) -> Callable[..., Any]:
     """The built-in ``__new__`` that lays out ``cls`` (``OSError``'s for a TimeoutError).
 
     Python only allows the ``__new__`` of a class's solid base; which one that is

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import threading
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 __all__ = ["register_func", "get_global_func", "list_global_func_names", "remove_global_func"]
 
@@ -73,6 +73,12 @@ def register_func(name, func=None, override=False):
         return fn
 
     return _register if func is None else _register(func)
+
+
+@overload
+def get_global_func(name: str, allow_missing: Literal[False] = False) -> Callable[..., Any]: ...
+@overload
+def get_global_func(name: str, allow_missing: bool) -> Callable[..., Any] | None: ...
 
 
 def get_global_func(name: str, allow_missing: bool = False) -> Callable[..., Any] | None:

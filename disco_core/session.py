@@ -146,7 +146,7 @@ def _wrap(obj: DRef, dref: Any, session: Any) -> None:
 
 def _handle(cls: type, session: Session, reg_id: int) -> Any:
     """A new handle of class ``cls`` that owns register ``reg_id`` (internal construction)."""
-    obj = cls.__new__(cls)
+    obj = cls.__new__(cls)  # type: ignore[call-overload]
     obj.session = session
     obj.reg_id = reg_id
     obj._owner = None
@@ -383,7 +383,7 @@ class Session:
                     while released:
                         ids.append(released.popleft())
                     # The kill rides in the same frame as the command: one write, not two.
-                    cmds = ((P.KILL_REG, tuple(ids)), cmd)
+                    cmds: tuple[tuple, ...] = ((P.KILL_REG, tuple(ids)), cmd)
                 else:
                     cmds = (cmd,)
                 if shared:
@@ -670,7 +670,7 @@ class Session:
             lambda ids_, reason: rendezvous.abort(f"worker(s) {ids_} died: {reason}")
         )
         try:
-            if cls.preflight.__func__ is not CCL.preflight.__func__:
+            if cls.preflight.__func__ is not CCL.preflight.__func__:  # type: ignore[attr-defined]
                 # Checks first, everywhere: a worker failing inside a blocking
                 # initialisation would leave the others waiting in it for ever.
                 check = self._get_cached_method("disco.ccl_preflight")
@@ -878,7 +878,7 @@ class ProcessSession(Session):
                     "ProcessSession: the entrypoint was given twice (as the second argument "
                     "and as entrypoint=); use ProcessSession(num_workers, num_groups, entrypoint)"
                 )
-            num_groups, entrypoint = 1, num_groups
+            entrypoint, num_groups = num_groups, 1
         if entrypoint is None:
             entrypoint = "disco_core.worker"
         check_session_shape(num_workers, num_groups)

@@ -93,7 +93,7 @@ class Arena:
         return -1
 
     def close(self) -> None:
-        self.bytes = None
+        self.bytes = None  # type: ignore[assignment]  # closed: nothing reads it any more
         try:
             self.map.close()
         except BufferError:  # arrays are still alive; the process exit frees them

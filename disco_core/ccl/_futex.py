@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import sys
+from typing import Any
 
 __all__ = ["available", "wait", "wake", "address_of"]
 
@@ -31,7 +32,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_syscall = None
+_syscall: Any = None  # libc's syscall(2) where futexes work
 if sys.platform.startswith("linux") and _SYS_FUTEX is not None:
     _libc = ctypes.CDLL(None, use_errno=True)
     _syscall = _libc.syscall

@@ -192,7 +192,7 @@ class ShmCCL(CCL):
         unknown = set(options) - {"timeout", "slot_bytes", "mailbox_bytes", "arena_bytes"}
         if unknown:
             raise TypeError(f"init_ccl('shm'): unknown options {sorted(unknown)}")
-        opts = {
+        opts: dict[str, Any] = {
             "arena_bytes": options.get("arena_bytes"),
             "timeout": float(
                 options.get("timeout", os.environ.get("DISCO_CCL_TIMEOUT", _DEFAULT_TIMEOUT))
@@ -238,8 +238,8 @@ class ShmCCL(CCL):
         me = ctx.worker_id
         self.arena = _arena.Arena(payload.get("arena_bytes"))
         entry = (self.layout.dir_off + me * _DIR_ENTRY) // 8
-        self.q[entry : entry + 3] = memoryview(
-            np.array([os.getpid(), self.arena.fd, self.arena.size], np.int64).view(np.uint8)
+        self.q[entry : entry + 3] = (
+            np.array([os.getpid(), self.arena.fd, self.arena.size], np.int64).view(np.uint8).data
         ).cast("q")
         self._peers: dict[int, np.ndarray] = {me: self.arena.bytes}
         self._sent = [0] * self.layout.num_workers  # per receiver: chunks posted to its mailbox
@@ -411,9 +411,11 @@ class ShmCCL(CCL):
         comm = self._comm(in_group)
         err = "" if op in _UFUNCS else f"unknown op {op!r}"
         name = f"allreduce:{op}"
-        ufunc = _UFUNCS.get(op)
+        ufunc: Any = _UFUNCS.get(op)
         n, rank = comm.n, comm.rank
-        src_b = dst_b = None
+        # None where this member's arrays are unusable: the exchange raises before any use
+        src_b: Any = None
+        dst_b: Any = None
         total = 0
         if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray) and not err:
             src_c = np.ascontiguousarray(src)
@@ -515,10 +517,10 @@ class ShmCCL(CCL):
     def _gather_like(self, name: str, comm: _Comm, src: Any, dst: Any, to_all: bool) -> None:
         rank, n = comm.rank, comm.n
         receives = to_all or rank == 0
-        src_b = (
+        src_b: Any = (
             validate.flat_bytes(np.ascontiguousarray(src)) if isinstance(src, np.ndarray) else None
         )
-        dst_b = None
+        dst_b: Any = None
         if receives and isinstance(dst, np.ndarray) and dst.flags.c_contiguous:
             dst_b = validate.flat_bytes(dst)
         piece = src_b.nbytes if src_b is not None else 0
@@ -543,12 +545,12 @@ class ShmCCL(CCL):
     def broadcast(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         root = comm.rank == 0
-        src_b = (
+        src_b: Any = (
             validate.flat_bytes(np.ascontiguousarray(src))
             if root and isinstance(src, np.ndarray)
             else None
         )
-        dst_b = (
+        dst_b: Any = (
             validate.flat_bytes(dst)
             if isinstance(dst, np.ndarray) and dst.flags.c_contiguous
             else None
@@ -588,12 +590,12 @@ class ShmCCL(CCL):
     def scatter(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)
         root, n = comm.rank == 0, comm.n
-        src_b = (
+        src_b: Any = (
             validate.flat_bytes(np.ascontiguousarray(src))
             if root and isinstance(src, np.ndarray)
             else None
         )
-        dst_b = (
+        dst_b: Any = (
             validate.flat_bytes(dst)
             if isinstance(dst, np.ndarray) and dst.flags.c_contiguous
             else None
@@ -652,7 +654,7 @@ class ShmCCL(CCL):
         bell, addr, sent_i, acked_i, head = self._mbox(self._me, peer)
         data = head + validate.DESC_BYTES
         desc = validate.describe("p2p", buf, None)
-        src_b = validate.flat_bytes(np.ascontiguousarray(buf)) if not desc.status else None
+        src_b: Any = validate.flat_bytes(np.ascontiguousarray(buf)) if not desc.status else None
         total = src_b.nbytes if src_b is not None else 0
         cap = self.layout.mbox_bytes
         q = self.q
@@ -689,7 +691,7 @@ class ShmCCL(CCL):
         data = head + validate.DESC_BYTES
         q = self.q
         mine = validate.describe("p2p", None, buf)
-        dst_b = validate.flat_bytes(buf) if not mine.status else None
+        dst_b: Any = validate.flat_bytes(buf) if not mine.status else None
 
         def take() -> None:
             got = self._recvd[peer]
@@ -725,7 +727,7 @@ class ShmCCL(CCL):
         self._peers.clear()
         self.q.release()
         self.i.release()
-        self.buf = None
+        self.buf = None  # type: ignore[assignment]  # closed: nothing reads it any more
         try:
             self.map.close()
         except BufferError:

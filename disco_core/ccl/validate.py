@@ -46,8 +46,10 @@ class Desc:
     error: str
     op: str  # "allreduce:sum", "allgather", ... (must agree across members)
     extra: int  # op-specific (peer id, ...)
-    src: tuple | None  # (dtype name, shape, nbytes) or None when absent
-    dst: tuple | None
+    # (dtype name, shape, nbytes) or None when absent. Any: the checks index them once
+    # need() has ruled None out, which a type checker cannot follow.
+    src: Any
+    dst: Any
 
 
 def _array_info(x: Any, name: str) -> tuple[tuple | None, str]:

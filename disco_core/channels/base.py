@@ -24,7 +24,7 @@ import termios
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .. import protocol
 from ..errors import (
@@ -214,7 +214,7 @@ class ReplyHub:
     _WAKE = ("wake", None)
 
     def __init__(self, num_workers: int) -> None:
-        self.replies = [queue.SimpleQueue() for _ in range(num_workers)]
+        self.replies: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_workers)]
         self.errors: collections.deque[WorkerError] = collections.deque()
         self.dead: dict[int, str] = {}
         #: workers declared dead because they stopped answering (a subset of ``dead``)
@@ -420,7 +420,7 @@ class BatchingLink(WorkerLink):
         return self._died(exc)
 
     @property
-    def buffered(self) -> bool:
+    def buffered(self) -> bool:  # type: ignore[override]  # read-only here
         return bool(self.outbox)
 
     #: True while a hand-over fills the outbox: it must not write (and block) by itself.
@@ -540,6 +540,7 @@ class ThreadWorkerLink(WorkerLink):
     """
 
     in_process = True
+    hub: ReplyHub  # set before any command runs
 
     def __init__(self, worker_id: int, num_workers: int, num_groups: int, hub: ReplyHub) -> None:
         self.worker_ids = (worker_id,)
@@ -794,7 +795,7 @@ class LinkChannel(Channel):
         #: front under ``_seal_lock``, so no sender ever takes a lock for it.
         self._batch: list[tuple] = []
         self._seal_lock = threading.Lock()
-        self._deferring: list[WorkerLink] = []  # links that take the batch
+        self._deferring: list[BatchingLink] = []  # links that take the batch
         self._direct: list[WorkerLink] = []  # the others: they get every command at once
         self._pendings: list[collections.deque] = []  # the in-process workers' queues
         self._direct_others: list[WorkerLink] = []  # direct links not in this process
@@ -902,7 +903,8 @@ class LinkChannel(Channel):
         try:
             # Seal lock, then every link's lock (the order _seal takes them): a thread
             # stuck writing holds one, and then the flusher takes over.
-            for lock in (self._seal_lock, *[link.lock for link in deferring]):
+            locks: tuple[Any, ...] = (self._seal_lock, *[link.lock for link in deferring])
+            for lock in locks:
                 if not lock.acquire(timeout=0.002):
                     self._kick_now()
                     return
@@ -942,7 +944,8 @@ class LinkChannel(Channel):
     def _set_links(self, links: list[WorkerLink]) -> None:
         # In-process links first: a pipe that blocks must never delay worker 0.
         self.links = sorted(links, key=lambda link: not isinstance(link, ThreadWorkerLink))
-        self._deferring = [link for link in self.links if link.defers]
+        # only BatchingLinks defer
+        self._deferring = [cast(BatchingLink, link) for link in self.links if link.defers]
         self._direct = [link for link in self.links if not link.defers]
         self._pendings = [link.pending for link in self._direct if type(link) is ThreadWorkerLink]
         self._direct_others = [link for link in self._direct if type(link) is not ThreadWorkerLink]
@@ -999,7 +1002,7 @@ class LinkChannel(Channel):
                 else [
                     link
                     for link in links
-                    if link.writing_since is not None and now - link.writing_since > tick
+                    if link.writing_since is not None and now - link.writing_since > tick  # type: ignore[attr-defined]
                 ]
             )
             silent = [
@@ -1023,7 +1026,7 @@ class LinkChannel(Channel):
                 )
                 for link in links:  # a write stuck on them ends (their link is cut)
                     kill = getattr(link, "kill", None)
-                    if kill is not None and link.writing_since is not None:
+                    if kill is not None and link.writing_since is not None:  # type: ignore[attr-defined]
                         if set(link.worker_ids) & set(silent):
                             kill()
 
@@ -1075,7 +1078,7 @@ class LinkChannel(Channel):
         if workers is None:
             if out.shared:
                 return self.send_shared(out.cmds)
-            targets = self.links
+            targets: Sequence[WorkerLink] = self.links
         elif len(workers) == 1:
             targets = (self._link_of[workers[0]],)
         else:
@@ -1110,7 +1113,7 @@ class LinkChannel(Channel):
                 # function that hangs there cannot hold the controller past the bound.
                 deadline = None if timeout is None else time.monotonic() + timeout
                 return hub.wait(worker_id, self.check_alive, deadline=deadline)
-            link.run_pending(self.check_alive)
+            link.run_pending(self.check_alive)  # type: ignore[attr-defined]  # inline: in-process
             return hub.wait(worker_id, self.check_alive)
         finally:
             hub.waiting -= 1
@@ -1151,7 +1154,8 @@ class LinkChannel(Channel):
     def close(self, timeout: float = 5.0) -> None:
         give_up_at = time.monotonic() + timeout
         for link in self.links:
-            link.give_up_at = give_up_at  # a full pipe to a stopped worker holds nothing
+            # a full pipe to a stopped worker holds nothing
+            link.give_up_at = give_up_at  # type: ignore[attr-defined]
         try:
             self.flush()
         except WorkerDiedError:

@@ -157,7 +157,7 @@ class ProcessWorkerLink(BatchingLink):
 
 def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
     """Pass the workers' stderr on to ours; their death reasons then end with its tail."""
-    tee = StderrTee([link.err_r for link in links])
+    tee = StderrTee([link.err_r for link in links])  # type: ignore[misc]  # all still open
     for i, link in enumerate(links):
         link.err_r = None  # the tee's now
         link.stderr_tail = functools.partial(tee.tail, i)

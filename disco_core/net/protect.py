@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Any
+from typing import Any, cast
 
 from ..errors import DiscoError, FrameLimitError, IntegrityError
 from .security import SessionKeys
@@ -86,8 +86,7 @@ class _Direction:
         else:
             otk = self.otk.copy()
             otk.update(head)
-            otk = otk.digest()
-            mac = self.Poly1305(otk)
+            mac = self.Poly1305(otk.digest())
             mac.update(head)
         self.seq += 1
         return mac
@@ -243,7 +242,7 @@ class SealedTransport:
             self._finish()
 
     def _serve(self, view: Any) -> int:
-        held = self._held
+        held = cast(memoryview, self._held)  # _recv serves only while a record is held
         v = view if type(view) is memoryview else memoryview(view)
         if v.format != "B" or v.ndim != 1:
             v = v.cast("B")
@@ -306,6 +305,6 @@ class SealedTransport:
             raise IntegrityError(self._broken)
 
     def _finish(self) -> None:
-        tag = self._read_exact(TAG_BYTES)
+        tag = cast(bytes, self._read_exact(TAG_BYTES))  # None only at a record boundary
         mac, self._mac = self._mac, None
         self._check(tag, mac)

@@ -103,7 +103,7 @@ def is_loopback(host: str) -> bool:
             infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
         except OSError:
             return False
-        addrs = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+        addrs = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
         return bool(addrs) and all(_ip_loopback(a) for a in addrs)
     return _ip_loopback(ip)
 

@@ -79,6 +79,7 @@ def make_input(shape: Any, dtype: Any, seed: int, worker_id: int) -> np.ndarray:
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(worker_id)])
     count = int(np.prod(shape, dtype=np.int64))
+    flat: np.ndarray
     if dt.kind == "b":
         flat = rng.random(count) < 0.5
     elif dt.kind == "u":

@@ -125,7 +125,7 @@ def arange(n: int, dtype: str = "float32") -> np.ndarray:
 def checksum(arr: np.ndarray) -> tuple:
     """``(shape, dtype, crc32 of the bytes)``, to compare large arrays cheaply."""
     a = np.ascontiguousarray(arr)
-    return (tuple(a.shape), a.dtype.str, zlib.crc32(a.view(np.uint8).reshape(-1)))
+    return (tuple(a.shape), a.dtype.str, zlib.crc32(a.view(np.uint8).reshape(-1).data))
 
 
 @_reg("new_list")

@@ -585,6 +585,7 @@ def main(argv: list[str] | None = None) -> None:
     ).start()
 
     reply_fd = args.reply_fd
+    send: Callable[[tuple], None]
     if args.reply_key_fd is None:
 
         def send(msg: tuple) -> None:
