@@ -140,7 +140,7 @@ class FrameReader:
         fd: int,
         max_frame: int = MAX_FRAME_BYTES,
         *,
-        read: Callable[[int], bytes] | None = None,
+        read: Callable[[int], bytes | bytearray] | None = None,
         readinto: Callable[[Any], int] | None = None,
     ) -> None:
         self.fd = fd

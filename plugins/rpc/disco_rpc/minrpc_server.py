@@ -55,7 +55,7 @@ RESTYPES = {
     "double": ctypes.c_double, "float64": ctypes.c_double, "void": None,
 }  # fmt: skip
 
-REGISTRY = {}
+REGISTRY: dict = {}
 
 
 class Ref:
@@ -401,7 +401,7 @@ class SystemLib:
         raise KeyError(f"no loaded library has a symbol {name!r}")
 
 
-LOADED = {}
+LOADED: dict = {}
 
 
 def load_file(path):

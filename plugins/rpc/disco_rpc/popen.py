@@ -174,7 +174,7 @@ class PipeChild:
     def exit_code(self, wait: float = 0.0) -> int | None:
         """The child's exit status, waiting up to ``wait`` seconds; None while it runs."""
         try:
-            return self.proc.wait(timeout=wait)
+            return self.proc.wait(timeout=wait)  # type: ignore[union-attr]  # started
         except subprocess.TimeoutExpired:
             return None
 
@@ -201,8 +201,8 @@ class PipeChild:
             wire.CLOSE_IN_CHILD.difference_update(self._fds)
             wire.Conn.close(self.conn)
             if self.exit_code(grace) is None:
-                self.proc.kill()
-                self.proc.wait()
+                self.proc.kill()  # type: ignore[union-attr]  # it ran: it has an exit code
+                self.proc.wait()  # type: ignore[union-attr]
             shutil.rmtree(self._root, ignore_errors=True)
         finally:
             self._closed_event.set()

@@ -224,7 +224,7 @@ class _FirstHello:
         return b""
 
     def _feed_server(self, data: bytes) -> bytes:
-        hs = self._server
+        hs: auth.ServerHandshake = self._server  # type: ignore[assignment]  # set before it is fed
         self._left += data
         out = b""
         while hs.want and len(self._left) >= hs.want:
@@ -246,10 +246,10 @@ def _handle(sock: socket.socket, addr: Any, state: _ProxyState, first: _FirstHel
         if first.backend:
             if first._left:  # bytes past the handshake: no legitimate backend sends them
                 raise wire.ProtocolError("a server sent data before its handshake ended")
-            auth.seal(conn, first._server.keys)  # the backend link, sealed under the proxy token
+            auth.seal(conn, first._server.keys)  # type: ignore[union-attr]  # the backend link, sealed under the proxy token
             _serve_backend(conn, sock, addr, state)
         else:
-            _serve_client(conn, sock, addr, first.raw, first.hello[1], state, wait)
+            _serve_client(conn, sock, addr, first.raw, first.hello[1], state, wait)  # type: ignore[index]  # a hello was read
     except (OSError, EOFError, wire.ProtocolError, ValueError) as exc:
         logger.debug("connection from %s ended: %s", addr, exc)
         try:
@@ -310,12 +310,14 @@ def _serve_backend(conn, sock, addr, state: _ProxyState) -> None:
 
 def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _ProxyState, wait: float) -> None:  # fmt: skip
     text = kb.decode("utf-8", "replace")
+    ticket: str | None
     key, sep, ticket = text.rpartition(TICKET_SEP)
     if not sep:
         key, ticket = text, None
     deadline = time.monotonic() + (wait if ticket is None else min(wait, TICKET_WAIT))
     held = False
     next_notice = 0.0
+    server_conn: wire.Conn  # an idle backend's link
     with state.cv:
         try:
             while True:
@@ -323,7 +325,7 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
                 if b is not None:
                     # the link is this thread's now; the server registers another one at
                     # once, so a client that never authenticates cannot keep it busy
-                    server_conn, b.conn = b.conn, None
+                    server_conn, b.conn = b.conn, None  # type: ignore[assignment]
                     b.sessions += 1
                     if ticket is not None:
                         b.ticket = ticket
@@ -452,7 +454,7 @@ def serve_proxy(listen_sock: socket.socket, host: str, port: int, token: bytes |
 
     def on_ready(hs: SocketHandshake) -> None:
         sock = hs.detach(10.0)
-        first = hs.machine
+        first: _FirstHello = hs.machine  # type: ignore[assignment]
         if slots.start_thread(_handle, sock, hs.addr, state, first, wait, name="proxy-conn"):
             return
         logger.warning("refused a connection from %s: %d connections already", hs.addr, slots.limit)  # fmt: skip

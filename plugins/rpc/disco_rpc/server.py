@@ -104,6 +104,10 @@ HANDSHAKE_TIMEOUT = 10.0
 MAX_PENDING_HANDSHAKES = 64
 
 
+#: how a server reaches its proxy: (host, port, key, token, ssl_context)
+_ProxyArgs = tuple[str, int, str, Any, Any]
+
+
 @dataclass
 class ServerConfig:
     key: str = ""
@@ -466,7 +470,7 @@ class _Handshake:
         """Use what arrived: True (authenticated), False (refused or gone), None (wait)."""
         try:
             if self.tls:
-                self.sock.do_handshake()
+                self.sock.do_handshake()  # type: ignore[attr-defined]  # an SSLSocket
                 self.tls = False
             while self.hs.want:
                 data = self.sock.recv(self.hs.want - len(self.buf))
@@ -916,7 +920,7 @@ class Server(ServiceProcess):
 
     def _register(self, cfg: ServerConfig, tracker_addr: Any, token: Any, ssl_context: Any) -> Any:
         if not self.key:
-            self._sock.close()
+            self._sock.close()  # type: ignore[union-attr]  # a tracker's server listens
             raise DiscoValueError("a server that registers with a tracker needs a key")
         try:
             cfg.registration = Registration(
@@ -924,11 +928,11 @@ class Server(ServiceProcess):
                 token=token, ssl_context=ssl_context,
             )  # fmt: skip
         except BaseException:
-            self._sock.close()
+            self._sock.close()  # type: ignore[union-attr]
             raise
         return cfg.registration
 
-    def _start(self, cfg: ServerConfig, load_library: Any, init_callback: Any, proxy_args: Any) -> None:  # fmt: skip
+    def _start(self, cfg: ServerConfig, load_library: Any, init_callback: Any, proxy_args: _ProxyArgs | None) -> None:  # fmt: skip
         """Fork the server process; return once it reported ready (or raise its error)."""
         # made here, so that terminate() removes it even if the server process was killed
         cfg.temp_root = self._temp_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
@@ -948,7 +952,7 @@ class Server(ServiceProcess):
             if proxy_args is not None:
                 serve_via_proxy(cfg, *proxy_args, watch_fd=watch_fd, first=first, strict=self._proxy_strict)  # fmt: skip
             else:
-                serve_forever(self._sock, cfg, watch_fd=watch_fd)
+                serve_forever(self._sock, cfg, watch_fd=watch_fd)  # type: ignore[arg-type]  # not proxied: listening
 
         pid = self._fork(serve)
         os.close(ready_w)
@@ -964,7 +968,7 @@ class Server(ServiceProcess):
         shutil.rmtree(self._temp_root, ignore_errors=True)
 
 
-def _first_proxy_link(proxy_args: tuple, strict: bool = True) -> tuple:
+def _first_proxy_link(proxy_args: _ProxyArgs, strict: bool = True) -> tuple:
     """Register with the proxy once before reporting ready: a refusal raises in the constructor."""
     server_id = secrets.token_hex(8)
     return register_with_proxy(*proxy_args, server_id, strict=strict), server_id

@@ -162,7 +162,7 @@ class ServiceProcess:
             return
         stop_process(pid)
         try:
-            os.close(self._watch)
+            os.close(self._watch)  # type: ignore[arg-type]  # None: the TypeError below
         except (OSError, TypeError):
             pass
         self._cleanup()
@@ -339,7 +339,7 @@ def can_watch(conn: wire.Conn) -> bool:
 def _tcp_state(sock: socket.socket) -> tuple[int, float, int]:
     """``(tcpi_state, seconds since data last arrived, bytes the peer acknowledged)`` from
     the kernel (``TCP_INFO``; the last is -1 where the kernel does not tell)."""
-    info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 136)
+    info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 136)  # type: ignore[arg-type]  # known here
     idle = _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0] / 1000.0
     acked = -1
     if len(info) >= _BYTES_ACKED_OFFSET + 8:

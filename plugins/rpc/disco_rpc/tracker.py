@@ -654,7 +654,7 @@ class TrackerSession:
         with self._lock:
             if self._conn is None:
                 self._connect()
-            conn = self._conn
+            conn: wire.Conn = self._conn  # type: ignore[assignment]  # _connect() set it
             try:
                 conn.send(REQUEST, op, value)
                 kind, _op, result = self._reply(conn, op, timeout)
@@ -839,7 +839,7 @@ class TrackerSession:
         with self._lock:
             if self._conn is None:
                 self._connect()
-            self._conn.send(REQUEST, op, value)
+            self._conn.send(REQUEST, op, value)  # type: ignore[union-attr]  # _connect() set it
 
     def request_and_run(self, key: str, func: Any, priority: int = 1, session_timeout: float = 0, max_retry: int = 2, **connect_args: Any) -> Any:  # fmt: skip
         """Request a session and run ``func(session)``; retry on a server that drops."""

@@ -191,7 +191,7 @@ def _array_view(arr: np.ndarray) -> memoryview:
         arr = arr.astype(arr.dtype.newbyteorder("="))
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def encode(value: Any, export: Callable[[Any], HandleRef | None] | None = None) -> tuple:
@@ -407,20 +407,20 @@ class _Decoder:
             idx = self._buffer(count * dtype.itemsize)
             self.pos = end
             arr = np.empty(shape, dtype)
-            self.fills.append((idx, memoryview(arr.reshape(-1).view(np.uint8))))
+            self.fills.append((idx, arr.reshape(-1).view(np.uint8).data))
             return arr
         if tag == T_DICT:
             n = self._u32()
             if n > len(meta) - self.pos:
                 raise ProtocolError("container longer than its frame")
-            out = {}
+            items_of: dict = {}
             for _ in range(n):
                 k = self.value(depth + 1)
                 try:
-                    out[k] = self.value(depth + 1)
+                    items_of[k] = self.value(depth + 1)
                 except TypeError:
                     raise ProtocolError("unhashable dict key") from None
-            return out
+            return items_of
         if tag == T_DEVICE:
             code, dev_id = struct.unpack("<II", self._take(8))
             try:
@@ -596,6 +596,8 @@ class Conn:
     """
 
     _BUF = 1 << 16
+    #: what a server session learnt from INIT: the heartbeats its client sends (set there)
+    peer_beats: int
 
     def __init__(self, transport: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.t = transport
@@ -615,7 +617,7 @@ class Conn:
             raise EOFError("the peer closed the connection")
         return n
 
-    def read_exact(self, n: int) -> bytes:
+    def read_exact(self, n: int) -> bytearray:
         """Read exactly ``n`` bytes (small reads: handshakes and frame heads)."""
         if self.end - self.start >= n:
             s = self.start
@@ -794,7 +796,7 @@ class Conn:
         """Send ``n`` bytes of ``file``; a file that fails is padded so the chunk stays whole."""
         left = n - self.t.sendfile(file, n)
         err = None
-        buf = memoryview(bytearray(min(left, CHUNK))) if left else None
+        buf: Any = memoryview(bytearray(min(left, CHUNK))) if left else None  # used only if left
         while left:
             k = 0
             if err is None:

@@ -45,7 +45,7 @@ class LinkFrames:
         self.reader = FrameReader(self.fd, read=self._read, readinto=self.t.recv_into)
         self.reader.buf += conn.take_buffered()  # read past the last RPC frame (verified)
 
-    def _read(self, n: int) -> bytes:
+    def _read(self, n: int) -> bytearray:
         if n <= len(self._scratch):  # headers: into a reused buffer, copied out as received
             k = self.t.recv_into(self._scratch_view[:n])
             return self._scratch[:k]
@@ -73,7 +73,7 @@ class LinkFrames:
         return frame
 
 
-def send_frame(t: object, frame: tuple) -> None:
+def send_frame(t: Any, frame: tuple) -> None:
     """Send one core frame as one record (several when it is very large)."""
     t.send_parts([frame_head(frame), *frame[1]])
 
@@ -100,6 +100,6 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
 
     try:
         # commands crossed a socket: rebuilt from an allow-list, never unpickled
-        worker.run(command_stream(reader, untrusted=True).__next__)
+        worker.run(command_stream(reader, untrusted=True).__next__)  # type: ignore[arg-type]  # reads like a FrameReader
     except (EOFError, OSError):  # IntegrityError too: a forged frame ends the worker
         worker.close()  # the controller is gone

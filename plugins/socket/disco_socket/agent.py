@@ -269,7 +269,8 @@ def handshake(sock: socket.socket, token: bytes | None, workers: int) -> tuple[d
         welcome["heartbeat_timeout"] = wire.heartbeat_timeout(welcome.get("heartbeat_timeout"))
     except (TypeError, ValueError):
         raise HandshakeError("malformed welcome (heartbeat_timeout)") from None
-    welcome["reply_secret"] = wire.reply_secret(token, hs.transcript) if hs is not None else None
+    # a handshake (hs) takes place only with a token
+    welcome["reply_secret"] = wire.reply_secret(token, hs.transcript) if hs is not None else None  # type: ignore[arg-type]
     return welcome, tx
 
 
@@ -604,7 +605,7 @@ class Agent:
         extra = [p for p in welcome.get("sys_path", []) if isinstance(p, str) and os.path.isdir(p)]
         own = env.get("DISCO_SYS_PATH", "").split(os.pathsep)
         env["DISCO_SYS_PATH"] = os.pathsep.join(dict.fromkeys([*own, *extra]))
-        liveness = welcome.get("liveness_timeout")
+        liveness: Any = welcome.get("liveness_timeout")
         if type(liveness) in (int, float) and 0 < liveness < 1e9:
             # the workers beat often enough for the controller's DISCO_LIVENESS_TIMEOUT
             env["DISCO_LIVENESS_TIMEOUT"] = repr(float(liveness))
@@ -630,7 +631,7 @@ class Agent:
                 os.close(link.err_r)
             raise
         self.stderr = StderrTee([link.err_r for link in self.links])
-        self.queues = [queue.SimpleQueue() for _ in self.links]
+        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.links]
         self.writers = [
             threading.Thread(target=self._write_loop, args=(i,), daemon=True, name=f"to-{gid}")
             for i, gid in enumerate(self.ids)
@@ -696,7 +697,7 @@ class Agent:
 
     def _reply_loop(self) -> None:
         sel = selectors.DefaultSelector()
-        relays = {}
+        relays: dict[int, _ExitWatch | _ReplyRelay] = {}
         # splice would put bytes on the wire around the seal: only on a plain link
         splice = CAN_SPLICE and not isinstance(self.sock, ssl.SSLSocket) and not self.sealed
         for i, link in enumerate(self.links):

@@ -49,6 +49,7 @@ from disco_core.spi import (
     ReplyReader,
     SessionKeys,
     SocketHandshake,
+    StderrTee,
     ThreadWorkerLink,
     WorkerLink,
     check_bind,
@@ -162,6 +163,8 @@ class NodeLink(BatchingLink):
     by the worker itself, and one more thread per worker receives them straight
     into their arrays' memory.
     """
+
+    hub: ReplyHub  # set before the reader thread starts
 
     def __init__(
         self,
@@ -664,7 +667,7 @@ class _Hello:
             self.late = True
             self._message(self._on_late_hello)  # read it, so the answer is not reset away
             return b""
-        if magic == DATA_MAGIC and ch._direct and version == PROTOCOL_VERSION:
+        if magic == DATA_MAGIC and ch._direct_replies and version == PROTOCOL_VERSION:
             self.kind = "data"
             self._message(self._on_data_hello)
             return b""
@@ -896,7 +899,7 @@ class SocketChannel(LinkChannel):
         self._ssl = ssl_context
         self._handshake_timeout = float(handshake_timeout)
         self.heartbeat_timeout = wire.heartbeat_timeout(heartbeat_timeout)
-        self._direct = bool(direct_replies) and ssl_context is None
+        self._direct_replies = bool(direct_replies) and ssl_context is None
         #: node id -> its reply connections while it completes its handshake
         self._pending: dict[int, _PendingNode] = {}
         #: every node joined: a later agent is told the session is full
@@ -911,7 +914,7 @@ class SocketChannel(LinkChannel):
         self.nodes: list[NodeLink] = []
         self.procs: list[ProcessWorkerLink] = []
         self.reader: ReplyReader | None = None
-        self.stderr = None  # the local workers' StderrTee
+        self.stderr: StderrTee | None = None  # the local workers'
         self._loader_regs: set[int] = set()
         self._hashes: dict[tuple, str] = {}
         self._listener: socket.socket | None = None
@@ -988,7 +991,7 @@ class SocketChannel(LinkChannel):
         """
         listener = self._listener
         assert listener is not None
-        per_node_conns = 1 + (self.per_node if self._direct else 0)
+        per_node_conns = 1 + (self.per_node if self._direct_replies else 0)
         self._loop = AcceptLoop(
             listener,
             self._make_hello,
@@ -1031,7 +1034,7 @@ class SocketChannel(LinkChannel):
 
     def _run_loop(self) -> None:
         try:
-            self._loop.run()
+            self._loop.run()  # type: ignore[union-attr]  # set before this thread starts
         finally:
             with self._ids_lock:
                 left = list(self._pending.values())
@@ -1089,7 +1092,7 @@ class SocketChannel(LinkChannel):
                 log.warning("disco-socket: turned away %s: %s", m.peer, m.failure)
             else:
                 self._reject(m.peer, m.failure)
-            self._loop.adopt(Drain(hs.sock, hs.addr), _LATE_TIMEOUT)
+            self._loop.adopt(Drain(hs.sock, hs.addr), _LATE_TIMEOUT)  # type: ignore[union-attr]
             return
         if m.kind == "data":  # blocking, no timeout: its reader waits for replies for ever
             self._add_reply_connection(m, hs.detach(None))
@@ -1132,7 +1135,7 @@ class SocketChannel(LinkChannel):
                 "sealed": m.keys is not None,
             }
             pending = None
-            if self._direct:
+            if self._direct_replies:
                 # Registered before the welcome: the node's reply connections follow it.
                 secret = (
                     wire.reply_secret(self._token, m.hs.transcript)
@@ -1155,7 +1158,7 @@ class SocketChannel(LinkChannel):
                     "worker_ids": ids,
                     "entrypoint": self.entrypoint,
                     "sys_path": [p if p else os.getcwd() for p in sys.path],
-                    "direct": self._direct,
+                    "direct": self._direct_replies,
                     "heartbeat_timeout": self.heartbeat_timeout,
                     # the workers' heartbeats are paced by the controller's bound
                     "liveness_timeout": liveness_timeout(),
@@ -1201,7 +1204,7 @@ class SocketChannel(LinkChannel):
         node_id, gid = m.hello["node_id"], m.hello["worker"]
         with self._ids_lock:
             pending = self._pending.get(node_id)
-            if pending is not m.pending or gid in pending.socks:
+            if pending is None or pending is not m.pending or gid in pending.socks:
                 pending = None
             else:
                 pending.socks[gid] = conn
@@ -1261,16 +1264,16 @@ class SocketChannel(LinkChannel):
         for link in self.nodes:
             link.kill()
             link.close(time.monotonic() + 1)
-        for link in self.procs:
-            link.kill()
-            link.close(time.monotonic() + 1)
+        for proc in self.procs:
+            proc.kill()
+            proc.close(time.monotonic() + 1)
 
     # ------------------------------------------------------------------ commands
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
         loads = self._scan(out) if self.nodes else None
         link_of = self._link_of
         if workers is None:
-            targets = [(link, None) for link in self.links]
+            targets: list[tuple[WorkerLink, list[int] | None]] = [(link, None) for link in self.links]
         else:
             groups: dict[int, tuple[WorkerLink, list[int]]] = {}
             for w in workers:

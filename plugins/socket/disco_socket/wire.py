@@ -510,7 +510,7 @@ class Heartbeat:
     ----------
     sock : socket.socket
         The connection (plain or TLS): its kernel state is watched.
-    lock : threading.Lock
+    lock : threading.Lock or threading.RLock
         The lock every writer of ``sock`` holds while it writes.
     send : callable, optional
         ``send(parts)`` writes a ping (the link's transport's ``send_parts``, so a
@@ -526,7 +526,7 @@ class Heartbeat:
     def __init__(
         self,
         sock: socket.socket,
-        lock: threading.Lock,
+        lock: threading.Lock | threading.RLock,
         timeout: float,
         on_silence: Callable[[float], None],
         name: str,
