@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs the core and every plugin (with their test dependencies: MPI comes from
-# PyPI through disco-mpi) into ./.venv, then runs ruff and every test suite: the
-# core's (tests/) and each plugin's (plugins/<name>/tests, with that plugin's own
-# pytest settings). Extra arguments go to every pytest run, e.g. -x or -k shm.
+# PyPI through disco-mpi) into ./.venv, then runs ruff, lint-imports, mypy and every
+# test suite: the core's (tests/) and each plugin's (plugins/<name>/tests, with that
+# plugin's own pytest settings). Extra arguments go to every pytest run, e.g. -x or -k shm.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,6 +24,17 @@ pip_install "apache-tvm[rpc]==0.27.0.post1" ||
 .venv/bin/ruff check . || exit 1
 # imports flow one way, inside the core and each plugin (.importlinter)
 .venv/bin/lint-imports --no-cache || exit 1
+# Types (mypy, settings in pyproject.toml): the core and every plugin package, read
+# from this tree (MYPYPATH: the plugins' folders; mypy cannot follow the editable
+# installs). No cache: a stale one can report errors of code that changed since.
+mypy_pkgs=(-p disco_core)
+mypy_path=()
+for p in plugins/*/; do
+  p=${p%/}
+  [ -f "$p/pyproject.toml" ] && { mypy_path+=("$p"); mypy_pkgs+=(-p "disco_${p#plugins/}"); }
+done
+MYPYPATH=$(IFS=:; echo "${mypy_path[*]}") \
+  .venv/bin/python -m mypy --cache-dir=/dev/null "${mypy_pkgs[@]}" || exit 1
 
 # The suites run in two streams side by side (most of their time is spent waiting
 # on processes, sockets and timeouts, not on the CPU): the core's suite in one,

@@ -108,7 +108,7 @@ def test_license_is_the_apache_2_0_text() -> None:
     assert "APPENDIX: How to apply the Apache License to your work." in text
 
 
-@pytest.mark.parametrize("project", [ROOT, *PLUGINS], ids=lambda p: p.name)
+@pytest.mark.parametrize("project", [ROOT, *PLUGINS], ids=lambda p: _package_of(p))
 def test_every_distribution_is_configured_alike(project: Path) -> None:
     """What the built wheels show, checked in every pyproject (plugins are separate dists)."""
     assert (project / "LICENSE").read_bytes() == (ROOT / "LICENSE").read_bytes()
