@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Any, cast
+from typing import Any
 
 from ..errors import DiscoError, FrameLimitError, IntegrityError
 from .security import SessionKeys
@@ -242,7 +242,7 @@ class SealedTransport:
             self._finish()
 
     def _serve(self, view: Any) -> int:
-        held = cast(memoryview, self._held)  # _recv serves only while a record is held
+        held: memoryview = self._held  # type: ignore[assignment]  # _recv serves only a held record
         v = view if type(view) is memoryview else memoryview(view)
         if v.format != "B" or v.ndim != 1:
             v = v.cast("B")
@@ -305,6 +305,6 @@ class SealedTransport:
             raise IntegrityError(self._broken)
 
     def _finish(self) -> None:
-        tag = cast(bytes, self._read_exact(TAG_BYTES))  # None only at a record boundary
+        tag: bytes = self._read_exact(TAG_BYTES)  # type: ignore[assignment]  # None: at a boundary only
         mac, self._mac = self._mac, None
         self._check(tag, mac)
