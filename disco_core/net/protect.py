@@ -63,6 +63,21 @@ def _poly1305():
     return Poly1305
 
 
+def preload() -> None:
+    """Import what a protected handshake needs now, not at the first handshake.
+
+    A listener that runs out of file descriptors (a flood of idle connections)
+    could not open the modules' files then, and would fail a genuine peer.
+    """
+    from .security import _hkdf
+
+    try:
+        _poly1305()
+        _hkdf(b"\0" * 32, salt=b"", info=b"preload", length=32)
+    except DiscoError:  # no cryptography: the first protected handshake says so
+        pass
+
+
 class _Direction:
     """The MAC state of one direction: its keys and its record counter."""
 
