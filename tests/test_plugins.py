@@ -157,6 +157,11 @@ def test_third_party_channel_through_session_create(registered_plugins):
         assert wid.debug_get_from_remote(1) == 1
 
 
+def _pythonpath(root) -> str:
+    """``root`` first, then this interpreter's own path (a worktree under test stays first)."""
+    return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+
+
 def _fake_distribution(root, dist: str, module: str, body: str) -> None:
     """A distribution with a ``disco_core`` entry point, importable from ``root``."""
     info = root / f"{dist.replace('-', '_')}-1.2.3.dist-info"
@@ -191,7 +196,7 @@ with disco.ProcessSession(2) as sess:
     mod = sess.load_vm_module({str(tmp_path / "model.fake")!r})
     print("WORKER1", mod["answer"]().debug_get_from_remote(1))
 """
-    out = python_run(code, env={"PYTHONPATH": str(tmp_path)})
+    out = python_run(code, env={"PYTHONPATH": _pythonpath(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "PROVIDES 1.2.3 ['.fake']" in out.stdout
     assert "WORKER1 ('fake-loaded', 'hello')" in out.stdout
@@ -209,7 +214,7 @@ try:
 except disco.PluginNotFoundError as exc:
     print("NOTFOUND", exc)
 """
-    env = {"PYTHONPATH": str(tmp_path), "DISCO_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = {"PYTHONPATH": _pythonpath(tmp_path), "DISCO_DISABLE_PLUGIN_AUTOLOAD": "1"}
     out = python_run(code, env=env)
     assert out.returncode == 0, out.stderr
     assert "DISTS ['disco-core']" in out.stdout
@@ -244,7 +249,7 @@ try:
 except disco.PluginConflictError as exc:
     print("CONFLICT", exc)
 """
-    out = python_run(code, env={"PYTHONPATH": str(tmp_path)})
+    out = python_run(code, env={"PYTHONPATH": _pythonpath(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "CONFLICT" in out.stdout
     assert "disco-first" in out.stdout and "disco-second" in out.stdout
@@ -271,7 +276,7 @@ try:
 except disco.PluginNotFoundError as exc:
     print("NOTFOUND", exc)
 """
-    env = {"PYTHONPATH": str(tmp_path), "DISCO_PLUGINS": "nonexistent_module_xyz,disco_explodes"}
+    env = {"PYTHONPATH": _pythonpath(tmp_path), "DISCO_PLUGINS": "nonexistent_module_xyz,disco_explodes"}
     out = python_run(code, env=env)
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stdout + out.stderr
