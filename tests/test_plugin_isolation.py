@@ -168,9 +168,7 @@ def _install_readme_template(src: Path, site: Path) -> tuple[str, str]:
             timeout=120,
         )  # fmt: skip
     else:  # no installer here: lay the distribution out as pip would
-        files = {
-            str(p.relative_to(src)): p.read_text() for p in src.rglob("*.py")
-        }
+        files = {str(p.relative_to(src)): p.read_text() for p in src.rglob("*.py")}
         _install_by_hand(site, "my-package", f"[disco_core]\n{ep_name} = {module}\n", files)
     return ep_name, module
 
@@ -377,11 +375,14 @@ def test_wrong_channel_and_loader_objects(tmp_path):
 def test_two_third_parties_claiming_a_name_lose_it_both(tmp_path):
     site = tmp_path / "site"
     for dist, mod in (("disco-first", "disco_first"), ("disco-second", "disco_second")):
-        body = _CCL_CLASS + f"""
+        body = (
+            _CCL_CLASS
+            + f"""
 @disco_core.hookimpl
 def disco_register_ccls():
     return {{"twice": MyCCL, "only-{mod}": MyCCL}}
 """
+        )
         _install_by_hand(site, dist, f"[disco_core]\nplug = {mod}\n", {f"{mod}.py": body})
     lookups = [("ccl", "twice"), ("ccl", "only-disco_first"), ("ccl", "only-disco_second")]
     data, _ = _check(site, tmp_path, lookups)

@@ -276,7 +276,10 @@ try:
 except disco.PluginNotFoundError as exc:
     print("NOTFOUND", exc)
 """
-    env = {"PYTHONPATH": _pythonpath(tmp_path), "DISCO_PLUGINS": "nonexistent_module_xyz,disco_explodes"}
+    env = {
+        "PYTHONPATH": _pythonpath(tmp_path),
+        "DISCO_PLUGINS": "nonexistent_module_xyz,disco_explodes",
+    }
     out = python_run(code, env=env)
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stdout + out.stderr
