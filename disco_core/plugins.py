@@ -34,7 +34,13 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .errors import DiscoError, PluginConflictError, PluginLoadError, PluginNotFoundError
+from .errors import (
+    DiscoError,
+    DiscoValueError,
+    PluginConflictError,
+    PluginLoadError,
+    PluginNotFoundError,
+)
 
 __all__ = [
     "KINDS",
@@ -223,6 +229,9 @@ class _Manager:
     # -- resolution ------------------------------------------------------------
     def resolved(self) -> _Resolved:
         """Every hook of every plugin called once, checked and merged (cached)."""
+        resolved = self._resolved
+        if resolved is not None:  # the common case, without the lock
+            return resolved
         with self.lock:
             if self._resolved is not None:
                 return self._resolved
@@ -464,8 +473,11 @@ def register_plugin(plugin: Any, name: str | None = None) -> str:
     """
     mgr = _manager()
     key = name or getattr(plugin, "__name__", None) or repr(plugin)
+    if key in mgr.infos:  # the caller's own mistake: said here, not disabled later
+        raise DiscoValueError(f"a plugin named {key!r} is already registered")
     mgr._add(plugin, key, key, "local")
-    mgr.resolved()  # warns about this plugin's mistakes here, at the call
+    mgr.resolved()
+    mgr.emit_warnings()  # this plugin's mistakes are said here, at the call
     return key
 
 

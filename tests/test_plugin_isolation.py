@@ -433,3 +433,32 @@ def test_unmarked_hook_functions_count_like_pytest():
         assert plugins.lookup("channel", "unmarked-threads") is ThreadedChannel
     finally:
         plugins.unregister_plugin("fake-unmarked")
+
+
+def test_registering_a_name_twice_is_the_callers_error():
+    import disco_core as disco
+    from disco_core import plugins
+
+    class Nothing:
+        pass
+
+    plugins.register_plugin(Nothing(), "fake-twice")
+    try:
+        with pytest.raises(disco.DiscoValueError, match="fake-twice"):
+            plugins.register_plugin(Nothing(), "fake-twice")
+    finally:
+        plugins.unregister_plugin("fake-twice")
+    assert "shm" in plugins.registered("ccl")
+
+
+def test_a_module_with_unknown_hooks_warns_at_register_plugin():
+    """The warning comes from register_plugin itself (not at some later lookup)."""
+    import types
+
+    from disco_core import plugins
+
+    mod = types.ModuleType("fake_typo")
+    exec("def disco_register_loaders():\n    return {}\n", vars(mod))
+    with pytest.warns(plugins.DiscoPluginWarning, match="disco_register_module_loaders"):
+        plugins.register_plugin(mod, "fake-typo")
+    plugins.unregister_plugin("fake-typo")
