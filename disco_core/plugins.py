@@ -24,6 +24,7 @@ import importlib
 import importlib.metadata as md
 import inspect
 import os
+import reprlib
 import threading
 import types
 import warnings
@@ -158,7 +159,7 @@ class _Manager:
                 continue
             try:
                 obj = ep.load()
-            except Exception as exc:  # a broken plugin must not break the rest
+            except (Exception, SystemExit) as exc:  # a broken plugin must not break the rest
                 self._broken(
                     key, dist, version, f"entry point {ep.value!r}: {type(exc).__name__}: {exc}"
                 )
@@ -171,7 +172,7 @@ class _Manager:
                 continue
             try:
                 obj = importlib.import_module(modname)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 self._broken(modname, modname, "?", f"{type(exc).__name__}: {exc}")
                 continue
             self._add(obj, modname, modname, "?")
@@ -270,14 +271,15 @@ class _Manager:
                 if len(keys) == 1:
                     tables[kind][name] = (claims[keys[0]][kind][name], keys[0])
                     continue
-                core = [k for k in keys if _canon(self.infos[k].distribution) == CORE_DISTRIBUTION]
+                core = [k for k in keys if _is_core(self.infos[k])]
                 if core:  # the core's own name wins; every other claimant loses it
                     tables[kind][name] = (claims[core[0]][kind][name], core[0])
                     for k in keys:
                         if k not in core:
                             problems[k].append(
-                                f"{noun} {name!r} is the core's own ({self._dist(core[0])}), which wins; "
-                                f"this plugin's {name!r} is refused, its other names stay"
+                                f"{noun} {name!r} is the core's own ({self._dist(core[0])}), "
+                                f"which wins; this plugin's {name!r} is refused, its other "
+                                "names stay"
                             )
                     continue
                 who = " and ".join(f"{k!r} ({self._dist(k)})" for k in keys)
@@ -289,7 +291,8 @@ class _Manager:
                     others = ", ".join(repr(o) for o in keys if o != k)
                     problems[k].append(
                         f"{noun} {name!r} is also registered by {others}; the name is refused "
-                        f"for both, this plugin's other names stay"
+                        f"for {'both' if len(keys) == 2 else 'all of them'}, this plugin's "
+                        "other names stay"
                     )
         to_warn = []
         for key, info in self.infos.items():
@@ -321,10 +324,16 @@ class _Manager:
                     continue
                 try:
                     result = impl.function()
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:  # SystemExit: a plugin's sys.exit()
                     errors[key].append(f"{hook_name}() raised {type(exc).__name__}: {exc}")
                     continue
-                found, problem = _check_result(kind, result)
+                try:
+                    found, problem = _check_result(kind, result)
+                except Exception as exc:  # a mapping whose items() or a repr() raises
+                    found = {}
+                    problem = (
+                        f"{hook_name}() returned an unreadable {type(result).__name__}: {exc!r}"
+                    )
                 claims[key][kind] = found
                 if problem:
                     errors[key].append(problem)
@@ -374,6 +383,11 @@ class _Manager:
         return _origin(info) if info else key
 
 
+def _is_core(info: PluginInfo) -> bool:
+    """The core's own plugin (its entry point, or the built-ins of a source tree)."""
+    return _canon(info.distribution) == CORE_DISTRIBUTION and info.version != "local"
+
+
 def _origin(info: PluginInfo) -> str:
     """Where a plugin comes from, for messages: its distribution, or how it got here."""
     if info.version == "local":
@@ -410,18 +424,26 @@ def _check_entry(kind: str, name: Any, value: Any) -> str | None:
     noun = KINDS[kind][1]
     if kind == "loader":
         if not isinstance(name, str) or len(name) < 2 or os.path.splitext("x" + name)[1] != name:
-            return f"the suffix {name!r}, which is not a file suffix like '.onnx' (as os.path.splitext gives it)"
+            return (
+                f"the suffix {_short(name)}, which is not a file suffix like '.onnx' "
+                "(as os.path.splitext gives it)"
+            )
     elif not isinstance(name, str) or not name:
-        return f"the name {name!r}: a {noun} name is a non-empty str"
+        return f"the name {_short(name)}: a {noun} name is a non-empty str"
     if kind == "ccl":
         from .ccl.base import CCL
 
         if not (isinstance(value, type) and issubclass(value, CCL)):
-            return f"{name!r}: {value!r}, which is not a subclass of disco_core.spi.CCL"
+            return f"{name!r}: {_short(value)}, which is not a subclass of disco_core.spi.CCL"
     elif not callable(value):
         what = "factory(**options)" if kind == "channel" else "loader(path, device)"
-        return f"{name!r}: {value!r}, which is not callable (a {noun} is a {what})"
+        return f"{name!r}: {_short(value)}, which is not callable (a {noun} is a {what})"
     return None
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short: a message names the object, it does not dump it."""
+    return reprlib.repr(value)
 
 
 _MANAGER: _Manager | None = None
@@ -446,7 +468,7 @@ def _manager() -> _Manager:
             if _MANAGER is None:
                 mgr = _Manager()
                 mgr.load_entry_points()
-                if not any(_canon(i.distribution) == CORE_DISTRIBUTION for i in mgr.infos.values()):
+                if not any(_is_core(i) for i in mgr.infos.values()):
                     # Running from a source tree that was never installed: the entry
                     # points are missing, so register the built-ins the same way.
                     from . import _builtin_plugin

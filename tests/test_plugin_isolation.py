@@ -462,3 +462,43 @@ def test_a_module_with_unknown_hooks_warns_at_register_plugin():
     with pytest.warns(plugins.DiscoPluginWarning, match="disco_register_module_loaders"):
         plugins.register_plugin(mod, "fake-typo")
     plugins.unregister_plugin("fake-typo")
+
+
+def test_a_hook_calling_sys_exit_only_disables_its_plugin():
+    import disco_core as disco
+    from disco_core import plugins
+
+    class Exits:
+        @disco.hookimpl
+        def disco_register_channels(self):
+            raise SystemExit(3)
+
+    with pytest.warns(plugins.DiscoPluginWarning, match="fake-exits.*SystemExit"):
+        plugins.register_plugin(Exits(), "fake-exits")
+    try:
+        assert "threaded" in plugins.registered("channel")
+    finally:
+        plugins.unregister_plugin("fake-exits")
+
+
+def test_warnings_as_errors_leave_the_manager_whole():
+    """Under ``-W error`` the warning raises once, at the call; later calls just work."""
+    import warnings
+
+    import disco_core as disco
+    from disco_core import plugins
+
+    class Raises:
+        @disco.hookimpl
+        def disco_register_ccls(self):
+            raise RuntimeError("boom")
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", plugins.DiscoPluginWarning)
+            with pytest.raises(plugins.DiscoPluginWarning, match="fake-raises"):
+                plugins.register_plugin(Raises(), "fake-raises")
+            assert "shm" in plugins.registered("ccl")  # said once: no second warning
+            assert plugins.lookup("channel", "threaded") is not None
+    finally:
+        plugins.unregister_plugin("fake-raises")
