@@ -178,7 +178,7 @@ class _Manager:
             self._add(obj, modname, modname, "?")
 
     def _broken(self, key: str, dist: str, version: str, error: str) -> None:
-        info = PluginInfo(key, dist, version, error=error, disabled=True)
+        info = PluginInfo(key, dist, version, error=_one_line(error), disabled=True)
         self.broken[key] = info
         self._warn(info)
 
@@ -340,7 +340,7 @@ class _Manager:
         for key, problems in errors.items():
             if problems:
                 info = self.infos[key]
-                info.error = "; ".join(problems)
+                info.error = _one_line("; ".join(problems))
                 info.disabled = True
         return claims
 
@@ -439,6 +439,11 @@ def _check_entry(kind: str, name: Any, value: Any) -> str | None:
         what = "factory(**options)" if kind == "channel" else "loader(path, device)"
         return f"{name!r}: {_short(value)}, which is not callable (a {noun} is a {what})"
     return None
+
+
+def _one_line(text: str) -> str:
+    """A multi-line error (pluggy's, a plugin's own) as one line for lists and warnings."""
+    return "; ".join(filter(None, (line.strip() for line in text.splitlines())))
 
 
 def _short(value: Any) -> str:

@@ -502,3 +502,24 @@ def test_warnings_as_errors_leave_the_manager_whole():
             assert plugins.lookup("channel", "threaded") is not None
     finally:
         plugins.unregister_plugin("fake-raises")
+
+
+def test_a_hook_with_arguments_no_spec_has_only_disables_its_plugin():
+    """pluggy refuses the hook when it registers it: the plugin is disabled, in one line."""
+    import disco_core as disco
+    from disco_core import plugins
+
+    class WantsSession:
+        @disco.hookimpl
+        def disco_register_ccls(self, session):
+            return {}
+
+    with pytest.warns(plugins.DiscoPluginWarning, match="fake-args.*'session'"):
+        plugins.register_plugin(WantsSession(), "fake-args")
+    try:
+        (info,) = [i for i in plugins.list_plugins() if i.name == "fake-args"]
+        assert info.disabled and "PluginValidationError" in info.error
+        assert "\n" not in info.error
+        assert "shm" in plugins.registered("ccl")
+    finally:
+        plugins.unregister_plugin("fake-args")
