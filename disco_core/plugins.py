@@ -25,6 +25,7 @@ import importlib.metadata as md
 import inspect
 import os
 import reprlib
+import sys
 import threading
 import types
 import warnings
@@ -375,7 +376,7 @@ class _Manager:
                 f"{what}: {info.error}. The rest of Disco keeps working; `disco plugins` lists "
                 "every problem.",
                 DiscoPluginWarning,
-                stacklevel=4,
+                stacklevel=_caller_level(),
             )
 
     def _dist(self, key: str) -> str:
@@ -439,6 +440,15 @@ def _check_entry(kind: str, name: Any, value: Any) -> str | None:
         what = "factory(**options)" if kind == "channel" else "loader(path, device)"
         return f"{name!r}: {_short(value)}, which is not callable (a {noun} is a {what})"
     return None
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside disco_core: the warning points there."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _one_line(text: str) -> str:
