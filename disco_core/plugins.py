@@ -165,7 +165,8 @@ class _Manager:
                     key, dist, version, f"entry point {ep.value!r}: {type(exc).__name__}: {exc}"
                 )
                 continue
-            self._add(obj, key, dist, version)
+            if not self.pm.is_registered(obj):  # two entry points naming one module
+                self._add(obj, key, dist, version)
         for modname in filter(
             None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))
         ):
@@ -176,7 +177,8 @@ class _Manager:
             except (Exception, SystemExit) as exc:
                 self._broken(modname, modname, "?", f"{type(exc).__name__}: {exc}")
                 continue
-            self._add(obj, modname, modname, "?")
+            if not self.pm.is_registered(obj):  # DISCO_PLUGINS naming an installed one
+                self._add(obj, modname, modname, "?")
 
     def _broken(self, key: str, dist: str, version: str, error: str) -> None:
         info = PluginInfo(key, dist, version, error=_one_line(error), disabled=True)
@@ -510,8 +512,11 @@ def register_plugin(plugin: Any, name: str | None = None) -> str:
     """
     mgr = _manager()
     key = name or getattr(plugin, "__name__", None) or repr(plugin)
-    if key in mgr.infos:  # the caller's own mistake: said here, not disabled later
+    # The caller's own mistakes: said here, not reported as a broken plugin.
+    if key in mgr.infos:
         raise DiscoValueError(f"a plugin named {key!r} is already registered")
+    if mgr.pm.is_registered(plugin):
+        raise DiscoValueError(f"{plugin!r} is already registered as {mgr.pm.get_name(plugin)!r}")
     mgr._add(plugin, key, key, "local")
     mgr.resolved()
     mgr.emit_warnings()  # this plugin's mistakes are said here, at the call

@@ -523,3 +523,33 @@ def test_a_hook_with_arguments_no_spec_has_only_disables_its_plugin():
         assert "shm" in plugins.registered("ccl")
     finally:
         plugins.unregister_plugin("fake-args")
+
+
+@pytest.mark.timeout(60)
+def test_naming_an_installed_plugin_in_disco_plugins_is_no_mistake():
+    env = dict(_env(), DISCO_PLUGINS="disco_core._builtin_plugin")
+    proc = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "disco_core", "plugins"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Problems" not in proc.stdout and "Warning" not in proc.stderr
+
+
+def test_registering_one_object_under_two_names_is_the_callers_error():
+    import disco_core as disco
+    from disco_core import plugins
+
+    class Nothing:
+        pass
+
+    obj = Nothing()
+    plugins.register_plugin(obj, "fake-once")
+    try:
+        with pytest.raises(disco.DiscoValueError, match="fake-once"):
+            plugins.register_plugin(obj, "fake-again")
+    finally:
+        plugins.unregister_plugin("fake-once")
