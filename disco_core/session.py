@@ -37,6 +37,7 @@ from .errors import (
     WorkerDiedError,
     WorkerError,
     WorkerUnresponsiveError,
+    is_follow_on,
 )
 from .host_array import with_numpy_method
 from .protocol import register_ref_type
@@ -245,9 +246,11 @@ def _by_worker(errors: list[WorkerError]) -> list[WorkerError]:
 
 def _merged(errors: list[WorkerError]) -> WorkerError:
     """One error for several: the first worker's (of its own type), the others attached."""
-    first = errors[0]
+    # The headline is the first cause, not a register that a cause left empty.
+    first = next((e for e in errors if not is_follow_on(e)), errors[0])
+    rest = [e for e in errors if e is not first]
     return WorkerError(
-        first.worker_id, first.exc_type, first.remote_message, first.remote_traceback, errors[1:]
+        first.worker_id, first.exc_type, first.remote_message, first.remote_traceback, rest
     )
 
 
@@ -406,8 +409,10 @@ class Session:
         try:
             return self._channel.recv(worker_id)
         except WorkerError as exc:
-            self._raise_pending(exc)
-            raise
+            failure = exc
+        # Outside the except block: the merged error is not chained to this one.
+        self._raise_pending(failure)
+        raise failure
 
     def _raise_pending(self, failure: WorkerError | None = None) -> None:
         """Raise the errors the workers reported so far (merged with ``failure``).
