@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import logging
 import os
 import threading
 import warnings
@@ -38,6 +39,7 @@ ENTRY_POINT_GROUP = "disco_core"
 AUTOLOAD_ENV = "DISCO_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "DISCO_PLUGINS"
 CORE_DISTRIBUTION = "disco-core"
+logger = logging.getLogger("disco_core.plugins")
 
 #: kind -> (hook name, human noun)
 KINDS = {
@@ -111,6 +113,7 @@ class _Manager:
 
     def _broken(self, key: str, dist: str, version: str, error: str) -> None:
         self.broken[key] = PluginInfo(key, dist, version, error=error)
+        logger.debug("plugin %s (%s %s) failed to load: %s", key, dist, version, error)
         if os.environ.get("DISCO_WORKER_PROCESS"):
             return  # the controller already warned; workers report it only when used
         warnings.warn(
@@ -124,6 +127,7 @@ class _Manager:
         with self.lock:
             self.pm.register(obj, name=key)
             self.infos[key] = PluginInfo(key, dist, version)
+            logger.info("loaded plugin %s (%s %s)", key, dist, version)
             self._tables.clear()
 
     def remove(self, key: str) -> None:
@@ -155,6 +159,7 @@ class _Manager:
                 info = self.infos.get(key)
                 if info is not None:
                     info.provides[kind] = sorted(provided)
+                logger.debug("plugin %s registers %ss %s", key, noun, sorted(provided))
                 for name, value in provided.items():
                     if name in table and table[name][1] != key:
                         other = table[name][1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import logging
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ from .errors import (
 from .host_array import with_numpy_method
 from .protocol import register_ref_type
 from .settings import env_seconds_or_default
+
+logger = logging.getLogger("disco_core.session")
 
 __all__ = [
     "Session",
@@ -223,6 +226,7 @@ def _close_channel(channel: Channel, state: dict) -> None:
     if state.get("closed"):
         return
     state["closed"] = True
+    logger.info("session shutting down: %s channel", channel.kind)
     try:
         channel.send(Outgoing((P.SHUTDOWN,)))
     except Exception:  # dead workers: close() still reaps them
@@ -238,6 +242,7 @@ def _close_channel(channel: Channel, state: dict) -> None:
         if rendezvous is not None:
             rendezvous.close()
         _memory.release_free_memory()  # the session's threads' malloc arenas
+        logger.debug("session shut down: %s channel", channel.kind)
 
 
 def _by_worker(errors: list[WorkerError]) -> list[WorkerError]:
@@ -281,6 +286,10 @@ class Session:
         self._cache: dict[str, DPackedFunc] = {}
         self._state: dict[str, Any] = {"closed": False, "rendezvous": None, "ccl": None}
         self._finalizer = weakref.finalize(self, _close_channel, channel, self._state)
+        logger.info(
+            "session started: %s channel, %d worker(s) in %d group(s)",
+            channel.kind, self.num_workers, self.num_groups,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -690,6 +699,13 @@ class Session:
             rendezvous.close()
             raise
         self._state["ccl"] = ccl
+        # Never the rendezvous payload: it may hold addresses and secrets of the CCL.
+        size = self.num_workers // self.num_groups
+        logger.info(
+            "CCL %r initialised: %d worker(s) in %d group(s) of %d%s",
+            ccl, self.num_workers, self.num_groups, size,
+            f", devices {list(ids)}" if ids else "",
+        )  # fmt: skip
 
     def _collective_ready(self, name: str) -> None:
         if self._state["ccl"] is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ import numpy as np
 
 from .. import protocol as P
 from .. import registry
+from ..commandline import configure_from_env
 from ..device import Device, as_array, to_host
 from ..errors import FOLLOW_ON_NOTE, DiscoError, WorkerError
 from ..protocol import (
@@ -48,6 +50,7 @@ __all__ = [
 ]
 
 _local = threading.local()
+logger = logging.getLogger("disco_core.worker")
 #: Set by :func:`main`: the workers of this process are not in the controller's process.
 _IN_WORKER_PROCESS = False
 
@@ -599,6 +602,7 @@ def main(argv: list[str] | None = None) -> None:
     _IN_WORKER_PROCESS = True
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    configure_from_env()  # silent unless the controller's user asked for a log level
     extra_path = os.environ.get("DISCO_SYS_PATH")
     if extra_path:
         sys.path[:0] = [p for p in extra_path.split(os.pathsep) if p not in sys.path]
@@ -620,9 +624,16 @@ def main(argv: list[str] | None = None) -> None:
     reader = FrameReader(args.cmd_fd)
     send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
     send(("ready", os.getpid()))
+    logger.info(
+        "worker %d of %d started (pid %d, module %s)",
+        args.worker_id, args.num_workers, os.getpid(), sys.argv[0] or "disco_core.worker",
+    )  # fmt: skip
 
+    why = "shutdown command"
     try:
         worker.run(command_stream(reader, args.untrusted).__next__)
     except EOFError:
-        worker.close()  # the controller is gone
+        why = "its controller is gone (end of the command pipe)"
+        worker.close()
+    logger.info("worker %d exiting: %s", args.worker_id, why)
     os._exit(0)
