@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 from typing import TextIO
 
 __all__ = [
@@ -44,14 +45,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     No "(default: None)" or "(default: False)" (an unset option, a flag), and
     nothing where the help text already speaks of its default. Descriptions and
-    epilogs keep their line breaks.
+    epilogs keep their line breaks; a paragraph of one long line is wrapped.
     """
 
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
-            return text
-        return super()._get_help_string(action)
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        # A paragraph of one line is prose: wrapped. A block of lines was laid out by
+        # hand (a list, examples, a table): kept as written.
+        lines = text.splitlines()
+        out = []
+        for k, line in enumerate(lines):
+            alone = (k == 0 or not lines[k - 1].strip()) and (
+                k == len(lines) - 1 or not lines[k + 1].strip()
+            )
+            if alone and len(line) > width and not line[:1].isspace():
+                out.append(
+                    textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                )
+            else:
+                out.append(indent + line)
+        return "\n".join(out)
 
 
 def distribution_version(distribution: str) -> str:
