@@ -65,6 +65,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
                 out.append(indent + line)
         return "\n".join(out)
 
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
 
 def distribution_version(distribution: str) -> str:
     """The installed version of ``distribution`` (``"unknown"`` from a bare source tree)."""
@@ -77,7 +83,11 @@ def distribution_version(distribution: str) -> str:
 
 
 def add_common_options(
-    parser: argparse.ArgumentParser, distribution: str, *, version_text: str | None = None
+    parser: argparse.ArgumentParser,
+    distribution: str,
+    *,
+    version_text: str | None = None,
+    default_level: str = "warning",
 ) -> argparse.ArgumentParser:
     """Add ``--version``, ``-v``/``--verbose`` and ``--log-level`` to ``parser``.
 
@@ -94,6 +104,9 @@ def add_common_options(
         The distribution whose version ``--version`` prints (``importlib.metadata``).
     version_text : str, optional
         What ``--version`` prints instead of ``"<prog> <version>"``.
+    default_level : str
+        The command's level when neither an option nor ``$DISCO_LOG_LEVEL`` sets one
+        (for the help text; pass the same to :func:`level_from_args`).
 
     Returns
     -------
@@ -112,14 +125,14 @@ def add_common_options(
         "--verbose",
         action="count",
         default=argparse.SUPPRESS,
-        help="log more: once for INFO, twice for DEBUG (repeatable)",
+        help="log more: each -v one level lower (warning, info, debug)",
     )
     parser.add_argument(
         "--log-level",
         metavar="LEVEL",
         default=argparse.SUPPRESS,
         help=f"log level: {', '.join(_LEVELS)} or a number (default: ${LOG_LEVEL_ENV}, "
-        "else the command's own, usually warning); overrides -v",
+        f"else {default_level}); overrides -v",
     )
     return parser
 

@@ -40,6 +40,7 @@ AUTOLOAD_ENV = "DISCO_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "DISCO_PLUGINS"
 CORE_DISTRIBUTION = "disco-core"
 logger = logging.getLogger("disco_core.plugins")
+_LOAD_LEVEL = logging.DEBUG if os.environ.get("DISCO_WORKER_PROCESS") else logging.INFO  # the controller's lines say it once
 
 #: kind -> (hook name, human noun)
 KINDS = {
@@ -127,7 +128,7 @@ class _Manager:
         with self.lock:
             self.pm.register(obj, name=key)
             self.infos[key] = PluginInfo(key, dist, version)
-            logger.info("loaded plugin %s (%s %s)", key, dist, version)
+            logger.log(_LOAD_LEVEL, "loaded plugin %s (%s %s)", key, dist, version)
             self._tables.clear()
 
     def remove(self, key: str) -> None:
