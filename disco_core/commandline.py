@@ -43,7 +43,7 @@ _LEVELS = ("debug", "info", "warning", "error", "critical")
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows each option's default, except where there is nothing to show.
 
-    No "(default: None)" or "(default: False)" (an unset option, a flag), and
+    No "(default: None)", "(default: False)" or "(default: )" (an unset option, a flag), and
     nothing where the help text already speaks of its default. Descriptions and
     epilogs keep their line breaks; a paragraph of one long line is wrapped.
     """
@@ -67,7 +67,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
+        if action.default in (None, False, "", argparse.SUPPRESS) or "default" in text.lower():
             return text
         return super()._get_help_string(action)
 
