@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     add_common_options(parser, "disco-core", version_text=_version_text())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="one of:")
 
     p = sub.add_parser(
         "plugins",

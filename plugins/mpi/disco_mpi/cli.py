@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="disco-mpi", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
     add_common_options(p, "disco-mpi")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
     r = sub.add_parser(
         "run",
         help="run a script as an N-worker MPI session",

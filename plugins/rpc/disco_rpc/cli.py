@@ -21,6 +21,8 @@ from . import wire
 
 __all__ = ["main", "build_parser"]
 
+log = logging.getLogger("disco_rpc.cli")
+
 
 def _tls_server(cert: str | None, keyfile: str | None):
     if not cert:
@@ -144,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     add_common_options(p, _DIST)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="one of:")
 
     s = _sub(
         sub, "server", "run an RPC server in the foreground",
@@ -252,15 +254,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-library", metavar="FILES", help=".py/.so files to load, separated by ':' or ','"
     )
 
-    for name, what in (
-        ("upload", "Copy a local file into a server session's work folder."),
-        ("download", "Copy a file of a server session's work folder to a local file."),
-        ("ls", "List a folder of a server session's work folder."),
+    for name, short, what in (
+        (
+            "upload",
+            "copy a local file to a server",
+            "Copy a local file into a server session's work folder.",
+        ),
+        (
+            "download",
+            "copy a server's file here",
+            "Copy a file of a server session's work folder to a local file.",
+        ),
+        ("ls", "list a server's folder", "List a folder of a server session's work folder."),
     ):
         c = _sub(
-            sub, name,
-            f"{name} through a session of a server (files persist between invocations "
-            "only on a server with --work-dir)",
+            sub, name, f"{short} (one session each: use a server with --work-dir)",
             f"{what} Each invocation is a session of its own: files persist between "
             "invocations only on a server started with --work-dir.",
             epilog=_TOKEN_NOTE,
@@ -341,7 +349,10 @@ def _files(args) -> int:
     from .client import connect
 
     ctx = _tls_client(args.tls_ca, args.tls_insecure)
+    tls = "TLS" if ctx is not None else "no TLS"
+    log.info("%s: connecting to %s:%d (key %r, %s)", args.cmd, args.host, args.port, args.key, tls)
     with connect(args.host, args.port, args.key, ssl_context=ctx) as sess:
+        log.debug("session open: work folder %s", sess.info.get("work_dir", "?"))
         if args.cmd == "upload":
             sess.upload(args.file, args.target, progress=_Bar(f"upload {args.file}"))
         elif args.cmd == "download":

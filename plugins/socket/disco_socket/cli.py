@@ -51,7 +51,7 @@ def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
         "reachable in time, 128+N stopped by signal N (130: Ctrl-C).",
     )
     add_common_options(p, "disco-socket", version_text=version)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{join,version}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{join,version}", help="one of:")
     j = sub.add_parser(
         "join",
         prog=f"{prog} join",
