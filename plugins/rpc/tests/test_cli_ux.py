@@ -196,3 +196,19 @@ def test_progress_bar_only_on_a_terminal():
     assert "\r" not in log.getvalue() and log.getvalue().count("\n") == 1
     assert "upload f: 21.0 MB in" in log.getvalue()
     assert tty.getvalue().count("\r") == 3 and "100.0%" in tty.getvalue()
+
+
+@pytest.mark.timeout(120)
+def test_minimal_server_checks_uploads_too(tmp_path):
+    path = str(tmp_path / "s.minrpc")
+    rpc.with_minrpc(None)(path, [])
+    sess = rpc.PopenSession(path)
+    try:
+        body = bytes(2 << 20)
+        for bad, why in (("../x.bin", "PermissionError"), (".", "IsADirectoryError")):
+            with pytest.raises(rpc.RPCError, match=why):
+                sess.upload(body, bad)
+        sess.upload(body, "ok.bin")
+        assert sess.listdir_names(".") == ["ok.bin"]
+    finally:
+        sess.close()
