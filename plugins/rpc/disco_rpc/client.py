@@ -77,10 +77,11 @@ __all__ = [
 
 logger = logging.getLogger("disco_rpc.client")
 Progress = Callable[[int, int], Any]
-#: Uploads larger than this (bytes) first ask the server whether it accepts the target
-#: (``OP_UPLOAD_CHECK``): a refusal then costs one round trip, not the whole body.
-#: Smaller ones go at once, as their body costs about a round trip anyway.
-CHECK_UPLOADS_ABOVE = 1 << 20
+#: Uploads larger than this (bytes, one chunk) first ask the server whether it accepts
+#: the target (``OP_UPLOAD_CHECK``): a refusal then costs one round trip, not the whole
+#: body, and the round trip is under 1 % of sending more than a chunk. Smaller ones go
+#: at once: a refused one costs at most a chunk.
+CHECK_UPLOADS_ABOVE = protocol.CHUNK
 _PLAIN = (int, float, str, bool, bytes, type(None), complex)
 
 

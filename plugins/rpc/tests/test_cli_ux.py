@@ -174,7 +174,7 @@ def test_refused_upload_sends_no_body(server, monkeypatch, checked):
 
 @pytest.mark.timeout(120)
 def test_accepted_large_upload_arrives(server):
-    body = os.urandom(3 << 20)
+    body = os.urandom(client.CHECK_UPLOADS_ABOVE + 1)
     with rpc.connect("127.0.0.1", server.port, token=TOKEN) as s:
         s.upload(body, "sub/big.bin")
         assert bytes(s.download("sub/big.bin")) == body
@@ -204,7 +204,7 @@ def test_minimal_server_checks_uploads_too(tmp_path):
     rpc.with_minrpc(None)(path, [])
     sess = rpc.PopenSession(path)
     try:
-        body = bytes(2 << 20)
+        body = bytes(client.CHECK_UPLOADS_ABOVE + 1)
         for bad, why in (("../x.bin", "PermissionError"), (".", "IsADirectoryError")):
             with pytest.raises(rpc.RPCError, match=why):
                 sess.upload(body, bad)
