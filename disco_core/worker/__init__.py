@@ -624,9 +624,11 @@ def main(argv: list[str] | None = None) -> None:
     reader = FrameReader(args.cmd_fd)
     send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
     send(("ready", os.getpid()))
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     logger.info(
         "worker %d of %d started (pid %d, module %s)",
-        args.worker_id, args.num_workers, os.getpid(), sys.argv[0] or "disco_core.worker",
+        args.worker_id, args.num_workers, os.getpid(),
+        spec.name.removesuffix(".__main__") if spec is not None else sys.argv[0],
     )  # fmt: skip
 
     why = "shutdown command"
