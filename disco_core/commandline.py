@@ -191,11 +191,14 @@ def configure_logging(
     stream : file, optional
         Where the lines go; default ``sys.stderr``.
     pass_to_workers : bool
-        Also set ``$DISCO_LOG_LEVEL``, so worker processes started from here log at
-        the same level (to their stderr, which the controller passes on).
+        Also set ``$DISCO_LOG_LEVEL`` (when ``level`` is below WARNING, or the
+        variable was set), so worker processes started from here log at the same
+        level (to their stderr, which the controller passes on).
     """
-    logging.basicConfig(level=level, format=LOG_FORMAT, stream=stream or sys.stderr, force=True)
-    if pass_to_workers:
+    # Not force=True: a program that set up logging itself (or a test runner) keeps its own.
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=stream or sys.stderr)
+    # Workers stay silent unless asked; an option given here overrides the variable.
+    if pass_to_workers and (level < logging.WARNING or os.environ.get(LOG_LEVEL_ENV)):
         os.environ[LOG_LEVEL_ENV] = logging.getLevelName(level)
 
 

@@ -130,3 +130,13 @@ def test_level_for_workers(monkeypatch):
         assert commandline.level_for_workers() is None  # nothing below WARNING asked for
     finally:
         core.removeHandler(handler)
+
+
+def test_configure_logging_passes_the_level_to_workers_only_when_asked(monkeypatch):
+    monkeypatch.delenv(commandline.LOG_LEVEL_ENV, raising=False)
+    commandline.configure_logging(logging.WARNING)
+    assert commandline.LOG_LEVEL_ENV not in os.environ  # workers stay silent
+    commandline.configure_logging(logging.DEBUG)
+    assert os.environ[commandline.LOG_LEVEL_ENV] == "DEBUG"
+    commandline.configure_logging(logging.ERROR)  # an explicit level overrides the variable
+    assert os.environ[commandline.LOG_LEVEL_ENV] == "ERROR"
