@@ -9,18 +9,23 @@ Subcommands:
 ``disco demo [options]``
     The tensor-parallel transformer MLP block across a session with the ``shm`` CCL,
     checked against NumPy, with a table of time per step (see :mod:`disco_core.demo`).
+
+Every command takes ``--version``, ``-v``/``--verbose`` (INFO, then DEBUG) and
+``--log-level LEVEL`` (:mod:`disco_core.commandline`), before or after the subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
-import textwrap
 import warnings
 from typing import Any
+
+from .commandline import HelpFormatter, add_common_options, configure_logging, level_from_args
 
 __all__ = ["main", "build_parser"]
 
@@ -38,8 +43,10 @@ examples:
   disco demo                    tensor-parallel MLP on 1, 2 and 4 process workers (shm CCL)
   disco demo --workers 2 --steps 5 --d-model 256 --d-ff 1024
   disco demo --session threaded
+  disco -v demo --workers 2     the same, logging the sessions' lifecycle (INFO; -vv: DEBUG)
 
 environment:
+  DISCO_LOG_LEVEL=INFO              log level of the commands and of worker processes
   DISCO_DISABLE_PLUGIN_AUTOLOAD=1   load only the core's own plugins
   DISCO_PLUGINS=mod1,mod2           also load these modules as plugins
   DISCO_START_TIMEOUT=60            seconds to wait for process workers to start
@@ -62,18 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="disco",
-        description=textwrap.fill(
-            "Disco for Python: an SPMD distributed runtime with a pluggable core (after "
-            "Apache TVM's Disco). A controller drives N workers that all run the same "
-            "commands; channels (threaded, process, socket, ...), collective libraries "
-            "(CCLs: shm, mpi, nccl, ...) and module loaders are plugins.",
-            width=88,
-        ),
+        description="Disco for Python: an SPMD distributed runtime with a pluggable core (after "
+        "Apache TVM's Disco). A controller drives N workers that all run the same commands; "
+        "channels (threaded, process, socket, ...), collective libraries (CCLs: shm, mpi, "
+        "nccl, ...) and module loaders are plugins.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=_version_text())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_common_options(parser, "disco-core", version_text=_version_text())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="one of:")
 
     p = sub.add_parser(
         "plugins",
@@ -81,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="List every installed Disco plugin (entry-point group 'disco_core'): its "
         "distribution and version, the channels, CCLs and module loaders it registers, and "
         "each broken plugin with its own error. Exit status 1 when any plugin is broken.",
+        formatter_class=HelpFormatter,
     )
+    add_common_options(p, "disco-core", version_text=_version_text())
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=_cmd_plugins)
 
@@ -89,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run the tensor-parallel transformer MLP demo and check it against NumPy",
         description=(demo.__doc__ or "").replace("``", ""),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
+    add_common_options(d, "disco-core", version_text=_version_text())
     demo.add_arguments(d)
     d.set_defaults(handler=_cmd_demo)
     return parser
@@ -197,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``disco`` command with ``argv`` (``sys.argv[1:]`` when None); return its exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        level = level_from_args(args, logging.WARNING)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(level)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)

@@ -23,6 +23,7 @@ import difflib
 import importlib
 import importlib.metadata as md
 import inspect
+import logging
 import os
 import reprlib
 import sys
@@ -60,6 +61,10 @@ ENTRY_POINT_GROUP = "disco_core"
 AUTOLOAD_ENV = "DISCO_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "DISCO_PLUGINS"
 CORE_DISTRIBUTION = "disco-core"
+logger = logging.getLogger("disco_core.plugins")
+_LOAD_LEVEL = (
+    logging.DEBUG if os.environ.get("DISCO_WORKER_PROCESS") else logging.INFO
+)  # the controller's lines say it once
 
 #: kind -> (hook name, human noun)
 KINDS = {
@@ -183,6 +188,7 @@ class _Manager:
     def _broken(self, key: str, dist: str, version: str, error: str) -> None:
         info = PluginInfo(key, dist, version, error=_one_line(error), disabled=True)
         self.broken[key] = info
+        logger.debug("plugin %s (%s %s) failed to load: %s", key, dist, version, error)
         self._warn(info)
 
     def _add(self, obj: Any, key: str, dist: str, version: str) -> None:
@@ -200,6 +206,7 @@ class _Manager:
                 return
             self.broken.pop(key, None)
             self.infos[key] = PluginInfo(key, dist, version)
+            logger.log(_LOAD_LEVEL, "loaded plugin %s (%s %s)", key, dist, version)
             self._resolved = None
 
     def _unknown_hooks(self, plugin: Any) -> str | None:
@@ -304,6 +311,8 @@ class _Manager:
                     kind: sorted(n for n, (_, k) in tables[kind].items() if k == key)
                     for kind in KINDS
                 }
+                for kind, names in info.provides.items():
+                    logger.debug("plugin %s registers %ss %s", key, KINDS[kind][1], names)
                 if problems[key]:
                     info.error = "; ".join(problems[key])
             if info.error is not None:

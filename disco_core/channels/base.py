@@ -17,6 +17,7 @@ import abc
 import collections
 import ctypes
 import fcntl
+import logging
 import queue
 import select
 import struct
@@ -37,6 +38,8 @@ from ..errors import (
 from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
 from ..settings import env_seconds, env_seconds_or_default
 from ..worker import Worker, set_current
+
+logger = logging.getLogger("disco_core.channels")
 
 __all__ = [
     "Channel",
@@ -570,6 +573,8 @@ class ThreadWorkerLink(WorkerLink):
 
     def _run(self) -> None:
         set_current(self.worker.ctx)
+        wid = self.worker_ids[0]
+        logger.info("worker %d started (thread %s)", wid, threading.current_thread().name)
         try:
             while not self.stopped:
                 self.tokens.get()
@@ -580,6 +585,9 @@ class ThreadWorkerLink(WorkerLink):
             self.hub.mark_dead(
                 self.worker_ids, f"worker thread stopped: {type(exc).__name__}: {exc}"
             )
+            logger.info("worker %d stopped: %s: %s", wid, type(exc).__name__, exc)
+            return
+        logger.info("worker %d stopped", wid)
 
     def run_pending(self, poll: Callable[[], None], sync: bool = False) -> None:
         """Run the queued commands on the calling (controller) thread.
