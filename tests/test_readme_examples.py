@@ -242,15 +242,20 @@ def run_block(block: Block, modules: list[Block], tmp: Path) -> subprocess.Compl
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     if block.lang == "python":
         argv = [sys.executable, "-"]  # as if pasted: the current folder is on sys.path
+        stdin, text = subprocess.PIPE, block.code
     else:
-        argv = ["bash", "-e", "-o", "pipefail", "-s"]
+        # from a file: a command of the block that reads stdin (mpiexec) must not eat the rest
+        script = tmp / "block.sh"
+        script.write_text(block.code)
+        argv = ["bash", "-e", "-o", "pipefail", str(script)]
+        stdin, text = subprocess.DEVNULL, None
     timeout = block_timeout(block)
     proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        argv, cwd=ROOT, env=env, stdin=stdin, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
-        out, _ = proc.communicate(block.code, timeout=timeout)
+        out, _ = proc.communicate(text, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
