@@ -101,7 +101,9 @@ def parse_readme(path: Path) -> list[Block]:
             section = line.lstrip("#").strip()
         m = DIRECTIVE.match(line)
         if m:
-            pending = [d.strip() for d in m.group(1).split(";") if d.strip()]
+            # split on ";" outside parentheses (a skip's reason may hold one)
+            parts = re.split(r";(?![^()]*\))", m.group(1))
+            pending = [d.strip() for d in parts if d.strip()]
             i += 1
             continue
         fence = FENCE.match(line)
