@@ -78,7 +78,8 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.readme.relative_to(ROOT)}:{self.line}"
+        path = self.readme.relative_to(ROOT) if self.readme.is_relative_to(ROOT) else self.readme
+        return f"{path}:{self.line}"
 
     @property
     def file_shown(self) -> str | None:
@@ -204,8 +205,15 @@ def collect() -> list:
     return params
 
 
+KNOWN_DIRECTIVES = re.compile(r"skip\s*\(.+\)|requires\s+[\w.]+|timeout\s+\d+")
+
+
 def skip_reason(block: Block) -> str | None:
-    owner = OWNED_ELSEWHERE.get((str(block.readme.relative_to(ROOT)), block.section))
+    """Why ``block`` is not run, or None; a directive this file does not know fails."""
+    for d in block.directives:
+        assert KNOWN_DIRECTIVES.fullmatch(d), f"{block.name}: unknown example directive {d!r}"
+    rel = str(block.readme.relative_to(ROOT)) if block.readme.is_relative_to(ROOT) else ""
+    owner = OWNED_ELSEWHERE.get((rel, block.section))
     if owner:
         return owner
     for d in block.directives:
@@ -297,9 +305,70 @@ def test_readme_example(block: Block, modules: list[Block]) -> None:
 
 
 def test_collector_finds_the_examples() -> None:
-    """The collector sees the README examples and reads directives and outputs."""
+    """The collector sees the README examples of the core and of the plugins."""
     names = {p.id for p in collect()}
-    assert "README.md:43" in names or any(n.startswith("README.md:") for n in names)
+    assert any(n.startswith("README.md:") for n in names)
     assert any(n.startswith("plugins/rpc/README.md:") for n in names)
+    assert any(n.startswith("plugins/socket/README.md:") for n in names)
+
+
+def test_expected_output_comes_from_print_comments_only() -> None:
     code = 'print(x)  # [1. 2.]\nprint("# not a comment")\ny = 1  # not output\n'
     assert expected_from_comments(code) == ["[1. 2.]"]
+    assert_shows(["[1. 2.]", "b"], "a\n[1.  2.]\nb\n", "case")  # spaces collapse
+    with pytest.raises(pytest.fail.Exception, match="expected the line"):
+        assert_shows(["b", "a"], "a\nb\n", "case")  # order counts
+
+
+SAMPLE = """# Sample
+
+<!-- example: skip (needs a GPU: two; really) -->
+```python
+import cupy
+```
+
+```python
+# sample_mod.py
+VALUE = 41
+```
+
+<!-- example: timeout 5 -->
+```python
+import sample_mod
+print(sample_mod.VALUE + 1)
+```
+<!-- example: output -->
+```
+42
+```
+
+```toml
+[not] = "run"
+```
+"""
+
+
+@pytest.mark.timeout(60)
+def test_collector_reads_directives_modules_and_outputs(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(SAMPLE)
+    gpu, mod, user, toml = parse_readme(readme)
+    assert (gpu.lang, gpu.line, gpu.directives) == ("python", 4, ["skip (needs a GPU: two; really)"])
+    assert skip_reason(gpu) == "needs a GPU: two; really"
+    assert mod.file_shown == "sample_mod.py"
+    assert (user.directives, user.output) == (["timeout 5"], "42")
+    assert block_timeout(user) == 5
+    assert toml.lang == "toml"
+    res = run_block(user, [mod], tmp_path)  # the module block is importable by later blocks
+    assert res.returncode == 0, res.stdout
+    assert res.stdout.split() == ["42"]
+
+
+def test_collector_refuses_unknown_directives_and_reasons(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- example: skp (typo) -->\n```bash\ntrue\n```\n")
+    with pytest.raises(AssertionError, match="unknown example directive"):
+        skip_reason(parse_readme(readme)[0])
+    readme.write_text("<!-- example: skip (too slow) -->\n```bash\ntrue\n```\n")
+    with pytest.raises(AssertionError, match="must start with one of"):
+        skip_reason(parse_readme(readme)[0])
