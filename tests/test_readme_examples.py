@@ -72,7 +72,7 @@ class Block:
     line: int  # line of the opening fence, 1-based
     lang: str
     code: str
-    section: str
+    section: str  # the heading of level 1 or 2 it is under
     directives: list[str] = field(default_factory=list)
     output: str | None = None  # the following fence marked as output
 
@@ -98,7 +98,7 @@ def parse_readme(path: Path) -> list[Block]:
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.startswith("#"):
+        if re.match(r"##?\s", line):  # the section: the last heading of level 1 or 2
             section = line.lstrip("#").strip()
         m = DIRECTIVE.match(line)
         if m:
@@ -194,7 +194,7 @@ def collect() -> list:
         for b in blocks:
             if b.lang not in ("python", "bash"):
                 continue
-            if b.file_shown is not None and skip_reason(b) is None:
+            if b.file_shown is not None and owner(b) is None:
                 # a file: checked against the repository, or made for the later blocks
                 if (ROOT / b.file_shown).exists():
                     params.append(pytest.param(b, [], id=b.name))
@@ -205,6 +205,12 @@ def collect() -> list:
     return params
 
 
+def owner(block: Block) -> str | None:
+    """Which other test covers ``block``, if one does (OWNED_ELSEWHERE)."""
+    rel = str(block.readme.relative_to(ROOT)) if block.readme.is_relative_to(ROOT) else ""
+    return OWNED_ELSEWHERE.get((rel, block.section))
+
+
 KNOWN_DIRECTIVES = re.compile(r"skip\s*\(.+\)|requires\s+[\w.]+|timeout\s+\d+")
 
 
@@ -212,10 +218,8 @@ def skip_reason(block: Block) -> str | None:
     """Why ``block`` is not run, or None; a directive this file does not know fails."""
     for d in block.directives:
         assert KNOWN_DIRECTIVES.fullmatch(d), f"{block.name}: unknown example directive {d!r}"
-    rel = str(block.readme.relative_to(ROOT)) if block.readme.is_relative_to(ROOT) else ""
-    owner = OWNED_ELSEWHERE.get((rel, block.section))
-    if owner:
-        return owner
+    if owner(block):
+        return owner(block)
     for d in block.directives:
         m = re.fullmatch(r"skip\s*\((.+)\)", d)
         if m:
