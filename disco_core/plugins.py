@@ -49,6 +49,7 @@ __all__ = [
     "KINDS",
     "PluginInfo",
     "get_plugin_manager",
+    "install_command",
     "register_plugin",
     "unregister_plugin",
     "lookup",
@@ -81,6 +82,16 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
 }
 
 _HOOK_PREFIX = "disco_"
+
+
+def install_command(distribution: str) -> str:
+    """How to install one of this repository's distributions (``disco-socket``, ...).
+
+    None of them is on PyPI yet: a hint naming the bare distribution would send users
+    to whoever registers that name first, so it names the folder in a clone instead.
+    """
+    folder = "." if distribution == CORE_DISTRIBUTION else f"./plugins/{distribution[6:]}"
+    return f"pip install {folder} from a clone of the Disco repository (not yet on PyPI)"
 
 
 class DiscoPluginWarning(UserWarning):
@@ -570,7 +581,7 @@ def lookup(kind: str, name: str) -> Any:
     have = ", ".join(sorted(table)) or "none"
     provider = KNOWN_PROVIDERS.get(kind, {}).get(name)
     if provider and provider.startswith("disco-"):
-        hint = f"it is provided by the distribution {provider}: pip install {provider}"
+        hint = f"it is provided by the distribution {provider}: {install_command(provider)}"
     elif provider:
         hint = f"it needs {provider}"
     else:

@@ -87,8 +87,9 @@ def test_not_found_names_the_distribution_and_lists_installed():
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    for dist in ("disco-mpi", "disco-nccl", "disco-rccl", "disco-socket"):
-        assert f"pip install {dist}" in out.stdout
+    for name in ("mpi", "nccl", "rccl", "socket"):  # not yet on PyPI: the folder of a clone
+        assert f"pip install ./plugins/{name} from a clone" in out.stdout
+        assert f"pip install disco-{name}" not in out.stdout
     assert "Installed CCLs: shm" in out.stdout  # what is installed
     assert "SocketSession: no channel named 'socket'" in out.stdout
     assert "DISCO_DISABLE_PLUGIN_AUTOLOAD is set" in out.stdout
