@@ -39,15 +39,15 @@ test_threads_ccl_refuses_worker_processes = _kits.test_threads_ccl_refuses_worke
 @pytest.fixture(autouse=True, scope="module")
 def _tutorial_plugin():
     """Register the plugin here, and for worker processes through DISCO_PLUGINS."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(TUTORIAL), os.environ.get("PYTHONPATH")]))
-    )
-    mp.setenv("DISCO_PLUGINS", "disco_tutorial.plugin")
     name = None
     if "threads" not in plugins.registered("ccl"):  # not installed through its entry point
         name = plugins.register_plugin(disco_tutorial.plugin, "disco-tutorial")
+    # Set after this process's plugin manager exists, so that it is read by workers only.
+    mp = pytest.MonkeyPatch()
+    path = [str(TUTORIAL), os.environ.get("PYTHONPATH", "")]
+    mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
+    mp.setenv("DISCO_PLUGINS", "disco_tutorial.plugin")
     yield
+    mp.undo()
     if name is not None:
         plugins.unregister_plugin(name)
-    mp.undo()
