@@ -50,6 +50,7 @@ napoleon_google_docstring = False
 napoleon_numpy_docstring = True
 napoleon_use_rtype = False
 napoleon_preprocess_types = True  # {"client", "server"} is a set of values, not a class
+napoleon_attr_annotations = False  # autodoc shows them; napoleon would split "dict[str, int]"
 
 html_theme = "furo"
 html_title = f"Disco for Python {release}"
@@ -142,6 +143,15 @@ def _find(app, env, node, contnode, target):
     )
 
 
+def _factory_defaults(app, what, name, obj, options, signature, return_annotation):
+    """A dataclass field's ``default_factory`` shows as ``<factory>``, which Sphinx
+    cannot parse as a signature (it would split the annotations at every comma)."""
+    if signature and "<factory>" in signature:
+        return signature.replace("<factory>", "..."), return_annotation
+    return None
+
+
 def setup(app):
     app.connect("missing-reference", _resolve_short_name)
+    app.connect("autodoc-process-signature", _factory_defaults)
     app.add_post_transform(ReadmeLinks)
