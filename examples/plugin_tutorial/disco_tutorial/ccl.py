@@ -86,7 +86,10 @@ class Board:
             rnd.posts[rank] = post
             rnd.arrived += 1
             self.cond.notify_all()
-            late = lambda: [w for w, p in zip(members, rnd.posts) if p is None]  # noqa: E731
+
+            def late() -> list[int]:
+                return [w for w, p in zip(members, rnd.posts) if p is None]
+
             self._wait(lambda: rnd.arrived == len(members), what, late)
             rnd.taken += 1
             if rnd.taken == len(members):  # the last reader clears the round
