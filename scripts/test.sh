@@ -12,7 +12,7 @@ for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p")
 done
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
-pip_install -e '.[test]' "${plugins[@]}" || exit 1
+pip_install -e '.[test,docs]' "${plugins[@]}" || exit 1
 # Interop tests (DLPack, the .pt2 loader, bfloat16): a CPU build of torch, and only a
 # CPU build. On PyPI, Linux x86_64 wheels of torch pull ~20 nvidia-* packages (several
 # GB), so pip is first asked what it would install: a resolution with no nvidia-*
@@ -40,6 +40,9 @@ install_cpu_torch
 pip_install "apache-tvm[rpc]==0.27.0.post1" ||
   echo "apache-tvm could not be installed: the tests against the real TVM will skip"
 .venv/bin/ruff check . || exit 1
+# the documentation site: every warning (a broken reference, a docstring Sphinx
+# cannot parse, a README marker gone) fails the build
+rm -rf docs/_build && .venv/bin/python -m sphinx -W --keep-going -n -q -b html docs docs/_build/html || exit 1
 # imports flow one way, inside the core and each plugin (.importlinter)
 .venv/bin/lint-imports --no-cache || exit 1
 

@@ -128,7 +128,7 @@ class ProcessWorkerLink(BatchingLink):
             os.close(cmd_r)
             os.close(reply_w)
             os.close(err_w)
-        #: The end of the worker's stderr (set by the channel): ``stderr_tail(wait)``.
+        #: The end of the worker's stderr, as ``stderr_tail(wait)`` (set by the channel).
         self.stderr_tail = lambda wait=0.0: ""
         self.reader = FrameReader(self.reply_r)
         self.out_fd = self.cmd_w

@@ -12,7 +12,7 @@ altered, injected, dropped, reordered or replayed without the next check
 failing, and a record from another connection never verifies on this one.
 
 Payloads are not encrypted (run TLS for secrecy). A small record (under
-:data:`LARGE_RECORD`) is read whole, payload and tag in one receive, and checked
+``LARGE_RECORD``) is read whole, payload and tag in one receive, and checked
 before any of it is handed over (:attr:`SealedTransport.pending` says how much
 of it the caller has not taken yet). A large one is received straight into the
 caller's memory and checked there: no copy is taken, and its last bytes are
