@@ -369,7 +369,7 @@ def run(
         cmp_rows,
     )
 
-    # -- targets (issue 3) -------------------------------------------------------------------
+    # -- targets of the shm CCL against its peers -------------------------------------------------------------------
     checks = []
     for kind in kinds:
         for nbytes in (16 * MiB, 64 * MiB):
@@ -393,7 +393,7 @@ def run(
             (f"{kind} 4 KiB latency << gloo (ours/gloo)", r_g, r_g is not None and r_g < 0.5)
         )
     print_table(
-        "targets (issue 3; ratios ours/peer)",
+        "targets of the shm CCL (ratios ours/peer, 2 ranks; each row names its target)",
         ["target", "value", "met"],
         [
             [name, fmt_num(v), "n/a" if v is None else ("yes" if ok else "NO")]

@@ -5,7 +5,7 @@ with a NumPy step in the controller, so both see the same machine) for 1 and 2
 process workers in each placement of ``_placement.py``; the worker processes are
 started on the placement's worker CPUs, worker 0 runs in the controller's process.
 
-Targets (issue 16), met only when met in every placement: 1 worker >= 0.95x the speed
+Targets, met only when met in every placement: 1 worker >= 0.95x the speed
 of NumPy in one process; 2 workers (1 BLAS thread each) >= 0.9x NumPy with all the
 cores' BLAS threads.
 

@@ -4,22 +4,28 @@ Subcommands:
 
 ``disco plugins [--json]``
     Every installed plugin: its distribution and version, the channels, CCLs and
-    module loaders it registers, and the plugins that failed to load, with their error.
+    module loaders it registers, and each broken plugin with its own error; exit
+    status 1 when any plugin is broken.
 ``disco demo [options]``
     The tensor-parallel transformer MLP block across a session with the ``shm`` CCL,
     checked against NumPy, with a table of time per step (see :mod:`disco_core.demo`).
+
+Every command takes ``--version``, ``-v``/``--verbose`` (INFO, then DEBUG) and
+``--log-level LEVEL`` (:mod:`disco_core.commandline`), before or after the subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
-import textwrap
 import warnings
 from typing import Any
+
+from .commandline import HelpFormatter, add_common_options, configure_logging, level_from_args
 
 __all__ = ["main", "build_parser"]
 
@@ -37,8 +43,10 @@ examples:
   disco demo                    tensor-parallel MLP on 1, 2 and 4 process workers (shm CCL)
   disco demo --workers 2 --steps 5 --d-model 256 --d-ff 1024
   disco demo --session threaded
+  disco -v demo --workers 2     the same, logging the sessions' lifecycle (INFO; -vv: DEBUG)
 
 environment:
+  DISCO_LOG_LEVEL=INFO              log level of the commands and of worker processes
   DISCO_DISABLE_PLUGIN_AUTOLOAD=1   load only the core's own plugins
   DISCO_PLUGINS=mod1,mod2           also load these modules as plugins
   DISCO_START_TIMEOUT=60            seconds to wait for process workers to start
@@ -61,26 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="disco",
-        description=textwrap.fill(
-            "Disco for Python: an SPMD distributed runtime with a pluggable core (after "
-            "Apache TVM's Disco). A controller drives N workers that all run the same "
-            "commands; channels (threaded, process, socket, ...), collective libraries "
-            "(CCLs: shm, mpi, nccl, ...) and module loaders are plugins.",
-            width=88,
-        ),
+        description="Disco for Python: an SPMD distributed runtime with a pluggable core (after "
+        "Apache TVM's Disco). A controller drives N workers that all run the same commands; "
+        "channels (threaded, process, socket, ...), collective libraries (CCLs: shm, mpi, "
+        "nccl, ...) and module loaders are plugins.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=_version_text())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_common_options(parser, "disco-core", version_text=_version_text())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="one of:")
 
     p = sub.add_parser(
         "plugins",
         help="list installed plugins and what they register",
         description="List every installed Disco plugin (entry-point group 'disco_core'): its "
         "distribution and version, the channels, CCLs and module loaders it registers, and "
-        "any plugin that failed to load, with its error.",
+        "each broken plugin with its own error. Exit status 1 when any plugin is broken.",
+        formatter_class=HelpFormatter,
     )
+    add_common_options(p, "disco-core", version_text=_version_text())
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=_cmd_plugins)
 
@@ -88,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run the tensor-parallel transformer MLP demo and check it against NumPy",
         description=(demo.__doc__ or "").replace("``", ""),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
+    add_common_options(d, "disco-core", version_text=_version_text())
     demo.add_arguments(d)
     d.set_defaults(handler=_cmd_demo)
     return parser
@@ -104,12 +112,6 @@ def _collect_plugins() -> dict[str, Any]:
         # Broken plugins are listed below; the loader's warning would say it twice.
         warnings.simplefilter("ignore", plugins.DiscoPluginWarning)
         infos = plugins.list_plugins()
-    problems: list[str] = []
-    for kind, _, _ in _KINDS:
-        try:
-            plugins.registered(kind)
-        except Exception as exc:  # conflicts, a hook that raises
-            problems.append(f"{type(exc).__name__}: {exc}")
     entries = []
     for info in infos:
         entries.append(
@@ -119,6 +121,7 @@ def _collect_plugins() -> dict[str, Any]:
                 "version": info.version,
                 "provides": {key: list(info.provides.get(kind, [])) for kind, _, key in _KINDS},
                 "error": info.error,
+                "disabled": info.disabled,
             }
         )
     autoload_off = os.environ.get(plugins.AUTOLOAD_ENV, "").strip() not in ("", "0")
@@ -129,7 +132,8 @@ def _collect_plugins() -> dict[str, Any]:
             m.strip() for m in os.environ.get(plugins.PLUGINS_ENV, "").split(",") if m.strip()
         ],
         "plugins": entries,
-        "problems": problems,
+        # One line per broken plugin, for readers that want only what is wrong.
+        "problems": [f"{p['name']} ({_dist_text(p)}): {p['error']}" for p in entries if p["error"]],
     }
 
 
@@ -142,17 +146,17 @@ def _dist_text(p: dict[str, Any]) -> str:
 
 
 def _print_plugins(data: dict[str, Any]) -> None:
-    ok = [p for p in data["plugins"] if not p["error"]]
+    working = [p for p in data["plugins"] if not p["disabled"]]
     broken = [p for p in data["plugins"] if p["error"]]
     print(f"Disco plugins (entry-point group {data['entry_point_group']!r}):")
     if not data["autoload"]:
         print("  (DISCO_DISABLE_PLUGIN_AUTOLOAD is set: only the core's own plugins are loaded)")
     if data["extra_modules"]:
         print(f"  (DISCO_PLUGINS adds: {', '.join(data['extra_modules'])})")
-    if not ok:
+    if not working:
         print("  none loaded")
     width = max(len(heading) for _, heading, _ in _KINDS) + 1
-    for p in ok:
+    for p in working:
         print()
         print(f"{p['name']}  ({_dist_text(p)})")
         any_kind = False
@@ -165,24 +169,28 @@ def _print_plugins(data: dict[str, Any]) -> None:
             print("    (registers nothing)")
     if broken:
         print()
-        print("Plugins that failed to load (ignored):")
+        print(
+            f"Problems: {len(broken)} broken plugin{'s' if len(broken) > 1 else ''} "
+            "(everything else keeps working):"
+        )
         for p in broken:
-            print(f"  {p['name']}  ({_dist_text(p)})")
+            state = (
+                "failed to load, disabled: none of its names are registered"
+                if p["disabled"]
+                else "lost a name, its other names stay"
+            )
+            print(f"  {p['name']}  ({_dist_text(p)}): {state}")
             print(f"    error: {p['error']}")
-    if data["problems"]:
-        print()
-        print("Problems:")
-        for text in data["problems"]:
-            print(f"  {text}")
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    """Print the plugins; exit status 1 when any plugin is broken."""
     data = _collect_plugins()
     if args.json:
         print(json.dumps(data, indent=2))
     else:
         _print_plugins(data)
-    return 0
+    return 1 if data["problems"] else 0
 
 
 # ---------------------------------------------------------------------------- demo
@@ -196,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``disco`` command with ``argv`` (``sys.argv[1:]`` when None); return its exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        level = level_from_args(args, logging.WARNING)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(level)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)

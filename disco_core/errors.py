@@ -30,6 +30,8 @@ __all__ = [
     "DiscoPermissionError",
     "DiscoTimeoutError",
     "UnsupportedPlatformError",
+    "FOLLOW_ON_NOTE",
+    "is_follow_on",
 ]
 
 
@@ -84,11 +86,33 @@ class WorkerError(DiscoError):
         self.remote_traceback = remote_traceback
         self.others = list(others)
         text = f"worker {worker_id} raised {exc_type}: {message}"
-        if self.others:
-            more = "; ".join(
-                f"worker {e.worker_id} {e.exc_type}: {e.remote_message}" for e in self.others[:4]
+        # Follow-on errors (a register left empty by an earlier failure) would bury the
+        # cause: they are counted, not quoted; ``others`` still holds every one.
+        causes = [e for e in self.others if not is_follow_on(e)]
+        if causes:
+            key = _gist(worker_id, exc_type, message)
+            same = [
+                e.worker_id
+                for e in causes
+                if _gist(e.worker_id, e.exc_type, e.remote_message) == key
+            ]
+            parts = (
+                [f"the same on worker{'s' if len(same) > 1 else ''} {', '.join(map(str, same))}"]
+                if same
+                else []
             )
-            text += f"\n(and {len(self.others)} more: {more})"
+            parts += [
+                f"worker {e.worker_id} {e.exc_type}: {e.remote_message}"
+                for e in causes
+                if _gist(e.worker_id, e.exc_type, e.remote_message) != key
+            ][:4]
+            text += f"\n(and {len(causes)} more: {'; '.join(parts)})"
+        follow = len(self.others) - len(causes)
+        if follow:
+            text += (
+                f"\n({follow} follow-on error{'s' if follow > 1 else ''} not shown: registers "
+                "that hold no value because a command above failed; see .others)"
+            )
         if remote_traceback:
             text += f"\n--- remote traceback (worker {worker_id}) ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
@@ -106,6 +130,21 @@ class WorkerError(DiscoError):
                 self.others,
             ),
         )
+
+
+#: What a worker's message says when a register holds no value because an earlier
+#: command failed: the error is a consequence, and its cause was reported on its own.
+FOLLOW_ON_NOTE = "because an earlier command failed"
+
+
+def is_follow_on(error: WorkerError) -> bool:
+    """Whether ``error`` only follows from an earlier failure reported on its own."""
+    return FOLLOW_ON_NOTE in error.remote_message
+
+
+def _gist(worker_id: int, exc_type: str, message: str) -> tuple[str, str]:
+    """An error's type and message with its worker's id left out (the same error elsewhere)."""
+    return exc_type, message.replace(f"worker {worker_id}", "worker *")
 
 
 _REMOTE_CLASSES: dict[type, type] = {}

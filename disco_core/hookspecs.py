@@ -3,8 +3,16 @@
 A plugin is a module (or object) found through the ``disco_core`` entry-point
 group. It implements any of the hooks below with the ``disco_core.hookimpl``
 marker; each hook returns a mapping from a public name to an implementation, and
-the plugin manager (:mod:`disco_core.plugins`) merges them, refusing a name that
-two plugins both claim.
+the plugin manager (:mod:`disco_core.plugins`) merges them.
+
+The manager checks what each plugin gives it. Any function of a plugin whose name
+starts with ``disco_`` is taken as a hook (marked or not, as pytest does with
+``pytest_*``), so a misspelled hook is an error, not silence. A plugin is disabled,
+with one :class:`~disco_core.plugins.DiscoPluginWarning` that names it, when it
+fails to import, has an unknown ``disco_*`` function, or has a hook that raises or
+returns anything but a mapping (or None) of the kinds documented below. A name
+that the core and another plugin both claim stays the core's; one that two other
+plugins claim is refused for both.
 
 .. code-block:: toml
 
@@ -38,7 +46,8 @@ def disco_register_channels() -> Mapping[str, Callable[..., Channel]]:
     Returns
     -------
     Mapping[str, Callable[..., Channel]]
-        Channel name to a factory. ``Session.create(name, **options)`` calls
+        Channel name (a non-empty str) to a factory (a callable).
+        ``Session.create(name, **options)`` calls
         ``factory(**options)`` and wraps the :class:`~disco_core.channels.base.Channel`
         it returns in a :class:`~disco_core.Session`. The core registers
         ``"threaded"`` and ``"process"``; disco-socket registers ``"socket"``.
@@ -52,7 +61,8 @@ def disco_register_ccls() -> Mapping[str, type[CCL]]:
     Returns
     -------
     Mapping[str, type[CCL]]
-        CCL name to a subclass of :class:`~disco_core.ccl.base.CCL`.
+        CCL name (a non-empty str) to a subclass of :class:`~disco_core.ccl.base.CCL`
+        (``disco_core.spi.CCL``).
         ``Session.init_ccl(name, *device_ids)`` instantiates it on every worker.
         The core registers ``"shm"``; disco-mpi, disco-nccl and disco-rccl
         register ``"mpi"``, ``"nccl"`` and ``"rccl"``.
@@ -66,7 +76,8 @@ def disco_register_module_loaders() -> Mapping[str, Callable[[str, Any], Any]]:
     Returns
     -------
     Mapping[str, Callable[[str, Device | None], object]]
-        File suffix (``".py"``, ``".pt2"``) to ``loader(path, device)``, which runs on
+        File suffix (``".py"``, ``".pt2"``: a str starting with a dot, as
+        :func:`os.path.splitext` returns it) to ``loader(path, device)``, which runs on
         every worker and returns a module: any object whose functions are reached by
         ``module[name]`` or ``getattr(module, name)``.
     """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import logging
 import os
 import threading
 import time
@@ -37,10 +38,13 @@ from .errors import (
     WorkerDiedError,
     WorkerError,
     WorkerUnresponsiveError,
+    is_follow_on,
 )
 from .host_array import with_numpy_method
 from .protocol import register_ref_type
 from .settings import env_seconds_or_default
+
+logger = logging.getLogger("disco_core.session")
 
 __all__ = [
     "Session",
@@ -222,6 +226,7 @@ def _close_channel(channel: Channel, state: dict) -> None:
     if state.get("closed"):
         return
     state["closed"] = True
+    logger.info("session shutting down: %s channel", channel.kind)
     try:
         channel.send(Outgoing((P.SHUTDOWN,)))
     except Exception:  # dead workers: close() still reaps them
@@ -237,6 +242,7 @@ def _close_channel(channel: Channel, state: dict) -> None:
         if rendezvous is not None:
             rendezvous.close()
         _memory.release_free_memory()  # the session's threads' malloc arenas
+        logger.debug("session shut down: %s channel", channel.kind)
 
 
 def _by_worker(errors: list[WorkerError]) -> list[WorkerError]:
@@ -245,9 +251,11 @@ def _by_worker(errors: list[WorkerError]) -> list[WorkerError]:
 
 def _merged(errors: list[WorkerError]) -> WorkerError:
     """One error for several: the first worker's (of its own type), the others attached."""
-    first = errors[0]
+    # The headline is the first cause, not a register that a cause left empty.
+    first = next((e for e in errors if not is_follow_on(e)), errors[0])
+    rest = [e for e in errors if e is not first]
     return WorkerError(
-        first.worker_id, first.exc_type, first.remote_message, first.remote_traceback, errors[1:]
+        first.worker_id, first.exc_type, first.remote_message, first.remote_traceback, rest
     )
 
 
@@ -278,6 +286,10 @@ class Session:
         self._cache: dict[str, DPackedFunc] = {}
         self._state: dict[str, Any] = {"closed": False, "rendezvous": None, "ccl": None}
         self._finalizer = weakref.finalize(self, _close_channel, channel, self._state)
+        logger.info(
+            "session started: %s channel, %d worker(s) in %d group(s)",
+            channel.kind, self.num_workers, self.num_groups,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -406,8 +418,10 @@ class Session:
         try:
             return self._channel.recv(worker_id)
         except WorkerError as exc:
-            self._raise_pending(exc)
-            raise
+            failure = exc
+        # Outside the except block: the merged error is not chained to this one.
+        self._raise_pending(failure)
+        raise failure
 
     def _raise_pending(self, failure: WorkerError | None = None) -> None:
         """Raise the errors the workers reported so far (merged with ``failure``).
@@ -685,6 +699,13 @@ class Session:
             rendezvous.close()
             raise
         self._state["ccl"] = ccl
+        # Never the rendezvous payload: it may hold addresses and secrets of the CCL.
+        size = self.num_workers // self.num_groups
+        logger.info(
+            "CCL %r initialised: %d worker(s) in %d group(s) of %d%s",
+            ccl, self.num_workers, self.num_groups, size,
+            f", devices {list(ids)}" if ids else "",
+        )  # fmt: skip
 
     def _collective_ready(self, name: str) -> None:
         if self._state["ccl"] is None:

@@ -42,11 +42,15 @@ Devices and lookups
     :class:`Device`, :func:`as_device`, :func:`as_dtype`, :func:`as_shape`,
     :func:`to_host`, :func:`empty`, :func:`lookup` (a registered plugin by kind
     and name), :func:`load_py`, :mod:`registry`.
+Commands
+    :mod:`commandline`: the options every Disco command has (``--version``,
+    ``-v``, ``--log-level``: :func:`add_common_options`, :func:`level_from_args`,
+    :func:`configure_logging`) and :class:`HelpFormatter` (defaults shown).
 """
 
 from __future__ import annotations
 
-from . import net, protocol, registry
+from . import commandline, net, protocol, registry
 from .ccl import validate
 from .ccl.base import CCL, REDUCE_OPS, Rendezvous, average_in_place
 from .channels.base import (
@@ -69,6 +73,7 @@ from .channels.process import (
     worker_env,
 )
 from .channels.stderr_tee import StderrTee
+from .commandline import HelpFormatter, add_common_options, configure_logging, level_from_args
 from .device import Device, as_device, as_dtype, as_shape, empty, to_host
 from .loaders import load_py
 from .net import accept
@@ -201,4 +206,10 @@ __all__ = [
     "lookup",
     "load_py",
     "registry",
+    # commands
+    "commandline",
+    "HelpFormatter",
+    "add_common_options",
+    "level_from_args",
+    "configure_logging",
 ]

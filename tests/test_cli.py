@@ -80,7 +80,7 @@ def test_console_script_is_installed():
 
 def test_broken_plugin_is_listed_with_its_error():
     proc = run_disco("plugins", "--json", env={"DISCO_PLUGINS": "disco_no_such_plugin_xyz"})
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr
     data = json.loads(proc.stdout)
     # (other installed plugins may be broken too; only ours is known here)
     (mine,) = [p for p in data["plugins"] if p["name"] == "disco_no_such_plugin_xyz"]
@@ -88,7 +88,7 @@ def test_broken_plugin_is_listed_with_its_error():
     core_entry(data)  # the rest still works
 
     text = run_disco("plugins", env={"DISCO_PLUGINS": "disco_no_such_plugin_xyz"})
-    assert text.returncode == 0, text.stderr
+    assert text.returncode == 1, text.stderr  # a broken plugin is a failure
     assert "failed to load" in text.stdout
     assert "disco_no_such_plugin_xyz" in text.stdout
     assert "ModuleNotFoundError" in text.stdout
@@ -107,14 +107,18 @@ def test_third_party_plugin_shows_what_it_registers(tmp_path):
         "disco_test_thirdparty",
         """
         import disco_core
+        import disco_core.spi
 
         @disco_core.hookimpl
         def disco_register_channels():
             return {"carrier-pigeon": object}
 
+        class SmokeSignals(disco_core.spi.CCL):
+            pass
+
         @disco_core.hookimpl
         def disco_register_ccls():
-            return {"smoke-signals": object}
+            return {"smoke-signals": SmokeSignals}
 
         @disco_core.hookimpl
         def disco_register_module_loaders():
@@ -142,16 +146,21 @@ def test_conflicting_plugin_is_reported(tmp_path):
         "disco_test_conflict",
         """
         import disco_core
+        import disco_core.spi
+
+        class OtherShm(disco_core.spi.CCL):
+            pass
 
         @disco_core.hookimpl
         def disco_register_ccls():
-            return {"shm": object}
+            return {"shm": OtherShm}
         """,
     )
     proc = run_disco("plugins", "--json", env=env)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr
     data = json.loads(proc.stdout)
     assert any("shm" in p and "disco_test_conflict" in p for p in data["problems"]), data
+    assert "refused" in next(p for p in data["problems"] if "disco_test_conflict" in p)
     text = run_disco("plugins", env=env).stdout
     assert "Problems:" in text and "disco_test_conflict" in text
 

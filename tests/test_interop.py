@@ -9,7 +9,9 @@ import pytest
 import disco_core as disco
 
 torch = pytest.importorskip(
-    "torch", reason="torch is not installed (scripts/test.sh installs the CPU build)"
+    "torch",
+    reason="torch is not installed (scripts/test.sh installs a CPU build of torch only where "
+    "one is reachable without CUDA packages)",
 )
 
 pytestmark = pytest.mark.timeout(60)

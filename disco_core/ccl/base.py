@@ -131,7 +131,7 @@ def _hands_over_first(op: Callable) -> Callable:
 class CCL(abc.ABC):
     """The worker's half of a collective library.
 
-    Every operation that waits for other workers (:data:`WAITING_OPS`) first calls
+    Every operation that waits for other workers (``WAITING_OPS``) first calls
     ``ctx.hand_over()`` when the worker has one: a worker in the controller's
     process may run on the controller's own thread while the channel still holds
     back the other workers' commands (it writes them in batches), and they must
@@ -143,7 +143,7 @@ class CCL(abc.ABC):
     ctx : WorkerContext
         The worker this instance serves (id, group, device).
     payload : object
-        The :attr:`Rendezvous.payload` the controller made.
+        The ``payload`` of the :class:`Rendezvous` the controller made.
     device_ids : tuple of int
         The ``init_ccl`` device ids.
     **options

@@ -182,8 +182,9 @@ class ShmCCL(CCL):
         if getattr(channel, "num_nodes", 1) > 1 or not getattr(channel, "shares_memory", True):
             raise CCLError(
                 "the 'shm' CCL needs every worker on one machine; this session spans "
-                f"{getattr(channel, 'num_nodes', '?')} nodes: use init_ccl('mpi') (pip install disco-mpi) "
-                "or init_ccl('nccl') (pip install disco-nccl)"
+                f"{getattr(channel, 'num_nodes', '?')} nodes: use init_ccl('mpi') (pip install ./plugins/mpi) "
+                "or init_ccl('nccl') (pip install ./plugins/nccl), from a clone of the Disco "
+                "repository (not yet on PyPI)"
             )
         if not _futex.available():
             raise CCLError(

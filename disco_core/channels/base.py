@@ -17,6 +17,7 @@ import abc
 import collections
 import ctypes
 import fcntl
+import logging
 import queue
 import select
 import struct
@@ -37,6 +38,8 @@ from ..errors import (
 from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
 from ..settings import env_seconds, env_seconds_or_default
 from ..worker import Worker, set_current
+
+logger = logging.getLogger("disco_core.channels")
 
 __all__ = [
     "Channel",
@@ -334,7 +337,7 @@ class WorkerLink(abc.ABC):
     #: seconds of silence while the controller waits.
     heartbeats: bool = False
 
-    #: The channel's hub and liveness timeout (set by :meth:`LinkChannel._set_links`).
+    #: The channel's hub and liveness timeout (set by ``LinkChannel._set_links``).
     hub: ReplyHub | None = None
     liveness: float = 0.0
 
@@ -370,8 +373,8 @@ class BatchingLink(WorkerLink):
     once: those buffers are views of the caller's arrays, which may change next.
 
     Subclasses say where bytes go: by default ``write_all`` to the file descriptor
-    ``out_fd`` (a pipe, a socket); :meth:`_write` and :meth:`_write_views` may be
-    overridden, and :meth:`_died` turns a failed write into the error to raise.
+    ``out_fd`` (a pipe, a socket); ``_write`` and ``_write_views`` may be
+    overridden, and ``_died`` turns a failed write into the error to raise.
     """
 
     #: An outbox this large is flushed at once.
@@ -423,7 +426,7 @@ class BatchingLink(WorkerLink):
     def buffered(self) -> bool:  # type: ignore[override]  # read-only here
         return bool(self.outbox)
 
-    #: True while a hand-over fills the outbox: it must not write (and block) by itself.
+    #: True while a hand-over fills the outbox, which must then not write (and block) by itself.
     hold = False
 
     def flush(self) -> None:
@@ -533,7 +536,7 @@ class ThreadWorkerLink(WorkerLink):
     the order is kept): a synchronising call costs no thread switch at all.
     Sending does not wake the worker's thread either: a wake-up is a futex call
     and a fight for the GIL with the controller, tens of microseconds on a busy
-    small machine, for every command. The channel wakes it (:meth:`wake`) when
+    small machine, for every command. The channel wakes it (``wake``) when
     commands have waited ``FLUSH_DELAY`` with no synchronising call to run them,
     or when the controller is about to wait for another worker, so asynchronous
     commands still start promptly and run in the background.
@@ -571,6 +574,8 @@ class ThreadWorkerLink(WorkerLink):
 
     def _run(self) -> None:
         set_current(self.worker.ctx)
+        wid = self.worker_ids[0]
+        logger.info("worker %d started (thread %s)", wid, threading.current_thread().name)
         try:
             while not self.stopped:
                 self.tokens.get()
@@ -581,6 +586,9 @@ class ThreadWorkerLink(WorkerLink):
             self.hub.mark_dead(
                 self.worker_ids, f"worker thread stopped: {type(exc).__name__}: {exc}"
             )
+            logger.info("worker %d stopped: %s: %s", wid, type(exc).__name__, exc)
+            return
+        logger.info("worker %d stopped", wid)
 
     def run_pending(self, poll: Callable[[], None], sync: bool = False) -> None:
         """Run the queued commands on the calling (controller) thread.
@@ -654,7 +662,7 @@ _POLL_NOW = _gil_keeping_poll()
 class ReaderGate:
     """Lets the controller wait until a reader thread has delivered what was sent to it.
 
-    A reader thread holds :attr:`lock` while it reads and delivers messages, and
+    A reader thread holds ``lock`` while it reads and delivers messages, and
     lets go of it only with its buffers empty, before it blocks for more bytes
     (or says, through ``buffered``, that it still holds some).
     :meth:`settled` takes the lock (so no reader is in the middle of a message)
@@ -681,7 +689,7 @@ class ReaderGate:
     def add(self, fd: int, buffered: Callable[[], Any] | None = None) -> None:
         """Watch ``fd``; ``buffered()`` is true while the reader holds bytes not yet delivered.
 
-        A reader that lets go of :attr:`lock` between messages (rather than only
+        A reader that lets go of ``lock`` between messages (rather than only
         before it blocks) must say so through ``buffered``.
         """
         self._fds.append(fd)
@@ -769,7 +777,7 @@ class LinkChannel(Channel):
     link's order is kept), before the controller waits for a worker in another
     process, before a worker of this process waits for the others (a CCL
     operation calls ``ctx.hand_over``, which is :meth:`hand_over`), when it holds
-    :data:`BATCH_COMMANDS`, and within :data:`FLUSH_DELAY` seconds otherwise (a
+    ``BATCH_COMMANDS``, and within ``FLUSH_DELAY`` seconds otherwise (a
     flusher thread, which also wakes in-process workers that have commands
     waiting), so asynchronous commands always start promptly. A sync with a
     worker of this process (worker 0) runs its commands on the calling thread
@@ -787,7 +795,7 @@ class LinkChannel(Channel):
         self._flush_due = False
         self._stopping = False
         self._closed = threading.Event()
-        #: one per reader thread: :meth:`settle` waits for each (see :class:`ReaderGate`)
+        #: one gate per reader thread, and :meth:`settle` waits for each (see :class:`ReaderGate`)
         self.gates: list[ReaderGate] = []
         self._watcher: threading.Thread | None = None
         #: shared commands for every deferring link, oldest first. Always the same

@@ -10,6 +10,7 @@ full reply pipe, and a pipe's end of file is a dead worker, seen at once.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import selectors
 import signal
@@ -19,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from ..commandline import level_for_workers
 from ..errors import WorkerDiedError
 from ..net.io import grow_pipe
 from ..net.spawn import spawn_worker, worker_argv
@@ -26,6 +28,8 @@ from ..protocol import FrameReader, decode
 from ..settings import env_seconds
 from .base import BatchingLink, LinkChannel, ReaderGate, ReplyHub, ThreadWorkerLink
 from .stderr_tee import StderrTee, with_stderr
+
+logger = logging.getLogger("disco_core.channels")
 
 __all__ = [
     "ProcessChannel",
@@ -87,6 +91,9 @@ def worker_env(num_workers: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env["DISCO_SYS_PATH"] = os.pathsep.join(p if p else os.getcwd() for p in sys.path)
     env["DISCO_WORKER_PROCESS"] = "1"
+    level = level_for_workers()
+    if level:  # the workers log what the controller would (to their stderr, passed on)
+        env["DISCO_LOG_LEVEL"] = level
     threads = str(max(1, (os.cpu_count() or 1) // max(1, num_workers)))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, threads)
@@ -121,7 +128,7 @@ class ProcessWorkerLink(BatchingLink):
             os.close(cmd_r)
             os.close(reply_w)
             os.close(err_w)
-        #: The end of the worker's stderr (set by the channel): ``stderr_tail(wait)``.
+        #: The end of the worker's stderr, as ``stderr_tail(wait)`` (set by the channel).
         self.stderr_tail = lambda wait=0.0: ""
         self.reader = FrameReader(self.reply_r)
         self.out_fd = self.cmd_w
@@ -271,6 +278,10 @@ class ProcessChannel(LinkChannel):
             link0.worker.ctx.extra["entrypoint"] = entrypoint
             self._set_links([link0, *procs])
             self.wait_ready(range(1, num_workers), time.monotonic() + start_timeout())
+            logger.info(
+                "started %d worker process(es) running %s: pids %s",
+                len(procs), entrypoint, [link.proc.pid for link in procs],
+            )  # fmt: skip
         except BaseException:
             self.hub.closing = True
             for link in procs:

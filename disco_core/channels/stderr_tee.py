@@ -37,7 +37,7 @@ class StderrTee:
     fds : sequence of int
         The read ends of the workers' stderr pipes (owned by the tee from now on).
     keep : int
-        Bytes kept per pipe (default :data:`STDERR_TAIL`).
+        Bytes kept per pipe (default ``STDERR_TAIL``).
     out_fd : int
         Where the bytes go on (default 2, this process's stderr).
     """

@@ -345,6 +345,9 @@ class AcceptLoop:
             raise DiscoValueError(f"max_pending must be at least 1, not {max_pending}")
         if handshake_timeout <= 0:
             raise DiscoValueError(f"handshake_timeout must be positive, not {handshake_timeout}")
+        from .protect import preload
+
+        preload()  # handshakes must not need to open module files (EMFILE under a flood)
         self.listen_sock = listen_sock
         self.make_handshake = make_handshake
         self.on_ready = on_ready

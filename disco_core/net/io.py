@@ -68,7 +68,7 @@ def as_views(parts: Sequence[Any]) -> list:
 def send_all(write: Callable[[list], int], parts: Sequence[Any]) -> None:
     """Hand every byte of ``parts`` to ``write`` (``sock.sendmsg`` or ``os.writev`` of one fd).
 
-    ``write`` takes a list of at most :data:`IOV_MAX` views and returns how many
+    ``write`` takes a list of at most ``IOV_MAX`` views and returns how many
     bytes it took; partial writes resume where they stopped.
     """
     views = as_views(parts)
@@ -93,7 +93,7 @@ def write_all(fd: int, data: Any, stalled: Callable[[], None] | None = None) -> 
     fd : int
         Blocking, or non-blocking (``os.set_blocking(fd, False)``) with ``stalled``.
     stalled : callable, optional
-        For a non-blocking ``fd``: called every :data:`STALL_CHECK` seconds while
+        For a non-blocking ``fd``: called every ``STALL_CHECK`` seconds while
         the reader takes nothing (a full pipe); it raises to give up. A stopped
         reader then cannot hold the writer for ever.
     """
@@ -245,7 +245,7 @@ class SocketTransport:
         self.spin = SPIN_US * 1e-6
 
     def recv_head_into(self, view: Any) -> int:
-        """``recv_into`` that first polls without blocking for up to :data:`SPIN_US`."""
+        """``recv_into`` that first polls without blocking for up to ``SPIN_US``."""
         spin = self.spin
         sock = self.sock
         if spin > 0 and sock.gettimeout() is None:

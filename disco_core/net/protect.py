@@ -12,7 +12,7 @@ altered, injected, dropped, reordered or replayed without the next check
 failing, and a record from another connection never verifies on this one.
 
 Payloads are not encrypted (run TLS for secrecy). A small record (under
-:data:`LARGE_RECORD`) is read whole, payload and tag in one receive, and checked
+``LARGE_RECORD``) is read whole, payload and tag in one receive, and checked
 before any of it is handed over (:attr:`SealedTransport.pending` says how much
 of it the caller has not taken yet). A large one is received straight into the
 caller's memory and checked there: no copy is taken, and its last bytes are
@@ -61,6 +61,21 @@ def _poly1305():
             "protected links need the 'cryptography' package: pip install cryptography"
         ) from None
     return Poly1305
+
+
+def preload() -> None:
+    """Import what a protected handshake needs now, not at the first handshake.
+
+    A listener that runs out of file descriptors (a flood of idle connections)
+    could not open the modules' files then, and would fail a genuine peer.
+    """
+    from .security import _hkdf
+
+    try:
+        _poly1305()
+        _hkdf(b"\0" * 32, salt=b"", info=b"preload", length=32)
+    except DiscoError:  # no cryptography: the first protected handshake says so
+        pass
 
 
 class _Direction:

@@ -56,7 +56,7 @@ def relay(
 
     Returns
     -------
-    (int, int)
+    tuple of int
         Bytes read from ``a`` (for ``b``) and from ``b`` (for ``a``). Errors on either
         side (a reset, a failed integrity check) end the relay like a close; the
         caller closes both transports.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -23,8 +24,9 @@ import numpy as np
 
 from .. import protocol as P
 from .. import registry
+from ..commandline import configure_from_env
 from ..device import Device, as_array, to_host
-from ..errors import DiscoError, WorkerError
+from ..errors import FOLLOW_ON_NOTE, DiscoError, WorkerError
 from ..protocol import (
     _REF_TYPES,
     FLAG_BATCH,
@@ -48,6 +50,9 @@ __all__ = [
 ]
 
 _local = threading.local()
+logger = logging.getLogger("disco_core.worker")
+#: Set by :func:`main`: the workers of this process are not in the controller's process.
+_IN_WORKER_PROCESS = False
 
 
 @dataclass
@@ -187,9 +192,12 @@ class Worker:
                 "(never set on this worker, or already freed)"
             )
         if type(value) is _Failed:
-            raise DiscoError(
-                f"register {reg_id} holds no value on worker {self.ctx.worker_id}: {value.reason}"
+            exc = DiscoError(
+                f"register {reg_id} holds no value on worker {self.ctx.worker_id} "
+                f"{FOLLOW_ON_NOTE}: {value.reason}"
             )
+            exc._disco_root = value.reason  # a register set from this one keeps the cause
+            raise exc
         return value
 
     def _resolve(self, value: Any, lenient: bool) -> Any:
@@ -236,8 +244,9 @@ class Worker:
             except BaseException as exc:  # noqa: BLE001 - everything is reported
                 name = self._names.get(func_reg, f"register {func_reg}")
                 if reg:
+                    root = getattr(exc, "_disco_root", None)  # one cause, however long the chain
                     self.regs[reg] = _Failed(
-                        f"call_packed({name}) failed with {type(exc).__name__}: {exc}"
+                        root or f"call_packed({name}) failed with {type(exc).__name__}: {exc}"
                     )
                 self._report(exc, f"call_packed({name})")
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -252,9 +261,10 @@ class Worker:
             if fn is None:
                 fn = self._missing_global(name)
             if fn is None:
-                self.regs[reg] = _Failed(registry.missing_message(name))
+                text = self._missing_text(name)
+                self.regs[reg] = _Failed(text)
                 self._report(
-                    ValueError(registry.missing_message(name)),
+                    ValueError(text),
                     f"get_global_func({name!r})",
                     tb=False,
                 )
@@ -296,6 +306,19 @@ class Worker:
                 ccl.synchronize()
             except Exception as exc:
                 raise self._error(exc) from None
+
+    def _missing_text(self, name: str) -> str:
+        """Why ``name`` is unknown here; in a worker process, also how to make it known."""
+        text = registry.missing_message(name)
+        if not _IN_WORKER_PROCESS:
+            return text
+        return (
+            f"{text} on worker {self.ctx.worker_id}, which runs in a process of its own: "
+            "a worker process knows only the functions that the modules it imports register, "
+            "not those registered by the controller's script (__main__). Define them in a "
+            "module and call sess.import_python_module('that_module') before "
+            "sess.get_global_func (or start the session with entrypoint='that_module')"
+        )
 
     def _missing_global(self, name: str) -> Callable | None:
         """Worker 0's answer for a global function its process lacks (None: report it).
@@ -575,8 +598,11 @@ def main(argv: list[str] | None = None) -> None:
         "(disco_core.net.protect): replies cross a socket that must carry nothing unsealed",
     )
     args = p.parse_args(argv)
+    global _IN_WORKER_PROCESS
+    _IN_WORKER_PROCESS = True
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    configure_from_env()  # silent unless the controller's user asked for a log level
     extra_path = os.environ.get("DISCO_SYS_PATH")
     if extra_path:
         sys.path[:0] = [p for p in extra_path.split(os.pathsep) if p not in sys.path]
@@ -599,9 +625,18 @@ def main(argv: list[str] | None = None) -> None:
     reader = FrameReader(args.cmd_fd)
     send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
     send(("ready", os.getpid()))
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    logger.info(
+        "worker %d of %d started (pid %d, module %s)",
+        args.worker_id, args.num_workers, os.getpid(),
+        spec.name.removesuffix(".__main__") if spec is not None else sys.argv[0],
+    )  # fmt: skip
 
+    why = "shutdown command"
     try:
         worker.run(command_stream(reader, args.untrusted).__next__)
     except EOFError:
-        worker.close()  # the controller is gone
+        why = "its controller is gone (end of the command pipe)"
+        worker.close()
+    logger.info("worker %d exiting: %s", args.worker_id, why)
     os._exit(0)

@@ -15,9 +15,9 @@ process sits on the server's CPUs, so it inherits them; TVM's child does the sam
 for its own server. Each placement prints the floor (one-byte ping-pong over
 loopback TCP between two processes, memcpy) and the load average.
 
-Targets, met only when met in every placement: call round trip <= TVM's (issue 16)
-and < 100 us (issue 7); 64 MiB upload and download >= 0.9x the raw loopback stream
-(issue 16); tensor copies >= 1 GB/s and >= half the stream; connect < 10 ms.
+Targets, met only when met in every placement: call round trip <= TVM's
+and < 100 us; 64 MiB upload and download >= 0.9x the raw loopback stream;
+tensor copies >= 1 GB/s and >= half the stream; connect < 10 ms.
 """
 
 from __future__ import annotations

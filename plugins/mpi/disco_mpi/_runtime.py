@@ -102,7 +102,10 @@ def mpi(borrow: bool = False, timeout: float = 60.0, finalize: bool = False) -> 
         try:
             import mpi4py
         except ImportError as exc:  # pragma: no cover - a dependency of the plugin
-            raise CCLError(f"the 'mpi' CCL needs mpi4py ({exc}); pip install disco-mpi") from exc
+            raise CCLError(
+                f"the 'mpi' CCL needs mpi4py ({exc}); install the plugin with pip install "
+                "./plugins/mpi from a clone of the Disco repository (not yet on PyPI)"
+            ) from exc
         if "mpi4py.MPI" not in sys.modules:
             mpi4py.rc.thread_level = "multiple"
             # A finalize at exit would wait for peers that are already gone, except in

@@ -10,29 +10,60 @@ launcher and the thread support.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
+import shutil
 import sys
+
+from disco_core.spi import HelpFormatter, add_common_options, configure_logging, level_from_args
 
 from . import _runtime
 
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("disco_mpi.cli")
+
+
+def _resolve_launcher(exe: str) -> tuple[str | None, str]:
+    """The launcher's path, or None with the reason it cannot be run."""
+    if os.sep not in exe:  # a bare name: looked up on PATH, as a shell would
+        found = shutil.which(exe)
+        return (found, "") if found else (None, "not found on PATH")
+    if not os.path.exists(exe):
+        return None, "no such file"
+    if os.path.isdir(exe) or not os.access(exe, os.X_OK):
+        return None, "not an executable file"
+    return exe, ""
+
 
 def _run(args: argparse.Namespace) -> int:
-    exe = args.launcher or _runtime.launcher()
-    if exe is None:
+    given = args.launcher or _runtime.launcher()
+    if given is None:
         print(
             "disco-mpi: no MPI launcher found (pip install mpich, or pass --launcher / set "
             "DISCO_MPIEXEC)",
             file=sys.stderr,
         )
         return 2
+    exe, why = _resolve_launcher(given)
+    if exe is None:
+        source = "--launcher" if args.launcher else "the MPI launcher ($DISCO_MPIEXEC or found)"
+        print(f"disco-mpi: {source} {given!r}: {why}", file=sys.stderr)
+        return 2
     extra = shlex.split(args.launcher_args or "")
     argv = [exe, "-n", str(args.n), *extra, sys.executable, args.script, *args.args]
     if args.dry_run:
         print(shlex.join(argv))
         return 0
+    log.info("running %s", shlex.join(argv))
     sys.stdout.flush()
-    os.execv(exe, argv)
+    sys.stderr.flush()
+    try:
+        os.execv(exe, argv)
+    except OSError as exc:  # e.g. a script with a missing interpreter
+        print(f"disco-mpi: cannot run the launcher {exe!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 1  # pragma: no cover
 
 
@@ -54,22 +85,53 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="disco-mpi", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run a script as an N-worker MPI session")
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``disco-mpi``."""
+    p = argparse.ArgumentParser(
+        prog="disco-mpi", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    add_common_options(p, "disco-mpi")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
+    r = sub.add_parser(
+        "run",
+        help="run a script as an N-worker MPI session",
+        description="Run SCRIPT with the MPI launcher as N ranks: rank 0 hosts the controller "
+        "and worker 0, the others are workers.",
+        formatter_class=HelpFormatter,
+    )
+    add_common_options(r, "disco-mpi")
     r.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of workers")
-    r.add_argument("--launcher", help="the mpiexec to use (default: beside Python, or PATH)")
+    r.add_argument(
+        "--launcher",
+        help="the mpiexec to use, a path or a name on PATH (default: $DISCO_MPIEXEC, else "
+        "the one beside Python, else mpiexec or mpirun on PATH)",
+    )
     r.add_argument("--launcher-args", help="extra launcher arguments, one quoted string")
     r.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
-    r.add_argument("script")
-    r.add_argument("args", nargs=argparse.REMAINDER)
+    r.add_argument("script", help="the Python script to run on every rank")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     r.set_defaults(func=_run)
-    i = sub.add_parser("info", help="show the MPI library and launcher in use")
+    i = sub.add_parser(
+        "info",
+        help="show the MPI library and launcher in use",
+        description="Show mpi4py, the MPI library, its thread support and the launcher.",
+        formatter_class=HelpFormatter,
+    )
+    add_common_options(i, "disco-mpi")
     i.set_defaults(func=_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``disco-mpi`` with ``argv`` (``sys.argv[1:]`` when None); return its exit code."""
+    p = build_parser()
     args = p.parse_args(argv)
     if getattr(args, "n", 1) < 1:
         p.error("-n must be >= 1")
+    try:
+        configure_logging(level_from_args(args))
+    except ValueError as exc:
+        p.error(str(exc))
     return args.func(args)
 
 

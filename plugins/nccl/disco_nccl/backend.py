@@ -13,9 +13,14 @@ from disco_core import CCLError
 
 __all__ = ["load", "device_count", "can_split", "communicator", "uid_bytes", "INSTALL_HINT"]
 
+# disco-nccl and disco-rccl are installed from a clone of the repository: nobody has
+# published them, so a hint naming them on the package index would point at whoever
+# registers the name first.
 INSTALL_HINT = {
-    "nccl": "pip install 'disco-nccl[cuda12]' (CuPy for CUDA 12: cupy-cuda12x)",
-    "rccl": "pip install 'disco-rccl[rocm7]' (CuPy for ROCm 7: cupy-rocm-7-0; [rocm5] for ROCm 5)",
+    "nccl": "pip install './plugins/nccl[cuda12]' from a clone of the Disco repository "
+    "(not yet on PyPI; the extra brings CuPy for CUDA 12: cupy-cuda12x)",
+    "rccl": "pip install './plugins/rccl[rocm7]' from a clone of the Disco repository "
+    "(not yet on PyPI; the extra brings CuPy for ROCm 7: cupy-rocm-7-0; [rocm5] for ROCm 5)",
 }
 # ncclCommSplit arrived in NCCL 2.18.1 (CuPy >= 13 binds it as NcclCommunicator.commSplit).
 _SPLIT_VERSION = 21801

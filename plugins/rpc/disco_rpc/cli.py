@@ -1,5 +1,9 @@
 """The ``disco-rpc`` command: ``server``, ``tracker``, ``proxy``, ``query``, ``stdio``,
-``upload``, ``download``, ``ls``."""
+``upload``, ``download``, ``ls``.
+
+Every command takes ``--version``, ``-v``/``--verbose`` and ``--log-level LEVEL``;
+``--help`` shows each option's default.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,16 @@ import logging
 import os
 import sys
 import time
+from typing import Any, TextIO
+
+from disco_core import DiscoError
+from disco_core.spi import HelpFormatter, add_common_options, configure_logging, level_from_args
 
 from . import wire
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("disco_rpc.cli")
 
 
 def _tls_server(cert: str | None, keyfile: str | None):
@@ -35,74 +47,181 @@ def _tls_client(cafile: str | None, insecure: bool):
 
 
 class _Bar:
-    """A progress bar on stderr."""
+    """A progress bar on stderr, redrawn in place: only where stderr is a terminal.
 
-    def __init__(self, label: str) -> None:
+    Anywhere else (a log file, a pipe, CI) a ``\\r`` redraw is noise: one line is
+    written when the transfer ends instead.
+    """
+
+    def __init__(self, label: str, stream: TextIO | None = None) -> None:
         self.label = label
+        self.stream = stream or sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.live = bool(isatty and isatty())
         self.t0 = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
+        if done < total and not self.live:
+            return
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        rate = done / elapsed / 1e6
+        if not self.live:
+            self.stream.write(
+                f"{self.label}: {total / 1e6:.1f} MB in {elapsed:.2f} s ({rate:.0f} MB/s)\n"
+            )
+            self.stream.flush()
+            return
         frac = done / total if total else 1.0
         width = 30
         fill = int(frac * width)
-        rate = done / max(time.perf_counter() - self.t0, 1e-9) / 1e6
-        sys.stderr.write(
+        self.stream.write(
             f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {frac:6.1%} "
             f"{done / 1e6:.1f}/{total / 1e6:.1f} MB {rate:.0f} MB/s"
         )
         if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+            self.stream.write("\n")
+        self.stream.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="disco-rpc", description="Disco RPC server and tools")
-    sub = p.add_subparsers(dest="cmd", required=True)
+_DIST = "disco-rpc"
+_TOKEN_NOTE = "The token is read from $DISCO_TOKEN (never from the command line)."
+#: Commands that run a service in the foreground: they log at INFO unless told otherwise.
+_SERVICES = ("server", "tracker", "proxy")
 
-    s = sub.add_parser("server", help="run an RPC server in the foreground")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=9091)
-    s.add_argument("--port-end", type=int, default=9199)
-    s.add_argument("--key", default="")
-    s.add_argument(
-        "--load-library", default=None, help=".py/.so files separated by ':' (TVM's) or ','"
+
+def _sub(sub: Any, name: str, help: str, description: str, **kw: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        name, help=help, description=description, formatter_class=HelpFormatter, **kw
     )
-    s.add_argument("--no-fork", action="store_true")
+    add_common_options(p, _DIST, default_level="info" if name in _SERVICES else "warning")
+    return p
+
+
+def _add_listen(p: argparse.ArgumentParser, port: int, what: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help=f"the address the {what} listens on")
+    p.add_argument("--port", type=int, default=port, help="the first port to try")
+    p.add_argument(
+        "--port-end",
+        type=int,
+        default=9199,
+        help="the last port to try (the first free one is used)",
+    )
+
+
+def _add_insecure(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-insecure-bind",
+        action="store_true",
+        help="listen beyond loopback without TLS or a token (anyone who reaches the port gets in)",
+    )
+    p.add_argument("--silent", action="store_true", help="log errors only (default: INFO)")
+
+
+def _add_tls_server(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (when not in it)")
+
+
+def _add_connect(p: argparse.ArgumentParser, port: int, what: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help=f"the {what}'s address")
+    p.add_argument("--port", type=int, default=port, help=f"the {what}'s port")
+    p.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help=f"connect with TLS, checking the {what} with this CA bundle",
+    )
+    p.add_argument(
+        "--tls-insecure",
+        action="store_true",
+        help="connect with TLS without checking the certificate (testing only)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``disco-rpc``."""
+    p = argparse.ArgumentParser(
+        prog="disco-rpc",
+        description="Disco RPC: servers, tracker and proxy after tvm.rpc, and file tools.",
+        epilog="`disco-rpc COMMAND --help` lists a command's options. " + _TOKEN_NOTE,
+        formatter_class=HelpFormatter,
+    )
+    add_common_options(p, _DIST)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="one of:")
+
+    s = _sub(
+        sub, "server", "run an RPC server in the foreground",
+        "Serve RPC sessions (tvm.rpc's server): each client gets a session in its own "
+        "process, with its own work folder.",
+        epilog=_TOKEN_NOTE,
+    )  # fmt: skip
+    _add_listen(s, 9091, "server")
+    s.add_argument(
+        "--key", default="", help="the key clients and the tracker match on (default: none)"
+    )
+    s.add_argument(
+        "--load-library",
+        metavar="FILES",
+        help=".py/.so files to load, separated by ':' (TVM's) or ','",
+    )
+    s.add_argument(
+        "--no-fork",
+        action="store_true",
+        help="serve sessions in threads of this process, not forked ones",
+    )
     s.add_argument(
         "--timeout",
         type=float,
-        default=None,
+        metavar="SECONDS",
         help="seconds a connecting client has for its handshake (TVM's socket timeout; at most "
         "10, the default); not a limit on sessions",
     )
-    s.add_argument("--session-timeout", type=float, default=None, help="longest session, seconds")
+    s.add_argument(
+        "--session-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="longest session, in seconds (default: no limit)",
+    )
     s.add_argument(
         "--liveness-timeout",
         type=float,
-        default=None,
+        metavar="SECONDS",
         help="seconds of silence after which a client is taken for frozen or gone and its "
-        "session ends (default $DISCO_RPC_LIVENESS_TIMEOUT, else 8; 0: never)",
+        "session ends (default: $DISCO_RPC_LIVENESS_TIMEOUT, else 8; 0: never)",
     )
     s.add_argument(
         "--work-dir",
-        default=None,
+        metavar="DIR",
         help="a folder every session uses and that is kept (default: one temporary folder "
         "per session, deleted when it ends)",
     )
-    s.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES)
-    s.add_argument("--tls-cert", default=None)
-    s.add_argument("--tls-key", default=None)
-    s.add_argument("--allow-insecure-bind", action="store_true")
-    s.add_argument("--silent", action="store_true")
-    s.epilog = "The token is read from $DISCO_TOKEN."
+    s.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=wire.DEFAULT_MAX_MESSAGE_BYTES,
+        metavar="N",
+        help="the largest message a session accepts, in bytes",
+    )
+    _add_tls_server(s)
+    _add_insecure(s)
+    s.add_argument("--tracker", metavar="HOST:PORT", help="a tracker to register with")
+    s.add_argument(
+        "--custom-addr", metavar="HOST", help="the host the tracker tells clients (default: --host)"
+    )
+    s.add_argument(
+        "--through-proxy", action="store_true", help="--host/--port name a proxy to serve through"
+    )
 
-    t = sub.add_parser("tracker", help="run an RPC tracker in the foreground")
-    t.add_argument("--host", default="127.0.0.1")
-    t.add_argument("--port", type=int, default=9190)
-    t.add_argument("--port-end", type=int, default=9199)
-    t.add_argument("--tls-cert", default=None)
-    t.add_argument("--tls-key", default=None)
-    t.add_argument("--match-timeout", type=float, default=10.0)
+    t = _sub(
+        sub, "tracker", "run an RPC tracker in the foreground",
+        "Match clients with servers by key, with priorities and queues (tvm.rpc's tracker).",
+        epilog=_TOKEN_NOTE,
+    )  # fmt: skip
+    _add_listen(t, 9190, "tracker")
+    _add_tls_server(t)
+    t.add_argument(
+        "--match-timeout", type=float, default=10.0, metavar="SECONDS",
+        help="seconds a matched server waits for its client",
+    )  # fmt: skip
     t.add_argument(
         "--tvm-protocol",
         action="store_true",
@@ -110,57 +229,83 @@ def main(argv: list[str] | None = None) -> int:
         "query_rpc_tracker), which has no authentication: beyond loopback it needs "
         "--allow-insecure-bind",
     )
-    t.add_argument("--allow-insecure-bind", action="store_true")
-    t.add_argument("--silent", action="store_true")
-    t.epilog = "The token is read from $DISCO_TOKEN."
+    _add_insecure(t)
 
-    q = sub.add_parser("query", help="print a tracker's servers and queues")
-    q.add_argument("--host", default="127.0.0.1")
-    q.add_argument("--port", type=int, default=9190)
-    q.add_argument("--tls-ca", default=None)
-    q.add_argument("--tls-insecure", action="store_true")
+    q = _sub(
+        sub, "query", "print a tracker's servers and queues",
+        "Print a tracker's servers and queues, as TVM's query_rpc_tracker does.",
+    )  # fmt: skip
+    _add_connect(q, 9190, "tracker")
 
-    px = sub.add_parser("proxy", help="run an RPC proxy in the foreground")
-    px.add_argument("--host", default="127.0.0.1")
-    px.add_argument("--port", type=int, default=9090)
-    px.add_argument("--port-end", type=int, default=9199)
-    px.add_argument("--tracker", default=None, help="host:port of a tracker to register with")
-    px.add_argument("--allow-insecure-bind", action="store_true")
-    px.add_argument("--silent", action="store_true")
+    px = _sub(
+        sub, "proxy", "run an RPC proxy in the foreground",
+        "Relay clients to servers that cannot be reached directly (tvm.rpc's proxy).",
+        epilog=_TOKEN_NOTE,
+    )  # fmt: skip
+    _add_listen(px, 9090, "proxy")
+    px.add_argument("--tracker", metavar="HOST:PORT", help="a tracker to register with")
+    _add_insecure(px)
 
-    st = sub.add_parser("stdio", help="serve one session on stdin/stdout (for PopenSession)")
-    st.add_argument("--load-library", default=None)
+    st = _sub(
+        sub, "stdio", "serve one session on stdin/stdout (for PopenSession)",
+        "Serve one session on this process's stdin and stdout (what PopenSession starts).",
+    )  # fmt: skip
+    st.add_argument(
+        "--load-library", metavar="FILES", help=".py/.so files to load, separated by ':' or ','"
+    )
 
-    for name in ("upload", "download", "ls"):
-        c = sub.add_parser(
-            name,
-            help=f"{name} through a session of a server (files persist between invocations "
-            "only on a server with --work-dir)",
-        )
-        c.add_argument("--host", default="127.0.0.1")
-        c.add_argument("--port", type=int, default=9091)
-        c.add_argument("--key", default="")
-        c.add_argument("--tls-ca", default=None)
-        c.add_argument("--tls-insecure", action="store_true")
+    for name, short, what in (
+        (
+            "upload",
+            "copy a local file to a server",
+            "Copy a local file into a server session's work folder.",
+        ),
+        (
+            "download",
+            "copy a server's file here",
+            "Copy a file of a server session's work folder to a local file.",
+        ),
+        ("ls", "list a server's folder", "List a folder of a server session's work folder."),
+    ):
+        c = _sub(
+            sub, name, f"{short} (one session each: use a server with --work-dir)",
+            f"{what} Each invocation is a session of its own: files persist between "
+            "invocations only on a server started with --work-dir.",
+            epilog=_TOKEN_NOTE,
+        )  # fmt: skip
+        _add_connect(c, 9091, "server")
+        c.add_argument("--key", default="", help="the server's key (default: none)")
         if name == "upload":
-            c.add_argument("file")
-            c.add_argument("target", nargs="?")
+            c.add_argument("file", help="the local file")
+            c.add_argument("target", nargs="?", help="the remote name (default: the file's name)")
         elif name == "download":
-            c.add_argument("path")
-            c.add_argument("out")
+            c.add_argument("path", help="the remote file")
+            c.add_argument("out", help="the local file to write (its folder must exist)")
         else:
-            c.add_argument("path", nargs="?", default=".")
+            c.add_argument("path", nargs="?", default=".", help="the remote folder")
+    return p
 
-    s.add_argument("--tracker", default=None, help="host:port of a tracker to register with")
-    s.add_argument("--custom-addr", default=None, help="the host the tracker tells clients")
-    s.add_argument("--through-proxy", action="store_true", help="--host/--port name a proxy")
 
+def main(argv: list[str] | None = None) -> int:
+    """Run ``disco-rpc`` with ``argv`` (``sys.argv[1:]`` when None); return its exit code."""
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.cmd in _SERVICES:
+        default = logging.ERROR if args.silent else logging.INFO
+    else:
+        default = logging.WARNING
+    try:
+        level = level_from_args(args, default)
+    except ValueError as exc:
+        p.error(str(exc))
+    if getattr(args, "silent", False) and getattr(args, "log_level", None) is None:
+        level = max(level, logging.ERROR)  # --silent wins over $DISCO_LOG_LEVEL, not --log-level
+    configure_logging(level)
     from .errors import RPCError
 
     try:
         return _run(args)
-    except (RPCError, OSError) as exc:
+    except (RPCError, OSError, DiscoError) as exc:
         print(f"disco-rpc: {_short(exc)}", file=sys.stderr)
         return 1
 
@@ -204,7 +349,10 @@ def _files(args) -> int:
     from .client import connect
 
     ctx = _tls_client(args.tls_ca, args.tls_insecure)
+    tls = "TLS" if ctx is not None else "no TLS"
+    log.info("%s: connecting to %s:%d (key %r, %s)", args.cmd, args.host, args.port, args.key, tls)
     with connect(args.host, args.port, args.key, ssl_context=ctx) as sess:
+        log.debug("session open: work folder %s", sess.info.get("work_dir", "?"))
         if args.cmd == "upload":
             sess.upload(args.file, args.target, progress=_Bar(f"upload {args.file}"))
         elif args.cmd == "download":
@@ -247,10 +395,6 @@ def _wait_forever(obj) -> int:
 
 
 def _tracker_or_proxy(args) -> int:
-    logging.basicConfig(
-        level=logging.ERROR if args.silent else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
     from .errors import RPCError
 
     try:
@@ -281,10 +425,6 @@ def _managed_server(args) -> int:
     from .errors import RPCError
     from .server import Server
 
-    logging.basicConfig(
-        level=logging.ERROR if args.silent else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
     try:
         srv = Server(
             args.host, args.port, args.port_end, is_proxy=args.through_proxy,
@@ -321,10 +461,6 @@ def _server(args) -> int:
         handshake_timeout as resolve_handshake_timeout,
     )
 
-    logging.basicConfig(
-        level=logging.ERROR if args.silent else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
     token = auth.resolve_token(None)
     ctx = _tls_server(args.tls_cert, args.tls_key)
     try:

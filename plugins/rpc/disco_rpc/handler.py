@@ -71,6 +71,7 @@ from .protocol import (  # noqa: F401 (every operation code: handler.OP_CALL is 
     OP_TENSOR_SET,
     OP_TIME_EVAL,
     OP_UPLOAD,
+    OP_UPLOAD_CHECK,
     PART_PREFIX,
     POPEN_WORK_DIR_ENV,
     REPLY,
@@ -380,6 +381,7 @@ class SessionHandler:
             OP_PING: lambda: None,
             OP_FREE: lambda *ids: None,
             OP_TIME_EVAL: self.op_time_eval,
+            OP_UPLOAD_CHECK: self.op_upload_check,
         }
 
     # -- objects ----------------------------------------------------------------
@@ -469,6 +471,10 @@ class SessionHandler:
             os.close(dfd)
             raise RPCIsADirectoryError(f"remote path {target!r} is a folder")
         return UploadTarget(dfd, parts[-1], path)
+
+    def op_upload_check(self, target: Any) -> None:
+        """Raise what an upload to ``target`` would raise before its body (nothing sent yet)."""
+        os.close(self.upload_target(target).dir_fd)
 
     @staticmethod
     def write_upload(target: UploadTarget, fill: Any) -> None:

@@ -145,7 +145,7 @@ def with_minrpc(compile_func: Callable[..., Any] | str | None = None, server: st
     Parameters
     ----------
     compile_func : callable or str, optional
-        Links the native objects (``.o``, ``.a``, C sources: :data:`NATIVE_SUFFIXES`)
+        Links the native objects (``.o``, ``.a``, C sources: ``NATIVE_SUFFIXES``)
         into a shared library that the server loads into ``system_lib()``. Called as
         TVM's compile functions are, ``compile_func(lib, objects, options=opts)``,
         with ``lib`` a path ending in ``.so`` and ``opts`` ``["-shared", "-fPIC"]``
@@ -166,7 +166,7 @@ def with_minrpc(compile_func: Callable[..., Any] | str | None = None, server: st
         ``fcompile(output, objects, options=None)`` writes at ``output`` an
         executable minimal server holding ``objects`` (paths: native objects are
         linked by ``compile_func``; ``.so`` and ``.py`` files and any other file are
-        shipped as they are, see :func:`write_minrpc`). The output serves on the
+        shipped as they are, see ``write_minrpc``). The output serves on the
         pipe descriptors given as its two arguments (TVM's popen convention), or on
         stdin/stdout without arguments. ``fcompile.need_system_lib`` is True, as TVM's.
 

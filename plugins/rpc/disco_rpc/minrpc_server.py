@@ -504,9 +504,19 @@ class Session:
             return args[0].code == 1
         if op == proto.OP_TIME_EVAL:
             return self.time_eval(*args)
+        if op == proto.OP_UPLOAD_CHECK:
+            return self.upload_check(*args)
         if op in (proto.OP_TENSOR, proto.OP_EMPTY, proto.OP_TENSOR_GET, proto.OP_TENSOR_SET):
             raise TypeError("remote tensors are not supported by the minimal server (no NumPy)")
         raise ValueError(f"operation {op} is not supported by the minimal server")
+
+    def upload_check(self, target):
+        """What :meth:`upload` would refuse, before the body is sent (``OP_UPLOAD_CHECK``)."""
+        full = self.path(target)
+        if PART_RE.match(os.path.basename(full)):
+            raise PermissionError(f"remote name {target!r} is reserved for partial uploads")
+        if os.path.isdir(full):
+            raise IsADirectoryError(f"remote path {target!r} is a folder")
 
     def upload(self, pipe, payload):
         """An upload request ``(target, size)``; ``size`` bytes of chunks follow it."""

@@ -163,6 +163,10 @@ HANDLE_FUNC, HANDLE_MODULE, HANDLE_TENSOR, HANDLE_OBJECT = 1, 2, 3, 4
     OP_TIME_EVAL,
     OP_DISCO_WORKER,
 ) = range(1, 22)
+#: ``(target,)``: would an upload to ``target`` be accepted? Sent before a large
+#: upload, so a refused one costs a round trip, not its whole body. A server
+#: without it answers "unknown operation" and the client uploads as before.
+OP_UPLOAD_CHECK = 22
 
 #: ``{code: "name"}`` of the session operations (for messages).
 OP_NAMES = {v: k[3:].lower() for k, v in dict(globals()).items() if k.startswith("OP_")}

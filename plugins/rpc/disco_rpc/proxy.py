@@ -501,7 +501,7 @@ class Proxy(ServiceProcess):
     timeout_server : float
         Accepted for TVM's signature; an idle server stays registered as long as
         its link is open (TVM's reconnects after ``timeout_server``).
-    tracker_addr : (str, int), optional
+    tracker_addr : tuple of str and int, optional
         Register the servers behind the proxy with this tracker.
     token : str or bytes, optional
         The secret servers must prove to register (default ``$DISCO_TOKEN``).

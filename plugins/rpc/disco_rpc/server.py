@@ -121,7 +121,7 @@ class ServerConfig:
     #: the longest any session may last (``Server(session_timeout=...)``; None: no limit)
     session_timeout: float | None = None
     #: seconds a connecting client has for its handshake and session request (TVM's
-    #: ``Server(timeout=...)`` lowers it; never above :data:`HANDSHAKE_TIMEOUT`)
+    #: ``Server(timeout=...)`` lowers it; never above ``HANDSHAKE_TIMEOUT``)
     handshake_timeout: float = HANDSHAKE_TIMEOUT
     no_fork: bool = False
     libs: list = field(default_factory=list)
@@ -183,7 +183,7 @@ def _positive_or_none(value: Any, name: str) -> float | None:
 
 
 def handshake_timeout(timeout: Any) -> float:
-    """TVM's ``Server(timeout=...)`` (and ``Tracker``'s): the handshake's time, capped by :data:`HANDSHAKE_TIMEOUT`."""
+    """TVM's ``Server(timeout=...)`` (and ``Tracker``'s): the handshake's time, capped by ``HANDSHAKE_TIMEOUT``."""
     seconds = _positive_or_none(timeout, "timeout")
     return HANDSHAKE_TIMEOUT if seconds is None else min(seconds, HANDSHAKE_TIMEOUT)
 
@@ -819,7 +819,7 @@ class Server(ServiceProcess):
         clients the proxy pairs with it, one session at a time. Anyone who reaches
         the proxy reaches the server, so a ``token`` is required unless
         ``allow_insecure_bind=True``.
-    tracker_addr : (str, int), optional
+    tracker_addr : tuple of str and int, optional
         Register with this tracker under ``key`` (``tracker_token``/``tracker_ssl_context``
         for that link; the server's ``token`` by default). The server then serves only
         clients holding a ticket from the tracker, and reports each session's end.
@@ -842,7 +842,7 @@ class Server(ServiceProcess):
     timeout : float, optional
         As TVM's, a timeout for the operations on the server's socket, not a limit
         on sessions: a client that connects has this long to complete its handshake
-        and session request (at most :data:`HANDSHAKE_TIMEOUT`, 10 s, the server's
+        and session request (at most ``HANDSHAKE_TIMEOUT``, 10 s, the server's
         bound on work before authentication; that bound by default).
     token : str or bytes, optional
         Shared secret clients must prove they know (default ``$DISCO_TOKEN``).

@@ -109,7 +109,7 @@ def stop_process(pid: int, grace: float = 3.0) -> None:
 class ServiceProcess:
     """Base of :class:`~disco_rpc.Server`, :class:`~disco_rpc.Tracker` and :class:`~disco_rpc.Proxy`.
 
-    A subclass sets ``host`` and ``port`` and calls :meth:`_fork`; it is a context
+    A subclass sets ``host`` and ``port`` and calls ``_fork``; it is a context
     manager, and :meth:`terminate` (also run when it is dropped) stops the process.
     """
 

@@ -508,7 +508,7 @@ def serve_tracker(listen_sock: socket.socket, token: bytes | None = None, ssl_co
     ``handshake_timeout`` seconds each, no thread for them); each authenticated
     link then gets a thread, up to ``max_links`` (beyond, it is told so and closed).
     With ``tvm_protocol``, a connection that starts with TVM's tracker magic is
-    served by :mod:`disco_rpc.tvm_tracker` instead (a thread too, up to ``max_tvm_links``,
+    served by ``disco_rpc.tvm_tracker`` instead (a thread too, up to ``max_tvm_links``,
     a cap of their own: unauthenticated peers cannot crowd out authenticated links).
     """
     state = TrackerState(match_timeout, min(int(max_message_bytes), TRACKER_MAX_MESSAGE_BYTES))
@@ -593,7 +593,7 @@ class Tracker(ServiceProcess):
         goes back into the pool.
     tvm_protocol : bool
         Also speak TVM's tracker protocol on the same port, for TVM's own servers
-        and clients (:mod:`disco_rpc.tvm_tracker`). That protocol has no
+        and clients (``disco_rpc.tvm_tracker``). That protocol has no
         authentication, so on a non-loopback ``host`` it needs
         ``allow_insecure_bind`` even with a token or TLS.
     """

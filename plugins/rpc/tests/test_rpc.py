@@ -607,7 +607,8 @@ def test_cli_server_and_upload(tmp_path):
             [exe, "upload", "--port", str(port), str(f)], capture_output=True, text=True
         )
         assert r.returncode == 0, r.stderr
-        assert "100.0%" in r.stderr  # the progress bar
+        # stderr is a pipe here: one summary line, no progress bar redrawn with \r
+        assert "upload " in r.stderr and " MB/s" in r.stderr and "\r" not in r.stderr
         with rpc.connect("127.0.0.1", port) as s:
             assert s.listdir() == ""  # each session has its own work folder
         r = subprocess.run(

@@ -1,7 +1,8 @@
 """The ``disco-socket`` command: ``disco-socket join HOST PORT --workers N``.
 
 Also ``disco-socket HOST PORT N [options]`` and ``python -m disco_socket HOST PORT N
-[options]``, short for ``join HOST PORT --workers N [options]``.
+[options]``, short for ``join HOST PORT --workers N [options]``. Every form takes
+``--version``, ``-v``/``--verbose`` and ``--log-level LEVEL``.
 """
 
 from __future__ import annotations
@@ -11,9 +12,15 @@ import logging
 import os
 import sys
 
+from disco_core.spi import HelpFormatter, add_common_options, configure_logging, level_from_args
+
 from .wire import PROTOCOL_VERSION
 
+__all__ = ["main", "module_main"]
+
 _COMMANDS = ("join", "version")
+#: Options every form takes before HOST (the short form is found after them).
+_GLOBAL_FLAGS = ("-v", "--verbose", "-vv", "-vvv")
 
 
 def _usage(prog: str) -> str:
@@ -24,8 +31,16 @@ def _usage(prog: str) -> str:
     )
 
 
+def _version_text() -> str:
+    from disco_core.commandline import distribution_version
+
+    return f"disco-socket {distribution_version('disco-socket')} (protocol {PROTOCOL_VERSION})"
+
+
 def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
+    version = _version_text()
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog=prog,
         usage=_usage(prog),
         description="Disco for Python over sockets: run a node agent that joins a SocketSession.",
@@ -35,7 +50,8 @@ def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
         "2 refused (version, token, worker count, TLS, session full), 3 no controller "
         "reachable in time, 128+N stopped by signal N (130: Ctrl-C).",
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{join,version}")
+    add_common_options(p, "disco-socket", version_text=version)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{join,version}", help="one of:")
     j = sub.add_parser(
         "join",
         prog=f"{prog} join",
@@ -43,13 +59,16 @@ def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
         description="Connect to a SocketSession's controller, start this node's workers and "
         "relay their commands until the session shuts down (or the controller disappears). "
         f"Short form: {prog} HOST PORT N [options].",
+        formatter_class=HelpFormatter,
     )
+    add_common_options(j, "disco-socket", version_text=version, default_level="info")
     j.add_argument("host", help="the controller's address")
     j.add_argument("port", type=int, help="the controller's port")
     j.add_argument(
         "--workers",
         "-n",
         type=int,
+        metavar="N",
         required=True,
         help="workers on this node (num_workers_per_node)",
     )
@@ -61,28 +80,58 @@ def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
     )
     j.add_argument(
         "--connect-timeout",
+        metavar="SECONDS",
         type=float,
         default=float(os.environ.get("DISCO_CONNECT_TIMEOUT", "60")),
-        help="seconds to keep retrying while nothing answers at HOST PORT (default 60, "
-        "or $DISCO_CONNECT_TIMEOUT)",
+        help="seconds to keep retrying while nothing answers at HOST PORT (default: "
+        "$DISCO_CONNECT_TIMEOUT, else 60)",
     )
     j.add_argument(
-        "--retry-interval", type=float, default=0.2, help="seconds between attempts (default 0.2)"
+        "--retry-interval",
+        metavar="SECONDS",
+        type=float,
+        default=0.2,
+        help="seconds between attempts",
     )
     j.add_argument("--tls", action="store_true", help="use TLS, verifying with the system CAs")
     j.add_argument(
-        "--tls-ca", help="CA bundle that signed the controller's certificate (implies --tls)"
+        "--tls-ca",
+        metavar="FILE",
+        help="CA bundle that signed the controller's certificate (implies --tls)",
     )
-    j.add_argument("--tls-cert", help="this node's certificate, for mutual TLS (implies --tls)")
-    j.add_argument("--tls-key", help="the key of --tls-cert")
     j.add_argument(
-        "--tls-server-name", help="the name to check the controller's certificate against"
+        "--tls-cert", metavar="FILE", help="this node's certificate, for mutual TLS (implies --tls)"
     )
-    j.add_argument("-q", "--quiet", action="store_true", help="log errors only")
-    sub.add_parser(
-        "version", prog=f"{prog} version", help="print the package and protocol versions"
+    j.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert")
+    j.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name to check the controller's certificate against",
     )
+    j.add_argument("-q", "--quiet", action="store_true", help="log errors only (default: INFO)")
+    v = sub.add_parser(
+        "version",
+        prog=f"{prog} version",
+        help="print the package and protocol versions (as --version)",
+        description="Print the disco-socket and protocol versions.",
+        formatter_class=HelpFormatter,
+    )
+    add_common_options(v, "disco-socket", version_text=version)
     return p
+
+
+def _first_word(argv: list[str]) -> int:
+    """The index of the first argument that is not one of the common options."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _GLOBAL_FLAGS or a.startswith("--log-level="):
+            i += 1
+        elif a == "--log-level":
+            i += 2
+        else:
+            break
+    return i
 
 
 def _expand_short_form(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -109,23 +158,20 @@ def main(argv: list[str] | None = None, prog: str = "disco-socket") -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     parser = _parser(prog)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in _COMMANDS and not argv[0].startswith("-"):
-        argv = _expand_short_form(parser, argv)
+    first = _first_word(argv)
+    if first < len(argv) and argv[first] not in _COMMANDS and not argv[first].startswith("-"):
+        argv = argv[:first] + _expand_short_form(parser, argv[first:])
     args = parser.parse_args(argv)
     if args.command == "version":
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            v = version("disco-socket")
-        except PackageNotFoundError:  # pragma: no cover - source tree
-            v = "source"
-        print(f"disco-socket {v} (protocol {PROTOCOL_VERSION})")
+        print(_version_text())
         return 0
-    logging.basicConfig(
-        level=logging.ERROR if args.quiet else logging.INFO,
-        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        level = level_from_args(args, logging.ERROR if args.quiet else logging.INFO)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.quiet and getattr(args, "log_level", None) is None:
+        level = max(level, logging.ERROR)  # -q wins over $DISCO_LOG_LEVEL, not --log-level
+    configure_logging(level)
     from .agent import client_ssl_context, run_agent
 
     ctx = None

@@ -133,8 +133,9 @@ __all__ = [
     "idle_seconds",
 ]
 
-#: 3: heartbeats (``PING``) and JSON death reports. 4: the core's handshake
-#: (transcript-bound proofs, ``auth`` flags) and sealed records with a token.
+#: The protocol's version. Version 3 added heartbeats (``PING``) and JSON death
+#: reports, and 4 the core's handshake (transcript-bound proofs, ``auth`` flags)
+#: and sealed records with a token.
 PROTOCOL_VERSION = 4
 #: The label of this protocol's handshakes (proofs and keys of other protocols never fit).
 LABEL = b"disco-socket/4"

@@ -1,0 +1,63 @@
+"""``disco-mpi``: --version, -v/--log-level, help with defaults, a missing launcher (issue 17)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from disco_mpi import cli
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "disco_mpi.cli", *args], capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("--version",), ("run", "--version"), ("info", "--version")])
+def test_version(args):
+    r = _run(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"disco-mpi {version('disco-mpi')}"
+
+
+def test_every_option_has_help_and_the_common_ones():
+    p = cli.build_parser()
+    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
+    for parser in (p, *sub.choices.values()):
+        opts = {o for a in parser._actions for o in a.option_strings}
+        assert {"--version", "-v", "--log-level"} <= opts, parser.prog
+        for action in parser._actions:
+            assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("launcher", "why"),
+    [
+        ("/missing/mpiexec", "no such file"),
+        ("no-such-mpiexec-here", "not found on PATH"),
+        ("/", "not an executable file"),
+    ],
+)
+def test_missing_launcher_is_one_line(tmp_path, launcher, why):
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    r = _run("run", "-n", "2", "--launcher", launcher, str(script))
+    assert r.returncode == 2
+    assert r.stderr == f"disco-mpi: --launcher {launcher!r}: {why}\n"
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_common_options_before_and_after_run(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    r = _run("-v", "run", "-n", "2", "--launcher", sys.executable, "--dry-run", str(script))
+    assert r.returncode == 0 and r.stdout.startswith(sys.executable)
+    r = _run("run", "-n", "1", "--log-level", "loud", str(script))
+    assert r.returncode == 2 and "unknown log level 'loud'" in r.stderr

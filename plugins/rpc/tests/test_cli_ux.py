@@ -1,0 +1,214 @@
+"""What a new user of ``disco-rpc`` meets: help, versions, logging, file transfer errors (issue 17)."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+from importlib.metadata import version
+
+import pytest
+
+import disco_rpc as rpc
+from disco_rpc import cli, client
+
+PY = sys.executable
+TOKEN = "ux-secret"
+SUBCOMMANDS = ("server", "tracker", "query", "proxy", "stdio", "upload", "download", "ls")
+
+
+def _run(*args: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DISCO_TOKEN": TOKEN, **kw.pop("env", {})}
+    return subprocess.run(
+        [PY, "-m", "disco_rpc", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ux-work")
+    srv = rpc.Server(port=10400, port_end=10450, token=TOKEN, work_dir=str(work))
+    yield srv
+    srv.terminate()
+
+
+# --------------------------------------------------------------------------- options
+def _parsers():
+    p = cli.build_parser()
+    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
+    return p, sub.choices
+
+
+def test_every_option_has_help_and_the_common_ones():
+    p, subs = _parsers()
+    assert set(SUBCOMMANDS) <= set(subs)
+    for parser in (p, *subs.values()):
+        opts = {o for a in parser._actions for o in a.option_strings}
+        assert {"--version", "-v", "--verbose", "--log-level"} <= opts, parser.prog
+        for action in parser._actions:
+            assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cmd", ["server", "upload", "tracker"])
+def test_help_shows_defaults(cmd):
+    r = _run(cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())  # as wrapped for any terminal width
+    assert "(default: 127.0.0.1)" in text and "--log-level LEVEL" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("--version",), ("server", "--version"), ("ls", "--version")])
+def test_version(args):
+    r = _run(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"disco-rpc {version('disco-rpc')}"
+
+
+@pytest.mark.timeout(60)
+def test_bad_log_level_is_a_usage_error():
+    r = _run("ls", "--log-level", "loud")
+    assert r.returncode == 2 and "unknown log level 'loud'" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_verbose_logs_the_client_side(server):
+    # -vv: DEBUG; the session's work goes through the core's logging configuration
+    r = _run("ls", "--port", str(server.port), "-vv")
+    assert r.returncode == 0, r.stderr
+    assert "disco_rpc.cli" in r.stderr and "INFO ls: connecting to 127.0.0.1" in r.stderr
+    assert "DEBUG session open: work folder" in r.stderr
+    quiet = _run("ls", "--port", str(server.port))
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert TOKEN not in r.stderr  # never the secret
+
+
+# --------------------------------------------------------------------------- downloads
+@pytest.mark.timeout(60)
+def test_download_into_a_missing_local_folder(server, tmp_path):
+    with rpc.connect("127.0.0.1", server.port, token=TOKEN) as s:
+        s.upload(b"abc", "d.txt")
+        missing = tmp_path / "nope" / "d.txt"
+        with pytest.raises(FileNotFoundError, match="local folder .*nope.* does not exist"):
+            s.download("d.txt", target=str(missing))
+        assert s.download("d.txt") == bytearray(b"abc")  # the session is still usable
+        with pytest.raises(ValueError, match="is a folder"):
+            s.download("d.txt", target=str(tmp_path))
+    r = _run("download", "--port", str(server.port), "d.txt", str(missing))
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "does not exist" in r.stderr, r.stderr
+    assert "lost the connection" not in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_local_session_download_checks_the_folder_too(tmp_path):
+    s = rpc.LocalSession()
+    s.upload(b"x", "f.bin")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        s.download("f.bin", target=str(tmp_path / "nope" / "f.bin"))
+
+
+# --------------------------------------------------------------------------- uploads
+class _CountingRelay:
+    """A TCP relay in front of the server that counts the bytes the client sends."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.sent = 0
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        c, _ = self.lsock.accept()
+        s = socket.create_connection(("127.0.0.1", self.target))
+        threading.Thread(target=self._pump, args=(c, s, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(s, c, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                if count:
+                    self.sent += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.lsock.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("checked", [True, False])
+def test_refused_upload_sends_no_body(server, monkeypatch, checked):
+    body = bytes(64 << 20)
+    if not checked:  # the old way, to show that the count below can tell
+        monkeypatch.setattr(client, "CHECK_UPLOADS_ABOVE", len(body))
+    relay = _CountingRelay(server.port)
+    try:
+        with rpc.connect("127.0.0.1", relay.port, token=TOKEN) as s:
+            before = relay.sent
+            with pytest.raises(rpc.RPCError, match="PermissionError.*leaves the session's work folder"):
+                s.upload(body, "../outside.bin")
+            sent = relay.sent - before
+            s.upload(b"small", "fine.bin")  # still in sync
+            assert "fine.bin" in s.listdir_names(".")
+    finally:
+        relay.close()
+    if checked:
+        assert sent < 64 << 10, f"{sent} bytes sent for a refused upload"
+    else:
+        assert sent >= len(body)
+
+
+@pytest.mark.timeout(120)
+def test_accepted_large_upload_arrives(server):
+    body = os.urandom(client.CHECK_UPLOADS_ABOVE + 1)
+    with rpc.connect("127.0.0.1", server.port, token=TOKEN) as s:
+        s.upload(body, "sub/big.bin")
+        assert bytes(s.download("sub/big.bin")) == body
+        with pytest.raises(rpc.RPCError, match="reserved for partial uploads"):
+            s.upload(body, rpc.protocol.PART_PREFIX + "0123456789abcdef")
+
+
+# --------------------------------------------------------------------------- progress
+def test_progress_bar_only_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    log, tty = io.StringIO(), Tty()
+    for stream in (log, tty):
+        bar = cli._Bar("upload f", stream=stream)
+        for done in (0, 10 << 20, 20 << 20):
+            bar(done, 20 << 20)
+    assert "\r" not in log.getvalue() and log.getvalue().count("\n") == 1
+    assert "upload f: 21.0 MB in" in log.getvalue()
+    assert tty.getvalue().count("\r") == 3 and "100.0%" in tty.getvalue()
+
+
+@pytest.mark.timeout(120)
+def test_minimal_server_checks_uploads_too(tmp_path):
+    path = str(tmp_path / "s.minrpc")
+    rpc.with_minrpc(None)(path, [])
+    sess = rpc.PopenSession(path)
+    try:
+        body = bytes(client.CHECK_UPLOADS_ABOVE + 1)
+        for bad, why in (("../x.bin", "PermissionError"), (".", "IsADirectoryError")):
+            with pytest.raises(rpc.RPCError, match=why):
+                sess.upload(body, bad)
+        sess.upload(body, "ok.bin")
+        assert sess.listdir_names(".") == ["ok.bin"]
+    finally:
+        sess.close()

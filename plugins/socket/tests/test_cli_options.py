@@ -1,0 +1,65 @@
+"""``disco-socket``: --version, -v/--log-level and help with defaults (issue 17)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from disco_socket import cli
+from disco_socket.wire import PROTOCOL_VERSION
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "disco_socket", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "DISCO_LOG_LEVEL"},
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("--version",), ("join", "--version"), ("version",)])
+def test_version(args):
+    r = _run(*args)
+    assert r.returncode == 0, r.stderr
+    assert (
+        r.stdout.strip() == f"disco-socket {version('disco-socket')} (protocol {PROTOCOL_VERSION})"
+    )
+
+
+def test_every_option_has_help_and_the_common_ones():
+    p = cli._parser()
+    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
+    for parser in (p, *sub.choices.values()):
+        opts = {o for a in parser._actions for o in a.option_strings}
+        assert {"--version", "-v", "--log-level"} <= opts, parser.prog
+        for action in parser._actions:
+            assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help"
+
+
+@pytest.mark.timeout(60)
+def test_join_help_shows_defaults():
+    r = _run("join", "--help")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0
+    assert "seconds between attempts (default: 0.2)" in text
+    assert "(default: $DISCO_LOG_LEVEL, else info)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.timeout(60)
+def test_log_level_before_the_short_form():
+    # DEBUG lines of the agent, then exit 3: no controller answers on a closed port
+    r = _run("--log-level", "debug", "127.0.0.1", "1", "1", "--connect-timeout", "0.3")
+    assert r.returncode == 3, r.stderr
+    assert " INFO " in r.stderr and "disco_socket" in r.stderr
+    r = _run("-v", "127.0.0.1", "1", "1", "--connect-timeout", "0.3", "-q")
+    assert r.returncode == 3 and " INFO " not in r.stderr  # -q: errors only
+    r = _run("127.0.0.1", "1", "1", "--log-level", "nope")
+    assert r.returncode == 2 and "unknown log level 'nope'" in r.stderr

@@ -1,0 +1,142 @@
+"""The ``disco`` command's common options and :mod:`disco_core.commandline` (issue 17)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import disco_core
+from disco_core import cli, commandline
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != commandline.LOG_LEVEL_ENV}
+    return subprocess.run(
+        [sys.executable, "-m", "disco_core", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **(env or {})},
+    )
+
+
+def _all_parsers(p: argparse.ArgumentParser):
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    return (p, *sub.choices.values())
+
+
+def test_every_option_has_help_and_the_common_ones():
+    for parser in _all_parsers(cli.build_parser()):
+        opts = {o for a in parser._actions for o in a.option_strings}
+        assert {"--version", "-v", "--verbose", "--log-level"} <= opts, parser.prog
+        for action in parser._actions:
+            assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("--version",), ("plugins", "--version"), ("demo", "--version")])
+def test_version(args):
+    r = _run(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"disco {disco_core.__version__} (disco-core;")
+
+
+@pytest.mark.timeout(120)
+def test_verbose_plugins_logs_what_it_loads():
+    quiet = _run("plugins")
+    assert quiet.returncode == 0 and "disco_core.plugins" not in quiet.stderr
+    for args in (("-v", "plugins"), ("plugins", "-v"), ("plugins", "--log-level", "INFO")):
+        r = _run(*args)
+        assert r.returncode == 0, r.stderr
+        assert (
+            "disco_core.plugins" in r.stderr
+            and "INFO loaded plugin disco-core:builtins" in r.stderr
+        )
+        assert "DEBUG" not in r.stderr
+    r = _run("-vv", "plugins")
+    assert "DEBUG plugin disco-core:builtins registers channels" in r.stderr
+    r = _run("plugins", env={commandline.LOG_LEVEL_ENV: "info"})  # the variable sets the default
+    assert "INFO loaded plugin" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_bad_log_level_is_a_usage_error():
+    r = _run("plugins", "--log-level", "chatty")
+    assert r.returncode == 2 and "unknown log level 'chatty'" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_help_shows_defaults():
+    r = _run("demo", "--help")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "(default: 1024)" in text and "--log-level LEVEL" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+# ------------------------------------------------------------------ commandline helpers
+@pytest.mark.parametrize(
+    ("text", "level"),
+    [("debug", 10), ("INFO", 20), ("Warning", 30), ("error", 40), ("critical", 50), ("15", 15)],
+)
+def test_parse_level(text, level):
+    assert commandline.parse_level(text) == level
+
+
+@pytest.mark.parametrize("text", ["", "loud", "WARN ", "fatalish"])
+def test_parse_level_refuses(text):
+    with pytest.raises(ValueError, match="unknown log level"):
+        commandline.parse_level(text)
+
+
+def test_level_from_args(monkeypatch):
+    monkeypatch.delenv(commandline.LOG_LEVEL_ENV, raising=False)
+    ns = argparse.Namespace
+    assert commandline.level_from_args(ns()) == logging.WARNING
+    assert commandline.level_from_args(ns(verbose=1)) == logging.INFO
+    assert commandline.level_from_args(ns(verbose=5)) == logging.DEBUG
+    assert commandline.level_from_args(ns(verbose=2, log_level="error")) == logging.ERROR
+    assert commandline.level_from_args(ns(), logging.INFO) == logging.INFO
+    monkeypatch.setenv(commandline.LOG_LEVEL_ENV, "error")
+    assert commandline.level_from_args(ns()) == logging.ERROR
+    assert commandline.level_from_args(ns(verbose=1)) == logging.WARNING
+    monkeypatch.setenv(commandline.LOG_LEVEL_ENV, "bogus")  # ignored, not fatal
+    assert commandline.level_from_args(ns()) == logging.WARNING
+
+
+def test_subcommand_does_not_reset_options_given_before_it():
+    p = cli.build_parser()
+    args = p.parse_args(["--log-level", "debug", "plugins"])
+    assert args.log_level == "debug"
+    args = p.parse_args(["-vv", "plugins", "--json"])
+    assert args.verbose == 2 and args.json
+
+
+def test_level_for_workers(monkeypatch):
+    monkeypatch.setenv(commandline.LOG_LEVEL_ENV, "debug")
+    assert commandline.level_for_workers() == "debug"
+    monkeypatch.delenv(commandline.LOG_LEVEL_ENV)
+    core = logging.getLogger("disco_core")
+    monkeypatch.setattr(core, "level", logging.INFO)
+    handler = logging.NullHandler()
+    core.addHandler(handler)
+    try:
+        assert commandline.level_for_workers() == "INFO"
+        monkeypatch.setattr(core, "level", logging.WARNING)
+        assert commandline.level_for_workers() is None  # nothing below WARNING asked for
+    finally:
+        core.removeHandler(handler)
+
+
+def test_configure_logging_passes_the_level_to_workers_only_when_asked(monkeypatch):
+    monkeypatch.delenv(commandline.LOG_LEVEL_ENV, raising=False)
+    commandline.configure_logging(logging.WARNING)
+    assert commandline.LOG_LEVEL_ENV not in os.environ  # workers stay silent
+    commandline.configure_logging(logging.DEBUG)
+    assert os.environ[commandline.LOG_LEVEL_ENV] == "DEBUG"
+    commandline.configure_logging(logging.ERROR)  # an explicit level overrides the variable
+    assert os.environ[commandline.LOG_LEVEL_ENV] == "ERROR"
