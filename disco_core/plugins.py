@@ -322,8 +322,8 @@ class _Manager:
                     kind: sorted(n for n, (_, k) in tables[kind].items() if k == key)
                     for kind in KINDS
                 }
-                for kind, names in info.provides.items():
-                    logger.debug("plugin %s registers %ss %s", key, KINDS[kind][1], names)
+                for kind, provided in info.provides.items():
+                    logger.debug("plugin %s registers %ss %s", key, KINDS[kind][1], provided)
                 if problems[key]:
                     info.error = "; ".join(problems[key])
             if info.error is not None:

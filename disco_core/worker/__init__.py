@@ -196,7 +196,7 @@ class Worker:
                 f"register {reg_id} holds no value on worker {self.ctx.worker_id} "
                 f"{FOLLOW_ON_NOTE}: {value.reason}"
             )
-            exc._disco_root = value.reason  # a register set from this one keeps the cause
+            exc._disco_root = value.reason  # type: ignore[attr-defined]  # a register set from this one keeps the cause
             raise exc
         return value
 
