@@ -1492,7 +1492,7 @@ class CCLContract:
         _sync(sess)
         t0 = time.monotonic()
         options = {**fixed, **self.construction_options}
-        outcome = _bounded(lambda: sess.init_ccl(name, **options), 30.0)
+        outcome = _bounded(lambda: sess.init_ccl(name, **options), 15.0)
         took = time.monotonic() - t0
         assert outcome is not _STILL_WAITING, (
             f"init_ccl was still waiting {took:.0f} s after worker {victim}'s constructor "
@@ -1522,7 +1522,7 @@ class CCLContract:
         name = register_faulty_ccl(base, nw + 1)  # fails nowhere; registered here only
         t0 = time.monotonic()
         options = {**fixed, **self.construction_options}
-        outcome = _bounded(lambda: sess.init_ccl(name, **options), 30.0)
+        outcome = _bounded(lambda: sess.init_ccl(name, **options), 15.0)
         assert outcome is not _STILL_WAITING, "init_ccl waited for workers that lack the CCL"
         assert isinstance(outcome, disco.WorkerError), f"expected WorkerError, got {outcome!r}"
         missing = {e.worker_id for e in [outcome, *outcome.others]}
