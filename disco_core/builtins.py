@@ -130,12 +130,16 @@ def load_module(path: str, device=None):
 @_builtin("module_get_function")
 def module_get_function(module: Any, name: str):
     """``module[name]``: a function of a loaded module."""
+    lookup_error: BaseException | None = None
     try:
         func = module[name]
-    except (KeyError, TypeError, IndexError):
+    except (KeyError, TypeError, IndexError) as exc:
+        lookup_error = exc
         func = getattr(module, name, None)
     if func is None or not callable(func):
-        raise AttributeError(f"module {module!r} has no function {name!r}")
+        # The loader's own message (a KeyError listing what the module has) says more.
+        said = f": {lookup_error}" if isinstance(lookup_error, KeyError) else ""
+        raise AttributeError(f"module {module!r} has no function {name!r}{said}")
     return func
 
 

@@ -10,7 +10,7 @@ whose session already ran ``init_ccl`` (with ``ccl_options`` passed on). The kit
 shuts the sessions down itself; it reuses a healthy session across the tests of a
 class (a test that fails, or that breaks its session on purpose, gets a new one).
 
-What the kit checks: every operation of DESIGN.md (``allreduce`` with every op,
+What the kit checks: every collective of the session (``allreduce`` with every op,
 ``allgather``, ``broadcast_from_worker0``, ``scatter_from_worker0``,
 ``gather_to_worker0``, ``send_to_worker``/``recv_from_worker``,
 ``recv_from_worker0``, ``send_to_next_group``/``recv_from_prev_group``,

@@ -4,7 +4,7 @@ Any channel (the core's ``threaded`` and ``process``, disco-socket's ``socket``,
 disco-rpc's ``rpc``, a third party's) subclasses :class:`ChannelContract` and
 provides one fixture, ``make_session``, returning a factory
 ``make_session(num_workers, num_groups=1) -> disco_core.Session``. The kit then
-checks every command of the session contract (DESIGN.md), the argument types,
+checks every command of the session contract (``disco_core.Session``), the argument types,
 register freeing, errors, worker death and shutdown.
 
 Class attributes a subclass may set:
