@@ -18,7 +18,7 @@ from . import plugins
 from .ccl.base import REDUCE_OPS
 from .device import as_array, as_device, as_dtype, as_shape
 from .device import empty as _alloc
-from .errors import CCLError
+from .errors import CCLError, PluginNotFoundError
 from .registry import register_func
 from .worker import current
 
@@ -130,12 +130,16 @@ def load_module(path: str, device=None):
 @_builtin("module_get_function")
 def module_get_function(module: Any, name: str):
     """``module[name]``: a function of a loaded module."""
+    lookup_error: BaseException | None = None
     try:
         func = module[name]
-    except (KeyError, TypeError, IndexError):
+    except (KeyError, TypeError, IndexError) as exc:
+        lookup_error = exc
         func = getattr(module, name, None)
     if func is None or not callable(func):
-        raise AttributeError(f"module {module!r} has no function {name!r}")
+        # The loader's own message (a KeyError listing what the module has) says more.
+        said = f": {lookup_error}" if isinstance(lookup_error, KeyError) else ""
+        raise AttributeError(f"module {module!r} has no function {name!r}{said}")
     return func
 
 
@@ -150,8 +154,29 @@ def init_ccl(name: str, payload: Any, device_ids: tuple, options: dict) -> None:
 
 @_builtin("ccl_preflight")
 def ccl_preflight(name: str, payload: Any, device_ids: tuple, options: dict) -> None:
-    """Run the CCL's worker-side checks (:meth:`CCL.preflight`) before ``init_ccl``."""
-    plugins.lookup("ccl", name).preflight(current(), payload, tuple(device_ids), **dict(options))
+    """Check that this worker has the CCL, and run its own checks (:meth:`CCL.preflight`).
+
+    ``Session.init_ccl`` runs it on every worker before any constructs its CCL, so a
+    worker whose environment lacks the plugin fails alone and at once.
+    """
+    ctx = current()
+    try:
+        cls = plugins.lookup("ccl", name)
+    except PluginNotFoundError as exc:
+        raise PluginNotFoundError(
+            f"init_ccl({name!r}): worker {ctx.worker_id} does not have this CCL, although "
+            f"the controller does: install the plugin where this worker runs. {exc}"
+        ) from None
+    cls.preflight(ctx, payload, tuple(device_ids), **dict(options))
+
+
+@_builtin("ccl_discard")
+def ccl_discard() -> None:
+    """Close and drop this worker's CCL (``init_ccl`` failed elsewhere: it may be retried)."""
+    ctx = current()
+    ccl, ctx.ccl = ctx.ccl, None
+    if ccl is not None:
+        ccl.close()
 
 
 @_builtin("ccl_poison")

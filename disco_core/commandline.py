@@ -188,7 +188,7 @@ def configure_logging(
     ----------
     level : int
         A :mod:`logging` level.
-    stream : file, optional
+    stream : typing.TextIO, optional
         Where the lines go; default ``sys.stderr``.
     pass_to_workers : bool
         Also set ``$DISCO_LOG_LEVEL`` (when ``level`` is below WARNING, or the

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _memory, plugins
 from . import protocol as P
-from .ccl.base import CCL, REDUCE_OPS
+from .ccl.base import REDUCE_OPS
 from .channels.base import Channel, Outgoing, gather_timeout
 from .device import Device, as_array, as_device, as_dtype, as_shape
 from .errors import (
@@ -441,13 +441,20 @@ class Session:
             errors.append(failure)
         self._gather(errors)
 
-    def _gather(self, errors: list[WorkerError]) -> None:
+    def _gather(
+        self,
+        errors: list[WorkerError],
+        first: WorkerError | None = None,
+        owed: Sequence[int] = (),
+    ) -> None:
         """Let every worker catch up, then raise one error that reports them all.
 
         Rare path. Each worker gets a sync, so that one WorkerError reports every
         worker's failure of the same command and none surfaces later at random.
         The wait is bounded (``DISCO_GATHER_TIMEOUT``): workers that have not
         caught up by then are unresponsive, and the session ends for them.
+        ``first`` is raised ahead of the others (the cause, not what it caused);
+        ``owed`` lists workers whose reply to an earlier sync is still unread.
         """
         channel = self._channel
         limit = gather_timeout()
@@ -457,12 +464,15 @@ class Session:
             for w in range(self.num_workers):
                 self._send((P.SYNC_WORKER, w), [w], shared=True)
             for w in range(self.num_workers):
-                try:
-                    channel.recv(w, timeout=max(0.0, deadline - time.monotonic()))
-                except WorkerError as exc:
-                    errors.append(exc)
-                except DiscoTimeoutError:
-                    laggards.append(w)
+                # ``owed``: workers whose reply to an earlier sync is still to be read
+                for _ in range(1 + (w in owed)):
+                    try:
+                        channel.recv(w, timeout=max(0.0, deadline - time.monotonic()))
+                    except WorkerError as exc:
+                        errors.append(exc)
+                    except DiscoTimeoutError:
+                        laggards.append(w)
+                        break
         except WorkerUnresponsiveError as exc:
             raise WorkerUnresponsiveError(exc.worker_ids, exc.reason, _by_worker(errors)) from None
         except WorkerDiedError as exc:
@@ -478,6 +488,8 @@ class Session:
             )
             channel.mark_unresponsive(laggards, reason)
             raise WorkerUnresponsiveError(laggards, reason, errors)
+        if first is not None:  # the cause, ahead of what it caused
+            errors = [first, *(e for e in errors if e is not first)]
         self._poison_ccl_after_timeout(errors)
         raise _merged(errors)
 
@@ -684,18 +696,19 @@ class Session:
             lambda ids_, reason: rendezvous.abort(f"worker(s) {ids_} died: {reason}")
         )
         try:
-            if cls.preflight.__func__ is not CCL.preflight.__func__:  # type: ignore[attr-defined]
-                # Checks first, everywhere: a worker failing inside a blocking
-                # initialisation would leave the others waiting in it for ever.
-                check = self._get_cached_method("disco.ccl_preflight")
-                self.call_packed(check, ccl, rendezvous.payload, ids, options)
-                self._sync_all()
+            # Checks first, everywhere (the CCL installed on every worker, then its
+            # own preflight): a worker failing inside a blocking initialisation would
+            # leave the others waiting in it.
+            check = self._get_cached_method("disco.ccl_preflight")
+            self.call_packed(check, ccl, rendezvous.payload, ids, options)
+            self._sync_all()
             init = self._get_cached_method("disco.init_ccl")
             self.call_packed(init, ccl, rendezvous.payload, ids, options)
-            self._sync_all()
+            self._sync_aborting(rendezvous)
         except WorkerError:
             self._state["rendezvous"] = None
             rendezvous.abort("init_ccl failed")
+            self._discard_ccl()
             rendezvous.close()
             raise
         self._state["ccl"] = ccl
@@ -706,6 +719,54 @@ class Session:
             ccl, self.num_workers, self.num_groups, size,
             f", devices {list(ids)}" if ids else "",
         )  # fmt: skip
+
+    def _discard_ccl(self) -> None:
+        """After a failed ``init_ccl``: the workers whose CCL was made close it, so that
+        ``init_ccl`` may be called again (best effort: the failure is what is raised)."""
+        try:
+            self.call_packed(self._get_cached_method("disco.ccl_discard"))
+            self._sync_all()
+        except WorkerError:
+            pass
+
+    def _sync_aborting(self, rendezvous: Any) -> None:
+        """``_sync_all`` that aborts ``rendezvous`` as soon as any worker reports a failure.
+
+        CCL constructors may wait for every peer (NCCL, a TCP mesh): when one worker
+        fails in its constructor the others are released through the rendezvous at
+        once, instead of waiting for their own timeout, and the first failure
+        reported is the one raised (the others' aborts come attached).
+        """
+        channel = self._channel
+        for w in range(self.num_workers):
+            self._send((P.SYNC_WORKER, w), [w], shared=True)
+        pending = list(range(self.num_workers))
+        poll = 0.001
+        while True:
+            if pending:
+                try:
+                    channel.recv(pending[0], timeout=poll)  # worker 0 runs on its own thread
+                    pending.pop(0)
+                    continue
+                except DiscoTimeoutError:
+                    poll = min(poll * 2, 0.05)
+                except WorkerError as exc:
+                    rendezvous.abort(
+                        f"worker {exc.worker_id} failed in init_ccl: {exc.remote_message}"
+                    )
+                    pending.pop(0)  # that reply was read: it was the failure
+                    self._gather([*channel.take_errors(), exc], first=exc, owed=pending)
+            else:
+                channel.settle()  # every report sent before the last reply is in
+            errors = channel.take_errors()
+            if errors:
+                first = errors[0]
+                rendezvous.abort(
+                    f"worker {first.worker_id} failed in init_ccl: {first.remote_message}"
+                )
+                self._gather(errors, first=first, owed=pending)
+            if not pending:
+                return
 
     def _collective_ready(self, name: str) -> None:
         if self._state["ccl"] is None:

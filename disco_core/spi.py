@@ -43,7 +43,7 @@ Devices and lookups
     :func:`to_host`, :func:`empty`, :func:`lookup` (a registered plugin by kind
     and name), :func:`load_py`, :mod:`registry`.
 Commands
-    :mod:`commandline`: the options every Disco command has (``--version``,
+    ``commandline``: the options every Disco command has (``--version``,
     ``-v``, ``--log-level``: :func:`add_common_options`, :func:`level_from_args`,
     :func:`configure_logging`) and :class:`HelpFormatter` (defaults shown).
 """

@@ -61,8 +61,9 @@ html_title = f"Disco for Python {release}"
 nitpick_ignore_regex = [
     (
         r"py:.*",
-        r"(abc|collections|collections\.abc|concurrent\.futures|enum|io|mmap|os|pathlib|queue"
-        r"|selectors|socket|ssl|subprocess|threading|types|typing|numpy|pluggy)\..+",
+        r"(abc|argparse|collections|collections\.abc|concurrent\.futures|enum|io|logging|mmap|os"
+        r"|pathlib|queue|selectors|socket|ssl|subprocess|threading|types|typing|numpy|pluggy)"
+        r"(\..+)?",
     ),
     (r"py:class", r"optional|callable|sequence|iterable|array|array-like|transport"),
 ]

@@ -17,8 +17,14 @@ The contract every implementation honours (``disco_core.testing.ccl_kit`` checks
 * collectives are called on every member of the communicator (all workers, or the
   worker's group when ``in_group``), in the same order;
 * when any member's arguments are wrong (a missing array, mismatched shape or
-  dtype, a size that does not divide), **every** member raises a
-  :class:`~disco_core.errors.CCLError` that names the problem; nobody waits forever;
+  dtype, a size that does not divide, an unknown ``op``), **every** member raises a
+  :class:`~disco_core.errors.CCLError` that names the problem, at once; nobody waits
+  for a peer that gave up (:mod:`disco_core.ccl.validate` exchanges a descriptor of
+  each member's arguments and runs the same check everywhere);
+* a member whose buffer is a failed register (a
+  :class:`~disco_core.worker.MissingValue`: the command that should have made it
+  raised on that worker) still takes part: it publishes that failure in its
+  descriptor, and every member raises, instead of the others waiting for it;
 * an operation that waits longer than the CCL's timeout raises
   :class:`~disco_core.errors.CCLTimeoutError`; an aborted rendezvous (a dead peer)
   makes waiting members raise promptly;

@@ -5,6 +5,7 @@ A channel plugin proves it honours the session contract with:
 .. code-block:: python
 
     import pytest
+    import disco_core as disco
     from disco_core.testing import ChannelContract
 
     class TestMyChannel(ChannelContract):

@@ -13,6 +13,7 @@ without moving any data.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -250,3 +251,67 @@ def dlpack_only(arr: Any) -> Any:
     from .funcs import DLPackOnly
 
     return DLPackOnly(arr)
+
+
+@_reg("pid")
+def pid() -> int:
+    """This worker's process id."""
+    return os.getpid()
+
+
+@_reg("stop_or_call")
+@collective
+def stop_or_call(victim: int, controller_pid: int, delay: float, name: str, *args: Any) -> Any:
+    """On worker ``victim``: wait ``delay`` s and stop itself (SIGSTOP, a frozen peer);
+    elsewhere: ``disco.<name>(*args)``. Refuses to stop the controller's process."""
+    if current().worker_id == victim:
+        if os.getpid() == controller_pid:
+            raise RuntimeError("ccl_kit.stop_or_call: refusing to stop the controller's process")
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return None
+    return _call(name, *args)
+
+
+def faulty_ccl_name(base: str, fail_on: int) -> str:
+    """The name under which :func:`register_faulty_ccl` registers its CCL."""
+    return f"ccl_kit.{base}.fails_on_{int(fail_on)}"
+
+
+def register_faulty_ccl(base: str, fail_on: int) -> str:
+    """Register, in this process, ``base`` with a constructor that fails on worker ``fail_on``.
+
+    Every other worker constructs the real CCL (which may wait for its peers: NCCL
+    does), so the kit sees whether ``init_ccl`` surfaces one worker's failure at once.
+    Returns the registered name (:func:`faulty_ccl_name`).
+    """
+    from .. import plugins
+    from ..errors import CCLError
+    from ..hookspecs import hookimpl
+
+    name = faulty_ccl_name(base, fail_on)
+    if name in plugins.registered("ccl"):
+        return name
+    real = plugins.lookup("ccl", base)
+
+    def __init__(self, ctx, payload, device_ids=(), **options):  # noqa: N807
+        if ctx.worker_id == int(fail_on):
+            raise CCLError(f"ccl_kit: the constructor fails on purpose on worker {ctx.worker_id}")
+        real.__init__(self, ctx, payload, device_ids, **options)
+
+    cls = type(f"FailsOn{int(fail_on)}{real.__name__}", (real,), {"__init__": __init__})
+
+    class _Plugin:
+        @staticmethod
+        @hookimpl
+        def disco_register_ccls():
+            return {name: cls}
+
+    plugins.register_plugin(_Plugin, name=name)
+    return name
+
+
+@_reg("register_faulty_ccl")
+def register_faulty_ccl_on_worker(base: str, fail_on: int) -> str:
+    """:func:`register_faulty_ccl` in this worker's process (a no-op where it exists)."""
+    return register_faulty_ccl(base, fail_on)

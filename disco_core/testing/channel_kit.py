@@ -4,7 +4,7 @@ Any channel (the core's ``threaded`` and ``process``, disco-socket's ``socket``,
 disco-rpc's ``rpc``, a third party's) subclasses :class:`ChannelContract` and
 provides one fixture, ``make_session``, returning a factory
 ``make_session(num_workers, num_groups=1) -> disco_core.Session``. The kit then
-checks every command of the session contract (DESIGN.md), the argument types,
+checks every command of the session contract (``disco_core.Session``), the argument types,
 register freeing, errors, worker death and shutdown.
 
 Class attributes a subclass may set:
@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import disco_core as disco
-from disco_core.testing.funcs import DLPackOnly
+from disco_core.testing.funcs import DLPackOnly, machine_identity
 
 __all__ = ["ChannelContract", "FUNCS_MODULE"]
 
@@ -71,7 +71,10 @@ def _pid_gone(pid: int) -> bool:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
         return state in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between open and read
+    except (
+        FileNotFoundError,
+        ProcessLookupError,
+    ):  # reaped before the open, or between open and read
         return True
     except OSError:  # no /proc: fall back to a signal 0 probe
         try:
@@ -168,6 +171,40 @@ class ChannelContract:
         devices = _values(get("disco.device")(), 4)
         assert all(isinstance(d, disco.Device) for d in devices)
         assert all(d == disco.Device("cpu", 0) for d in devices)
+
+    def test_channel_facts(self, new_session):
+        """``kind``, ``num_nodes`` and ``shares_memory`` tell the truth: CCLs branch on them
+        (``shm`` refuses a session that spans machines). One machine means every
+        worker runs on the controller's; shared memory means every worker can map the
+        controller's memory files (the ``shm`` CCL's way)."""
+        sess = new_session(4, 2)
+        channel = sess._channel
+        kind, nodes, shares = channel.kind, channel.num_nodes, channel.shares_memory
+        assert isinstance(kind, str) and kind and kind != "?", (
+            f"the channel's kind is {kind!r}: set Channel.kind to the registered name"
+        )
+        assert type(nodes) is int and 1 <= nodes <= sess.num_workers, f"num_nodes is {nodes!r}"
+        assert type(shares) is bool, f"shares_memory is {shares!r}"
+        token = os.urandom(16)
+        fd = os.memfd_create("disco-channel-kit")
+        try:
+            os.write(fd, token)
+            facts = _values(sess.get_global_func("testing.machine")(os.getpid(), fd, token), 4)
+        finally:
+            os.close(fd)
+        here = machine_identity()
+        machines = {f["machine"] for f in facts}
+        assert len(machines) <= nodes, (
+            f"the workers run on {len(machines)} machines but the channel says num_nodes={nodes}"
+        )
+        if nodes == 1:
+            away = [w for w, f in enumerate(facts) if f["machine"] != here]
+            assert not away, f"num_nodes=1 but workers {away} run on another machine"
+        if shares:
+            blind = [w for w, f in enumerate(facts) if not f["shares_memory"]]
+            assert not blind, (
+                f"shares_memory=True but workers {blind} cannot map the controller's memory"
+            )
 
     def test_user_function_current(self, new_session):
         sess = new_session(4, 2)

@@ -102,6 +102,32 @@ def pid() -> int:
     return os.getpid()
 
 
+def machine_identity() -> tuple[str, str]:
+    """(boot id, host name): what tells two machines apart (containers included)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return boot, os.uname().nodename
+
+
+@_reg("machine")
+def machine(controller_pid: int, memfd: int, token: bytes) -> dict:
+    """Where this worker runs: its machine, and whether it maps the controller's memory.
+
+    ``memfd`` is a memory file of the controller's holding ``token``; a worker that
+    shares memory with the controller opens it through ``/proc`` (as the ``shm`` CCL
+    does) and reads the token back.
+    """
+    try:
+        with open(f"/proc/{int(controller_pid)}/fd/{int(memfd)}", "rb") as f:
+            sees = f.read(len(token)) == token
+    except OSError:
+        sees = False
+    return {"machine": machine_identity(), "pid": os.getpid(), "shares_memory": sees}
+
+
 @_reg("mutate")
 def mutate(arr: np.ndarray) -> np.ndarray:
     """Add ``worker_id + 1`` to ``arr`` in place and return it."""

@@ -92,6 +92,12 @@ _USER_OPS: _UserOps | None = None
 #: Aborts of rendezvous made in this process, by token (read by worker 0's CCL).
 _ABORTS: dict[str, str] = {}
 
+#: Tokens of rendezvous whose workers all joined (worker 0's CCL, in this process,
+#: records it). The ports of one that did not may still have peers half-way through
+#: MPI_Comm_connect: MPICH crashes a later MPI_Comm_accept of this process if such a
+#: port is closed, so it is left open (a few bytes) instead.
+_JOINED: set[str] = set()
+
 #: Join threads given up on (a worker died or froze during init_ccl): MPI cannot
 #: cancel their Accept, and while one is blocked there MPI in this process is stuck
 #: (a later Open_port waits for ever), so a later init_ccl("mpi") refuses at once.
@@ -116,6 +122,9 @@ class MPIRendezvous(Rendezvous):
 
     def close(self) -> None:
         ports, self.ports = self.ports, []
+        if ports and self.token not in _JOINED:
+            return  # peers may still be connecting to them: see _JOINED
+        _JOINED.discard(self.token)
         for port in ports:
             try:
                 _runtime.mpi().Close_port(port)
@@ -276,6 +285,8 @@ class MPICCL(CCL):
             world = MPI.COMM_SELF.Dup()
         else:
             world = self._join(payload["ports"], connect_timeout)
+            if self._me == 0:
+                _JOINED.add(self.token)
             _runtime.release_shm()  # any segment made since MPI_Init (one VCI: none)
         self.world = world
         self.p2p = world.Dup()

@@ -110,6 +110,7 @@ from _nccl_contract import NCCLContract, threaded_nccl  # noqa: E402
 
 class TestContractThreadedOnEveryGPU(NCCLContract):
     num_workers = max(1, NUM_GPUS)
+    odd_num_workers = 3 if NUM_GPUS >= 3 else None  # one GPU per worker
 
     @pytest.fixture
     def make_session(self):
