@@ -14,6 +14,7 @@ import secrets
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
 import threading
@@ -104,6 +105,30 @@ _PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
 #: The clock of ``time_evaluator`` (a module attribute so a test can stop it).
 _clock = time.perf_counter
 
+
+
+def rmtree_at(name: str, dir_fd: int, *, fallback: bool = sys.version_info < (3, 11)) -> None:
+    """Remove the folder ``name`` of ``dir_fd`` and all it holds, following no link.
+
+    ``shutil.rmtree(dir_fd=)`` is Python 3.11+; on 3.10 (or with ``fallback``) the
+    same is done with ``os.fwalk``, every step relative to an open folder.
+    """
+    if not fallback:
+        shutil.rmtree(name, dir_fd=dir_fd)  # type: ignore[call-arg,unused-ignore]
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        for _, dirs, files, root_fd in os.fwalk(".", topdown=False, dir_fd=fd):
+            for entry in files:
+                os.unlink(entry, dir_fd=root_fd)
+            for entry in dirs:
+                try:
+                    os.rmdir(entry, dir_fd=root_fd)
+                except NotADirectoryError:  # a link to a folder: the link goes
+                    os.unlink(entry, dir_fd=root_fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
 
 class SystemLib:
     """The server's "system library": global functions, then symbols of loaded libraries."""
@@ -525,8 +550,7 @@ class SessionHandler:
             except FileNotFoundError:
                 raise DiscoFileNotFoundError(f"no file {path!r} in the session's work folder") from None  # fmt: skip
             if stat.S_ISDIR(st.st_mode):
-                # FIXME: rmtree's dir_fd is Python 3.11+ (3.10 raises TypeError here)
-                shutil.rmtree(parts[-1], dir_fd=dfd)  # type: ignore[call-arg]  # never follows links
+                rmtree_at(parts[-1], dfd)  # never follows links
             else:
                 os.unlink(parts[-1], dir_fd=dfd)  # a link itself, not what it names
         finally:

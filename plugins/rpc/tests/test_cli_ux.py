@@ -212,3 +212,28 @@ def test_minimal_server_checks_uploads_too(tmp_path):
         assert sess.listdir_names(".") == ["ok.bin"]
     finally:
         sess.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fallback", [False, True], ids=["rmtree", "python-3.10-path"])
+def test_removing_a_remote_folder_follows_no_link(tmp_path, fallback):
+    """``rmtree_at`` (the server's folder removal): everything inside goes, what a link
+    points at stays, on Python 3.11's ``rmtree(dir_fd=)`` and on the 3.10 fallback."""
+    from disco_rpc.handler import rmtree_at
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    work = tmp_path / "work"
+    (work / "d" / "e").mkdir(parents=True)
+    (work / "d" / "f.txt").write_text("x")
+    (work / "d" / "e" / "g.txt").write_text("y")
+    (work / "d" / "link_dir").symlink_to(outside)
+    (work / "d" / "link_file").symlink_to(outside / "keep.txt")
+    dfd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        rmtree_at("d", dfd, fallback=fallback)
+    finally:
+        os.close(dfd)
+    assert not (work / "d").exists()
+    assert (outside / "keep.txt").read_text() == "keep"
