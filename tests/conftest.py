@@ -10,6 +10,7 @@ import time
 import pytest
 
 import disco_core  # noqa: F401  (the built-ins are registered before any test runs)
+from disco_core.testing.procfs import children_of
 
 
 def pid_gone(pid: int) -> bool:
@@ -17,7 +18,10 @@ def pid_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between open and read
+    except (
+        FileNotFoundError,
+        ProcessLookupError,
+    ):  # reaped before the open, or between open and read
         return True
     return state in ("Z", "X")
 
@@ -31,22 +35,6 @@ def wait_gone(pids, timeout: float) -> list[int]:
         if alive:
             time.sleep(0.05)
     return alive
-
-
-def children_of(pid: int) -> set[int]:
-    """The live (non-zombie) child processes of ``pid``, read from /proc."""
-    out = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(rest[1]) == pid and rest[0] not in ("Z", "X"):
-            out.add(int(name))
-    return out
 
 
 def run_python(

@@ -117,7 +117,7 @@ from disco_core.testing.ccl_funcs import (
     make_input,
     register_faulty_ccl,
 )
-from disco_core.testing.procfs import shm_in_use
+from disco_core.testing.procfs import children_of, shm_in_use
 
 __all__ = ["CCLContract", "DTYPES", "FUNCS_MODULE", "reference_allreduce", "make_input"]
 
@@ -285,22 +285,6 @@ def _threads() -> set[int]:
     return {t.ident for t in threading.enumerate() if t.ident is not None}
 
 
-def _children(pid: int) -> set[int]:
-    """Live (not zombie) child processes of ``pid``."""
-    out: set[int] = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone between the listing and the read
-            continue
-        if int(rest[1]) == pid and rest[0] not in ("Z", "X"):
-            out.add(int(name))
-    return out
-
-
 def _resources() -> dict[str, Any]:
     """What this process holds that a session could leak."""
     fds = memfds = 0
@@ -314,7 +298,7 @@ def _resources() -> dict[str, Any]:
         "threads": _threads(),
         "fds": fds,
         "memfds": memfds,
-        "children": _children(os.getpid()),
+        "children": children_of(os.getpid()),
         "shm": set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(),
     }
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
 import disco_core as disco
+from disco_core.testing import procfs
 from disco_socket import start_local_agents
 
 HOST = "127.0.0.1"
@@ -18,7 +18,10 @@ def pid_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between open and read
+    except (
+        FileNotFoundError,
+        ProcessLookupError,
+    ):  # reaped before the open, or between open and read
         return True
     return state in ("Z", "X")
 
@@ -34,18 +37,7 @@ def wait_gone(pids, timeout: float) -> list[int]:
 
 
 def children_of(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            out.append(int(name))
-    return out
+    return sorted(procfs.children_of(pid))
 
 
 def agent_cmd(host: str, port: int, workers: int, *extra: str) -> list[str]:
