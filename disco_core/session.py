@@ -14,6 +14,7 @@ import collections
 import importlib
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -566,7 +567,24 @@ class Session:
         with the following commands.
         """
         self._check_open()
-        importlib.import_module(module_name)
+        try:
+            importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise  # the module itself imports something missing
+            here = os.getcwd()
+            first = os.path.abspath(sys.path[0]) if sys.path and sys.path[0] else here
+            where = (
+                f"; Python looks in {first!r} (the running script's folder), not in the "
+                f"current directory {here!r}: add the module's folder to PYTHONPATH"
+                if first != here
+                else ""
+            )
+            raise ModuleNotFoundError(
+                f"import_python_module({module_name!r}): {exc}. Worker 0 runs in this (the "
+                f"controller's) process, so the module must be importable here{where}",
+                name=exc.name,
+            ) from None
         self.call_packed(self._get_cached_method("disco.import_python_module"), module_name)
 
     def call_packed(self, func: DRef | str, *args: Any) -> DRef:

@@ -4,5 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e .
+# compat: a plain path entry for the editable install, which type checkers follow
+# (setuptools' default import hook is invisible to mypy)
+.venv/bin/python -m pip install -q --disable-pip-version-check -e . \
+  --config-settings editable_mode=compat
 exec .venv/bin/disco demo "$@"

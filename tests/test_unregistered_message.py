@@ -7,6 +7,8 @@ that only followed from it, and chained to another traceback.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 
@@ -94,3 +96,25 @@ def test_threaded_workers_keep_the_short_message():
         assert info.value.exc_type == "ValueError"
         assert "'test.unreg.nowhere' is not registered" in str(info.value)
         assert "process of its own" not in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_module_beside_the_cwd_but_not_the_script_says_where_python_looked(tmp_path):
+    """A script run from elsewhere imports a module of the current directory: the error
+    says that Python looked in the script's folder, and what to do."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import disco_core as disco\n"
+        "with disco.ThreadedSession(1) as s:\n"
+        "    s.import_python_module('examples.mymod')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
+        timeout=50,
+    )  # fmt: skip
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: import_python_module('examples.mymod')")
+    assert "running script's folder" in last and "PYTHONPATH" in last and str(tmp_path) in last

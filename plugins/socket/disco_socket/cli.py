@@ -171,7 +171,10 @@ def main(argv: list[str] | None = None, prog: str = "disco-socket") -> int:
         parser.error(str(exc))
     if args.quiet and getattr(args, "log_level", None) is None:
         level = max(level, logging.ERROR)  # -q wins over $DISCO_LOG_LEVEL, not --log-level
-    configure_logging(level)
+    # The agent's own INFO lines are its default; its workers' lifecycle lines only
+    # when the user asked for records (-v, --log-level or $DISCO_LOG_LEVEL).
+    asked = bool(getattr(args, "verbose", 0)) or getattr(args, "log_level", None) is not None
+    configure_logging(level, pass_to_workers=asked or bool(os.environ.get("DISCO_LOG_LEVEL")))
     from .agent import client_ssl_context, run_agent
 
     ctx = None
