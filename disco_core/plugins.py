@@ -91,7 +91,13 @@ def install_command(distribution: str) -> str:
     to whoever registers that name first, so it names the folder in a clone instead.
     """
     folder = "." if distribution == CORE_DISTRIBUTION else f"./plugins/{distribution[6:]}"
-    return f"pip install {folder} from a clone of the Disco repository (not yet on PyPI)"
+    extra = _EXTRAS.get(distribution, "")
+    target = f"'{folder}{extra}'" if extra else folder
+    return f"pip install {target} from a clone of the Disco repository (not yet on PyPI)"
+
+
+#: The extra a GPU plugin needs for its library (CuPy for the CUDA or ROCm version).
+_EXTRAS = {"disco-nccl": "[cuda12]", "disco-rccl": "[rocm7]"}
 
 
 class DiscoPluginWarning(UserWarning):

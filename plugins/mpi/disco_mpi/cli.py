@@ -88,7 +88,9 @@ def _info(_: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``disco-mpi``."""
     p = argparse.ArgumentParser(
-        prog="disco-mpi", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+        prog="disco-mpi",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        formatter_class=HelpFormatter,
     )
     add_common_options(p, "disco-mpi")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
