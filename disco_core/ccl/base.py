@@ -101,7 +101,12 @@ class Rendezvous:
         self.payload = payload
 
     def abort(self, reason: str) -> None:
-        """Make every worker waiting in a collective fail promptly (a peer died)."""
+        """Make every worker waiting fail promptly: in a collective, or in its constructor.
+
+        The session calls it when a worker dies, when one worker's CCL constructor
+        fails (the others may be waiting for it to join), and at shutdown. A CCL
+        whose constructor waits for its peers must watch for it there too.
+        """
 
     def close(self) -> None:
         """Release what :meth:`CCL.rendezvous` made (called once, at shutdown)."""

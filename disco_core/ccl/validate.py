@@ -32,15 +32,34 @@ __all__ = [
     "MAX_NDIM",
 ]
 
+#: The most dimensions a described array may have.
 MAX_NDIM = 8
 _FMT = struct.Struct("<ii q 32s q i 16s 8q q i 16s 8q q 120s")
+#: Bytes in a packed descriptor (what each member sends its peers per collective).
 DESC_BYTES = 512
 assert _FMT.size <= DESC_BYTES
 
 
 @dataclass
 class Desc:
-    """What one member passed to a collective."""
+    """What one member passed to a collective.
+
+    Attributes
+    ----------
+    status : int
+        0: this member found nothing wrong; 1: it found ``error`` itself (a failed
+        register, a strided array, an unknown ``op``): every member then raises it.
+    error : str
+        That problem, or "".
+    op : str
+        The operation, as :func:`check` knows it (see there); must agree across members.
+    extra : int
+        Op-specific (a peer id for point-to-point).
+    src, dst : tuple or None
+        ``(dtype name, shape, nbytes)`` of each array, or None where the member
+        passed none (the non-roots' ``src`` of scatter and ``dst`` of gather may be
+        None: :func:`check` allows exactly that).
+    """
 
     status: int  # 0: fine; 1: this member found an error (see ``error``)
     error: str
@@ -71,7 +90,14 @@ def _array_info(x: Any, name: str) -> tuple[tuple | None, str]:
 
 
 def describe(op: str, src: Any, dst: Any, extra: int = 0, error: str = "") -> Desc:
-    """Describe one member's arguments; ``error`` is a problem the member found itself."""
+    """Describe one member's arguments; ``error`` is a problem the member found itself.
+
+    Every member describes its call, the descriptors are exchanged (:func:`pack` /
+    :func:`unpack`: :data:`DESC_BYTES` each), and every member runs :func:`check` on
+    all of them. Check nothing locally before the exchange and raise nothing: put a
+    problem this member sees (a failed register, an unknown op) into ``error``, so
+    that every member raises it together and nobody waits for this one.
+    """
     src_info, e1 = _array_info(src, "src")
     dst_info, e2 = _array_info(dst, "dst")
     if not error:
@@ -91,6 +117,7 @@ def _pack_arr(info: tuple | None) -> tuple:
 
 
 def pack(d: Desc) -> bytes:
+    """``d`` as :data:`DESC_BYTES` bytes (the op and error texts cut to 32 and 120 bytes)."""
     s = _pack_arr(d.src)
     t = _pack_arr(d.dst)
     return _FMT.pack(
@@ -102,6 +129,7 @@ def pack(d: Desc) -> bytes:
 
 
 def unpack(raw: bytes | memoryview) -> Desc:
+    """The :class:`Desc` that :func:`pack` made (a peer's bytes: nothing is unpickled)."""
     v = _FMT.unpack_from(raw)
     status, _, extra, op, _ = v[:5]
 
@@ -126,6 +154,11 @@ def check(op: str, descs: Sequence[Desc], members: Sequence[int]) -> None:
     """Raise the same :class:`CCLError` on every member when the call is inconsistent.
 
     ``descs[i]`` belongs to global worker ``members[i]``; ``members[0]`` is the root.
+    ``op`` is one of ``"allreduce:<op>"`` (``<op>`` in ``REDUCE_OPS``), ``"allgather"``,
+    ``"broadcast"``, ``"scatter"``, ``"gather"``, ``"barrier"``; point-to-point calls use
+    :func:`check_p2p`. The root-only buffers are checked on the root only (scatter's
+    ``src``, gather's ``dst``, broadcast's ``src``). A mismatch of ``op`` comes first,
+    then any member's own ``error``, then the arrays: every member raises the same.
     """
     name = op.split(":")[0]
     for w, d in zip(members, descs):

@@ -37,62 +37,8 @@ The reference semantics (what every CCL promises):
 * wrong use raises :class:`~disco_core.errors.CCLError` on every member of the
   communicator (surfacing at the controller as :class:`~disco_core.errors.WorkerError`).
 
-Class attributes a subclass may set:
-
-``num_workers`` (int, default 4)
-    The session size of most tests; every divisor is used as a group count.
-``dtypes`` (tuple of str)
-    The dtypes the CCL supports (default: all of :data:`DTYPES`); the others are
-    skipped with a reason. ``bfloat16`` is skipped when ml_dtypes is missing.
-``workers_are_processes`` (bool, default False)
-    Workers 1..N-1 run in processes of their own, which the death tests end.
-``death_timeout`` (float, default 5)
-    Seconds within which a worker's death must surface as ``WorkerDiedError``.
-``supports_empty_arrays`` (bool, default True)
-    Whether 0-element arrays are tested.
-``avg_exact`` (bool, default True)
-    ``avg`` of floats is bit-identical to ``sum / n``; when False (NCCL pre-multiplies
-    by ``1/n``) it is compared with a tolerance. ``avg`` of integers is always exact.
-``small_round_options`` (dict or None)
-    ``init_ccl`` options that make the CCL move little data per round, so that the
-    multi-round tests exercise several rounds with small arrays (``shm``:
-    ``{"slot_bytes": 4096, "mailbox_bytes": 4096}``). None: the multi-round tests
-    use default options.
-``multi_round_elements`` (int, default 5003)
-    Elements per member in the multi-round tests.
-``timeout_options`` (dict or None, default ``{"timeout": 1}``)
-    ``init_ccl`` options giving a short collective timeout; None skips the timeout tests.
-``buffered_send_bytes`` (int, default 0)
-    Sends up to this size return before the matching receive runs; when positive
-    the kit also drives ``send_to_worker``/``recv_from_worker`` straight from the
-    controller (every worker sending, then every worker receiving).
-``ccl_error_types`` (tuple of str)
-    The remote exception type names accepted as "the CCL raised an error".
-``odd_num_workers`` (int or None, default 3)
-    An odd session size the kit also checks the collectives with (``avg`` computed
-    as ``x * (1/n)`` is exact for 2 and 4 members, not for 3). None only where the
-    hardware has fewer devices (one GPU per worker); the tests then skip and say so.
-``wrong_use_options`` (dict or None)
-    ``init_ccl`` options of the sessions the wrong-use tests run in: a collective
-    timeout of a few seconds (default: ``timeout_options`` with ``timeout=5``), so
-    that a CCL which waits instead of refusing a wrong call fails its case in
-    seconds. A member that times out there fails the case: wrong use must be
-    refused at once, on every member.
-
-``construction_options`` (dict, default ``{}``)
-    ``init_ccl`` options of the construction cases (one worker's constructor fails):
-    e.g. a short connect timeout for a CCL whose joining peers cannot be released by
-    :meth:`Rendezvous.abort` (they then fail by that timeout, within seconds).
-``reinit_after_failed_init`` (bool, default True)
-    After a failed ``init_ccl``, ``init_ccl`` works again on the same session. False
-    for a CCL that cannot (MPI cannot cancel a pending connect: the session must be
-    started anew).
-
-Besides results, the kit checks what a plugin leaves behind: no thread of a
-session, open file, memfd, ``/dev/shm`` segment or child process outlives its
-``shutdown()`` (across several sessions, and after a peer died or froze in a
-collective), and that one worker failing in the CCL's constructor, or lacking the
-plugin, fails ``init_ccl`` within seconds.
+The class attributes that tell the kit what a CCL supports are listed in
+:class:`CCLContract`'s docstring (``help(CCLContract)``).
 """
 
 from __future__ import annotations
@@ -288,19 +234,29 @@ def _threads() -> set[int]:
 def _resources() -> dict[str, Any]:
     """What this process holds that a session could leak."""
     fds = memfds = 0
+    targets: set[str] = set()
     for fd in os.listdir("/proc/self/fd"):
         fds += 1
         try:
-            memfds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
+            continue
+        targets.add(target)
+        memfds += target.startswith("/memfd:")
     return {
         "threads": _threads(),
         "fds": fds,
         "memfds": memfds,
+        "targets": targets,
         "children": children_of(os.getpid()),
         "shm": set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(),
     }
+
+
+def _fd_kind(target: str) -> str:
+    """What an open file is, from its ``/proc/self/fd`` link (``socket``, ``pipe``, a path)."""
+    kind = target.split(":", 1)[0]
+    return kind if kind in ("socket", "pipe", "anon_inode", "/memfd") else target
 
 
 def _leaks(before: dict[str, Any], fds: bool = True) -> list[str]:
@@ -316,8 +272,10 @@ def _leaks(before: dict[str, Any], fds: bool = True) -> list[str]:
         out.append(f"threads left running: {threads}")
     for what in ("fds", "memfds") if fds else ():
         if now[what] > before[what]:
+            kinds = sorted({_fd_kind(t) for t in now["targets"] - before["targets"]})
+            new = f"; new: {', '.join(kinds)}" if kinds else ""
             out.append(
-                f"{now[what] - before[what]} more open {what} ({before[what]} -> {now[what]})"
+                f"{now[what] - before[what]} more open {what} ({before[what]} -> {now[what]}{new})"
             )
     if now["children"] - before["children"]:
         out.append(f"child processes left: {sorted(now['children'] - before['children'])}")
@@ -343,7 +301,73 @@ def assert_nothing_left(
 
 @pytest.mark.timeout(60)
 class CCLContract:
-    """The contract every CCL honours. Subclass it and provide ``make_session``."""
+    """The contract every CCL honours. Subclass it and provide ``make_session``.
+
+    Class attributes a subclass may set:
+
+    ``num_workers`` (int, default 4)
+        The session size of most tests; every divisor is used as a group count.
+    ``dtypes`` (tuple of str)
+        The dtypes the CCL supports (default: all of :data:`DTYPES`); the others are
+        skipped with a reason. ``bfloat16`` is skipped when ml_dtypes is missing.
+    ``workers_are_processes`` (bool, default False)
+        Workers 1..N-1 run in processes of their own, which the death tests end.
+    ``death_timeout`` (float, default 5)
+        Seconds within which a worker's death must surface as ``WorkerDiedError``.
+    ``supports_empty_arrays`` (bool, default True)
+        Whether 0-element arrays are tested.
+    ``avg_exact`` (bool, default True)
+        ``avg`` of floats is bit-identical to ``sum / n``; when False (NCCL pre-multiplies
+        by ``1/n``) it is compared with a tolerance. ``avg`` of integers is always exact.
+    ``small_round_options`` (dict or None)
+        ``init_ccl`` options that make the CCL move little data per round, so that the
+        multi-round tests exercise several rounds with small arrays (``shm``:
+        ``{"slot_bytes": 4096, "mailbox_bytes": 4096}``). None: the multi-round tests
+        use default options.
+    ``multi_round_elements`` (int, default 5003)
+        Elements per member in the multi-round tests.
+    ``timeout_options`` (dict or None, default ``{"timeout": 1}``)
+        ``init_ccl`` options giving a short collective timeout; None skips the timeout tests.
+    ``buffered_send_bytes`` (int, default 0)
+        Sends up to this size return before the matching receive runs; when positive
+        the kit also drives ``send_to_worker``/``recv_from_worker`` straight from the
+        controller (every worker sending, then every worker receiving).
+    ``ccl_error_types`` (tuple of str)
+        The remote exception type names accepted as "the CCL raised an error".
+    ``odd_num_workers`` (int or None, default 3)
+        An odd session size the kit also checks the collectives with (``avg`` computed
+        as ``x * (1/n)`` is exact for 2 and 4 members, not for 3). None only where the
+        hardware has fewer devices (one GPU per worker); the tests then skip and say so.
+    ``wrong_use_options`` (dict or None)
+        ``init_ccl`` options of the sessions the wrong-use tests run in: a collective
+        timeout of a few seconds, so that a CCL which waits instead of refusing a wrong
+        call fails its case in seconds. A member that times out there fails the case:
+        wrong use must be refused at once, on every member. Default (None):
+        ``timeout_options`` with its ``"timeout"`` key set to 5; a CCL whose timeout
+        option has another name sets this itself (with ``timeout_options=None`` and no
+        ``wrong_use_options``, the wrong-use cases wait as long as the CCL's default).
+    ``construction_options`` (dict, default ``{}``)
+        ``init_ccl`` options of the construction cases (one worker's constructor fails):
+        e.g. a short connect timeout for a CCL whose joining peers cannot be released by
+        :meth:`Rendezvous.abort` (they then fail by that timeout, within seconds).
+    ``reinit_after_failed_init`` (bool, default True)
+        After a failed ``init_ccl``, ``init_ccl`` works again on the same session. False
+        for a CCL that cannot (MPI cannot cancel a pending connect: the session must be
+        started anew).
+
+    Besides results, the kit checks what a plugin leaves behind: no thread of a
+    session, open file, memfd, ``/dev/shm`` segment or child process outlives its
+    ``shutdown()`` (across several sessions, and after a peer died or froze in a
+    collective), and that one worker failing in the CCL's constructor, or lacking the
+    plugin, fails ``init_ccl`` within seconds. Worker 0 runs in the controller's
+    process (as in TVM), so what its CCL leaks is what these checks see; the other
+    workers' processes end with the session.
+
+    The construction cases need a session with no CCL yet: a ``make_session`` built
+    by :func:`session_maker` gives one; otherwise override the ``make_bare_session``
+    fixture (``make_bare_session(num_workers) -> (session, ccl name, init_ccl
+    options)``).
+    """
 
     num_workers: int = 4
     dtypes: tuple[str, ...] = DTYPES

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import disco_core as disco
+from disco_core import plugins
 from disco_core.testing.funcs import DLPackOnly, machine_identity
 
 __all__ = ["ChannelContract", "FUNCS_MODULE"]
@@ -173,16 +174,25 @@ class ChannelContract:
         assert all(d == disco.Device("cpu", 0) for d in devices)
 
     def test_channel_facts(self, new_session):
-        """``kind``, ``num_nodes`` and ``shares_memory`` tell the truth: CCLs branch on them
-        (``shm`` refuses a session that spans machines). One machine means every
-        worker runs on the controller's; shared memory means every worker can map the
-        controller's memory files (the ``shm`` CCL's way)."""
+        """``kind``, ``num_nodes`` and ``shares_memory`` tell the truth, as far as it can be
+        seen from here: CCLs branch on them (``shm`` refuses a session that spans
+        machines). ``kind`` is not another registered channel's name; one node means
+        every worker runs on the controller's machine; shared memory means every worker
+        can map the controller's memory files (the ``shm`` CCL's way). Overstating
+        ``num_nodes`` or understating ``shares_memory`` is the cautious direction and is
+        not checked (disco-socket's local agents are nodes of one machine)."""
         sess = new_session(4, 2)
         channel = sess._channel
         kind, nodes, shares = channel.kind, channel.num_nodes, channel.shares_memory
         assert isinstance(kind, str) and kind and kind != "?", (
             f"the channel's kind is {kind!r}: set Channel.kind to the registered name"
         )
+        claimed = plugins.registered("channel").get(kind)
+        if isinstance(claimed, type):  # the kind of another registered channel class
+            assert isinstance(channel, claimed), (
+                f"the channel says kind={kind!r}, the name of {claimed.__qualname__}, but it "
+                f"is a {type(channel).__qualname__}: set Channel.kind to its own registered name"
+            )
         assert type(nodes) is int and 1 <= nodes <= sess.num_workers, f"num_nodes is {nodes!r}"
         assert type(shares) is bool, f"shares_memory is {shares!r}"
         token = os.urandom(16)
