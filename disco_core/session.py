@@ -563,10 +563,13 @@ class Session:
         """Import a Python module on every worker (so the functions it registers exist).
 
         Returns once worker 0, which lives in the controller's process, has imported it:
-        an ``ImportError`` is raised right here. The other workers import it in order
-        with the following commands.
+        an ``ImportError`` is raised right here. Worker 0 first runs the commands sent
+        before (so the import keeps its place in the command order, and their errors
+        are raised here); the other workers import it in order with the following
+        commands.
         """
         self._check_open()
+        self._sync_worker(0)
         try:
             importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

@@ -118,3 +118,17 @@ def test_a_module_beside_the_cwd_but_not_the_script_says_where_python_looked(tmp
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: import_python_module('examples.mymod')")
     assert "running script's folder" in last and "PYTHONPATH" in last and str(tmp_path) in last
+
+
+@pytest.mark.timeout(60)
+def test_import_python_module_keeps_its_place_in_the_command_order(tmp_path, monkeypatch):
+    """Worker 0 imports in the controller's process, after the commands sent before."""
+    log = tmp_path / "order.txt"
+    (tmp_path / "first_loaded.py").write_text(f"open({str(log)!r}, 'a').write('load ')\n")
+    (tmp_path / "then_imported.py").write_text(f"open({str(log)!r}, 'a').write('import ')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with disco.ThreadedSession(1) as sess:
+        sess.load_vm_module(str(tmp_path / "first_loaded.py"))
+        sess.import_python_module("then_imported")
+        sess.sync_worker_0()
+    assert log.read_text() == "load import "
