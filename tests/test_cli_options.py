@@ -12,6 +12,7 @@ import pytest
 
 import disco_core
 from disco_core import cli, commandline
+from disco_core.testing.commands import assert_documented
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -25,17 +26,8 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def _all_parsers(p: argparse.ArgumentParser):
-    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
-    return (p, *sub.choices.values())
-
-
 def test_every_option_has_help_and_the_common_ones():
-    for parser in _all_parsers(cli.build_parser()):
-        opts = {o for a in parser._actions for o in a.option_strings}
-        assert {"--version", "-v", "--verbose", "--log-level"} <= opts, parser.prog
-        for action in parser._actions:
-            assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help"
+    assert_documented(cli.build_parser())
 
 
 @pytest.mark.timeout(60)

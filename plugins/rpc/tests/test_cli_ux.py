@@ -13,6 +13,7 @@ from importlib.metadata import version
 import pytest
 
 import disco_rpc as rpc
+from disco_core.testing.commands import assert_documented
 from disco_rpc import cli, client
 
 PY = sys.executable
@@ -45,11 +46,7 @@ def _parsers():
 def test_every_option_has_help_and_the_common_ones():
     p, subs = _parsers()
     assert set(SUBCOMMANDS) <= set(subs)
-    for parser in (p, *subs.values()):
-        opts = {o for a in parser._actions for o in a.option_strings}
-        assert {"--version", "-v", "--verbose", "--log-level"} <= opts, parser.prog
-        for action in parser._actions:
-            assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help"
+    assert_documented(p)
 
 
 @pytest.mark.timeout(60)
@@ -159,7 +156,9 @@ def test_refused_upload_sends_no_body(server, monkeypatch, checked):
     try:
         with rpc.connect("127.0.0.1", relay.port, token=TOKEN) as s:
             before = relay.sent
-            with pytest.raises(rpc.RPCError, match="PermissionError.*leaves the session's work folder"):
+            with pytest.raises(
+                rpc.RPCError, match="PermissionError.*leaves the session's work folder"
+            ):
                 s.upload(body, "../outside.bin")
             sent = relay.sent - before
             s.upload(b"small", "fine.bin")  # still in sync

@@ -9,6 +9,7 @@ from importlib.metadata import version
 
 import pytest
 
+from disco_core.testing.commands import assert_documented
 from disco_socket import cli
 from disco_socket.wire import PROTOCOL_VERSION
 
@@ -34,13 +35,7 @@ def test_version(args):
 
 
 def test_every_option_has_help_and_the_common_ones():
-    p = cli._parser()
-    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
-    for parser in (p, *sub.choices.values()):
-        opts = {o for a in parser._actions for o in a.option_strings}
-        assert {"--version", "-v", "--log-level"} <= opts, parser.prog
-        for action in parser._actions:
-            assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help"
+    assert_documented(cli._parser())
 
 
 @pytest.mark.timeout(60)
