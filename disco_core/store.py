@@ -226,6 +226,7 @@ class ControllerStore(Store):
         self._aborted: str | None = None
         self._aborts = 0  # how many aborts so far: a wait that spans one fails, reset or not
         self._last_reason = ""
+        self._final = False
         self._waiters: dict[str, list[_Waiter]] = collections.defaultdict(list)
         self._deadlines: list[_Waiter] = []  # a heap
         self._outbox: collections.deque[tuple[int, tuple]] = collections.deque()
@@ -267,9 +268,13 @@ class ControllerStore(Store):
         return _LocalClient(self, hand_over)
 
     # ------------------------------------------------------------------ the session's
-    def abort(self, reason: str) -> None:
-        """Make every waiting and later call fail with ``reason`` (the first reason stays)."""
+    def abort(self, reason: str, final: bool = False) -> None:
+        """Make every waiting and later call fail with ``reason`` (the first reason stays).
+
+        ``final``: :meth:`reset` does not undo it (a channel that carries no store).
+        """
         with self._cond:
+            self._final = self._final or final
             if self._aborted is None:
                 self._aborted = self._last_reason = str(reason)
             self._aborts += 1
@@ -281,7 +286,7 @@ class ControllerStore(Store):
     def reset(self) -> None:
         """Forget every key and an abort, for a new try (``init_ccl`` after a failure)."""
         with self._cond:
-            if self._closed:
+            if self._closed or self._final:
                 return
             self._data.clear()
             self._aborted = None
@@ -369,7 +374,7 @@ class ControllerStore(Store):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise _timeout_error(missing, timeout)
-                cond.wait(left)
+                cond.wait(min(left, threading.TIMEOUT_MAX))  # timeout=inf waits for ever
 
     def _serve_locked(self, worker_id: int, seq: int, op: Any, key: Any, arg: Any) -> None:
         if op not in _OPS:
@@ -435,7 +440,8 @@ class ControllerStore(Store):
                     if self._closed:
                         return
                     heap = self._deadlines
-                    cond.wait(None if not heap else max(0.0, heap[0].deadline - time.monotonic()))
+                    left = heap[0].deadline - time.monotonic() if heap else None
+                    cond.wait(None if left is None else min(max(0.0, left), threading.TIMEOUT_MAX))
             for worker_id, cmd in batch:
                 try:
                     if self._reply is not None:

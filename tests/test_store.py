@@ -320,3 +320,25 @@ def test_local_waiter_released_by_abort():
     assert client.get("k") == b"v"
     assert client.add("n", 2) == 2 and client.add("n") == 3
     store.close()
+
+
+@pytest.mark.timeout(60)
+def test_worker_process_store_only_from_its_own_thread():
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module(FUNCS)
+        ref = sess.get_global_func("testing.store_from_thread")("t")
+        assert ref.debug_get_from_remote(0) == "ok"  # the controller's process: any thread
+        text = ref.debug_get_from_remote(1)
+        assert text.startswith("DiscoError") and "own thread" in text
+        # the worker's stream is intact: it goes on
+        assert _all(sess.get_global_func("testing.store_exchange")("after", 5.0), 2)[1][1] == (
+            b"value of 1"
+        )
+
+
+@pytest.mark.timeout(30)
+def test_infinite_timeout_waits_until_set():
+    store = ControllerStore()
+    threading.Timer(0.2, store.set, ("k", b"v")).start()
+    assert store.get("k", float("inf")) == b"v"
+    store.close()

@@ -842,7 +842,7 @@ class LinkChannel(Channel):
     def attach_store(self, store: ControllerStore) -> None:
         if not self.has_store:
             reason = f"the {self.kind} channel has no rendezvous store"
-            store.abort(reason)  # a request that comes anyway is answered with why
+            store.abort(reason, final=True)  # a request that comes anyway is answered with why
             local = None
         else:
             local = store.client(self.hand_over)

@@ -117,3 +117,23 @@ def store_log(item: Any) -> int:
 @_reg("store_read_log")
 def store_read_log() -> list:
     return list(LOG.get(current().worker_id, []))
+
+
+@_reg("store_from_thread")
+def store_from_thread(key: str) -> str:
+    """``store.set`` from a thread the worker function starts: "ok", or the error."""
+    import threading
+
+    store, out = current().store, []
+
+    def run() -> None:
+        try:
+            store.set(key, b"from a thread")
+            out.append("ok")
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    return out[0] if out else "still running"

@@ -194,6 +194,7 @@ class Worker:
         self._source: Callable[[], tuple] | None = None
         self._next: Callable[[], tuple] = _no_stream
         self._aside: collections.deque[tuple] = collections.deque()
+        self._thread = 0  # the thread that runs run()
 
     # -- registers --------------------------------------------------------------------
     def get_reg(self, reg_id: int) -> Any:
@@ -237,6 +238,7 @@ class Worker:
         rendezvous store through its own links (a :class:`~disco_core.store.RemoteStore`).
         """
         self._source = self._next = next_command
+        self._thread = threading.get_ident()
         if type(self.ctx.store) is NoStore:
             self.ctx.store = RemoteStore(self.send, self.read_until)
         _local.ctx = self.ctx
@@ -265,6 +267,12 @@ class Worker:
         source = self._source
         if source is None:
             raise DiscoError("this worker reads no command stream of its own (Worker.run)")
+        if threading.get_ident() != self._thread:
+            # two readers of one stream would tear its frames apart
+            raise DiscoError(
+                "the rendezvous store of a worker process is used from the worker's own "
+                "thread only (in the function a command runs), not from a thread it started"
+            )
         aside = self._aside
         while True:
             try:
