@@ -18,7 +18,7 @@ def test_store_across_nodes(cluster, caplog, token, direct):
     """Requests on each worker's own reply connection (direct) or relayed by its agent."""
     secret = b"tok-" + secrets.token_hex(8).encode()
     with caplog.at_level(logging.DEBUG):
-        # worker 0 here, workers 1..3 on two agents
+        # workers 0 (a thread) and 1 (a process) here, 2 and 3 on an agent
         sess = cluster.session(2, 2, token=token, direct_replies=direct)
         sess.import_python_module("disco_core.testing.funcs")
         get = sess.get_global_func
