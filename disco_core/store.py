@@ -497,6 +497,9 @@ class _LocalClient(Store):
 class RemoteStore(Store):
     """A worker in another process: requests up the reply path, answers in the command stream.
 
+    Used from the worker's own thread only, in the function a command runs:
+    the answer is read from the worker's command stream, which has one reader.
+
     Parameters
     ----------
     send : callable
@@ -506,8 +509,6 @@ class RemoteStore(Store):
         command for which ``match(cmd)`` is true, and returns it; the commands
         read meanwhile run after the current one, in order
         (:meth:`~disco_core.worker.Worker.read_until`).
-
-    One request at a time: calls from several threads of the worker queue up.
     """
 
     def __init__(self, send: Callable[[tuple], None], read_reply: Callable[[Callable[[tuple], bool]], tuple]) -> None:  # fmt: skip
