@@ -252,9 +252,9 @@ class ControllerStore(Store):
 
     def get(self, key: str, timeout: float | None = None, before_wait: Callable[[], None] | None = None) -> bytes:  # fmt: skip
         key = _check_key(key)
-        self._wait_local((key,), _check_timeout(timeout), before_wait)
-        with self._cond:
-            return self._data[key]
+        value = self._wait_local((key,), _check_timeout(timeout), before_wait)
+        assert value is not None  # one key, set
+        return value
 
     def wait(self, keys: Sequence[str], timeout: float | None = None, before_wait: Callable[[], None] | None = None) -> None:  # fmt: skip
         self._wait_local(_check_keys(keys), _check_timeout(timeout), before_wait)
@@ -354,12 +354,13 @@ class ControllerStore(Store):
         self._set_locked(key, str(total).encode("ascii"))
         return total
 
-    def _wait_local(self, keys: tuple[str, ...], timeout: float, before_wait: Callable[[], None] | None) -> None:  # fmt: skip
+    def _wait_local(self, keys: tuple[str, ...], timeout: float, before_wait: Callable[[], None] | None) -> bytes | None:  # fmt: skip
+        """Wait until every key is set; the first key's value (read under the same lock)."""
         cond, data = self._cond, self._data
         with cond:
             self._raise_if_aborted()
             if all(k in data for k in keys):
-                return
+                return data[keys[0]] if keys else None
             aborts = self._aborts
         if before_wait is not None:
             before_wait()  # the peers' commands go out before this worker blocks
@@ -370,7 +371,7 @@ class ControllerStore(Store):
                     raise DiscoError(f"rendezvous store aborted: {self._last_reason}")
                 missing = [k for k in keys if k not in data]
                 if not missing:
-                    return
+                    return data[keys[0]] if keys else None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise _timeout_error(missing, timeout)

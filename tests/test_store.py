@@ -342,3 +342,24 @@ def test_infinite_timeout_waits_until_set():
     threading.Timer(0.2, store.set, ("k", b"v")).start()
     assert store.get("k", float("inf")) == b"v"
     store.close()
+
+
+def test_store_messages_cross_a_socket_as_plain_values():
+    """What a socket carries is rebuilt by decode_untrusted (an allow-list), never unpickled."""
+    for value in [
+        ("store", 1, "set", "k", b"\x00secret"),
+        ("store", 2, "wait", ("a", "b"), 1.5),
+        (P.STORE_REPLY, 3, True, b"v" * (1 << 20)),  # the largest value
+        (P.STORE_REPLY, 4, False, ("timeout", 0.2, ("never",))),
+        (P.STORE_REPLY, 5, False, ("abort", "worker(s) [2] died")),
+    ]:
+        assert P.decode_untrusted(*P.encode(value)) == value
+
+
+@pytest.mark.timeout(60)
+def test_largest_value_reaches_every_worker(make):
+    sess = make(2)
+    big = bytes(range(256)) * 4096  # 1 MiB, the limit
+    sess.get_global_func("testing.store_set")("big", big, 1)  # set by worker 1 only
+    got = sess.get_global_func("testing.store_get")("big", 10.0)
+    assert got.debug_get_from_remote(0) == big and got.debug_get_from_remote(1) == big
