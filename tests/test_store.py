@@ -133,8 +133,11 @@ def test_secret_value_never_logged(make, caplog, capfd, monkeypatch):
             sess._sync_all()
         sess.shutdown()
     assert secret.decode() not in str(info.value)
+    assert "session started" in caplog.text  # the capture works
     assert secret.decode() not in caplog.text
     out, err = capfd.readouterr()
+    if sess.channel.kind == "process":
+        assert "worker 1 of 3 started" in err  # the workers' own DEBUG logs are here
     assert secret.decode() not in out + err
     text = P.describe_command((P.STORE_REPLY, 3, True, secret))
     assert secret.decode() not in text and f"<{len(secret)} bytes>" in text
