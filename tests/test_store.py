@@ -347,6 +347,7 @@ def test_infinite_timeout_waits_until_set():
     store.close()
 
 
+@pytest.mark.timeout(10)
 def test_store_messages_cross_a_socket_as_plain_values():
     """What a socket carries is rebuilt by decode_untrusted (an allow-list), never unpickled."""
     for value in [
