@@ -29,6 +29,7 @@ __all__ = [
     "DiscoFileNotFoundError",
     "DiscoPermissionError",
     "DiscoTimeoutError",
+    "StoreTimeoutError",
     "UnsupportedPlatformError",
     "FOLLOW_ON_NOTE",
     "is_follow_on",
@@ -345,3 +346,20 @@ class DiscoPermissionError(DiscoError, PermissionError):
 
 class DiscoTimeoutError(DiscoError, TimeoutError):
     """A wait ran past its bound."""
+
+
+class StoreTimeoutError(DiscoTimeoutError):
+    """A rendezvous store's ``get`` or ``wait`` ran past its timeout.
+
+    Attributes
+    ----------
+    missing : tuple of str
+        The keys still not set when the wait gave up.
+    """
+
+    def __init__(self, message: str, missing: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.missing))

@@ -70,6 +70,10 @@ class Action(enum.IntEnum):
 # Plain ints for the hot path (an IntEnum is slower to compare and to pickle).
 SHUTDOWN, KILL_REG, GET_GLOBAL_FUNC, CALL_PACKED, SYNC_WORKER = 0, 1, 2, 3, 4
 COPY_FROM_WORKER0, COPY_TO_WORKER0, DEBUG_GET_FROM_REMOTE, DEBUG_SET_REGISTER = 5, 6, 7, 8
+#: Not TVM's (so not an :class:`Action`): the controller's answer to a worker's
+#: rendezvous store request, ``(STORE_REPLY, seq, ok, value)`` (``disco_core.store``),
+#: sent to that worker only. Far from TVM's codes, so that a new one of TVM's fits.
+STORE_REPLY = 16
 
 
 class RegRef:
@@ -295,7 +299,14 @@ def write_frame(fd: int, frame: Frame, flags: int = 0) -> None:
 
 
 def describe_command(cmd: tuple, func_name: Callable[[int], str] | None = None) -> str:
-    """A short human description of a command, for error messages."""
+    """A short human description of a command, for error messages.
+
+    Never a store answer's value (a rendezvous secret): ``<N bytes>`` stands for it.
+    """
+    if cmd[0] == STORE_REPLY:
+        value = cmd[3] if len(cmd) > 3 else None
+        shown = f"<{len(value)} bytes>" if isinstance(value, bytes) else type(value).__name__
+        return f"store_reply(seq={cmd[1]!r}, ok={cmd[2]!r}, {shown})"
     action = Action(cmd[0])
     if action is Action.CALL_PACKED and func_name is not None:
         return f"call_packed({func_name(cmd[2])})"

@@ -11,6 +11,7 @@ of its own).
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import logging
 import os
@@ -44,6 +45,7 @@ from .errors import (
 from .host_array import with_numpy_method
 from .protocol import register_ref_type
 from .settings import env_seconds_or_default
+from .store import ControllerStore
 
 logger = logging.getLogger("disco_core.session")
 
@@ -232,6 +234,11 @@ def _close_channel(channel: Channel, state: dict) -> None:
         channel.send(Outgoing((P.SHUTDOWN,)))
     except Exception:  # dead workers: close() still reaps them
         pass
+    store = state.get("store")
+    if store is not None:
+        # Before the channel closes: a worker waiting in the store gets its answer
+        # (an error) and then reads the shutdown command it set aside.
+        store.close("the session is shutting down")
     rendezvous = state.get("rendezvous")
     if rendezvous is not None:
         # A worker still waiting in a collective would never read the shutdown
@@ -244,6 +251,11 @@ def _close_channel(channel: Channel, state: dict) -> None:
             rendezvous.close()
         _memory.release_free_memory()  # the session's threads' malloc arenas
         logger.debug("session shut down: %s channel", channel.kind)
+
+
+def _store_reply(channel: Channel, worker_id: int, cmd: tuple) -> None:
+    """Send a rendezvous store answer to the one worker that asked."""
+    channel.send(Outgoing(cmd, shared=True), [worker_id])
 
 
 def _by_worker(errors: list[WorkerError]) -> list[WorkerError]:
@@ -287,6 +299,13 @@ class Session:
         self._cache: dict[str, DPackedFunc] = {}
         self._state: dict[str, Any] = {"closed": False, "rendezvous": None, "ccl": None}
         self._finalizer = weakref.finalize(self, _close_channel, channel, self._state)
+        # One rendezvous store per session (``current().store`` on every worker).
+        store = ControllerStore(reply=functools.partial(_store_reply, channel))
+        self._state["store"] = store
+        channel.attach_store(store)
+        channel.on_worker_death(
+            lambda ids_, reason: store.abort(f"worker(s) {ids_} died: {reason}")
+        )
         logger.info(
             "session started: %s channel, %d worker(s) in %d group(s)",
             channel.kind, self.num_workers, self.num_groups,
@@ -320,6 +339,10 @@ class Session:
         return f"<{type(self).__name__} {self._channel.kind} workers={self.num_workers} groups={self.num_groups} {state}>"
 
     # ------------------------------------------------------------------ plumbing
+    @property
+    def _store(self) -> ControllerStore:
+        return self._state["store"]
+
     @property
     def channel(self) -> Channel:
         """The control-plane channel this session drives."""
@@ -726,11 +749,13 @@ class Session:
             init = self._get_cached_method("disco.init_ccl")
             self.call_packed(init, ccl, rendezvous.payload, ids, options)
             self._sync_aborting(rendezvous)
-        except WorkerError:
+        except WorkerError as exc:
             self._state["rendezvous"] = None
             rendezvous.abort("init_ccl failed")
+            self._store.abort(f"init_ccl failed on worker {exc.worker_id}")
             self._discard_ccl()
             rendezvous.close()
+            self._store.reset()  # a new init_ccl starts from an empty store
             raise
         self._state["ccl"] = ccl
         # Never the rendezvous payload: it may hold addresses and secrets of the CCL.
@@ -775,6 +800,7 @@ class Session:
                     rendezvous.abort(
                         f"worker {exc.worker_id} failed in init_ccl: {exc.remote_message}"
                     )
+                    self._store.abort(f"worker {exc.worker_id} failed in init_ccl")
                     pending.pop(0)  # that reply was read: it was the failure
                     self._gather([*channel.take_errors(), exc], first=exc, owed=pending)
             else:
@@ -785,6 +811,7 @@ class Session:
                 rendezvous.abort(
                     f"worker {first.worker_id} failed in init_ccl: {first.remote_message}"
                 )
+                self._store.abort(f"worker {first.worker_id} failed in init_ccl")
                 self._gather(errors, first=first, owed=pending)
             if not pending:
                 return

@@ -23,6 +23,13 @@ CCLs
     (the argument checks every collective runs on every member),
     :func:`average_in_place` (``avg`` as NCCL computes it, integers included), and
     :meth:`CCL.preflight` (worker-side checks before a blocking initialisation).
+Rendezvous store
+    :class:`Store` (``disco_core.worker.current().store`` on every worker:
+    ``set``/``get``/``wait``/``add`` on keys, over the session's own channel,
+    with a timeout), :class:`StoreTimeoutError`, :func:`store_timeout`
+    (``DISCO_STORE_TIMEOUT``), :data:`MAX_KEY_CHARS`, :data:`MAX_VALUE_BYTES`;
+    a channel's side: :class:`ControllerStore` (what ``LinkChannel.attach_store``
+    wires), :class:`RemoteStore` and :class:`NoStore`.
 Network layer
     :mod:`net` (:mod:`~disco_core.net.io`, :mod:`~disco_core.net.framing`,
     :mod:`~disco_core.net.security`, :mod:`~disco_core.net.protect`,
@@ -119,6 +126,16 @@ from .protocol import (
     write_frame,
 )
 from .settings import env_seconds
+from .store import (
+    MAX_KEY_CHARS,
+    MAX_VALUE_BYTES,
+    ControllerStore,
+    NoStore,
+    RemoteStore,
+    Store,
+    StoreTimeoutError,
+    store_timeout,
+)
 from .worker import HeartbeatSender, Worker, command_stream
 
 __all__ = [
@@ -163,6 +180,15 @@ __all__ = [
     "REDUCE_OPS",
     "average_in_place",
     "validate",
+    # rendezvous store
+    "Store",
+    "StoreTimeoutError",
+    "store_timeout",
+    "MAX_KEY_CHARS",
+    "MAX_VALUE_BYTES",
+    "ControllerStore",
+    "RemoteStore",
+    "NoStore",
     # network layer
     "net",
     "resolve_token",

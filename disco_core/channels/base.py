@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
 from ..settings import env_seconds, env_seconds_or_default
+from ..store import ControllerStore, NoStore
 from ..worker import Worker, set_current
 
 logger = logging.getLogger("disco_core.channels")
@@ -190,6 +191,16 @@ class Channel(abc.ABC):
         Channels whose workers deliver synchronously need not override it.
         """
 
+    #: True when every worker reaches the session's rendezvous store (``ctx.store``).
+    has_store: bool = False
+
+    def attach_store(self, store: ControllerStore) -> None:
+        """Let every worker reach ``store``, the session's rendezvous store.
+
+        Called once by the :class:`~disco_core.Session`, before any command. The
+        default attaches nothing: the workers' ``ctx.store`` says there is none.
+        """
+
     def mark_unresponsive(self, worker_ids: Sequence[int], reason: str) -> None:
         """End the session for ``worker_ids``, which stopped answering (as if they died)."""
         raise NotImplementedError(f"{type(self).__name__} cannot mark workers unresponsive")
@@ -238,10 +249,22 @@ class ReplyHub:
         kind = msg[0]
         if kind == "error":
             self.errors.append(msg[1])
-        elif kind != "alive":
-            self.replies[worker_id].put(msg)
-        else:  # a heartbeat is only a sign of life, and says the worker sends them
+        elif kind == "alive":  # a heartbeat is only a sign of life, and says the worker sends them
             self.beating.add(worker_id)
+        elif kind == "store":  # a rendezvous store request: answered by the store's own thread
+            self.store_handler(worker_id, msg)
+        else:
+            self.replies[worker_id].put(msg)
+
+    def store_handler(self, worker_id: int, msg: tuple) -> None:
+        """Serve a worker's ``("store", ...)`` request; never blocks (the reader thread calls it).
+
+        Replaced by :meth:`LinkChannel.attach_store` with the session's store's
+        ``handle``; until then a request has nobody to answer it.
+        """
+        logger.warning(
+            "worker %d asked the rendezvous store, but its channel has none attached", worker_id
+        )
 
     def touch(self, worker_id: int) -> None:
         """A sign of life that is not a whole message (bytes of a large frame)."""
@@ -809,6 +832,24 @@ class LinkChannel(Channel):
         self._direct_others: list[WorkerLink] = []  # direct links not in this process
         # A subclass with its own send() (it looks at every command) gets every one there.
         self._fast_shared = type(self).send is LinkChannel.send
+
+    #: The workers of the controller's process call the store directly; the others send
+    #: ``("store", ...)`` up their reply path to the hub, and read the answer, a
+    #: command sent to them alone, from their command stream (``Worker.run``). A
+    #: subclass whose workers run no ``Worker.run`` loop sets it False.
+    has_store = True
+
+    def attach_store(self, store: ControllerStore) -> None:
+        if not self.has_store:
+            reason = f"the {self.kind} channel has no rendezvous store"
+            store.abort(reason, final=True)  # a request that comes anyway is answered with why
+            local = None
+        else:
+            local = store.client(self.hand_over)
+        self.hub.store_handler = store.handle  # type: ignore[method-assign]
+        for link in self.links:
+            if isinstance(link, ThreadWorkerLink):
+                link.worker.ctx.store = local if local is not None else NoStore(reason)
 
     def wait_ready(self, worker_ids: Iterable[int], deadline: float, what: str = "workers") -> None:
         """Wait for the ``ready`` message of each of ``worker_ids`` until ``deadline``.

@@ -16,6 +16,10 @@ Class attributes a subclass may set:
     for a finer answer.
 ``death_timeout`` (float, default 3.0)
     Seconds within which a dead worker must be reported as ``WorkerDiedError``.
+``has_store`` (bool or None, default None)
+    Whether every worker reaches the session's rendezvous store
+    (``current().store``). None: as the channel's own ``has_store`` says. A
+    channel without one (False) is checked for a clear error at use instead.
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class ChannelContract:
 
     workers_are_processes: bool = False
     death_timeout: float = 3.0
+    has_store: bool | None = None
 
     # ------------------------------------------------------------------ fixtures
     @pytest.fixture
@@ -229,6 +234,35 @@ class ChannelContract:
     def test_current_outside_worker(self):
         with pytest.raises(disco.DiscoError, match="outside"):
             disco.worker.current()
+
+    # ------------------------------------------------------------------ rendezvous store
+    def test_rendezvous_store(self, new_session):
+        """Every worker sets a key and reads all; ``add`` counts every worker; a wait
+        times out naming its key. A channel that declares no store (``has_store``
+        False) must say so at use, not hang."""
+        sess = new_session(3)
+        get = sess.get_global_func
+        declared = getattr(sess.channel, "has_store", False)
+        if self.has_store is not None:
+            assert declared == self.has_store, (
+                f"the kit says has_store={self.has_store}, the channel says {declared}"
+            )
+        if not declared:
+            get("testing.store_add")("kit/none")
+            with pytest.raises(disco.DiscoError, match="no rendezvous store"):
+                _sync_all(sess)
+            return
+        prefix = f"kit-{os.getpid()}-{time.monotonic_ns()}"
+        ref = get("testing.store_exchange")(prefix, 20.0)
+        want = [b"value of %d" % w for w in range(3)]
+        assert _values(ref, 3) == [want] * 3
+        assert sorted(_values(get("testing.store_add")(f"{prefix}/n"), 3)) == [1, 2, 3]
+        t0 = time.monotonic()
+        get("testing.store_get")(f"{prefix}/never", 0.3)
+        with pytest.raises(disco.DiscoTimeoutError, match=f"{prefix}/never"):
+            _sync_all(sess)
+        assert time.monotonic() - t0 < 10, "a store wait outlived its timeout"
+        _sync_all(sess)  # the session goes on
 
     # ------------------------------------------------------------------ functions
     def test_get_global_func(self, sess):

@@ -245,3 +245,6 @@ class DLPackOnly:
 
     def __dlpack_device__(self) -> Any:
         return self._array.__dlpack_device__()
+
+
+from . import store_funcs as _store_funcs  # noqa: E402, F401  # registers testing.store_*

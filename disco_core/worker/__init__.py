@@ -8,6 +8,7 @@ the worker they run on for its facts with :func:`current`.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import logging
 import os
@@ -37,6 +38,7 @@ from ..protocol import (
     encode,
     write_frame,
 )
+from ..store import NoStore, RemoteStore, Store
 
 __all__ = [
     "WorkerContext",
@@ -79,6 +81,11 @@ class WorkerContext:
         ``CCL``): a worker that runs on the controller's thread must never wait
         for a peer whose commands are still held back. A user function that
         waits for another worker by other means calls it first, too.
+    store : Store
+        The session's rendezvous store (:class:`disco_core.store.Store`): keys
+        every worker can set, read and wait for, during ``init_ccl`` and in any
+        worker function. On a channel that carries none, every call raises a
+        :class:`~disco_core.errors.DiscoError` that says so.
     """
 
     worker_id: int
@@ -89,6 +96,7 @@ class WorkerContext:
     registers: dict = field(default_factory=dict, repr=False)
     extra: dict = field(default_factory=dict)
     hand_over: Callable[[], None] = field(default=lambda: None, repr=False)
+    store: Store = field(default_factory=NoStore, repr=False)
 
     @property
     def group_size(self) -> int:
@@ -182,6 +190,11 @@ class Worker:
         self.send = send
         self._names: dict[int, str] = {}  # register -> global function name, for messages
         self._imported: dict[str, str] = {}  # entrypoint -> why its import failed, or ""
+        # The command stream of run(), and the commands read_until() set aside
+        self._source: Callable[[], tuple] | None = None
+        self._next: Callable[[], tuple] = _no_stream
+        self._aside: collections.deque[tuple] = collections.deque()
+        self._thread = 0  # the thread that runs run()
 
     # -- registers --------------------------------------------------------------------
     def get_reg(self, reg_id: int) -> Any:
@@ -219,13 +232,65 @@ class Worker:
 
     # -- the loop ----------------------------------------------------------------------
     def run(self, next_command: Callable[[], tuple]) -> None:
-        """Execute commands from ``next_command()`` until a shutdown command."""
+        """Execute commands from ``next_command()`` until a shutdown command.
+
+        A worker run this way (in a process of its own) reaches the session's
+        rendezvous store through its own links (a :class:`~disco_core.store.RemoteStore`).
+        """
+        self._source = self._next = next_command
+        self._thread = threading.get_ident()
+        if type(self.ctx.store) is NoStore:
+            self.ctx.store = RemoteStore(self.send, self.read_until)
         _local.ctx = self.ctx
         try:
-            while self.execute(next_command()):
+            # self._next is next_command, or for a while the commands read_until set aside
+            while self.execute(self._next()):
                 pass
         finally:
             _local.ctx = None
+
+    def read_until(self, match: Callable[[tuple], bool]) -> tuple:
+        """Read the command stream, while a command runs, up to the answer ``match`` accepts.
+
+        The answer is a ``STORE_REPLY`` command for which ``match(cmd)`` is true.
+
+        Every other command read meanwhile is set aside: :meth:`run` executes
+        them after the current command, in the order they came.
+
+        Raises
+        ------
+        DiscoError
+            The worker runs no command stream of its own (not :meth:`run`).
+        EOFError
+            The controller is gone (the main loop then sees the end, too).
+        """
+        source = self._source
+        if source is None:
+            raise DiscoError("this worker reads no command stream of its own (Worker.run)")
+        if threading.get_ident() != self._thread:
+            # two readers of one stream would tear its frames apart
+            raise DiscoError(
+                "the rendezvous store of a worker process is used from the worker's own "
+                "thread only (in the function a command runs), not from a thread it started"
+            )
+        aside = self._aside
+        while True:
+            try:
+                cmd = source()
+            except BaseException as exc:  # the stream ended: the main loop must end the same way
+                self._next = _raiser(exc)
+                raise
+            if cmd[0] == P.STORE_REPLY and match(cmd):
+                return cmd
+            aside.append(cmd)
+            self._next = self._next_aside
+
+    def _next_aside(self) -> tuple:
+        aside = self._aside
+        cmd = aside.popleft()
+        if not aside:
+            self._next = self._source  # type: ignore[assignment]  # set by run()
+        return cmd
 
     def execute(self, cmd: tuple) -> bool:
         """Execute one command; return False after a shutdown command."""
@@ -288,6 +353,8 @@ class Worker:
         elif action == P.SHUTDOWN:
             self.close()
             return False
+        elif action == P.STORE_REPLY:
+            pass  # an answer nobody waits for any more: nothing to do
         else:
             self._report(DiscoError(f"unknown command action {action!r}"), "protocol")
         return True
@@ -391,6 +458,17 @@ class Worker:
 
 def _nothing() -> None:
     return None
+
+
+def _no_stream() -> tuple:
+    raise DiscoError("this worker reads no command stream of its own (Worker.run)")
+
+
+def _raiser(exc: BaseException) -> Callable[[], tuple]:
+    def again() -> tuple:
+        raise exc
+
+    return again
 
 
 def _is_array(value: Any) -> bool:
