@@ -367,3 +367,29 @@ def test_largest_value_reaches_every_worker(make):
     sess.get_global_func("testing.store_set")("big", big, 1)  # set by worker 1 only
     got = sess.get_global_func("testing.store_get")("big", 10.0)
     assert got.debug_get_from_remote(0) == big and got.debug_get_from_remote(1) == big
+
+
+@pytest.mark.timeout(60)
+def test_a_wrapping_channel_that_passes_no_store_refuses_at_once():
+    """A channel that wraps the process channel without passing ``attach_store`` through
+    (the docs tutorial's ``trace`` channel): a worker process's store call is answered
+    with why, at once, instead of waiting for an answer nobody sends."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "plugin_tutorial"))
+    try:
+        from disco_tutorial.channel import TraceChannel
+    finally:
+        sys.path.pop(0)
+    inner = plugins.lookup("channel", "process")(num_workers=2)
+    with disco.Session(TraceChannel(inner)) as sess:
+        sess.import_python_module(FUNCS)
+        t0 = time.monotonic()
+        ref = sess.get_global_func("testing.store_get")("k", 30.0)
+        with pytest.raises(disco.WorkerError) as info:
+            ref.debug_get_from_remote(1)
+        assert time.monotonic() - t0 < 10
+        by_worker = {e.worker_id: e.remote_message for e in [info.value, *info.value.others]}
+        assert "attach_store" in by_worker[1], by_worker  # the worker process: told why
+        assert "no rendezvous store" in by_worker[0], by_worker  # worker 0: refused at use

@@ -832,12 +832,25 @@ class LinkChannel(Channel):
         self._direct_others: list[WorkerLink] = []  # direct links not in this process
         # A subclass with its own send() (it looks at every command) gets every one there.
         self._fast_shared = type(self).send is LinkChannel.send
+        # Until a session attaches its store (a channel that wraps this one may not pass
+        # attach_store through), a worker's store request is answered with why: a worker
+        # process waiting for an answer must never wait for ever.
+        refusing = ControllerStore(reply=self._store_reply)
+        refusing.abort(
+            f"no rendezvous store is attached to this {self.kind} channel (a channel that "
+            "wraps it must pass attach_store through)",
+            final=True,
+        )
+        self.hub.store_handler = refusing.handle  # type: ignore[method-assign]
 
     #: The workers of the controller's process call the store directly; the others send
     #: ``("store", ...)`` up their reply path to the hub, and read the answer, a
     #: command sent to them alone, from their command stream (``Worker.run``). A
     #: subclass whose workers run no ``Worker.run`` loop sets it False.
     has_store = True
+
+    def _store_reply(self, worker_id: int, cmd: tuple) -> None:
+        self.send(Outgoing(cmd, shared=True), [worker_id])
 
     def attach_store(self, store: ControllerStore) -> None:
         if not self.has_store:
