@@ -64,7 +64,7 @@ PLANTED = [
      "ThreadedSession", "test_mismatched_buffers and allreduce and shape",
      "instead of refusing", 25),
     ("constructor join ignores the abort", "planted.join_ignores_abort", "ProcessSession",
-     "test_constructor_fails_on_one_worker and last", "still waiting", 30),
+     "test_constructor_fails_on_one_worker and last", "still waiting", 25),
 ]  # fmt: skip
 
 

@@ -1500,7 +1500,7 @@ class CCLContract:
         _sync(sess)
         t0 = time.monotonic()
         options = {**fixed, **self.construction_options}
-        outcome = _bounded(lambda: sess.init_ccl(name, **options), 15.0)
+        outcome = _bounded(lambda: sess.init_ccl(name, **options), 10.0)
         took = time.monotonic() - t0
         assert outcome is not _STILL_WAITING, (
             f"init_ccl was still waiting {took:.0f} s after worker {victim}'s constructor "
@@ -1511,7 +1511,7 @@ class CCLContract:
             f"the constructor's failure must be the error raised, got worker "
             f"{outcome.worker_id}: {outcome.remote_message}"
         )
-        assert took < 15, f"init_ccl took {took:.1f} s to report a constructor failure"
+        assert took < 10, f"init_ccl took {took:.1f} s to report a constructor failure"
         if self.reinit_after_failed_init:
             # Nothing of the failed attempt stays: the real CCL can be initialised now.
             sess.init_ccl(base, **fixed)
@@ -1530,13 +1530,13 @@ class CCLContract:
         name = register_faulty_ccl(base, nw + 1)  # fails nowhere; registered here only
         t0 = time.monotonic()
         options = {**fixed, **self.construction_options}
-        outcome = _bounded(lambda: sess.init_ccl(name, **options), 15.0)
+        outcome = _bounded(lambda: sess.init_ccl(name, **options), 10.0)
         assert outcome is not _STILL_WAITING, "init_ccl waited for workers that lack the CCL"
         assert isinstance(outcome, disco.WorkerError), f"expected WorkerError, got {outcome!r}"
         missing = {e.worker_id for e in [outcome, *outcome.others]}
         assert missing == set(range(1, nw)), missing
         assert name in outcome.remote_message and "install" in outcome.remote_message
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 10
         assert faulty_ccl_name(base, nw + 1) == name
 
     @pytest.mark.timeout(60)
