@@ -40,6 +40,7 @@ __all__ = [
     "store_timeout",
     "MAX_KEY_CHARS",
     "MAX_VALUE_BYTES",
+    "MAX_TOTAL_BYTES",
 ]
 
 logger = logging.getLogger("disco_core.store")
@@ -48,6 +49,9 @@ logger = logging.getLogger("disco_core.store")
 MAX_KEY_CHARS = 256
 #: Largest value, in bytes (a rendezvous payload, not a data channel).
 MAX_VALUE_BYTES = 1 << 20
+#: The most the store holds, in bytes of values, all keys together: it lives in the
+#: controller's memory, so workers cannot exhaust it.
+MAX_TOTAL_BYTES = 256 << 20
 
 _OPS = ("set", "get", "wait", "add")
 
@@ -87,9 +91,15 @@ def _check_value(value: Any) -> bytes:
     return value
 
 
+#: Counters (``add``) stay within a signed 64-bit integer.
+_COUNTER_LIMIT = 1 << 63
+
+
 def _check_amount(amount: Any) -> int:
     if type(amount) is not int:  # bool too: add(key, True) is a mistake
         raise DiscoTypeError(f"store add() amount must be an int, got {type(amount).__name__}")
+    if not -_COUNTER_LIMIT <= amount < _COUNTER_LIMIT:
+        raise DiscoValueError("store add() amount must fit in a signed 64-bit integer")
     return amount
 
 
@@ -222,6 +232,7 @@ class ControllerStore(Store):
     def __init__(self, reply: Callable[[int, tuple], None] | None = None) -> None:
         self._reply = reply
         self._data: dict[str, bytes] = {}
+        self._bytes = 0  # the values' total size (MAX_TOTAL_BYTES)
         self._cond = threading.Condition(threading.Lock())
         self._aborted: str | None = None
         self._aborts = 0  # how many aborts so far: a wait that spans one fails, reset or not
@@ -289,6 +300,7 @@ class ControllerStore(Store):
             if self._closed or self._final:
                 return
             self._data.clear()
+            self._bytes = 0
             self._aborted = None
 
     def close(self, reason: str = "the session is shutting down") -> None:
@@ -296,6 +308,7 @@ class ControllerStore(Store):
         self.abort(reason)
         with self._cond:
             self._data.clear()
+            self._bytes = 0
             self._closed = True
             self._cond.notify_all()
         thread = self._thread
@@ -327,6 +340,10 @@ class ControllerStore(Store):
                     self._answer_locked(worker_id, seq, False, ("value", str(exc)))
                 except DiscoError as exc:
                     self._answer_locked(worker_id, seq, False, ("abort", str(exc)))
+                except Exception as exc:  # the asker is answered whatever went wrong
+                    logger.exception("rendezvous store: failed to serve worker %d", worker_id)
+                    why = f"the store could not serve this request ({type(exc).__name__})"
+                    self._answer_locked(worker_id, seq, False, ("value", why))
         except Exception:  # the reader thread must go on whatever happens here
             logger.exception("rendezvous store: failed to serve worker %d", worker_id)
 
@@ -336,6 +353,13 @@ class ControllerStore(Store):
             raise DiscoError(f"rendezvous store aborted: {self._aborted}")
 
     def _set_locked(self, key: str, value: bytes) -> None:
+        total = self._bytes - len(self._data.get(key, b"")) + len(value)
+        if total > MAX_TOTAL_BYTES:
+            raise DiscoValueError(
+                f"store set({key!r}): the store would hold {total} bytes, over its limit of "
+                f"{MAX_TOTAL_BYTES} (it is for rendezvous data, not a data channel)"
+            )
+        self._bytes = total
         self._data[key] = value
         self._cond.notify_all()
         waiters = self._waiters.pop(key, None)
@@ -351,6 +375,8 @@ class ControllerStore(Store):
             raise DiscoValueError(
                 f"store add(): key {key!r} holds a value that is not a counter"
             ) from None
+        if not -_COUNTER_LIMIT <= total < _COUNTER_LIMIT:
+            raise DiscoValueError(f"store add(): counter {key!r} would leave the 64-bit range")
         self._set_locked(key, str(total).encode("ascii"))
         return total
 

@@ -372,8 +372,8 @@ def test_largest_value_reaches_every_worker(make):
 @pytest.mark.timeout(60)
 def test_a_wrapping_channel_that_passes_no_store_refuses_at_once():
     """A channel that wraps the process channel without passing ``attach_store`` through
-    (the docs tutorial's ``trace`` channel): a worker process's store call is answered
-    with why, at once, instead of waiting for an answer nobody sends."""
+    (as the docs tutorial's ``trace`` channel did): a worker process's store call is
+    answered with why, at once, instead of waiting for an answer nobody sends."""
     import sys
     from pathlib import Path
 
@@ -382,8 +382,15 @@ def test_a_wrapping_channel_that_passes_no_store_refuses_at_once():
         from disco_tutorial.channel import TraceChannel
     finally:
         sys.path.pop(0)
+
+    class ForgetsTheStore(TraceChannel):  # a wrapper written before the store existed
+        has_store = False  # type: ignore[assignment]
+
+        def attach_store(self, store):
+            pass
+
     inner = plugins.lookup("channel", "process")(num_workers=2)
-    with disco.Session(TraceChannel(inner)) as sess:
+    with disco.Session(ForgetsTheStore(inner)) as sess:
         sess.import_python_module(FUNCS)
         t0 = time.monotonic()
         ref = sess.get_global_func("testing.store_get")("k", 30.0)
@@ -393,3 +400,76 @@ def test_a_wrapping_channel_that_passes_no_store_refuses_at_once():
         by_worker = {e.worker_id: e.remote_message for e in [info.value, *info.value.others]}
         assert "attach_store" in by_worker[1], by_worker  # the worker process: told why
         assert "no rendezvous store" in by_worker[0], by_worker  # worker 0: refused at use
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+def test_counters_stay_in_64_bits_and_always_get_an_answer(kind):
+    """A huge amount, or a sum leaving the 64-bit range, is a DiscoValueError at once
+    (a 5,000-digit total used to leave a worker process waiting for ever)."""
+    cls = disco.ThreadedSession if kind == "threaded" else disco.ProcessSession
+    with cls(2) as sess:
+        sess.import_python_module(FUNCS)
+        f = sess.get_global_func("testing.store_add_error")
+        t0 = time.monotonic()
+        huge = f("c1", 10**5000)
+        assert huge.debug_get_from_remote(1).startswith("DiscoValueError: store add() amount")
+        f("c2", 2**63 - 1)
+        sess._sync_all()
+        over = f("c2", 1)
+        for w in (0, 1):
+            assert "64-bit range" in over.debug_get_from_remote(w)
+        assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(60)
+def test_the_store_holds_a_bounded_total(monkeypatch):
+    """Workers cannot fill the controller's memory through the store."""
+    from disco_core import store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_TOTAL_BYTES", (3 << 20) - 1)
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module(FUNCS)
+        setf = sess.get_global_func("testing.store_set")
+        setf("a", b"x" * (1 << 20), 1)
+        setf("b", b"x" * (1 << 20), 1)
+        sess._sync_all()
+        setf("c", b"x" * (1 << 20), 1)  # over the total: refused, on worker 1
+        with pytest.raises(disco.WorkerError, match="over its limit"):
+            sess._sync_all()
+        setf("a", b"y" * (1 << 20), 1)  # replacing a value keeps the total
+        sess._sync_all()
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_reply_is_dropped_and_the_session_goes_on(monkeypatch):
+    """A reply that decodes but is not a message (an empty tuple, a number) used to end
+    the controller's reader thread, and the next sync waited for ever."""
+    monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", "3")
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module(FUNCS)
+        send = sess.get_global_func("testing.send_raw_reply")
+        t0 = time.monotonic()
+        for bad in ((), 42):
+            ref = send(bad, 1)
+            assert ref.debug_get_from_remote(1) is None
+        sess._sync_all()
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(60)
+def test_the_tutorial_trace_channel_passes_the_store_through():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "plugin_tutorial"))
+    try:
+        from disco_tutorial.channel import TraceChannel
+    finally:
+        sys.path.pop(0)
+    inner = plugins.lookup("channel", "process")(num_workers=3)
+    with disco.Session(TraceChannel(inner)) as sess:
+        sess.import_python_module(FUNCS)
+        ref = sess.get_global_func("testing.store_exchange")("trace", 20.0)
+        want = [b"value of %d" % w for w in range(3)]
+        assert [ref.debug_get_from_remote(w) for w in range(3)] == [want] * 3

@@ -246,6 +246,9 @@ class ReplyHub:
 
     def deliver(self, worker_id: int, msg: tuple) -> None:
         self.seen[worker_id] = time.monotonic()
+        if type(msg) is not tuple or not msg:  # a peer's garbage must not end the reader
+            logger.warning("dropped a malformed message from worker %d", worker_id)
+            return
         kind = msg[0]
         if kind == "error":
             self.errors.append(msg[1])

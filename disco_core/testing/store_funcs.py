@@ -137,3 +137,25 @@ def store_from_thread(key: str) -> str:
     t.start()
     t.join(10)
     return out[0] if out else "still running"
+
+
+@_reg("store_add_error")
+def store_add_error(key: str, amount: int) -> str:
+    """``store.add(key, amount)``: the error's type and text, or "ok"."""
+    try:
+        current().store.add(key, amount)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+@_reg("send_raw_reply")
+def send_raw_reply(message: Any, only_worker: int) -> None:
+    """On worker ``only_worker``, a worker process: send ``message`` up its reply path as
+    it is (a malformed-peer test)."""
+    if current().worker_id != only_worker:
+        return
+    send = getattr(current().store, "_send", None)  # a worker process's RemoteStore
+    if send is None:
+        raise RuntimeError("testing.send_raw_reply: this worker has no reply path of its own")
+    send(message)

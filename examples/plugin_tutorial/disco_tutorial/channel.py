@@ -63,6 +63,14 @@ class TraceChannel(Channel):
     def settle(self, timeout: float = 1.0) -> None:
         self.inner.settle(timeout)
 
+    # The session's rendezvous store reaches the workers through the inner channel.
+    @property
+    def has_store(self) -> bool:  # type: ignore[override]
+        return self.inner.has_store
+
+    def attach_store(self, store: Any) -> None:
+        self.inner.attach_store(store)
+
     def mark_unresponsive(self, worker_ids: Sequence[int], reason: str) -> None:
         self.inner.mark_unresponsive(worker_ids, reason)
 

@@ -32,3 +32,22 @@ def test_store_across_nodes(cluster, caplog, token, direct):
             sess._sync_all()
         sess.shutdown()
     assert secret.decode() not in caplog.text
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("token, direct", [(None, True), ("store-test-token", False)])
+def test_a_malformed_reply_from_a_node_is_dropped(cluster, monkeypatch, token, direct):
+    """A reply that decodes but is no message (from a worker on another node) is dropped:
+    the reader goes on and the session answers within the liveness bound."""
+    import time
+
+    monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", "3")
+    sess = cluster.session(2, 2, token=token, direct_replies=direct)
+    sess.import_python_module("disco_core.testing.funcs")
+    send = sess.get_global_func("testing.send_raw_reply")
+    t0 = time.monotonic()
+    for bad in ((), 42):
+        assert send(bad, 3).debug_get_from_remote(3) is None
+    sess._sync_all()
+    assert time.monotonic() - t0 < 10
+    sess.shutdown()
