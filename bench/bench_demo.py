@@ -44,7 +44,7 @@ def measure(p: Placement, steps: int) -> dict[int, Any]:
     args = parser.parse_args(["--steps", str(steps)])
     x, w1, w2 = demo._make_problem(args)
     ref = demo_funcs.mlp_reference(x, w1, w2)
-    opener, numpy_step = demo._open_session, demo._numpy_step
+    opener, numpy_steps = demo._open_session, demo._numpy_steps
 
     def open_placed(kind: str, n: int) -> Any:
         with p.spawning():
@@ -57,21 +57,21 @@ def measure(p: Placement, steps: int) -> dict[int, Any]:
         for n in TARGETS:
             cpus = job_cpus(p, n)
 
-            def placed_numpy_step(x, w1, w2, threads, cpus=cpus):
-                p.move(cpus)
+            def placed_numpy_steps(x, w1, w2, threads, count, cpus=cpus):
+                p.move(cpus)  # for the whole block: a move per step costs a migration
                 try:
-                    return numpy_step(x, w1, w2, len(cpus))
+                    return numpy_steps(x, w1, w2, len(cpus), count)
                 finally:
                     p.move(p.controller_cpus)
 
-            demo._numpy_step = placed_numpy_step
+            demo._numpy_steps = placed_numpy_steps
             args.blas_threads = max(1, len(cpus) // n)
             rows[n] = demo._run_session(x, w1, w2, args, ref, n)
             if controller_threads is not None:
                 demo_funcs.blas_threads(controller_threads)
         return rows
     finally:
-        demo._open_session, demo._numpy_step = opener, numpy_step
+        demo._open_session, demo._numpy_steps = opener, numpy_steps
 
 
 def run(steps: int = 20, only: list[str] | None = None) -> dict:

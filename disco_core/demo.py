@@ -29,12 +29,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import demo_funcs
+from . import _procfs, demo_funcs
 from .errors import DiscoError
 
 __all__ = ["add_arguments", "run", "main", "DemoResult"]
 
 _DEFAULT_TOL = {"float32": 1e-4, "float64": 1e-10}
+#: timed steps of NumPy, then of Disco, per block (see ``_run_session``)
+_BLOCK = 5
 
 
 @dataclass
@@ -214,13 +216,20 @@ def _run_numpy(x, w1, w2, args, ref) -> DemoResult:
     return res
 
 
-def _numpy_step(x, w1, w2, threads: int | None) -> float:
-    """One NumPy step with the controller's own BLAS threads (worker 0 shares the process)."""
+def _numpy_steps(x, w1, w2, threads: int | None, count: int) -> list[float]:
+    """``count`` NumPy steps with the controller's BLAS threads set to ``threads``; their seconds.
+
+    Worker 0 shares this process (and its BLAS), so the caller sets worker 0's share
+    back afterwards.
+    """
     if threads is not None:
         demo_funcs.blas_threads(threads)
-    t0 = time.perf_counter()
-    demo_funcs.mlp_reference(x, w1, w2)
-    return time.perf_counter() - t0
+    times = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        demo_funcs.mlp_reference(x, w1, w2)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _workers(n: int) -> str:
@@ -287,22 +296,40 @@ def _run_session(x, w1, w2, args, ref, n: int) -> DemoResult:
         )
 
         y = np.empty(ref.shape, ref.dtype)
-        # NumPy and Disco steps in turn, so that both see the same machine (a small
-        # VM's speed drifts by tens of percent from one second to the next).
-        for i in range(args.warmup + args.steps):
-            numpy_s = _numpy_step(x, w1, w2, numpy_threads)
-            if numpy_threads is not None:
-                demo_funcs.blas_threads(threads)  # worker 0's share again
+
+        def disco_step() -> tuple[float, float]:
             t0 = time.perf_counter()
             sess.broadcast(x, x_ref)
             compute = mlp(x_ref, w1_ref, w2_ref, partial)
             sess.allreduce(partial, out_ref, "sum")
             sess.copy_from_worker_0(y, out_ref)
             step_s = time.perf_counter() - t0
-            if i >= args.warmup:
-                res.step_times.append(step_s)
-                res.numpy_times.append(numpy_s)
-                res.overheads.append(step_s - float(compute.debug_get_from_remote(0)))
+            return step_s, step_s - float(compute.debug_get_from_remote(0))
+
+        _numpy_steps(x, w1, w2, numpy_threads, args.warmup)
+        if numpy_threads is not None:
+            demo_funcs.blas_threads(threads)  # worker 0's share again
+        for _ in range(args.warmup):
+            disco_step()
+        # NumPy and Disco in blocks of steps taken in turn, so that both see the same
+        # machine (a small VM's speed drifts by tens of percent from one second to the
+        # next). Before each block the threads the other side left spinning are given
+        # time to stop (OpenBLAS's idle threads poll for ~0.1 s after NumPy's steps);
+        # the first step of a block is not timed.
+        done = 0
+        while done < args.steps:
+            k = min(_BLOCK, args.steps - done)
+            _procfs.wait_until_idle()
+            res.numpy_times += _numpy_steps(x, w1, w2, numpy_threads, k + 1)[1:]
+            if numpy_threads is not None:
+                demo_funcs.blas_threads(threads)
+            _procfs.wait_until_idle()
+            for i in range(k + 1):
+                step_s, overhead_s = disco_step()
+                if i:
+                    res.step_times.append(step_s)
+                    res.overheads.append(overhead_s)
+            done += k
         # Worker 0's copy came back with the last step; every other worker must agree.
         res.errors[0] = float(np.max(np.abs(y - ref)))
         for w in range(1, n):
@@ -420,7 +447,8 @@ def run(args: argparse.Namespace) -> int:
         "BLAS thr = BLAS threads per worker (cores / workers, at least 1; NumPy: the "
         "process's own); start = constructor until every worker is ready; setup = init_ccl "
         "+ scatter of the weights; ms/step = median; numpy ms = the median of NumPy steps "
-        "taken in turn with that row's steps (all cores' BLAS threads), and speedup = numpy "
+        f"taken in blocks of {_BLOCK} in turn with that row's (all cores' BLAS threads; each "
+        "block starts once the other side's threads stopped spinning), and speedup = numpy "
         "ms / ms/step; overhead = a step's time outside worker 0's matrix products and GELU "
         "(broadcast, allreduce, copy back, waiting for the other workers, control plane)."
     )

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
 import disco_core as disco
-from disco_core import demo, demo_funcs
+from disco_core import _procfs, demo, demo_funcs
 
 SMALL = ["--d-model", "64", "--d-ff", "256", "--batch", "4", "--steps", "2", "--warmup", "1"]
 
@@ -159,3 +162,36 @@ def test_the_table_has_the_overhead_and_the_numpy_steps_taken_in_turn(capsys):
     overhead = float(cells[cells.index("worker") + 6])
     step = float(cells[cells.index("worker") + 4])
     assert 0 <= overhead <= step
+
+
+def test_numpy_and_disco_steps_are_paired_in_blocks(monkeypatch):
+    """Every timed Disco step has a NumPy step of its block; blocks wait for quiet CPUs."""
+    waits = []
+    monkeypatch.setattr(demo._procfs, "wait_until_idle", lambda: waits.append(1) or 0.0)
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--steps", "7", "--warmup", "1", "--d-model", "32",
+                              "--d-ff", "64", "--batch", "4"])  # fmt: skip
+    x, w1, w2 = demo._make_problem(args)
+    ref = demo_funcs.mlp_reference(x, w1, w2)
+    res = demo._run_session(x, w1, w2, args, ref, 2)
+    assert len(res.step_times) == len(res.numpy_times) == len(res.overheads) == 7
+    assert len(waits) == 2 * 2  # blocks of 5 + 2, a wait before each side of each block
+
+
+def test_wait_until_idle_outlasts_a_spinning_thread():
+    """A thread left spinning (as OpenBLAS's are after a step) is waited out, within the limit."""
+    stop = time.monotonic() + 0.3
+
+    def spin():
+        while time.monotonic() < stop:
+            pass
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        waited = _procfs.wait_until_idle(limit=2.0)
+    finally:
+        t.join()
+    assert 0.2 <= waited < 2.0
+    assert _procfs.wait_until_idle(limit=2.0) < 0.5  # nothing running: back at once

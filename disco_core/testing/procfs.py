@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from disco_core._procfs import children_of
+
 __all__ = ["children_of", "shm_in_use"]
 
 
@@ -33,19 +35,3 @@ def shm_in_use(names: set[str]) -> set[str]:
         except OSError:
             continue  # gone, or not ours to read
     return used
-
-
-def children_of(pid: int) -> set[int]:
-    """The live (not zombie) child processes of ``pid``."""
-    out: set[int] = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone between the listing and the read
-            continue
-        if int(rest[1]) == pid and rest[0] not in ("Z", "X"):
-            out.add(int(name))
-    return out
