@@ -57,6 +57,7 @@ from .session import (
     SocketSession,
     ThreadedSession,
 )
+from .tracing.session_trace import trace
 
 __version__ = "0.1.0"
 
@@ -75,6 +76,7 @@ __all__ = [
     "Rendezvous",
     "REDUCE_OPS",
     "register_func",
+    "trace",
     "get_global_func",
     "list_global_func_names",
     "hookimpl",

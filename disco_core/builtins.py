@@ -20,6 +20,8 @@ from .device import as_array, as_device, as_dtype, as_shape
 from .device import empty as _alloc
 from .errors import CCLError, PluginNotFoundError
 from .registry import register_func
+from .tracing import recorder as _trace_recorder
+from .tracing import worker_side as _trace_worker
 from .worker import current
 
 __all__ = ["collective"]
@@ -309,3 +311,24 @@ def recv_from_prev_group(buf) -> None:
             f"recv_from_prev_group: worker {ctx.worker_id} is in the first group; there is no previous group"
         )
     _ccl().recv(_arr(buf), peer)
+
+
+# ---------------------------------------------------------------------------- tracing
+# disco_core.tracing.session_trace sends these; they are not part of TVM's set.
+@_builtin("trace_start")
+def trace_start(capacity: int) -> None:
+    """Start recording this worker's commands and collectives (a ring of ``capacity`` events)."""
+    _trace_worker.start(current(), int(capacity))
+
+
+@_builtin("trace_stop")
+def trace_stop() -> dict | None:
+    """Stop recording; return this worker's events (plain values, see ``Recorder.export``)."""
+    return _trace_worker.stop(current())
+
+
+@_builtin("trace_clock")
+def trace_clock() -> tuple[int, str]:
+    """This worker's clock (``time.perf_counter_ns``) and what identifies that clock
+    (``Recorder.clock_identity``), for the controller's offset measurement."""
+    return _trace_recorder.now(), _trace_recorder.clock_identity()

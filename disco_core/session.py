@@ -46,6 +46,7 @@ from .host_array import with_numpy_method
 from .protocol import register_ref_type
 from .settings import env_seconds_or_default
 from .store import ControllerStore
+from .tracing import session_trace
 
 logger = logging.getLogger("disco_core.session")
 
@@ -310,23 +311,47 @@ class Session:
             "session started: %s channel, %d worker(s) in %d group(s)",
             channel.kind, self.num_workers, self.num_groups,
         )  # fmt: skip
+        if os.environ.get("DISCO_TRACE") and not session_trace.explicit.get():
+            try:
+                session_trace.start_from_env(self)
+            except BaseException:
+                self.shutdown()
+                raise
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def create(cls, channel: str, **options: Any) -> Session:
+    def create(
+        cls, channel: str, *, trace: str | os.PathLike | None = None, **options: Any
+    ) -> Session:
         """Create a session on any registered channel.
 
         Parameters
         ----------
         channel : str
             A channel name (``"threaded"``, ``"process"``, ``"socket"``, ``"rpc"``, ...).
+        trace : str or os.PathLike, optional
+            Trace the whole session into this file (written at ``shutdown``; see
+            :func:`disco_core.trace`).
         **options
             Passed to the channel's factory (``num_workers=4``, ``num_groups=1``, ...).
         """
         factory = plugins.lookup("channel", channel)
         if "num_workers" in options:
             check_session_shape(options["num_workers"], options.get("num_groups", 1))
-        return Session(factory(**options))
+        if trace is None:
+            return Session(factory(**options))
+        session_trace.Trace.check_path(trace)
+        token = session_trace.explicit.set(True)  # this trace, not DISCO_TRACE's
+        try:
+            session = Session(factory(**options))
+        finally:
+            session_trace.explicit.reset(token)
+        try:
+            session_trace.Trace(session, trace).start()
+        except BaseException:
+            session.shutdown()
+            raise
+        return session
 
     def __enter__(self) -> Session:
         return self
@@ -947,9 +972,19 @@ class Session:
         self._recv(w)
 
     def shutdown(self) -> None:
-        """Stop every worker and free everything; a second call does nothing."""
+        """Stop every worker and free everything; a second call does nothing.
+
+        A trace that is on (:func:`disco_core.trace`, ``trace=``, ``DISCO_TRACE``) is
+        written first.
+        """
         if self._state["closed"]:
             return
+        running = self._state.get("trace")
+        if running is not None:
+            try:
+                running.stop()
+            except Exception as exc:  # noqa: BLE001 - shutting down must go on
+                logger.warning("the trace %s could not be written: %s", running.path, exc)
         with self._lock:
             self._finalizer()
             self._cache.clear()

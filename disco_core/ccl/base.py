@@ -130,7 +130,11 @@ def _hands_over_first(op: Callable) -> Callable:
 
     @functools.wraps(op)
     def waiting_op(self: CCL, *args: Any, **kwargs: Any) -> Any:
-        hand_over = getattr(self.ctx, "hand_over", None)  # a test's stand-in ctx may lack it
+        ctx = self.ctx
+        hand_over = getattr(ctx, "hand_over", None)  # a test's stand-in ctx may lack it
+        tracer = getattr(ctx, "tracer", None)
+        if tracer is not None:  # a trace is on (disco_core.tracing): record the operation
+            return tracer.collective(self, op, hand_over, args, kwargs)
         if hand_over is not None:
             hand_over()
         return op(self, *args, **kwargs)

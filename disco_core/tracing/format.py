@@ -41,7 +41,8 @@ worker ``w`` (``M`` events name the tracks). The events:
     One collective or point-to-point operation of the CCL. ``name``: the operation
     (``allreduce``, ``allgather``, ``broadcast``, ``scatter``, ``gather``, ``barrier``,
     ``send``, ``recv``). ``args``: ``worker``, ``op`` (the same), ``reduce`` (allreduce's
-    ``"sum"``...; else absent), ``dtype``, ``bytes`` (this member's ``src`` or buffer),
+    ``"sum"``...; else absent), ``dtype``, ``bytes`` (this member's ``src``; ``dst`` for ``broadcast`` and ``scatter``,
+    whose ``src`` only the root has; the buffer for ``send``/``recv``),
     ``group`` (``"world"`` or ``"group"``), ``group_id``, ``seq`` (this worker's count of
     operations on that communicator, from 0), ``key`` (the same string on every
     member of one collective call: ``"world:12"``, ``"group1:3"``; ``null`` for

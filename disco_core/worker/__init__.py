@@ -81,6 +81,12 @@ class WorkerContext:
         ``CCL``): a worker that runs on the controller's thread must never wait
         for a peer whose commands are still held back. A user function that
         waits for another worker by other means calls it first, too.
+    tracer : Recorder or None
+        While a trace is on (:func:`disco_core.trace`), the recorder of this worker's
+        events (:class:`disco_core.tracing.recorder.Recorder`); the CCL's operations
+        record themselves in it.
+    worker : Worker or None
+        The :class:`Worker` that runs this context (None for a stand-in).
     store : Store
         The session's rendezvous store (:class:`disco_core.store.Store`): keys
         every worker can set, read and wait for, during ``init_ccl`` and in any
@@ -97,6 +103,8 @@ class WorkerContext:
     extra: dict = field(default_factory=dict)
     hand_over: Callable[[], None] = field(default=lambda: None, repr=False)
     store: Store = field(default_factory=NoStore, repr=False)
+    tracer: Any = field(default=None, repr=False)
+    worker: Any = field(default=None, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -186,6 +194,7 @@ class Worker:
         self, worker_id: int, num_workers: int, num_groups: int, send: Callable[[tuple], None]
     ) -> None:
         self.ctx = WorkerContext(worker_id, num_workers, num_groups)
+        self.ctx.worker = self
         self.regs: dict[int, Any] = self.ctx.registers
         self.send = send
         self._names: dict[int, str] = {}  # register -> global function name, for messages

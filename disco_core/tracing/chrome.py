@@ -1,0 +1,218 @@
+"""Turn recorded events into the trace file (:mod:`disco_core.tracing.format`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .format import CONTROLLER_TID, FORMAT_VERSION, PID, worker_tid
+from .recorder import K_COLLECTIVE, K_COMMAND, K_COPY, K_MODULE, K_SEND, K_SYNC
+from .worker_side import ACTION_NAMES
+
+__all__ = ["ClockFit", "TraceData", "build", "write"]
+
+_CATEGORY = {K_COMMAND: "command", K_COPY: "copy", K_MODULE: "module"}
+
+
+@dataclass
+class ClockFit:
+    """A worker's clock against the controller's: ``worker - controller``, measured twice.
+
+    The offset is interpolated linearly between the measurement at the start
+    (``t_start``, on the controller's clock, in ns) and the one at the end, so a
+    slow drift of the two clocks is followed.
+    """
+
+    t_start: int
+    offset_start: int
+    precision_start: int
+    t_end: int | None = None
+    offset_end: int | None = None
+    precision_end: int | None = None
+
+    def to_controller(self, t: int) -> int:
+        """A worker time (ns) on the controller's clock."""
+        if self.t_end is None or self.offset_end is None or self.t_end <= self.t_start:
+            return t - self.offset_start
+        guess = t - self.offset_start
+        frac = min(1.0, max(0.0, (guess - self.t_start) / (self.t_end - self.t_start)))
+        return t - round(self.offset_start + frac * (self.offset_end - self.offset_start))
+
+    @property
+    def precision(self) -> int:
+        """The worse of the two measurements' precision (ns)."""
+        return max(self.precision_start, self.precision_end or 0)
+
+    @property
+    def offset(self) -> float:
+        """The mean offset (ns)."""
+        if self.offset_end is None:
+            return float(self.offset_start)
+        return (self.offset_start + self.offset_end) / 2
+
+
+@dataclass
+class TraceData:
+    """Everything a trace file is made of."""
+
+    session: dict[str, Any]
+    t_start: int
+    t_end: int
+    controller: dict[str, Any]
+    workers: list[dict[str, Any] | None]
+    clocks: list[ClockFit | None]
+    method: str
+    notes: list[str] = field(default_factory=list)
+
+
+def _attrs(text: str) -> dict[str, Any]:
+    dtype, reduce, comm, group_id, peer = text.split("|")
+    out: dict[str, Any] = {"dtype": dtype, "group": comm if comm != "p2p" else "world"}
+    if reduce:
+        out["reduce"] = reduce
+    out["group_id"] = int(group_id) if comm == "group" else 0
+    if comm == "p2p":
+        out["peer"] = int(peer)
+    out["_comm"] = comm
+    return out
+
+
+def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: list, flows: dict) -> dict[int, str]:  # fmt: skip
+    """Append worker ``w``'s events to ``out``; return its command names by call_packed seq."""
+    names: Sequence[str] = data["names"]
+    tid = worker_tid(w)
+    convert = fit.to_controller
+    by_seq: dict[int, str] = {}
+    for kind, name_id, a, b, seq, f5, f6, f7 in data["events"].tolist():
+        start = convert(a)
+        ts = (start - t0) / 1e3
+        dur = max(0.0, (b - a) / 1e3)
+        name = names[name_id]
+        if kind == K_COLLECTIVE:
+            args = _attrs(names[f7])
+            comm = args.pop("_comm")
+            args.update(worker=w, op=name, bytes=f5, seq=seq, cmd_seq=f6)
+            if comm == "p2p":
+                args["key"] = None
+            else:
+                where = "world" if comm == "world" else f"group{args['group_id']}"
+                key = f"{where}:{seq}"
+                args["key"] = key
+                flows.setdefault(key, []).append((ts, tid, name))
+            out.append({"name": name, "cat": "collective", "ph": "X", "ts": ts, "dur": dur,
+                        "pid": PID, "tid": tid, "args": args})  # fmt: skip
+            continue
+        cat = _CATEGORY.get(kind)
+        if cat is None:
+            continue
+        action = "call_packed" if seq >= 0 else ACTION_NAMES.get(f7, f"action {f7}")
+        args = {"worker": w, "action": action, "index": f6, "seq": seq}
+        if kind == K_COPY:
+            args["bytes"] = f5
+        else:
+            args["reg"] = f5
+        if seq >= 0:
+            by_seq[seq] = name
+        out.append({"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur,
+                    "pid": PID, "tid": tid, "args": args})  # fmt: skip
+    return by_seq
+
+
+def build(data: TraceData) -> dict[str, Any]:
+    """The trace file's JSON object."""
+    t0 = data.t_start
+    n = len(data.workers)
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": PID, "tid": 0,
+         "args": {"name": f"disco session ({data.session.get('channel', '?')}, {n} workers)"}},
+        {"name": "thread_name", "ph": "M", "pid": PID, "tid": CONTROLLER_TID,
+         "args": {"name": "controller"}},
+        {"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": CONTROLLER_TID,
+         "args": {"sort_index": -1}},
+    ]  # fmt: skip
+    for w in range(n):
+        tid = worker_tid(w)
+        events.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid,
+                       "args": {"name": f"worker {w}"}})  # fmt: skip
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid,
+                       "args": {"sort_index": w}})  # fmt: skip
+    flows: dict[str, list] = {}
+    names_by_seq: dict[int, str] = {}
+    dropped = []
+    for w, (wdata, fit) in enumerate(zip(data.workers, data.clocks)):
+        if wdata is None or fit is None:
+            dropped.append(0)
+            continue
+        dropped.append(int(wdata["dropped"]))
+        found = _worker_events(w, wdata, fit, t0, events, flows)
+        if not names_by_seq:
+            names_by_seq = found
+    ctl = data.controller
+    names = ctl["names"]
+    for kind, name_id, a, b, seq, f5, f6, f7 in ctl["events"].tolist():
+        ts, dur = (a - t0) / 1e3, max(0.0, (b - a) / 1e3)
+        if kind == K_SEND:
+            name = names[name_id] or names_by_seq.get(seq, "call_packed")
+            args = {"seq": seq, "site": names[f5]}
+            events.append({"name": name, "cat": "send", "ph": "X", "ts": ts, "dur": dur,
+                           "pid": PID, "tid": CONTROLLER_TID, "args": args})  # fmt: skip
+        elif kind == K_SYNC:
+            name = names[name_id]
+            args = {"worker": f6}
+            cat = "sync"
+            if name.startswith("copy_"):
+                cat, args["bytes"] = "copy", f7
+            events.append({"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur,
+                           "pid": PID, "tid": CONTROLLER_TID, "args": args})  # fmt: skip
+    for flow_id, (_key, members) in enumerate(sorted(flows.items()), start=1):
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda m: m[1])
+        last = len(members) - 1
+        for i, (ts, tid, name) in enumerate(members):
+            ph = "s" if i == 0 else ("f" if i == last else "t")
+            ev = {"name": name, "cat": "collective", "ph": ph, "id": flow_id, "ts": ts,
+                  "pid": PID, "tid": tid}  # fmt: skip
+            if ph != "s":
+                ev["bp"] = "e"
+            events.append(ev)
+    clocks = data.clocks
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "disco_trace": FORMAT_VERSION,
+            "session": data.session,
+            "duration_us": (data.t_end - t0) / 1e3,
+            "clock": {
+                "offset_us": [None if c is None else c.offset / 1e3 for c in clocks],
+                "precision_us": [None if c is None else c.precision / 1e3 for c in clocks],
+                "method": data.method,
+            },
+            "dropped": dropped,
+            "controller_dropped": int(ctl["dropped"]),
+            "notes": data.notes,
+        },
+    }
+
+
+def write(obj: dict[str, Any], path: str | os.PathLike) -> str:
+    """Write the trace file atomically (a reader never sees half of it); return its path."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".disco-trace-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path

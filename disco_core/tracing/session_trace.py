@@ -1,0 +1,356 @@
+"""Tracing a session from the controller: :func:`trace`, ``Session.create(trace=)``, ``DISCO_TRACE``.
+
+While a trace is on, every worker records the commands it runs and the CCL
+operations inside them into a bounded ring of its own (``disco.trace_start``);
+the controller records each ``call_packed`` it sends (with the caller's source
+line) and each synchronising call. Nothing crosses the control plane per event:
+at the end the controller fetches each worker's ring once (``disco.trace_stop``)
+and writes one Chrome trace-event JSON file (:mod:`disco_core.tracing.format`).
+
+Workers' clocks are put on the controller's with an offset measured at the start
+and at the end of the trace, from the fastest of several round trips to each
+worker (the offset is within half that round trip of the truth; the file says
+how precise each worker's is). Between the two, the offset is interpolated.
+
+While tracing is off nothing of this runs: the recording functions are put on
+the session and worker *instances* when a trace starts and taken off when it ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import contextvars
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import DiscoError, DiscoTypeError, DiscoValueError
+from . import chrome, worker_side
+from .recorder import K_SEND, K_SYNC, Recorder, capacity_from_env, clock_identity, now
+
+__all__ = ["Trace", "trace", "start_from_env", "CLOCK_ROUNDS", "explicit"]
+
+logger = logging.getLogger("disco_core.tracing")
+
+#: Round trips per worker when a clock offset is measured (the fastest one counts).
+CLOCK_ROUNDS = 8
+
+_CORE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: The controller's synchronising methods a trace records (by the name the trace shows).
+_SYNC_METHODS = {
+    "_sync_worker": "sync_worker",
+    "_sync_all": "sync_all",
+    "_debug_get": "debug_get_from_remote",
+    "_debug_set": "debug_set_register",
+    "copy_from_worker_0": "copy_from_worker_0",
+    "copy_to_worker_0": "copy_to_worker_0",
+}
+#: True while ``Session.create(trace=...)`` builds its session: DISCO_TRACE then stays out.
+explicit: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "disco_explicit_trace", default=False
+)
+_env_sessions = [0]  # sessions traced through DISCO_TRACE so far (for their file names)
+_env_lock = threading.Lock()
+
+
+def _site_of(frame: Any) -> tuple[Any, int]:
+    """The first frame outside Disco's own modules above ``frame``: (code, line)."""
+    while frame is not None and frame.f_code.co_filename.startswith(_CORE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return None, 0
+    return frame.f_code, frame.f_lineno
+
+
+class Trace:
+    """One trace of one session, written to ``path`` when it stops.
+
+    Made by :func:`trace` (a context manager), by ``Session.create(..., trace=path)``
+    and by ``DISCO_TRACE=path``; a session that shuts down stops its trace first.
+
+    Parameters
+    ----------
+    session : Session
+        The session to trace (one trace at a time).
+    path : str or os.PathLike
+        The JSON file to write.
+    capacity : int, optional
+        Events kept per worker and for the controller (the newest ones; default
+        ``DISCO_TRACE_EVENTS`` or 262,144, at most 16 MiB of records each).
+    """
+
+    def __init__(self, session: Any, path: str | os.PathLike, capacity: int | None = None) -> None:
+        # (the tracing layer sits below the session module: no isinstance of Session)
+        if not all(hasattr(session, a) for a in ("call_packed", "_state", "_sync_all")):
+            raise DiscoTypeError(f"trace: session must be a disco_core Session, got {type(session).__name__}")  # fmt: skip
+        path = self.check_path(path)
+        if capacity is None:
+            capacity = capacity_from_env()
+        elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1024:
+            raise DiscoValueError(f"trace: capacity must be an int >= 1024 events, got {capacity!r}")  # fmt: skip
+        self.session = session
+        self.path = path
+        self.capacity = capacity
+        self.active = False
+        self._rec: Recorder | None = None
+        self._clocks: list[chrome.ClockFit | None] = []
+        self._t_start = 0
+        self._lock = threading.Lock()
+        #: per worker: True when it reads the controller's own clock (offset 0 exactly)
+        self.shared_clock = [False] * session.num_workers
+
+    @staticmethod
+    def check_path(path: Any) -> str:
+        """``path`` as a str, if a trace file can be written there; else a clear error."""
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise DiscoTypeError(f"trace: path must be a file name, got {path!r}")
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise DiscoValueError(f"trace: the folder of {path!r} does not exist")
+        if os.path.isdir(path):
+            raise DiscoValueError(f"trace: {path!r} is a folder, not a file name")
+        if not os.access(folder, os.W_OK):
+            raise DiscoValueError(f"trace: the folder of {path!r} is not writable")
+        return path
+
+    # ------------------------------------------------------------------ start / stop
+    def start(self) -> Trace:
+        """Start recording on the controller and every worker; return ``self``."""
+        session = self.session
+        state = session._state
+        if state.get("trace") is not None:
+            raise DiscoError(f"this session is already being traced (into {state['trace'].path!r})")  # fmt: skip
+        session._check_open()
+        start = session._get_cached_method("disco.trace_start")
+        session._get_cached_method("disco.trace_stop")
+        session._get_cached_method("disco.trace_clock")
+        session._sync_all()  # every earlier command (and error) before the trace
+        clocks = self._measure_clocks()
+        self._rec = rec = Recorder(self.capacity)
+        self._t_start = now()
+        session.call_packed(start, self.capacity)
+        session._sync_all()  # every worker records from here, in the same place
+        self._clocks = [
+            chrome.ClockFit(t, off, prec) if off is not None else None for t, off, prec in clocks
+        ]
+        self._install(rec)
+        state["trace"] = self
+        self.active = True
+        logger.info("trace started: %s, %d events per worker at most", self.path, self.capacity)
+        return self
+
+    def stop(self) -> str:
+        """Stop recording, gather every worker's events and write the file; return its path.
+
+        A worker that cannot answer (it died) leaves its track empty, with a note in
+        the file; the rest is still written.
+        """
+        with self._lock:
+            if not self.active:
+                return self.path
+            self.active = False
+            t_end = now()
+            session = self.session
+            self._uninstall()
+            session._state["trace"] = None
+            notes: list[str] = []
+            workers: list[dict | None] = [None] * session.num_workers
+            stopped = None
+            try:
+                stopped = session.call_packed("disco.trace_stop")
+                session._sync_all()
+            except Exception as exc:  # noqa: BLE001 - what can be had is still written
+                notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
+                for link in getattr(session.channel, "links", ()):
+                    worker = getattr(link, "worker", None)
+                    if getattr(link, "in_process", False) and worker is not None:
+                        # in this process: read its events (the stop may already have run)
+                        got = worker_side.stop(worker.ctx)
+                        if got is None and stopped is not None:
+                            got = worker.regs.get(stopped.reg_id)
+                        workers[worker.ctx.worker_id] = got if isinstance(got, dict) else None
+                stopped = None
+            if stopped is not None:
+                try:
+                    for w, (t, off, prec) in enumerate(self._measure_clocks()):
+                        fit = self._clocks[w]
+                        if fit is not None and off is not None:
+                            fit.t_end, fit.offset_end, fit.precision_end = t, off, prec
+                except Exception as exc:  # noqa: BLE001
+                    notes.append(f"the clocks were not measured again at the end ({type(exc).__name__}: {exc})")  # fmt: skip
+                for w in range(session.num_workers):
+                    try:
+                        workers[w] = stopped.debug_get_from_remote(w)
+                    except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
+                        notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
+            rec = self._rec
+            assert rec is not None
+            data = chrome.TraceData(
+                session={
+                    "channel": session.channel.kind,
+                    "num_workers": session.num_workers,
+                    "num_groups": session.num_groups,
+                },
+                t_start=self._t_start,
+                t_end=t_end,
+                controller=rec.export(),
+                workers=workers,
+                clocks=[c if workers[w] is not None else None for w, c in enumerate(self._clocks)],
+                method=(
+                    "workers on the controller's kernel clock (same boot id, no time "
+                    "namespace offset): offset 0 exactly; the others: the fastest of "
+                    f"{CLOCK_ROUNDS} round trips (a disco.trace_clock call and its reply) at "
+                    "the start and at the end, offset = worker clock - midpoint of the round "
+                    "trip, precision = half that round trip, interpolated in between"
+                ),
+                notes=notes,
+            )
+            chrome.write(chrome.build(data), self.path)
+            logger.info("trace written: %s", self.path)
+            for note in notes:
+                logger.warning("trace %s: %s", self.path, note)
+            return self.path
+
+    # ------------------------------------------------------------------ clocks
+    def _measure_clocks(self) -> list[tuple[int, int | None, int]]:
+        """Per worker: (controller time, worker - controller offset, precision), all in ns.
+
+        A worker on this kernel's clock (same boot id, no shifting time namespace)
+        has offset 0 exactly; the others get the offset of the fastest of
+        :data:`CLOCK_ROUNDS` round trips, within half that round trip.
+        """
+        session = self.session
+        clock = session._get_cached_method("disco.trace_clock")
+        mine = clock_identity()
+        out: list[tuple[int, int | None, int]] = []
+        for w in range(session.num_workers):
+            best: tuple[int, int, int] | None = None
+            for _ in range(CLOCK_ROUNDS):
+                t0 = now()
+                value = session.call_packed(clock).debug_get_from_remote(w)
+                t1 = now()
+                if not (isinstance(value, tuple) and len(value) == 2 and type(value[0]) is int):
+                    break  # not our worker function's answer: no offset for this worker
+                mid = (t0 + t1) // 2
+                if mine and value[1] == mine:
+                    best = (mid, 0, 0)
+                    self.shared_clock[w] = True
+                    break
+                if best is None or t1 - t0 < best[2] * 2:
+                    best = (mid, value[0] - mid, (t1 - t0) // 2)
+            out.append(best if best is not None else (now(), None, 0))
+        return out
+
+    # ------------------------------------------------------------------ controller hooks
+    def _install(self, rec: Recorder) -> None:
+        """Put the recording methods on the session instance."""
+        session = self.session
+        Session = type(session)  # its class's own methods, under the recording ones
+        add, intern = rec.add, rec.intern
+        reg_names = {d.reg_id: name for name, d in session._cache.items()}
+        sites: dict[tuple[Any, int], int] = {}
+        calls = [0]
+        call = Session._call
+
+        def recording_call(func: Any, args: tuple, *cls: type) -> Any:
+            t0 = now()
+            ref = call(session, func, args, *cls)
+            t1 = now()
+            code, line = _site_of(sys._getframe(1))
+            site = sites.get((code, line))
+            if site is None:
+                text = f"{os.path.basename(code.co_filename)}:{line}" if code is not None else "?"
+                site = sites[(code, line)] = intern(text)
+            seq = calls[0]
+            calls[0] = seq + 1
+            add(K_SEND, intern(reg_names.get(func.reg_id, "")), t0, t1, seq, site)
+            return ref
+
+        session._call = recording_call
+        for method, shown in _SYNC_METHODS.items():
+            session.__dict__[method] = self._recording_sync(getattr(Session, method), shown, rec)
+
+    def _recording_sync(self, method: Any, shown: str, rec: Recorder) -> Any:
+        session = self.session
+        name = rec.intern(shown)
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            t0 = now()
+            try:
+                return method(session, *args, **kwargs)
+            finally:
+                worker = 0
+                if shown in ("sync_worker", "debug_get_from_remote", "debug_set_register"):
+                    worker = next((a for a in args if type(a) is int), 0)
+                nbytes = getattr(args[0], "nbytes", 0) if shown.startswith("copy_") else 0
+                rec.add(K_SYNC, name, t0, now(), -1, 0, int(worker), int(nbytes or 0))
+
+        return recording
+
+    def _uninstall(self) -> None:
+        d = self.session.__dict__
+        d.pop("_call", None)
+        for method in _SYNC_METHODS:
+            d.pop(method, None)
+
+
+@contextlib.contextmanager
+def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None) -> Iterator[Trace]:
+    """Trace ``session`` inside the ``with`` block; write ``path`` at its end.
+
+    Parameters
+    ----------
+    session : Session
+        The session to trace.
+    path : str or os.PathLike
+        The Chrome trace-event JSON file to write (``disco trace summary`` reads it;
+        Perfetto and ``chrome://tracing`` open it).
+    capacity : int, optional
+        Events kept per worker (the newest; see :class:`Trace`).
+
+    Examples
+    --------
+    >>> with disco.ProcessSession(2) as sess, disco.trace(sess, "run.json"):  # doctest: +SKIP
+    ...     sess.init_ccl("shm")
+    ...     ...
+    """
+    t = Trace(session, path, capacity).start()
+    try:
+        yield t
+    finally:
+        if not session.is_closed:
+            t.stop()
+
+
+def start_from_env(session: Any) -> Trace | None:
+    """Start the trace ``DISCO_TRACE`` asks for (None when unset).
+
+    The first session of a program writes ``DISCO_TRACE`` itself, the next ones
+    ``name.1.json``, ``name.2.json``...; each file is written when its session
+    shuts down, or at the program's exit.
+    """
+    path = os.environ.get("DISCO_TRACE", "").strip()
+    if not path:
+        return None
+    with _env_lock:
+        k = _env_sessions[0]
+        _env_sessions[0] = k + 1
+    if k:
+        stem, ext = os.path.splitext(path)
+        path = f"{stem}.{k}{ext or '.json'}"
+    t = Trace(session, path).start()
+    atexit.register(_stop_at_exit, t)
+    return t
+
+
+def _stop_at_exit(t: Trace) -> None:
+    try:
+        if t.active and not t.session.is_closed:
+            t.stop()
+    except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
+        logger.warning("trace %s could not be written at exit: %s", t.path, exc)

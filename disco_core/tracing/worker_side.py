@@ -1,0 +1,115 @@
+"""Tracing on a worker: what ``disco.trace_start`` / ``disco.trace_stop`` do there.
+
+Nothing here runs while tracing is off. Starting a trace puts a recording
+``execute`` on the :class:`~disco_core.worker.Worker` instance (the class's own
+``execute`` is untouched, so an untraced worker pays nothing) and a
+:class:`~disco_core.tracing.recorder.Recorder` in ``ctx.tracer``, which the CCL's
+operation wrapper (``disco_core.ccl.base``) looks at once per collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .. import protocol as P
+from .recorder import K_COMMAND, K_COPY, K_MODULE, Recorder, now
+
+__all__ = ["start", "stop", "ACTION_NAMES", "MODULE_FUNCTIONS"]
+
+#: The names of the actions other than call_packed, as the trace shows them.
+ACTION_NAMES = {
+    P.SHUTDOWN: "shutdown",
+    P.KILL_REG: "kill_registers",
+    P.GET_GLOBAL_FUNC: "get_global_func",
+    P.SYNC_WORKER: "sync_worker",
+    P.COPY_FROM_WORKER0: "copy_from_worker_0",
+    P.COPY_TO_WORKER0: "copy_to_worker_0",
+    P.DEBUG_GET_FROM_REMOTE: "debug_get_from_remote",
+    P.DEBUG_SET_REGISTER: "debug_set_register",
+    P.STORE_REPLY: "store_reply",
+}
+#: Global functions whose commands are module loads (``cat: "module"``).
+MODULE_FUNCTIONS = frozenset(
+    {
+        "disco.import_python_module",
+        "runtime.disco._import_python_module",
+        "disco.load_module",
+        "runtime.disco.load_module",
+        "disco.load_vm_module",
+        "runtime.disco.load_vm_module",
+    }
+)
+
+
+def start(ctx: Any, capacity: int) -> None:
+    """Start recording on the worker of ``ctx`` (a new trace replaces an unfinished one)."""
+    stop(ctx)
+    rec = Recorder(capacity)
+    ctx.tracer = rec
+    worker = ctx.worker
+    if worker is not None:
+        worker.execute = _recording_execute(worker, rec)
+
+
+def stop(ctx: Any) -> dict[str, Any] | None:
+    """Stop recording; return the events (:meth:`Recorder.export`), or None if none ran."""
+    rec, ctx.tracer = ctx.tracer, None
+    worker = ctx.worker
+    if worker is not None:
+        worker.__dict__.pop("execute", None)  # the class's own again
+    if rec is None:
+        return None
+    out = rec.export()
+    out["worker"] = ctx.worker_id
+    return out
+
+
+def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
+    """``worker.execute`` that records each command it runs."""
+    execute = type(worker).execute
+    names: dict[int, str] = worker._names
+    intern, add = rec.intern, rec.add
+    calls = [0]  # call_packed commands so far: the seq the controller gave each one
+    action_ids = {a: intern(n) for a, n in ACTION_NAMES.items()}
+    # func register -> (name id, kind); a register can be reused for another function,
+    # so the entry is checked against the name the worker holds for it now
+    by_reg: dict[int, tuple[str, int, int]] = {}
+
+    def recording(cmd: tuple) -> bool:
+        action = cmd[0]
+        index = rec.index
+        rec.index = index + 1
+        if action == P.CALL_PACKED:
+            seq = rec.cmd_seq = calls[0]
+            calls[0] = seq + 1
+            t0 = now()
+            try:
+                return execute(worker, cmd)
+            finally:
+                t1 = now()
+                rec.cmd_seq = -1
+                func_reg = cmd[2]
+                name = names.get(func_reg, "")
+                known = by_reg.get(func_reg)
+                if known is None or known[0] != name:
+                    text = name or f"register {func_reg}"
+                    kind = K_MODULE if name in MODULE_FUNCTIONS else K_COMMAND
+                    known = by_reg[func_reg] = (name, intern(text), kind)
+                add(known[2], known[1], t0, t1, seq, cmd[1], index, action)
+        t0 = now()
+        try:
+            return execute(worker, cmd)
+        finally:
+            t1 = now()
+            if action == P.COPY_FROM_WORKER0 or action == P.COPY_TO_WORKER0:
+                nbytes = getattr(cmd[2], "nbytes", 0)
+                add(K_COPY, action_ids[action], t0, t1, -1, int(nbytes), index, action)
+            else:
+                reg = cmd[1] if action != P.KILL_REG and len(cmd) > 1 else 0
+                name_id = action_ids.get(action)
+                if name_id is None:
+                    name_id = intern(f"action {action}")
+                add(K_COMMAND, name_id, t0, t1, -1, reg if type(reg) is int else 0, index, action)
+
+    return recording

@@ -1,0 +1,229 @@
+"""Tracing (``disco.trace``): what the recorder writes, on real sessions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+from disco_core import demo, demo_funcs
+from disco_core.tracing import format as fmt
+from disco_core.tracing import session_trace
+from disco_core.tracing.recorder import K_COMMAND, Recorder
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def track(data: dict, worker: int, cat: str | None = None) -> list[dict]:
+    """Worker ``worker``'s complete events (of category ``cat``), in time order."""
+    tid = fmt.worker_tid(worker)
+    out = [
+        e
+        for e in data["traceEvents"]
+        if e["ph"] == "X" and e["tid"] == tid and (cat is None or e["cat"] == cat)
+    ]
+    return sorted(out, key=lambda e: e["ts"])
+
+
+def demo_steps(sess, steps: int, sleep_on: int | None = None) -> None:
+    """The demo's step (broadcast, shard MLP, allreduce, copy back) on a small problem."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--d-model", "64", "--d-ff", "256", "--batch", "8"])
+    x, w1, w2 = demo._make_problem(args)
+    n = sess.num_workers
+    sess.import_python_module("disco_core.demo_funcs")
+    mlp = sess.get_global_func(demo_funcs.MLP_SHARD)
+    a, b = demo.shard_weights(w1, w2, n)
+    w1r, w2r = sess.scatter(a), sess.scatter(b)
+    xr = sess.empty(x.shape, x.dtype)
+    part = sess.empty((8, 64), x.dtype)
+    out = sess.empty((8, 64), x.dtype)
+    y = np.empty((8, 64), np.float32)
+    for _ in range(steps):
+        sess.broadcast(x, xr)
+        mlp(xr, w1r, w2r, part)
+        sess.allreduce(part, out, "sum")
+        sess.copy_from_worker_0(y, out)
+    np.testing.assert_allclose(y, demo_funcs.mlp_reference(x, w1, w2), rtol=1e-4, atol=1e-4)
+
+
+def test_every_worker_records_every_command_in_order_and_collectives_line_up(tmp_path):
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(4) as sess:
+        sess.init_ccl("shm")
+        with disco.trace(sess, path) as t:
+            demo_steps(sess, 6)
+        assert not t.active
+    data = load(path)
+    other = data["otherData"]
+    assert other["disco_trace"] == fmt.FORMAT_VERSION
+    assert other["session"] == {"channel": "process", "num_workers": 4, "num_groups": 1}
+    assert other["dropped"] == [0, 0, 0, 0]
+    precision = other["clock"]["precision_us"]
+    sends = sorted(
+        (e for e in data["traceEvents"] if e.get("cat") == "send"), key=lambda e: e["args"]["seq"]
+    )
+    assert [e["args"]["seq"] for e in sends] == list(range(len(sends)))
+    assert all(e["args"]["site"].startswith("test_trace.py:") for e in sends)
+    for w in range(4):
+        cmds = [e for e in track(data, w) if e["cat"] in ("command", "copy", "module")]
+        # every command, in the order the worker ran them: no gap in its stream
+        assert [e["args"]["index"] for e in cmds] == list(range(len(cmds)))
+        calls = [e for e in cmds if e["args"]["action"] == "call_packed"]
+        assert [e["args"]["seq"] for e in calls] == [e["args"]["seq"] for e in sends]
+        assert [e["name"] for e in calls] == [e["name"] for e in sends]
+        assert sum(e["name"] == demo_funcs.MLP_SHARD for e in calls) == 6
+        assert sum(e["name"] == "disco.import_python_module" for e in cmds) == 1
+        assert all(e["cat"] == "module" for e in cmds if e["name"].endswith("import_python_module"))
+    assert sum(e["cat"] == "copy" for e in track(data, 0)) >= 6  # copies back (and in) on worker 0
+    # the collectives of one call, on every member, overlap (the last to come ends last)
+    by_key: dict[str, list[dict]] = {}
+    for w in range(4):
+        for e in track(data, w, "collective"):
+            by_key.setdefault(e["args"]["key"], []).append(e)
+    allreduces = [m for m in by_key.values() if m[0]["name"] == "allreduce"]
+    assert len(allreduces) == 6
+    for members in by_key.values():
+        assert sorted(e["args"]["worker"] for e in members) == [0, 1, 2, 3]
+        assert len({(e["name"], e["args"]["bytes"], e["args"]["dtype"]) for e in members}) == 1
+    for members in allreduces:
+        last_arrival = max(e["ts"] for e in members)
+        first_end = min(e["ts"] + e["dur"] for e in members)
+        slack = max(precision) * 2 + 1.0  # us: the clocks' precision and rounding
+        assert last_arrival <= first_end + slack
+    flows = [e for e in data["traceEvents"] if e["ph"] in ("s", "t", "f")]
+    assert len(flows) == 4 * len(by_key)
+
+
+def test_tracing_off_leaves_nothing_on_the_session_and_workers(tmp_path):
+    with disco.ThreadedSession(2) as sess:
+        with disco.trace(sess, tmp_path / "t.json"):
+            assert "_call" in vars(sess)
+        assert not {"_call", "_sync_worker", "copy_from_worker_0"} & set(vars(sess))
+        workers = [link.worker for link in sess.channel.links]
+        assert len(workers) == 2
+        for worker in workers:
+            assert "execute" not in vars(worker) and worker.ctx.tracer is None
+
+
+def test_clock_offsets_measured_by_round_trips_are_within_their_precision(tmp_path, monkeypatch):
+    """As for workers on another machine: the offset comes from round trips."""
+    monkeypatch.setattr(session_trace, "clock_identity", lambda: "another kernel")
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(2) as sess:
+        with disco.trace(sess, path) as t:
+            sess.call_packed("disco.worker_id")
+            sess.sync_worker_0()
+        assert t.shared_clock == [False, False]
+    clock = load(path)["otherData"]["clock"]
+    for offset, precision in zip(clock["offset_us"], clock["precision_us"]):
+        assert precision > 0
+        # the truth is 0 (one machine): the measurement says so within its precision
+        assert abs(offset) <= precision + 1.0
+
+
+def test_the_ring_keeps_the_newest_events_and_counts_the_rest(tmp_path):
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(2) as sess:
+        with disco.trace(sess, path, capacity=1024):
+            for _ in range(3000):
+                sess.call_packed("disco.worker_id")
+            sess.sync_worker_0()
+    data = load(path)
+    for w in range(2):
+        kept = track(data, w)
+        assert len(kept) == 1024
+        assert data["otherData"]["dropped"][w] >= 3000 - 1024
+        idx = [e["args"]["index"] for e in kept]
+        assert idx == list(range(idx[0], idx[0] + 1024))  # the newest, still in order
+
+
+def test_a_million_events_stay_in_a_fixed_ring():
+    rec = Recorder(4096)
+    size = len(rec._ring)
+    for i in range(1_000_000):
+        rec.add(K_COMMAND, 0, i, i + 1, i)
+    assert len(rec._ring) == size == 4096 * 64
+    assert rec.dropped == 1_000_000 - 4096
+    ev = rec.events()
+    assert ev.shape == (4096, 8)
+    assert ev[0, 4] == 1_000_000 - 4096 and ev[-1, 4] == 999_999
+
+
+def test_a_worker_that_dies_leaves_its_track_empty_with_a_note(tmp_path):
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(3) as sess:
+        t = session_trace.Trace(sess, path).start()
+        sess.import_python_module("disco_core.testing.funcs")
+        victim = sess.call_packed("testing.pid").debug_get_from_remote(2)
+        os.kill(victim, 9)
+        with pytest.raises(disco.WorkerDiedError):
+            for _ in range(200):
+                sess.call_packed("disco.worker_id")
+                sess._sync_all()
+        t.stop()
+    data = load(path)
+    notes = data["otherData"]["notes"]
+    assert any("could not be gathered" in n and "worker 2" in n for n in notes)
+    # worker 0 lives in this process: its events are read directly
+    assert track(data, 0) and not track(data, 1) and not track(data, 2)
+
+
+def test_bad_arguments_are_refused_at_the_call(tmp_path):
+    with disco.ThreadedSession(1) as sess:
+        with pytest.raises(disco.DiscoValueError, match="does not exist"):
+            disco.trace(sess, tmp_path / "missing" / "t.json").__enter__()
+        with pytest.raises(disco.DiscoTypeError, match="file name"):
+            disco.trace(sess, 3).__enter__()
+        with pytest.raises(disco.DiscoValueError, match="capacity"):
+            disco.trace(sess, tmp_path / "t.json", capacity=10).__enter__()
+        with pytest.raises(disco.DiscoTypeError, match="Session"):
+            disco.trace("not a session", tmp_path / "t.json").__enter__()
+        with disco.trace(sess, tmp_path / "t.json"):
+            with pytest.raises(disco.DiscoError, match="already being traced"):
+                disco.trace(sess, tmp_path / "u.json").__enter__()
+
+
+def test_session_create_traces_until_shutdown(tmp_path):
+    path = tmp_path / "whole.json"
+    sess = disco.Session.create("process", num_workers=2, trace=path)
+    sess.call_packed("disco.worker_id")
+    sess.sync_worker_0()
+    assert not path.exists()
+    sess.shutdown()
+    assert [e["name"] for e in track(load(path), 1) if e["args"]["seq"] >= 0] == ["disco.worker_id"]
+
+
+def test_disco_trace_traces_a_whole_program(tmp_path):
+    script = textwrap.dedent(
+        """
+        import disco_core as disco
+        a = disco.ProcessSession(2)
+        a.call_packed("disco.worker_id"); a.sync_worker_0(); a.shutdown()
+        b = disco.ThreadedSession(2)            # never shut down: written at exit
+        b.call_packed("disco.worker_id"); b.sync_worker_0()
+        """
+    )
+    env = dict(os.environ, DISCO_TRACE=str(tmp_path / "prog.json"))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60, cwd=REPO)
+    first, second = load(tmp_path / "prog.json"), load(tmp_path / "prog.1.json")
+    assert first["otherData"]["session"]["channel"] == "process"
+    assert second["otherData"]["session"]["channel"] == "threaded"
+    for data in (first, second):
+        assert any(e["name"] == "disco.worker_id" for e in track(data, 1))
