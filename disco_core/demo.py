@@ -20,17 +20,20 @@ computation; the command fails (exit code 1) when the error is above tolerance.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import _procfs, demo_funcs
 from .errors import DiscoError
+from .tracing import session_trace as tracing
 
 __all__ = ["add_arguments", "run", "main", "DemoResult"]
 
@@ -153,6 +156,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0: leave the BLAS alone)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE.json",
+        help="trace every session into this file (one per worker count: FILE.<n>w.json when "
+        "several run); read it with 'disco trace summary FILE' or open it in Perfetto",
+    )
 
 
 def _say(text: str) -> None:
@@ -168,6 +178,8 @@ def _validate(args: argparse.Namespace) -> list[int]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.trace:
+        tracing.Trace.check_path(args.trace)
     bad = [n for n in counts if args.d_ff % n]
     if bad:
         raise ValueError(
@@ -258,15 +270,38 @@ def _open_session(kind: str, n: int):
     return ProcessSession(n) if kind == "process" else ThreadedSession(n)
 
 
+def trace_path(args: argparse.Namespace, n: int) -> str | None:
+    """The trace file of the ``n``-worker row (None without ``--trace``)."""
+    if not args.trace:
+        return None
+    counts = _worker_counts(args.workers)
+    if len(counts) == 1:
+        return args.trace
+    stem, ext = os.path.splitext(args.trace)
+    return f"{stem}.{n}w{ext or '.json'}"
+
+
+@contextlib.contextmanager
+def _traced(sess, args: argparse.Namespace, n: int) -> Iterator[str | None]:
+    path = trace_path(args, n)
+    if path is None:
+        yield None
+        return
+    with tracing.trace(sess, path):
+        yield path
+
+
 def _run_session(x, w1, w2, args, ref, n: int) -> DemoResult:
     tag = f"[{_workers(n)}]"
     res = DemoResult(f"disco {args.session}, {_workers(n)}", n)
     kind = "ProcessSession" if args.session == "process" else "ThreadedSession"
     _say(f"{tag} starting {kind}({n}) ...")
     t0 = time.perf_counter()
-    with _open_session(args.session, n) as sess:
+    with _open_session(args.session, n) as sess, _traced(sess, args, n) as trace_path:
         res.start_s = time.perf_counter() - t0
         _say(f"{tag} workers ready in {res.start_s:.2f} s")
+        if trace_path:
+            _say(f"{tag} tracing into {trace_path}")
 
         t0 = time.perf_counter()
         sess.init_ccl("shm")
@@ -461,6 +496,10 @@ def run(args: argparse.Namespace) -> int:
         for r in above:
             _say(f"CHECK FAILED: {r.label}: max abs error {r.max_error:.3e} > tolerance {tol:.1e}")
         return 1
+    if args.trace:
+        files = [trace_path(args, n) for n in counts]
+        _say(f"traces written: {', '.join(f for f in files if f)}; read one with "
+             f"'disco trace summary {files[-1]}' (or open it in https://ui.perfetto.dev)")  # fmt: skip
     worst_error = max(r.max_error for r in results)
     _say(f"check passed: max abs error {worst_error:.2e} <= tolerance {tol:.1e} on every worker")
     return 0
