@@ -28,8 +28,9 @@ worker ``w`` (``M`` events name the tracks). The events:
     One command a worker ran. ``name``: the global function's name for a
     ``call_packed`` (``"disco_demo.mlp_shard"``, ``"disco.allreduce"``), else the
     action (``"sync_worker"``, ``"get_global_func"``, ``"debug_get_from_remote"``,
-    ``"debug_set_register"``). ``args``: ``worker``, ``action``, ``index`` (the
-    command's place in that worker's stream, from 0, in order), ``seq`` (the
+    ``"debug_set_register"``; freeing registers, which rides with most commands, is not
+    recorded). ``args``: ``worker``, ``action``, ``index`` (the command's place among
+    the recorded commands of that worker's stream, from 0, in order), ``seq`` (the
     ``call_packed`` number, equal on every worker and on the controller's ``send``
     event; -1 for other actions), ``reg`` (the result register, 0 for none).
 ``cat: "copy"`` (``ph: "X"``, worker 0's track, and the controller's)
@@ -52,7 +53,9 @@ worker ``w`` (``M`` events name the tracks). The events:
     Flow arrows that join the members of one collective call (same ``id``).
 ``cat: "send"`` (``ph: "X"``, the controller's track)
     The controller sending one ``call_packed``. ``name``: the function's name;
-    ``args``: ``seq``, ``site`` (``"file.py:123"``, the first caller outside Disco).
+    ``args``: ``seq``, ``site`` (``"file.py:123"``, the first caller outside Disco, for
+    Disco's collective functions such as ``disco.allreduce``; ``""`` for the others,
+    whose collectives a reader attributes to the function's name).
 ``cat: "sync"`` (``ph: "X"``, the controller's track)
     A synchronising call of the controller, from its start until it returned.
     ``name``: ``"sync_worker"``, ``"debug_get_from_remote"``, ...; ``args``: ``worker``.

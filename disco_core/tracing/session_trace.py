@@ -53,17 +53,20 @@ _SYNC_METHODS = {
 explicit: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "disco_explicit_trace", default=False
 )
+#: The global functions whose sends carry the caller's source line (``site``): Disco's
+#: collectives, which ``disco trace summary`` groups by it.
+COLLECTIVE_FUNCTIONS = frozenset(
+    f"{prefix}.{name}"
+    for prefix in ("disco", "runtime.disco")
+    for name in (
+        "allreduce", "allgather", "broadcast_from_worker0", "scatter_from_worker0",
+        "gather_to_worker0", "barrier", "send_to_worker", "recv_from_worker",
+        "recv_from_worker0", "send_to_next_group", "recv_from_prev_group",
+        "share_with_group_roots",
+    )
+)  # fmt: skip
 _env_sessions = [0]  # sessions traced through DISCO_TRACE so far (for their file names)
 _env_lock = threading.Lock()
-
-
-def _site_of(frame: Any) -> tuple[Any, int]:
-    """The first frame outside Disco's own modules above ``frame``: (code, line)."""
-    while frame is not None and frame.f_code.co_filename.startswith(_CORE_DIR):
-        frame = frame.f_back
-    if frame is None:
-        return None, 0
-    return frame.f_code, frame.f_lineno
 
 
 class Trace:
@@ -251,24 +254,50 @@ class Trace:
         """Put the recording methods on the session instance."""
         session = self.session
         Session = type(session)  # its class's own methods, under the recording ones
-        add, intern = rec.add, rec.intern
-        reg_names = {d.reg_id: name for name, d in session._cache.items()}
-        sites: dict[tuple[Any, int], int] = {}
-        calls = [0]
-        call = Session._call
+        intern = rec.intern
+        cache = session._cache
+        # func register -> (name id, is a collective): the functions the session caches;
+        # the others' names come from worker 0's events when the file is written
+        known: dict[int, tuple[int, bool]] = {}
+        seen = [-1]  # the size of the session's cache when ``known`` was made
 
-        def recording_call(func: Any, args: tuple, *cls: type) -> Any:
+        def lookup(reg: int) -> tuple[int, bool]:
+            if len(cache) != seen[0]:
+                seen[0] = len(cache)
+                for name, d in cache.items():
+                    known[d.reg_id] = (intern(name), name in COLLECTIVE_FUNCTIONS)
+            return known.get(reg, (unknown, False))
+
+        unknown = intern("")
+        no_site = intern("")
+        sites: dict[Any, int] = {}  # (code, line) -> site id
+        call = Session._call
+        getframe, core = sys._getframe, _CORE_DIR
+        ring, pack, cap = rec._ring, rec._pack, rec.capacity
+        rec.cmd_seq = 0  # the controller's count of call_packed sent
+
+        def recording_call(func: Any, args: tuple, *cls: Any) -> Any:
+            # the hot path of a traced session: the recorder's add() inlined
             t0 = now()
             ref = call(session, func, args, *cls)
             t1 = now()
-            code, line = _site_of(sys._getframe(1))
-            site = sites.get((code, line))
-            if site is None:
-                text = f"{os.path.basename(code.co_filename)}:{line}" if code is not None else "?"
-                site = sites[(code, line)] = intern(text)
-            seq = calls[0]
-            calls[0] = seq + 1
-            add(K_SEND, intern(reg_names.get(func.reg_id, "")), t0, t1, seq, site)
+            name, collective = known.get(func.reg_id) or lookup(func.reg_id)
+            site = no_site
+            if collective:  # where in the user's code (walking frames costs ~1 us)
+                frame = getframe(2)  # frame 1 is Session's own caller of _call
+                while frame is not None and frame.f_code.co_filename.startswith(core):
+                    frame = frame.f_back
+                key = (frame.f_code, frame.f_lineno) if frame is not None else None
+                site = sites.get(key)
+                if site is None:
+                    site = sites[key] = intern(
+                        f"{os.path.basename(key[0].co_filename)}:{key[1]}" if key else "?"
+                    )
+            seq = rec.cmd_seq
+            rec.cmd_seq = seq + 1
+            n = rec.count
+            pack(ring, (n % cap) * 64, K_SEND, name, t0, t1, seq, site, 0, 0)
+            rec.count = n + 1
             return ref
 
         session._call = recording_call

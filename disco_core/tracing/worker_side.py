@@ -78,6 +78,8 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
 
     def recording(cmd: tuple) -> bool:
         action = cmd[0]
+        if action == P.KILL_REG:  # freeing registers rides with most commands: not worth a record
+            return execute(worker, cmd)
         index = rec.index
         rec.index = index + 1
         if action == P.CALL_PACKED:
