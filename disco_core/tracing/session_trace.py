@@ -39,7 +39,12 @@ logger = logging.getLogger("disco_core.tracing")
 #: Round trips per worker when a clock offset is measured (the fastest one counts).
 CLOCK_ROUNDS = 8
 
-_CORE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: Files whose frames stand between the user's code and ``Session._call``: a send's
+#: ``site`` is the first frame outside them (the demo and the kits are users, too).
+_SESSION_FILES = frozenset(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
+    for name in ("session.py", "host_array.py")
+)
 #: The controller's synchronising methods a trace records (by the name the trace shows).
 _SYNC_METHODS = {
     "_sync_worker": "sync_worker",
@@ -272,7 +277,7 @@ class Trace:
         no_site = intern("")
         sites: dict[Any, int] = {}  # (code, line) -> site id
         call = Session._call
-        getframe, core = sys._getframe, _CORE_DIR
+        getframe, inner = sys._getframe, _SESSION_FILES
         ring, pack, cap = rec._ring, rec._pack, rec.capacity
         rec.cmd_seq = 0  # the controller's count of call_packed sent
 
@@ -285,7 +290,7 @@ class Trace:
             site = no_site
             if collective:  # where in the user's code (walking frames costs ~1 us)
                 frame = getframe(2)  # frame 1 is Session's own caller of _call
-                while frame is not None and frame.f_code.co_filename.startswith(core):
+                while frame is not None and frame.f_code.co_filename in inner:
                     frame = frame.f_back
                 key = (frame.f_code, frame.f_lineno) if frame is not None else None
                 site = sites.get(key)
