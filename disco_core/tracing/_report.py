@@ -58,12 +58,16 @@ def _header(s: Summary) -> list[str]:
         f"Disco trace {s.path}: {s.num_workers} worker{'s' if s.num_workers != 1 else ''} "
         f"({s.channel} channel), {s.span_ms:.3f} ms traced"
     ]
-    if s.precision_us:
-        worst = max(range(len(s.precision_us)), key=lambda w: s.precision_us[w])
+    prec = s.precision_us
+    if prec:
+        worst = max(range(len(prec)), key=lambda w: prec[w])
+        which = "" if min(prec) == prec[worst] else f" (worker {worst} the least precise)"
         out.append(
-            f"clock: worker offsets by {s.clock_method}, precision +-{min(s.precision_us):.1f} "
-            f"to +-{s.precision_us[worst]:.1f} us (worker {worst} the least precise)"
+            f"clock: worker offsets by {s.clock_method}, precision +-{min(prec):.1f} "
+            f"to +-{prec[worst]:.1f} us{which}"
         )
+    else:
+        out.append("clock: the file gives no precision: small lateness may be clock error")
     for w, n in enumerate(s.dropped):
         if n > 0:
             out.append(
@@ -97,7 +101,7 @@ def render(s: Summary) -> str:
         ]
         for w in s.workers
     ]
-    out += table(heads, rows) if rows else ["  (no workers)"]
+    out += table(heads, rows, left=1) if rows else ["  (no workers)"]
 
     out += ["", "Per collective call site"]
     if s.call_sites:
@@ -130,7 +134,7 @@ def render(s: Summary) -> str:
                 [
                     str(x.worker),
                     f"{x.times_last} of {s.calls}",
-                    f"{x.lateness_ms:.3f}",
+                    f"{x.lateness_ms:.3f}" + (" ~" if x.within_precision == x.times_last else ""),
                     str(x.within_precision),
                     where,
                     ""
@@ -139,7 +143,7 @@ def render(s: Summary) -> str:
                 ]
             )
         heads = ["worker", "last", "lateness ms", "~ clock", "worst call", "its ms"]
-        out += table(heads, rows)
+        out += table(heads, rows, left=1)
         fuzzy = sum(x.within_precision for x in late)
         if fuzzy:
             total = sum(x.times_last for x in late)

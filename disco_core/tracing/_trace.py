@@ -68,7 +68,7 @@ class Trace:
     clock_method : str
         How the clock offsets were measured (``otherData.clock.method``).
     precision_us : list of float
-        The +- of each worker's clock offset (0 where the file gives none).
+        The +- of each worker's clock offset; empty when the file gives none.
     dropped : list of int
         Per worker, the oldest events lost to its ring buffer.
     controller_dropped : int
@@ -210,7 +210,12 @@ def load(path: str | os.PathLike[str]) -> Trace:
         duration_us=duration,
         session=session,
         clock_method=str(clock.get("method", "unknown")),
-        precision_us=per_worker(clock.get("precision_us"), float),
+        # Empty when the file does not say: "unknown", not "exact".
+        precision_us=(
+            per_worker(clock["precision_us"], float)
+            if isinstance(clock.get("precision_us"), list)
+            else []
+        ),
         dropped=per_worker(other.get("dropped"), int),
         controller_dropped=int(_number(other.get("controller_dropped")) or 0),
         workers=[by_tid.get(w + 1, Track()) for w in range(num_workers)],

@@ -135,7 +135,7 @@ class Summary:
     clock_method : str
         How the workers' clock offsets were measured.
     precision_us : list of float
-        The +- of each worker's clock offset.
+        The +- of each worker's clock offset (empty: not in the file).
     dropped : list of int
         Per worker, the oldest events lost (the numbers cover the rest).
     controller_dropped : int
@@ -278,7 +278,7 @@ def _stragglers(
     trace: Trace, calls: list[Instance], site_of: SiteFinder
 ) -> tuple[int, list[Straggler]]:
     found = [Straggler(w, 0, 0.0, 0) for w in range(trace.num_workers)]
-    prec = trace.precision_us
+    prec = trace.precision_us or [0.0] * trace.num_workers
     counted = 0
     for inst in calls:
         if len(inst.members) < 2:
@@ -300,6 +300,10 @@ def _stragglers(
     return counted, found
 
 
+def _duration(ms: float) -> str:
+    return f"{ms:.1f} ms" if ms >= 1 else f"{ms * 1e3:.1f} us"
+
+
 def _headline(calls: int, stragglers: list[Straggler]) -> str:
     late = [s for s in stragglers if s.times_last]
     if not calls:
@@ -309,7 +313,7 @@ def _headline(calls: int, stragglers: list[Straggler]) -> str:
     worst = max(late, key=lambda s: (s.lateness_ms, s.times_last))
     line = (
         f"worker {worst.worker} arrived last at {worst.times_last} of {calls} collective"
-        f"{'s' if calls != 1 else ''}, {worst.lateness_ms:.1f} ms in all"
+        f"{'s' if calls != 1 else ''}, {_duration(worst.lateness_ms)} in all"
     )
     if worst.within_precision == worst.times_last:
         line += " (every time within the clock precision: it may be clock error)"
