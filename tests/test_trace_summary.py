@@ -7,6 +7,7 @@ numbers expected are computed by hand in the comments.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -212,6 +213,29 @@ def test_collective_outside_a_known_command_finds_its_enclosing_command(tmp_path
     assert rows["barrier"].busbw_gbps is None
 
 
+def test_send_recv_rows_count_each_event(tmp_path: Path):
+    events = [
+        cmd(0, 0, 100, "disco.send", seq=1),
+        coll(0, 10, 20, "send", key=None, cmd_seq=1, nbytes=2000),
+        coll(1, 12, 40, "recv", key=None, cmd_seq=1, nbytes=2000),
+        coll(0, 50, 10, "send", key=None, cmd_seq=1, nbytes=2000),
+    ]
+    s = summary_of(write_trace(tmp_path / "t.json", events, 2, 200))
+    rows = {r.op: r for r in s.call_sites}
+    assert rows["send"].count == 2 and rows["send"].site == "disco.send"
+    assert rows["send"].busbw_gbps == pytest.approx(4000 / 30 / 1e3)
+    assert rows["recv"].count == 1 and rows["recv"].mean_ms == pytest.approx(0.040)
+    assert s.calls == 0 and s.headline.startswith("no collective call")
+
+
+def test_an_empty_trace(tmp_path: Path):
+    s = summary_of(write_trace(tmp_path / "t.json", [], 2, 500))
+    assert [w.idle_ms for w in s.workers] == [pytest.approx(0.5)] * 2
+    assert s.call_sites == [] and s.calls == 0
+    text = ts.format_summary(s)
+    assert "(no collectives)" in text and "(none)" in text
+
+
 def test_bus_factors():
     assert ts.bus_factor("allreduce", 4) == pytest.approx(1.5)
     for op in ("allgather", "gather", "scatter"):
@@ -411,6 +435,19 @@ def test_cli_bad_file_exit_2(tmp_path: Path):
         assert proc.stderr.count("\n") == 1 and "not a Disco trace" in proc.stderr
     proc = run_disco("summary", str(tmp_path / "absent.json"))
     assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def test_trace_parsers_take_the_common_options():
+    from disco_core import cli
+    from disco_core.testing.commands import assert_documented
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["-vv", "trace", "summary", "f.json", "--json"])
+    assert (args.verbose, args.json, args.file) == (2, True, "f.json")
+    args = parser.parse_args(["trace", "--log-level", "debug", "plot", "f.json", "-o", "x.png"])
+    assert (args.log_level, args.output) == ("debug", "x.png")
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert_documented(sub.choices["trace"])  # and its summary and plot
 
 
 def test_cli_trace_without_action_prints_help():

@@ -126,6 +126,10 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def _read(path: str) -> Any:
     try:
         with open(path, "rb") as f:
@@ -188,8 +192,8 @@ def load(path: str | os.PathLike[str]) -> Trace:
         for cat in _CATEGORIES:
             getattr(track, cat).sort(key=lambda s: (s.start, -s.end))
 
-    session = other.get("session") if isinstance(other.get("session"), dict) else {}
-    clock = other.get("clock") if isinstance(other.get("clock"), dict) else {}
+    session = _mapping(other.get("session"))
+    clock = _mapping(other.get("clock"))
     highest = max((tid_worker(t) for t in by_tid if t != CONTROLLER_TID), default=-1)
     num_workers = session.get("num_workers")
     if not isinstance(num_workers, int) or num_workers < highest + 1:
