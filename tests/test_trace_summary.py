@@ -278,7 +278,7 @@ def test_injected_sleep_names_the_late_worker(tmp_path: Path):
     assert late[0].times_last == 0 and late[0].worst is None
     assert s.headline == "worker 2 arrived last at 1 of 20 collectives, 50.0 ms in all"
     text = ts.format_summary(s)
-    assert s.headline in text.splitlines()
+    assert text.splitlines()[0] == s.headline
     assert "warning" not in text
 
 
@@ -315,8 +315,10 @@ def test_a_tie_names_nobody(tmp_path: Path):
 def test_text_has_every_table_and_the_notes(hand: Path):
     text = ts.format_summary(summary_of(hand))
     lines = text.splitlines()
-    assert lines[0].startswith(f"Disco trace {hand}: 2 workers (process channel), 1.000 ms")
-    assert "clock: worker offsets by ping" in lines[1]
+    assert lines[0] == "worker 1 arrived last at 1 of 1 collective, 30.0 us in all"
+    assert lines[1] == f"Disco trace {hand}: 2 workers (process channel), 1.000 ms traced"
+    assert lines[2] == "clock: precision +-0.0 to +-0.0 us"
+    assert lines[3] == "clock offsets: ping"
     row0 = next(line for line in lines if line.startswith("0 "))
     assert row0.split("  ")[0] == "0"
     assert "0.300 (30.0%)" in row0 and "0.700 (70.0%)" in row0 and "0.090 (9.0%)" in row0
@@ -335,7 +337,7 @@ def test_clock_precision_not_in_the_file(tmp_path: Path):
     s = summary_of(path)
     assert s.precision_us == []
     assert s.stragglers[1].times_last == 1 and s.stragglers[1].within_precision == 0
-    assert "clock: the file gives no precision" in ts.format_summary(s)
+    assert "clock: the trace gives no precision" in ts.format_summary(s)
 
 
 def test_dropped_events_are_reported(tmp_path: Path):
@@ -410,7 +412,7 @@ def test_cli_summary(tmp_path: Path):
     proc = run_disco("summary", str(path))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "worker 2 arrived last at 1 of 20 collectives, 50.0 ms in all" in lines
+    assert lines[0] == "worker 2 arrived last at 1 of 20 collectives, 50.0 ms in all"
     assert "Per worker: ms (% of the 2100.000 ms span)" in lines
     assert any(line.startswith("allreduce  train.py:42") for line in lines)
     assert proc.stderr == ""
@@ -489,3 +491,32 @@ def test_plot_without_matplotlib_says_how_to_install(hand: Path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(DiscoError, match=r"pip install 'disco-core\[plot\]'"):
         plot_mod.plot(ts.load(hand), hand.with_suffix(".png"))
+
+
+# ---------------------------------------------------------------------------- a real trace
+@pytest.mark.timeout(120)
+def test_a_sleep_on_one_worker_of_a_real_session_names_it(tmp_path: Path):
+    import disco_core as disco
+
+    path = tmp_path / "real.json"
+    with disco.ProcessSession(3) as sess:
+        sess.init_ccl("shm")
+        sess.import_python_module("disco_core.testing.funcs")
+        sleep = sess.get_global_func("testing.sleep")
+        x, y = sess.empty((1024,), "float32"), sess.empty((1024,), "float32")
+        with disco.trace(sess, path):
+            for i in range(6):
+                if i == 3:
+                    sleep(0.05, 2)  # only worker 2: the next allreduce waits for it
+                sess.allreduce(x, y, "sum")
+            sess.sync_worker_0()
+    s = summary_of(path)
+    assert s.calls == 6
+    assert s.headline.startswith("worker 2 arrived last at"), ts.format_summary(s)
+    worst = s.stragglers[2].worst
+    assert worst is not None and 40 <= worst.lateness_ms < 2000
+    assert worst.op == "allreduce" and "test_trace_summary.py:" in worst.site
+    # The sleep is worker 2's function time; the others waited for it in the allreduce.
+    assert s.workers[2].functions_ms >= 45
+    assert min(s.workers[0].waiting_ms, s.workers[1].waiting_ms) >= 40
+    assert s.workers[2].waiting_ms < 40

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -62,12 +63,16 @@ def _header(s: Summary) -> list[str]:
     if prec:
         worst = max(range(len(prec)), key=lambda w: prec[w])
         which = "" if min(prec) == prec[worst] else f" (worker {worst} the least precise)"
-        out.append(
-            f"clock: worker offsets by {s.clock_method}, precision +-{min(prec):.1f} "
-            f"to +-{prec[worst]:.1f} us{which}"
-        )
+        out.append(f"clock: precision +-{min(prec):.1f} to +-{prec[worst]:.1f} us{which}")
     else:
-        out.append("clock: the file gives no precision: small lateness may be clock error")
+        out.append("clock: the trace gives no precision: small lateness may be clock error")
+    # The method is a sentence or two: wrapped under its own heading.
+    out += textwrap.wrap(
+        f"clock offsets: {s.clock_method}",
+        width=100,
+        subsequent_indent="  ",
+        break_on_hyphens=False,
+    )
     for w, n in enumerate(s.dropped):
         if n > 0:
             out.append(
@@ -84,7 +89,8 @@ def _header(s: Summary) -> list[str]:
 
 def render(s: Summary) -> str:
     """The whole text of ``disco trace summary`` for ``s``."""
-    out = [*_header(s), "", s.headline, ""]
+    # The top line is the answer most runs are read for: who held the others up.
+    out = [s.headline, *_header(s), ""]
 
     out.append(f"Per worker: ms (% of the {s.span_ms:.3f} ms span)")
     heads = ["worker", "busy", "functions", "coll. waiting", "coll. moving", "copies"]
