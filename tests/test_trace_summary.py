@@ -507,16 +507,16 @@ def test_a_sleep_on_one_worker_of_a_real_session_names_it(tmp_path: Path):
         with disco.trace(sess, path):
             for i in range(6):
                 if i == 3:
-                    sleep(0.05, 2)  # only worker 2: the next allreduce waits for it
+                    sleep(0.2, 2)  # only worker 2: the next allreduce waits for it
                 sess.allreduce(x, y, "sum")
             sess.sync_worker_0()
     s = summary_of(path)
     assert s.calls == 6
     assert s.headline.startswith("worker 2 arrived last at"), ts.format_summary(s)
     worst = s.stragglers[2].worst
-    assert worst is not None and 40 <= worst.lateness_ms < 2000
+    assert worst is not None and 150 <= worst.lateness_ms < 5000
     assert worst.op == "allreduce" and "test_trace_summary.py:" in worst.site
     # The sleep is worker 2's function time; the others waited for it in the allreduce.
-    assert s.workers[2].functions_ms >= 45
-    assert min(s.workers[0].waiting_ms, s.workers[1].waiting_ms) >= 40
-    assert s.workers[2].waiting_ms < 40
+    assert s.workers[2].functions_ms >= 190
+    assert min(s.workers[0].waiting_ms, s.workers[1].waiting_ms) >= 150
+    assert s.workers[2].waiting_ms < 100

@@ -193,7 +193,9 @@ def bus_factor(op: str, n: int) -> float | None:
 
 def _nbytes(args: Any) -> int:
     value = args.get("bytes", 0)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0
+    return int(value)
 
 
 def _worker_times(trace: Trace, calls: list[Instance]) -> list[WorkerTime]:
