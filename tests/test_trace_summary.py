@@ -460,11 +460,10 @@ def test_cli_trace_without_action_prints_help():
 
 # ---------------------------------------------------------------------------- plot
 def test_plot_writes_a_png_that_is_not_blank(tmp_path: Path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot extra)")
     import matplotlib.image
     import numpy as np
 
-    from disco_core.tracing.plot import plot
+    from disco_core.tracing.plot import COLORS, plot
 
     out = tmp_path / "timeline.png"
     plot(ts.load(_straggler_run(tmp_path)), out)
@@ -472,10 +471,14 @@ def test_plot_writes_a_png_that_is_not_blank(tmp_path: Path):
     pixels = matplotlib.image.imread(out)
     colours = np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)
     assert len(colours) > 10
+    # The bars are drawn: the function bars and the straggler bar in their colours.
+    rgb = {tuple(int(round(255 * v)) for v in c[:3]) for c in colours}
+    for cat in ("function", "collective waiting"):
+        hexa = COLORS[cat]
+        assert tuple(int(hexa[i : i + 2], 16) for i in (1, 3, 5)) in rgb, cat
 
 
 def test_cli_plot(tmp_path: Path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot extra)")
     out = tmp_path / "t.png"
     proc = run_disco("plot", str(_straggler_run(tmp_path)), "-o", str(out))
     assert proc.returncode == 0, proc.stderr
