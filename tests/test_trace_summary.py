@@ -197,6 +197,19 @@ def test_call_site_falls_back_to_the_command_name_and_percentiles(tmp_path: Path
     assert row.busbw_gbps == pytest.approx(4000 / 40 / 1e3 * 3 / 4)
 
 
+def test_an_empty_send_site_falls_back_to_the_function_name(tmp_path: Path):
+    # A user function that runs a collective inside: the recorder leaves its site "".
+    events = [
+        send(0, 1, seq=4, site="", name="mymod.tp_layer"),
+        cmd(0, 0, 100, "mymod.tp_layer", seq=4),
+        coll(0, 10, 20, cmd_seq=4),
+        cmd(1, 0, 100, "mymod.tp_layer", seq=4),
+        coll(1, 10, 20, cmd_seq=4),
+    ]
+    (row,) = summary_of(write_trace(tmp_path / "t.json", events, 2, 200)).call_sites
+    assert row.site == "mymod.tp_layer"
+
+
 def test_collective_outside_a_known_command_finds_its_enclosing_command(tmp_path: Path):
     events = [
         send(0, 1, seq=3, site="other.py:1"),
