@@ -9,6 +9,17 @@ Subcommands:
 ``disco demo [options]``
     The tensor-parallel transformer MLP block across a session with the ``shm`` CCL,
     checked against NumPy, with a table of time per step (see :mod:`disco_core.demo`).
+``disco trace summary FILE [--json]``
+    A trace file's numbers: per worker, where the time went (functions, collectives
+    waiting and moving, copies, module loads, idle); per collective call site, count,
+    time and bus bandwidth; and the stragglers, who arrived last at each collective
+    (see :mod:`disco_core.tracing.summary`).
+``disco trace plot FILE -o OUT.png``
+    The trace's timeline and straggler chart as an image (needs matplotlib:
+    ``pip install 'disco-core[plot]'``).
+
+A ``disco trace`` command exits with status 2 when the file is not a readable Disco
+trace, 1 on any other error, with one line on stderr.
 
 Every command takes ``--version``, ``-v``/``--verbose`` (INFO, then DEBUG) and
 ``--log-level LEVEL`` (:mod:`disco_core.commandline`), before or after the subcommand.
@@ -44,6 +55,8 @@ examples:
   disco demo --workers 2 --steps 5 --d-model 256 --d-ff 1024
   disco demo --session threaded
   disco -v demo --workers 2     the same, logging the sessions' lifecycle (INFO; -vv: DEBUG)
+  disco trace summary run.json  per worker and per collective, where a traced run's time went
+  disco trace plot run.json -o timeline.png   its timeline and stragglers (needs matplotlib)
 
 environment:
   DISCO_LOG_LEVEL=INFO              log level of the commands and of worker processes
@@ -100,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_options(d, "disco-core", version_text=_version_text())
     demo.add_arguments(d)
     d.set_defaults(handler=_cmd_demo)
+    _add_trace_parser(sub)
     return parser
 
 
@@ -198,6 +212,111 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
     return demo.run(args)
+
+
+# ---------------------------------------------------------------------------- trace
+_TRACE_EPILOG = """\
+examples:
+  disco trace summary run.json          the tables: per worker, per call site, stragglers
+  disco trace summary run.json --json   the same numbers, machine-readable
+  disco trace plot run.json -o timeline.png
+
+exit status: 0, 2 when FILE is not a readable Disco trace, 1 on any other error.
+"""
+
+
+def _add_trace_parser(sub: Any) -> None:
+    t = sub.add_parser(
+        "trace",
+        help="read a trace file: a summary, or a timeline plot",
+        description="Read a trace file written by disco_core.trace (Chrome trace-event JSON; "
+        "Perfetto and chrome://tracing open it too).",
+        epilog=_TRACE_EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    add_common_options(t, "disco-core", version_text=_version_text())
+    tsub = t.add_subparsers(dest="trace_command", metavar="ACTION", help="one of:")
+    t.set_defaults(handler=lambda args: _no_action(t))
+
+    s = tsub.add_parser(
+        "summary",
+        help="per worker and per collective call site, where the time went; the stragglers",
+        description="Per worker: busy, time in functions, in collectives waiting and moving, "
+        "in copies and module loads, idle (ms and % of the traced span). Per collective call "
+        "site: calls, mean/p50/p99 time, bytes, bus bandwidth. Stragglers: who arrived last "
+        "at each collective and by how much, summed over the run. The notes at the end of "
+        "the output define each number.",
+        epilog=_TRACE_EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    add_common_options(s, "disco-core", version_text=_version_text())
+    s.add_argument("file", metavar="FILE", help="the trace file (JSON)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.set_defaults(handler=_cmd_trace_summary)
+
+    p = tsub.add_parser(
+        "plot",
+        help="draw the timeline and the straggler chart into an image (needs matplotlib)",
+        description="One figure: the timeline (a row per worker and the controller, bars "
+        "coloured by category, collectives split into waiting and moving) above a bar chart "
+        "of each worker's total lateness at collectives. Needs matplotlib: "
+        "pip install 'disco-core[plot]'.",
+        epilog=_TRACE_EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    add_common_options(p, "disco-core", version_text=_version_text())
+    p.add_argument("file", metavar="FILE", help="the trace file (JSON)")
+    p.add_argument(
+        "-o", "--output", metavar="OUT", required=True, help="the image to write (.png, .svg, .pdf)"
+    )
+    p.set_defaults(handler=_cmd_trace_plot)
+
+
+def _no_action(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _load_trace(args: argparse.Namespace, action: str) -> Any:
+    """The trace of ``args.file``, or None after one line on stderr."""
+    from .errors import DiscoError
+    from .tracing.summary import load
+
+    try:
+        return load(args.file)
+    except DiscoError as exc:
+        print(f"disco trace {action}: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_trace_summary(args: argparse.Namespace) -> int:
+    from .tracing.summary import format_summary, summarize
+
+    trace = _load_trace(args, "summary")
+    if trace is None:
+        return 2
+    summary = summarize(trace)
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2))
+    else:
+        print(format_summary(summary))
+    return 0
+
+
+def _cmd_trace_plot(args: argparse.Namespace) -> int:
+    from .errors import DiscoError
+    from .tracing.plot import plot
+
+    trace = _load_trace(args, "plot")
+    if trace is None:
+        return 2
+    try:
+        plot(trace, args.output)
+    except DiscoError as exc:
+        print(f"disco trace plot: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
