@@ -180,3 +180,20 @@ def test_disco_trace_traces_a_whole_program(tmp_path):
     assert second["otherData"]["session"]["channel"] == "threaded"
     for data in (first, second):
         assert any(e["name"] == "disco.worker_id" for e in track(data, 1))
+
+
+@pytest.mark.parametrize("late", [2, 0])
+def test_summary_names_the_worker_made_late_as_the_straggler(tmp_path, late):
+    """The issue's test: a sleep on one worker before an allreduce, named by ``disco trace summary``."""
+    path = tmp_path / "late.json"
+    with disco.ProcessSession(4) as sess:
+        sess.init_ccl("shm")
+        trace_checks.traced_demo(sess, path, late_worker=late, late_s=0.2)
+    trace_checks.check_trace(path, 4)
+    trace_checks.check_straggler(path, late, 0.2)
+    out = subprocess.run(
+        [sys.executable, "-m", "disco_core", "trace", "summary", str(path)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith(f"worker {late} arrived last at ")

@@ -17,9 +17,17 @@ import numpy as np
 
 from .. import demo_funcs
 from ..tracing import format as fmt
+from ..tracing import summary
 from ..tracing.session_trace import trace
 
-__all__ = ["traced_demo", "check_trace", "load_trace", "worker_events", "LATE_STEP"]
+__all__ = [
+    "traced_demo",
+    "check_trace",
+    "check_straggler",
+    "load_trace",
+    "worker_events",
+    "LATE_STEP",
+]
 
 #: The step before whose allreduce :func:`traced_demo` makes one worker late.
 LATE_STEP = 3
@@ -124,3 +132,26 @@ def check_trace(path: str | os.PathLike, num_workers: int, steps: int = 6) -> di
             slack = precision[e["args"]["worker"]] + precision[last["args"]["worker"]] + 1.0
             assert last["ts"] <= e["ts"] + e["dur"] + slack, (last, e, slack)
     return data
+
+
+def check_straggler(path: str | os.PathLike, worker: int, late_s: float) -> summary.Summary:
+    """Assert that ``disco trace summary`` names ``worker`` as the straggler of the
+    allreduce it was made late for (:func:`traced_demo` with ``late_worker``)."""
+    result = summary.summarize(summary.load(path))
+    assert result.headline.startswith(f"worker {worker} "), result.headline
+    late = {s.worker: s for s in result.stragglers}[worker]
+    assert late.worst is not None and late.worst.op == "allreduce", late
+    # the sleep, less what the others spent meanwhile on their own way to the allreduce
+    assert late.worst.lateness_ms >= 0.8 * late_s * 1e3, late.worst
+    assert not late.worst.within_precision
+    data = load_trace(path)
+    allreduces = sorted(
+        {
+            e["args"]["key"]
+            for e in worker_events(data, worker, "collective")
+            if e["name"] == "allreduce"
+        },
+        key=lambda k: int(k.split(":")[1]),
+    )
+    assert late.worst.key == allreduces[LATE_STEP], (late.worst.key, allreduces)
+    return result

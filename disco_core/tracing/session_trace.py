@@ -289,15 +289,16 @@ class Trace:
             name, collective = known.get(func.reg_id) or lookup(func.reg_id)
             site = no_site
             if collective:  # where in the user's code (walking frames costs ~1 us)
-                frame = getframe(2)  # frame 1 is Session's own caller of _call
+                frame: Any = getframe(2)  # frame 1 is Session's own caller of _call
                 while frame is not None and frame.f_code.co_filename in inner:
                     frame = frame.f_back
                 key = (frame.f_code, frame.f_lineno) if frame is not None else None
-                site = sites.get(key)
-                if site is None:
-                    site = sites[key] = intern(
+                found = sites.get(key)
+                if found is None:
+                    found = sites[key] = intern(
                         f"{os.path.basename(key[0].co_filename)}:{key[1]}" if key else "?"
                     )
+                site = found
             seq = rec.cmd_seq
             rec.cmd_seq = seq + 1
             n = rec.count
