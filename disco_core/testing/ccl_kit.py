@@ -64,6 +64,7 @@ from disco_core.testing.ccl_funcs import (
     register_faulty_ccl,
 )
 from disco_core.testing.procfs import children_of, shm_in_use
+from disco_core.testing.trace_checks import load_trace, worker_events
 
 __all__ = ["CCLContract", "DTYPES", "FUNCS_MODULE", "reference_allreduce", "make_input"]
 
@@ -881,6 +882,44 @@ class CCLContract:
         for w, got in _values(out, range(nw)).items():
             ref = make_input(shape, dtype, seed if w else seed + 1, 0)
             assert_bits(got, ref, f"recv_from_worker0 {dtype}: worker {w}")
+
+    def test_a_traced_session_gives_the_same_results(self, session, tmp_path):
+        """Under ``disco.trace`` every operation gives what it gives untraced, and each one
+        is recorded on every member, alike (the core wraps the CCL: no tracing code here)."""
+        dtype = "float32"
+        for groups in self.layouts():
+            sess = session(groups)
+            path = tmp_path / f"ccl-{groups}.json"
+            with disco.trace(sess, path):
+                seed = _seed("traced", groups)
+                xs = self.inputs((4, 3), dtype, seed)
+                src = sess.call_packed("ccl_kit.input", (4, 3), dtype, seed)
+                dst = sess.empty((4, 3), dtype)
+                for in_group in (True, False):
+                    sess.allreduce(src, dst, "sum", in_group=in_group)
+                    for w, got in _values(dst, range(self.num_workers)).items():
+                        members = _members(w, self.num_workers, groups, in_group)
+                        self.check_allreduce(got, [xs[m] for m in members], "sum", f"traced allreduce worker {w}")  # fmt: skip
+                    for op in ("allgather", "broadcast", "scatter", "gather"):
+                        self._check_movement(sess, op, dtype, (2, 3), in_group, seed + 1)
+                self._check_ring(sess, dtype, (3, 4), seed + 2)
+            data = load_trace(path)
+            assert data["otherData"]["dropped"] == [0] * self.num_workers
+            by_key: dict[str, list[dict]] = {}
+            ops: dict[int, set[str]] = {w: set() for w in range(self.num_workers)}
+            for w in range(self.num_workers):
+                for e in worker_events(data, w, "collective"):
+                    ops[w].add(e["name"])
+                    if e["args"]["key"] is not None:
+                        by_key.setdefault(e["args"]["key"], []).append(e)
+            expected = {"allreduce", "allgather", "broadcast", "scatter", "gather", "send", "recv"}
+            for w, seen in ops.items():
+                assert seen >= expected, f"worker {w}'s trace lacks {sorted(expected - seen)}"
+            size = self.num_workers // groups
+            for key, members in by_key.items():
+                want = self.num_workers if key.startswith("world") else size
+                assert len(members) == want, f"{key}: recorded on {len(members)} of {want} members"
+                assert len({(e["name"], e["args"]["bytes"]) for e in members}) == 1, key
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_send_recv_ring(self, session, dtype):

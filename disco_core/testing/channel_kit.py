@@ -37,6 +37,7 @@ import pytest
 import disco_core as disco
 from disco_core import plugins
 from disco_core.testing.funcs import DLPackOnly, machine_identity
+from disco_core.testing.trace_checks import load_trace, worker_events
 
 __all__ = ["ChannelContract", "FUNCS_MODULE"]
 
@@ -342,6 +343,34 @@ class ChannelContract:
         for i in range(50):
             append(lst, i)
         assert _values(lst, 3) == [list(range(50))] * 3
+
+    def test_a_traced_session_gives_the_same_results(self, sess, tmp_path):
+        """Under ``disco.trace`` commands give what they give untraced; every worker's
+        track holds every command, in order, with the controller's call numbers."""
+        path = tmp_path / "channel.json"
+        with disco.trace(sess, path):
+            lst = sess.get_global_func("testing.new_list")()
+            append = sess.get_global_func("testing.append")
+            for i in range(20):
+                append(lst, i)
+            wid = sess.get_global_func("disco.worker_id")()
+            arr = sess.copy_to_worker_0(np.arange(6.0))
+            back = np.empty(6)
+            sess.copy_from_worker_0(back, arr)
+            values = _values(lst, 3), _values(wid, 3)
+        assert values == ([list(range(20))] * 3, [0, 1, 2])
+        np.testing.assert_array_equal(back, np.arange(6.0))
+        data = load_trace(path)
+        assert data["otherData"]["dropped"] == [0, 0, 0] and not data["otherData"]["notes"]
+        sends = sorted((e for e in data["traceEvents"] if e.get("cat") == "send"), key=lambda e: e["args"]["seq"])  # fmt: skip
+        for w in range(3):
+            cmds = [e for e in worker_events(data, w) if e["cat"] in ("command", "copy", "module")]
+            assert [e["args"]["index"] for e in cmds] == list(range(len(cmds))), f"worker {w}"
+            calls = [e for e in cmds if e["args"]["action"] == "call_packed"]
+            assert [(e["args"]["seq"], e["name"]) for e in calls] == [(e["args"]["seq"], e["name"]) for e in sends]  # fmt: skip
+            assert sum(e["name"] == "testing.append" for e in calls) == 20
+        copies = [e["name"] for e in worker_events(data, 0, "copy")]
+        assert copies == ["copy_to_worker_0", "copy_from_worker_0"]
 
     def test_numpy_arguments_by_value(self, sess):
         base = np.arange(6, dtype="float64")
