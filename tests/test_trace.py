@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import disco_core as disco
@@ -197,3 +198,32 @@ def test_summary_names_the_worker_made_late_as_the_straggler(tmp_path, late):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith(f"worker {late} arrived last at ")
+
+
+def test_a_worker_that_answers_garbage_gets_a_note_not_a_crash(tmp_path, monkeypatch):
+    """A remote worker's answer is checked before it is used (it may be anyone's)."""
+    from disco_core import builtins, registry
+    from disco_core.worker import current
+
+    real = builtins.trace_stop
+    answers = {
+        1: {"names": ["x"], "events": np.zeros((2, 8), np.int64) + 5, "dropped": 0},  # bad name id
+        2: {"names": "x", "events": np.zeros((0, 8), np.int64), "dropped": 0},
+    }
+
+    def lying_stop():
+        got = real()
+        return answers.get(current().worker_id, got)
+
+    registry.register_func("disco.trace_stop", lying_stop, override=True)
+    try:
+        path = tmp_path / "t.json"
+        with disco.ThreadedSession(3) as sess, disco.trace(sess, path):
+            sess.call_packed("disco.worker_id")
+    finally:
+        registry.register_func("disco.trace_stop", real, override=True)
+    data = load(path)
+    notes = " ".join(data["otherData"]["notes"])
+    assert "worker 1: no events" in notes and "strings it did not send" in notes
+    assert "worker 2: no events" in notes and "list of str" in notes
+    assert track(data, 0) and not track(data, 1) and not track(data, 2)

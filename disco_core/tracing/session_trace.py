@@ -28,9 +28,20 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from ..errors import DiscoError, DiscoTypeError, DiscoValueError
 from . import chrome, worker_side
-from .recorder import K_SEND, K_SYNC, Recorder, capacity_from_env, clock_identity, now
+from .recorder import (
+    FIELDS,
+    K_COLLECTIVE,
+    K_SEND,
+    K_SYNC,
+    Recorder,
+    capacity_from_env,
+    clock_identity,
+    now,
+)
 
 __all__ = ["Trace", "trace", "start_from_env", "CLOCK_ROUNDS", "explicit"]
 
@@ -193,7 +204,7 @@ class Trace:
                     notes.append(f"the clocks were not measured again at the end ({type(exc).__name__}: {exc})")  # fmt: skip
                 for w in range(session.num_workers):
                     try:
-                        workers[w] = stopped.debug_get_from_remote(w)
+                        workers[w] = _checked_export(stopped.debug_get_from_remote(w))
                     except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
                         notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
             rec = self._rec
@@ -332,6 +343,33 @@ class Trace:
         d.pop("_call", None)
         for method in _SYNC_METHODS:
             d.pop(method, None)
+
+
+def _checked_export(value: Any) -> dict[str, Any]:
+    """A worker's ``disco.trace_stop`` answer, if it is one (a remote worker may be anything)."""
+    if not isinstance(value, dict):
+        raise DiscoValueError(f"the worker sent {type(value).__name__}, not its events")
+    names, events, dropped = value.get("names"), value.get("events"), value.get("dropped")
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise DiscoValueError("the worker's event names are not a list of str")
+    if not (
+        isinstance(events, np.ndarray)
+        and events.dtype == np.dtype("<i8")
+        and events.ndim == 2
+        and events.shape[1] == FIELDS
+    ):
+        raise DiscoValueError(f"the worker's events are not an int64 array of {FIELDS} columns")
+    if type(dropped) is not int or dropped < 0:
+        raise DiscoValueError("the worker's dropped count is not a count")
+    if len(events):
+        ids = events[:, 1]
+        attrs = events[events[:, 0] == K_COLLECTIVE, 7]
+        if ids.min() < 0 or ids.max() >= len(names) or (len(attrs) and (attrs.min() < 0 or attrs.max() >= len(names))):  # fmt: skip
+            raise DiscoValueError("the worker's events name strings it did not send")
+        for i in np.unique(attrs):
+            if names[int(i)].count("|") != 4:
+                raise DiscoValueError("a collective's attributes are malformed")
+    return {"names": names, "events": events, "dropped": dropped}
 
 
 @contextlib.contextmanager
