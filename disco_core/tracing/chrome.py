@@ -87,6 +87,7 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
     tid = worker_tid(w)
     convert = fit.to_controller
     by_seq: dict[int, str] = {}
+    inside: list[dict] = []  # collectives whose command has not ended yet (it is recorded next)
     for kind, name_id, a, b, seq, f5, f6, f7 in data["events"].tolist():
         start = convert(a)
         ts = (start - t0) / 1e3
@@ -95,7 +96,8 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
         if kind == K_COLLECTIVE:
             args = _attrs(names[f7])
             comm = args.pop("_comm")
-            args.update(worker=w, op=name, bytes=f5, seq=seq, cmd_seq=f6)
+            args.update(worker=w, op=name, bytes=f5, seq=seq, cmd_seq=-1)
+            inside.append(args)
             if comm == "p2p":
                 args["key"] = None
             else:
@@ -117,6 +119,9 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
             args["reg"] = f5
         if seq >= 0:
             by_seq[seq] = name
+            for coll in inside:
+                coll["cmd_seq"] = seq
+        inside.clear()
         out.append({"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur,
                     "pid": PID, "tid": tid, "args": args})  # fmt: skip
     return by_seq

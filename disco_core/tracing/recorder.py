@@ -46,7 +46,8 @@ FIELDS = 8
 K_COMMAND = 1
 K_COPY = 2
 K_MODULE = 3
-# (kind, op, t0, t1, seq on its communicator, bytes, cmd_seq, attributes)
+# (kind, op, t0, t1, seq on its communicator, bytes, -1, attributes); the command it ran
+# in is the next command record (a command is recorded when it ends)
 K_COLLECTIVE = 4
 # Controller events: (kind, name, t0, t1, seq, site, worker, bytes)
 K_SEND = 10
@@ -111,7 +112,7 @@ class Recorder:
         Events kept; older ones are overwritten (and counted in :attr:`dropped`).
     """
 
-    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "cmd_seq", "seqs", "index")
+    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "cmd_seq", "seqs")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = int(capacity)
@@ -120,12 +121,10 @@ class Recorder:
         self._ids: dict[str, int] = {}
         self._ring = bytearray(self.capacity * _RECORD.size)
         self._pack = _RECORD.pack_into
-        #: worker side: the call_packed number of the command running now (-1: none)
-        self.cmd_seq = -1
+        #: controller side: call_packed commands sent so far
+        self.cmd_seq = 0
         #: worker side: operations so far per communicator key ("world", "group")
         self.seqs: dict[str, int] = {}
-        #: worker side: commands run so far (the next command's place in the stream)
-        self.index = 0
 
     def intern(self, text: str) -> int:
         """The table index of ``text`` (added on first use)."""
@@ -185,11 +184,10 @@ class Recorder:
         self.seqs[comm] = seq + 1
         reduce = bound.get("op", "") if name == "allreduce" else ""
         attrs = self.intern(f"{dtype}|{reduce}|{comm}|{group_id}|{peer}")
-        cmd_seq = self.cmd_seq
         t0 = now()
         try:
             if hand_over is not None:
                 hand_over()
             return op(ccl, *args, **kwargs)
         finally:
-            self.add(K_COLLECTIVE, self.intern(name), t0, now(), seq, nbytes, cmd_seq, attrs)
+            self.add(K_COLLECTIVE, self.intern(name), t0, now(), seq, nbytes, -1, attrs)

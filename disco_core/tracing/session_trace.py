@@ -292,10 +292,12 @@ class Trace:
         ring, pack, cap = rec._ring, rec._pack, rec.capacity
         rec.cmd_seq = 0  # the controller's count of call_packed sent
 
-        def recording_call(func: Any, args: tuple, *cls: Any) -> Any:
+        handle_cls = (call.__defaults__ or (None,))[0]  # _call's own default (DRef)
+
+        def recording_call(func: Any, args: tuple, cls: Any = handle_cls) -> Any:
             # the hot path of a traced session: the recorder's add() inlined
             t0 = now()
-            ref = call(session, func, args, *cls)
+            ref = call(session, func, args, cls)
             t1 = now()
             name, collective = known.get(func.reg_id) or lookup(func.reg_id)
             site = no_site
@@ -324,17 +326,31 @@ class Trace:
     def _recording_sync(self, method: Any, shown: str, rec: Recorder) -> Any:
         session = self.session
         name = rec.intern(shown)
+        add = rec.add
+        # which argument names the worker (None: worker 0) and which holds the bytes
+        at = {"sync_worker": 0, "debug_get_from_remote": 1, "debug_set_register": 1}.get(shown)
+        copies = shown.startswith("copy_")
+
+        if shown == "sync_worker":  # the common one (sync_worker_0): no *args to build
+
+            def recording_sync_worker(worker_id: int) -> Any:
+                t0 = now()
+                try:
+                    return method(session, worker_id)
+                finally:
+                    add(K_SYNC, name, t0, now(), -1, 0, worker_id if type(worker_id) is int else 0)
+
+            return recording_sync_worker
 
         def recording(*args: Any, **kwargs: Any) -> Any:
             t0 = now()
             try:
                 return method(session, *args, **kwargs)
             finally:
-                worker = 0
-                if shown in ("sync_worker", "debug_get_from_remote", "debug_set_register"):
-                    worker = next((a for a in args if type(a) is int), 0)
-                nbytes = getattr(args[0], "nbytes", 0) if shown.startswith("copy_") else 0
-                rec.add(K_SYNC, name, t0, now(), -1, 0, int(worker), int(nbytes or 0))
+                t1 = now()
+                worker = args[at] if at is not None and len(args) > at else 0
+                nbytes = getattr(args[0], "nbytes", 0) if copies and args else 0
+                add(K_SYNC, name, t0, t1, -1, 0, worker if type(worker) is int else 0, nbytes if type(nbytes) is int else 0)  # fmt: skip
 
         return recording
 

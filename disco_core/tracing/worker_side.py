@@ -17,6 +17,8 @@ from .recorder import K_COMMAND, K_COPY, K_MODULE, Recorder, now
 
 __all__ = ["start", "stop", "ACTION_NAMES", "MODULE_FUNCTIONS"]
 
+_CALL_PACKED, _KILL_REG = P.CALL_PACKED, P.KILL_REG  # module globals: the hot path's tests
+
 #: The names of the actions other than call_packed, as the trace shows them.
 ACTION_NAMES = {
     P.SHUTDOWN: "shutdown",
@@ -66,39 +68,45 @@ def stop(ctx: Any) -> dict[str, Any] | None:
 
 
 def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
-    """``worker.execute`` that records each command it runs."""
+    """``worker.execute`` that records each command it runs (the recorder's add() inlined:
+    this runs once per command)."""
     execute = type(worker).execute
     names: dict[int, str] = worker._names
-    intern, add = rec.intern, rec.add
-    calls = [0]  # call_packed commands so far: the seq the controller gave each one
+    intern = rec.intern
+    ring, pack, cap = rec._ring, rec._pack, rec.capacity
     action_ids = {a: intern(n) for a, n in ACTION_NAMES.items()}
-    # func register -> (name id, kind); a register can be reused for another function,
-    # so the entry is checked against the name the worker holds for it now
-    by_reg: dict[int, tuple[str, int, int]] = {}
+    # func register -> (kind, name id), as the worker names it (``Worker._names``, which
+    # only get_global_func changes: its register is forgotten here then)
+    by_reg: dict[int, tuple[int, int]] = {}
+    calls = 0  # call_packed commands so far: the seq the controller gave each one
+    index = 0  # commands recorded so far: the next one's place in the stream
 
     def recording(cmd: tuple) -> bool:
+        nonlocal calls, index
         action = cmd[0]
-        if action == P.KILL_REG:  # freeing registers rides with most commands: not worth a record
-            return execute(worker, cmd)
-        index = rec.index
-        rec.index = index + 1
-        if action == P.CALL_PACKED:
-            seq = rec.cmd_seq = calls[0]
-            calls[0] = seq + 1
+        if action == _CALL_PACKED:
+            seq, i = calls, index
+            calls, index = seq + 1, i + 1
             t0 = now()
             try:
                 return execute(worker, cmd)
             finally:
                 t1 = now()
-                rec.cmd_seq = -1
                 func_reg = cmd[2]
-                name = names.get(func_reg, "")
-                known = by_reg.get(func_reg)
-                if known is None or known[0] != name:
-                    text = name or f"register {func_reg}"
+                entry = by_reg.get(func_reg)
+                if entry is None:
+                    name = names.get(func_reg)
                     kind = K_MODULE if name in MODULE_FUNCTIONS else K_COMMAND
-                    known = by_reg[func_reg] = (name, intern(text), kind)
-                add(known[2], known[1], t0, t1, seq, cmd[1], index, action)
+                    entry = by_reg[func_reg] = (kind, intern(name or f"register {func_reg}"))
+                n = rec.count
+                pack(ring, (n % cap) * 64, entry[0], entry[1], t0, t1, seq, cmd[1], i, action)
+                rec.count = n + 1
+        if action == _KILL_REG:  # freeing registers rides with most commands: not worth a record
+            return execute(worker, cmd)
+        if action == P.GET_GLOBAL_FUNC:
+            by_reg.pop(cmd[1], None)  # the register names another function from now on
+        i = index
+        index = i + 1
         t0 = now()
         try:
             return execute(worker, cmd)
@@ -106,12 +114,12 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
             t1 = now()
             if action == P.COPY_FROM_WORKER0 or action == P.COPY_TO_WORKER0:
                 nbytes = getattr(cmd[2], "nbytes", 0)
-                add(K_COPY, action_ids[action], t0, t1, -1, int(nbytes), index, action)
+                rec.add(K_COPY, action_ids[action], t0, t1, -1, int(nbytes), i, action)
             else:
-                reg = cmd[1] if action != P.KILL_REG and len(cmd) > 1 else 0
+                reg = cmd[1] if len(cmd) > 1 else 0
                 name_id = action_ids.get(action)
                 if name_id is None:
                     name_id = intern(f"action {action}")
-                add(K_COMMAND, name_id, t0, t1, -1, reg if type(reg) is int else 0, index, action)
+                rec.add(K_COMMAND, name_id, t0, t1, -1, reg if type(reg) is int else 0, i, action)
 
     return recording
