@@ -559,6 +559,21 @@ def registered(kind: str) -> dict[str, Any]:
     return {name: impl for name, (impl, _) in _manager().resolved().tables[kind].items()}
 
 
+#: The kinds whose core built-ins :func:`lookup` returns before any plugin is loaded.
+_CORE_FAST = ("channel", "ccl")
+_CORE_TABLES: dict[str, dict[str, Any]] = {}
+
+
+def _core_builtins(kind: str) -> dict[str, Any]:
+    """The core's own registrations of ``kind`` (its built-in plugin's hook)."""
+    table = _CORE_TABLES.get(kind)
+    if table is None:
+        from . import _builtin_plugin
+
+        table = _CORE_TABLES[kind] = dict(getattr(_builtin_plugin, KINDS[kind][0])())
+    return table
+
+
 def lookup(kind: str, name: str) -> Any:
     """Return the implementation registered for ``name``.
 
@@ -575,6 +590,13 @@ def lookup(kind: str, name: str) -> Any:
     """
     if kind not in KINDS:
         raise ValueError(f"unknown plugin kind {kind!r}; expected one of {sorted(KINDS)}")
+    if _MANAGER is None and kind in _CORE_FAST:
+        # The core wins every name conflict, so its own channels and CCLs need no
+        # plugin loaded: a worker process's init_ccl("shm") skips importing every
+        # installed plugin (0.2 s each).
+        found = _core_builtins(kind).get(name)
+        if found is not None:
+            return found
     mgr = _manager()
     resolved = mgr.resolved()
     table = resolved.tables[kind]

@@ -297,3 +297,19 @@ except disco.PluginNotFoundError as exc:
     assert "CHANNELS ['process', 'threaded']" in out.stdout or "'threaded'" in out.stdout
     notfound = out.stdout.partition("NOTFOUND")[2]
     assert "nothing-here" in notfound and "nonexistent_module_xyz" in notfound
+
+
+def test_the_cores_own_channels_and_ccls_need_no_plugin_loaded():
+    """A worker process's init_ccl("shm") looks the CCL up: the core wins every conflict,
+    so nothing else is imported for it (loading every plugin costs ~0.2 s)."""
+    code = (
+        "import sys\n"
+        "from disco_core import plugins\n"
+        "from disco_core.ccl.shm import ShmCCL\n"
+        "from disco_core.channels.process import ProcessChannel\n"
+        "assert plugins.lookup('ccl', 'shm') is ShmCCL\n"
+        "assert plugins.lookup('channel', 'process') is ProcessChannel\n"
+        "assert plugins._MANAGER is None, 'the plugins were loaded'\n"
+        "assert not [m for m in sys.modules if m.startswith(('disco_mpi', 'disco_socket', 'disco_rpc'))]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
