@@ -65,7 +65,7 @@ nitpick_ignore_regex = [
         r"|pathlib|queue|selectors|socket|ssl|subprocess|threading|types|typing|numpy|pluggy)"
         r"(\..+)?",
     ),
-    (r"py:class", r"optional|callable|sequence|iterable|array|array-like|transport"),
+    (r"py:class", r"optional|callable|sequence|iterable|array|array-like|transport|path-like"),
 ]
 
 

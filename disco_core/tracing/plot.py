@@ -93,11 +93,11 @@ def plot(trace: Trace, path: str | os.PathLike[str], summary: Summary | None = N
 
     Parameters
     ----------
-    trace : Trace
+    trace : disco_core.tracing._trace.Trace
         A trace read by :func:`disco_core.tracing.summary.load`.
     path : str or path-like
         The image file to write.
-    summary : Summary, optional
+    summary : disco_core.tracing.summary.Summary, optional
         ``summarize(trace)``, when the caller has it already.
 
     Raises

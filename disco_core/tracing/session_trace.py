@@ -119,7 +119,7 @@ class Trace:
         self._clocks: list[chrome.ClockFit | None] = []
         self._t_start = 0
         self._lock = threading.Lock()
-        #: per worker: True when it reads the controller's own clock (offset 0 exactly)
+        #: For each worker, True when it reads the controller's own clock (offset 0 exactly).
         self.shared_clock = [False] * session.num_workers
 
     @staticmethod
@@ -400,7 +400,7 @@ def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None)
         The Chrome trace-event JSON file to write (``disco trace summary`` reads it;
         Perfetto and ``chrome://tracing`` open it).
     capacity : int, optional
-        Events kept per worker (the newest; see :class:`Trace`).
+        Events kept per worker (the newest; see :class:`~disco_core.tracing.session_trace.Trace`).
 
     Examples
     --------

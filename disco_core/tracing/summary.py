@@ -75,7 +75,7 @@ class WorkerTime:
     copies_ms: float
     modules_ms: float
     idle_ms: float
-    #: The oldest events lost to the worker's ring buffer: the numbers cover the rest.
+    #: The oldest events lost to the worker's ring buffer (the numbers cover the rest).
     dropped: int = 0
 
 
@@ -103,7 +103,7 @@ class LateCall:
     op: str
     site: str
     lateness_ms: float
-    #: The lateness is no larger than the clock precision: it may be clock error.
+    #: True when the lateness is no larger than the clock precision (it may be clock error).
     within_precision: bool
 
 

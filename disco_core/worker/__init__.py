@@ -81,9 +81,9 @@ class WorkerContext:
         ``CCL``): a worker that runs on the controller's thread must never wait
         for a peer whose commands are still held back. A user function that
         waits for another worker by other means calls it first, too.
-    tracer : Recorder or None
+    tracer : object or None
         While a trace is on (:func:`disco_core.trace`), the recorder of this worker's
-        events (:class:`disco_core.tracing.recorder.Recorder`); the CCL's operations
+        events (a ``disco_core.tracing.recorder.Recorder``); the CCL's operations
         record themselves in it.
     worker : Worker or None
         The :class:`Worker` that runs this context (None for a stand-in).
