@@ -65,6 +65,7 @@ environment:
   DISCO_START_TIMEOUT=60            seconds to wait for process workers to start
   DISCO_SHUTDOWN_TIMEOUT=5          seconds to wait for workers to stop before killing them
   DISCO_CCL_TIMEOUT=300             seconds a shm collective waits for its peers
+  DISCO_TRACE=run.json              trace every session of a program (disco trace summary run.json)
 
 docs: README.md of the disco-core distribution.
 """

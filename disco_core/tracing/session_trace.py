@@ -81,7 +81,10 @@ COLLECTIVE_FUNCTIONS = frozenset(
         "share_with_group_roots",
     )
 )  # fmt: skip
-_env_sessions = [0]  # sessions traced through DISCO_TRACE so far (for their file names)
+_env_sessions = [0]
+#: DISCO_TRACE's traces still running (the exit handler writes them); a trace leaves
+#: the set when it stops, so a shut-down session is not kept alive until exit
+_at_exit: set[Trace] = set()  # sessions traced through DISCO_TRACE so far (for their file names)
 _env_lock = threading.Lock()
 
 
@@ -174,6 +177,8 @@ class Trace:
                 return self.path
             self.active = False
             t_end = now()
+            with _env_lock:
+                _at_exit.discard(self)
             session = self.session
             self._uninstall()
             session._state["trace"] = None
@@ -433,13 +438,19 @@ def start_from_env(session: Any) -> Trace | None:
         stem, ext = os.path.splitext(path)
         path = f"{stem}.{k}{ext or '.json'}"
     t = Trace(session, path).start()
-    atexit.register(_stop_at_exit, t)
+    with _env_lock:
+        if not _at_exit:
+            atexit.register(_stop_at_exit)
+        _at_exit.add(t)  # until it stops: a session never shut down is written at exit
     return t
 
 
-def _stop_at_exit(t: Trace) -> None:
-    try:
-        if t.active and not t.session.is_closed:
-            t.stop()
-    except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
-        logger.warning("trace %s could not be written at exit: %s", t.path, exc)
+def _stop_at_exit() -> None:
+    with _env_lock:
+        running = list(_at_exit)
+    for t in running:
+        try:
+            if t.active and not t.session.is_closed:
+                t.stop()
+        except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
+            logger.warning("trace %s could not be written at exit: %s", t.path, exc)
