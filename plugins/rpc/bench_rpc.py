@@ -40,8 +40,13 @@ from _placement import PLACEMENTS, Placement, floor, load_average, placements  #
 BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 
 
-def raw_loopback(nbytes: int, reps: int, place: Placement) -> float:
-    """GB/s of one ``sendall`` of ``nbytes`` to another process over 127.0.0.1 (best of reps)."""
+def raw_loopback(nbytes: int, reps: int, place: Placement, fresh: bool = False) -> float:
+    """GB/s of one ``sendall`` of ``nbytes`` to another process over 127.0.0.1 (best of reps).
+
+    ``fresh``: the receiver reads each time into a new buffer, as a download that
+    returns new memory must (on some VMs the first touch of fresh pages costs more
+    than the copy itself); otherwise into one buffer, reused.
+    """
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
     lst.listen(1)
@@ -56,6 +61,8 @@ def raw_loopback(nbytes: int, reps: int, place: Placement) -> float:
             buf = bytearray(nbytes)
             view = memoryview(buf)
             for _ in range(reps):
+                if fresh:
+                    view = memoryview(bytearray(nbytes))
                 got = 0
                 while got < nbytes:
                     got += c.recv_into(view[got:])
@@ -248,14 +255,18 @@ def main() -> int:
             fl = floor(place, 1000)
             load = os.getloadavg()[0]
             raw = raw_loopback(nbytes, a.reps, place)
+            raw_fresh = raw_loopback(nbytes, a.reps, place, fresh=True)
             ours = bench_disco(nbytes, a.calls, a.reps, place, a.token)
         # TVM's child pins itself the same way (it starts from every CPU)
         tvm = None if a.no_tvm else bench_tvm(nbytes, a.calls, a.reps, place)
-        results[place.name] = dict(raw=raw, ours=ours, tvm=tvm, floor=fl, load=load)
+        results[place.name] = dict(
+            raw=raw, raw_fresh=raw_fresh, ours=ours, tvm=tvm, floor=fl, load=load
+        )
         print(
             f"\n== {place.describe()}: load {load:.2f}; floor: socket ping-pong "
             f"{fl['socket_rt_s'] * 1e6:.1f} us, memcpy {fl['memcpy_GBps']:.1f} GB/s; "
-            f"raw loopback TCP stream {raw:.2f} GB/s"
+            f"raw loopback TCP stream {raw:.2f} GB/s, into fresh memory {raw_fresh:.2f} GB/s "
+            f"(download/fresh stream: {ours['download_GBps'] / raw_fresh:.2f})"
         )
         print(f"{'':28s} {'disco-rpc':>10s} {'tvm.rpc':>10s} {'ours/TVM':>9s} {'ours/stream':>11s}")
         for label, k, unit in ROWS:
