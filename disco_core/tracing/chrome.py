@@ -176,7 +176,8 @@ def build(data: TraceData) -> dict[str, Any]:
     for flow_id, (_key, members) in enumerate(sorted(flows.items()), start=1):
         if len(members) < 2:
             continue
-        members.sort(key=lambda m: m[1])
+        # by arrival: the viewers take flow steps in time order (a step before the start is lost)
+        members.sort(key=lambda m: (m[0], m[1]))
         last = len(members) - 1
         for i, (ts, tid, name) in enumerate(members):
             ph = "s" if i == 0 else ("f" if i == last else "t")

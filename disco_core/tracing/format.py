@@ -50,7 +50,8 @@ worker ``w`` (``M`` events name the tracks). The events:
     ``send``/``recv``), ``peer`` (``send``/``recv`` only), ``cmd_seq`` (the ``seq`` of
     the command it ran in, -1 if none).
 ``ph: "s"``, ``"t"``, ``"f"`` (``cat: "collective"``)
-    Flow arrows that join the members of one collective call (same ``id``).
+    Flow arrows that join the members of one collective call (same ``id``), in the
+    order they started: ``s`` on the first to arrive, ``f`` on the last.
 ``cat: "send"`` (``ph: "X"``, the controller's track)
     The controller sending one ``call_packed``. ``name``: the function's name;
     ``args``: ``seq``, ``site`` (``"file.py:123"``, the first caller outside Disco, for

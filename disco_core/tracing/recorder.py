@@ -4,7 +4,8 @@ Each event is eight 64-bit integers written with one ``struct.pack_into`` into a
 preallocated ``bytearray`` (about 0.3 us), so recording costs no allocation per
 event and the memory a trace takes is bounded by its capacity: when the ring is
 full the oldest events are overwritten and counted as dropped. The bytearray is
-zero-filled lazily by the kernel, so only the part a trace uses is ever touched.
+allocated and zero-filled whole when the recorder is made (``bytearray(n)`` writes
+every byte), so the ring's full size is resident from the trace's start.
 
 Strings (function names, call sites, a collective's attributes) are interned in
 a table and referred to by index.
