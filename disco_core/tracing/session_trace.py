@@ -209,9 +209,14 @@ class Trace:
                     notes.append(f"the clocks were not measured again at the end ({type(exc).__name__}: {exc})")  # fmt: skip
                 for w in range(session.num_workers):
                     try:
-                        workers[w] = _checked_export(stopped.debug_get_from_remote(w))
+                        workers[w] = _checked_export(
+                            stopped.debug_get_from_remote(w), self.capacity
+                        )
                     except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
                         notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
+            for w, got in enumerate(workers):
+                if got is not None and self._clocks[w] is None:
+                    notes.append(f"worker {w}: no events (its clock answer was not a clock, so its times cannot be placed)")  # fmt: skip
             rec = self._rec
             assert rec is not None
             data = chrome.TraceData(
@@ -258,7 +263,12 @@ class Trace:
                 t0 = now()
                 value = session.call_packed(clock).debug_get_from_remote(w)
                 t1 = now()
-                if not (isinstance(value, tuple) and len(value) == 2 and type(value[0]) is int):
+                if not (
+                    isinstance(value, tuple)
+                    and len(value) == 2
+                    and type(value[0]) is int
+                    and -_INT64 <= value[0] < _INT64  # a clock the file's floats can hold
+                ):
                     break  # not our worker function's answer: no offset for this worker
                 mid = (t0 + t1) // 2
                 if mine and value[1] == mine:
@@ -366,13 +376,30 @@ class Trace:
             d.pop(method, None)
 
 
-def _checked_export(value: Any) -> dict[str, Any]:
-    """A worker's ``disco.trace_stop`` answer, if it is one (a remote worker may be anything)."""
+#: The longest event name a worker's answer may hold. Its recorder makes function names,
+#: ``register N`` and a collective's attributes; every event repeats its name in the
+#: file, so one long name would multiply into gigabytes on the controller's disk.
+MAX_NAME_CHARS = 1024
+_INT64 = 1 << 63
+
+
+def _checked_export(value: Any, capacity: int) -> dict[str, Any]:
+    """A worker's ``disco.trace_stop`` answer, if it is one (a remote worker may be anything).
+
+    Everything :func:`chrome.build` and the readers use is checked here: no more rows
+    than the worker's ring holds (``capacity``), short printable names (no terminal
+    escapes for ``disco trace summary`` to print), counts a JSON writer can write, and
+    collectives' attributes that parse.
+    """
     if not isinstance(value, dict):
         raise DiscoValueError(f"the worker sent {type(value).__name__}, not its events")
     names, events, dropped = value.get("names"), value.get("events"), value.get("dropped")
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise DiscoValueError("the worker's event names are not a list of str")
+    if not all(len(n) <= MAX_NAME_CHARS and n.isprintable() for n in names):
+        raise DiscoValueError(
+            f"the worker's event names are not all printable and at most {MAX_NAME_CHARS} chars"
+        )
     if not (
         isinstance(events, np.ndarray)
         and events.dtype == np.dtype("<i8")
@@ -380,7 +407,9 @@ def _checked_export(value: Any) -> dict[str, Any]:
         and events.shape[1] == FIELDS
     ):
         raise DiscoValueError(f"the worker's events are not an int64 array of {FIELDS} columns")
-    if type(dropped) is not int or dropped < 0:
+    if len(events) > capacity:
+        raise DiscoValueError(f"the worker sent {len(events)} events, more than its ring holds ({capacity})")  # fmt: skip
+    if type(dropped) is not int or not 0 <= dropped < _INT64:
         raise DiscoValueError("the worker's dropped count is not a count")
     if len(events):
         ids = events[:, 1]
@@ -388,8 +417,10 @@ def _checked_export(value: Any) -> dict[str, Any]:
         if ids.min() < 0 or ids.max() >= len(names) or (len(attrs) and (attrs.min() < 0 or attrs.max() >= len(names))):  # fmt: skip
             raise DiscoValueError("the worker's events name strings it did not send")
         for i in np.unique(attrs):
-            if names[int(i)].count("|") != 4:
-                raise DiscoValueError("a collective's attributes are malformed")
+            try:
+                chrome.parse_attrs(names[int(i)])
+            except ValueError:
+                raise DiscoValueError("a collective's attributes are malformed") from None
     return {"names": names, "events": events, "dropped": dropped}
 
 

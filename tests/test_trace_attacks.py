@@ -1,0 +1,162 @@
+"""Attacks on tracing: a lying worker, chaos during a trace, a hostile file system.
+
+A compromised worker is a real worker process whose ``disco.trace_stop`` or
+``disco.trace_clock`` is replaced (by a module it imports) with one that answers
+what the attacker wants; the controller under test is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import disco_core as disco
+from disco_core.tracing import _trace as trace_reader
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Worker 1 answers ``disco.trace_stop`` / ``disco.trace_clock`` with ANSWER / CLOCK,
+# built from the real answer ``real`` and the worker clock ``now()``.
+_LIAR = """
+import numpy as np
+from disco_core import builtins
+from disco_core.registry import register_func
+from disco_core.tracing.recorder import now
+from disco_core.worker import current
+
+_stop, _clock = builtins.trace_stop, builtins.trace_clock
+
+def ev(rows, name=0, attr=0, kind=1, t0=None, t1=None):
+    t = now()
+    e = np.zeros((rows, 8), np.int64)
+    e[:, 0], e[:, 1], e[:, 4], e[:, 7] = kind, name, -1, attr
+    e[:, 2], e[:, 3] = t - 1000 if t0 is None else t0, t if t1 is None else t1
+    return e
+
+def stop():
+    real = _stop()
+    if current().worker_id != 1:
+        return real
+    return {ANSWER}
+
+def clock():
+    real = _clock()
+    return {CLOCK} if current().worker_id == 1 else real
+
+register_func("disco.trace_stop", stop, override=True)
+register_func("disco.trace_clock", clock, override=True)
+"""
+
+
+def lying_session(
+    tmp_path, monkeypatch, answer: str = "real", clock: str = "real"
+) -> disco.Session:
+    """A 3-worker ProcessSession whose worker 1 is compromised (see ``_LIAR``)."""
+    name = f"trace_liar_{abs(hash((answer, clock)))}"
+    (tmp_path / f"{name}.py").write_text(
+        _LIAR.replace("{ANSWER}", answer).replace("{CLOCK}", clock)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    sess = disco.ProcessSession(3)
+    sess.import_python_module(name)
+    return sess
+
+
+def traced(sess: disco.Session, path) -> dict:
+    with sess, disco.trace(sess, path):
+        sess.call_packed("disco.worker_id")
+    with open(path) as f:
+        return json.load(f)
+
+
+def worker_events(data: dict, w: int) -> list[dict]:
+    return [e for e in data["traceEvents"] if e["ph"] == "X" and e["tid"] == w + 1]
+
+
+@pytest.mark.parametrize(
+    "answer, note",
+    [
+        # a collective whose attributes have 4 '|' but a group id / peer that is no int:
+        # int() raised inside chrome.build and no file was written at all
+        ('{"names": ["allreduce", "float32|sum|group|abc|-1"], "events": ev(1, 0, 1, kind=4), "dropped": 0}',
+         "attributes are malformed"),
+        ('{"names": ["send", "float32||p2p|0|zz"], "events": ev(1, 0, 1, kind=4), "dropped": 0}',
+         "attributes are malformed"),
+        # a dropped count past 4300 digits: json.dump raised, no file
+        ('dict(real, dropped=10**5000)', "dropped count"),
+        # past float's range: the file was written, then 'disco trace summary' crashed
+        ('dict(real, dropped=10**400)', "dropped count"),
+        # one 1 MiB name repeated by 100 events made a 100 MB file (x100 amplification)
+        ('{"names": ["A" * (1 << 20)], "events": ev(100), "dropped": 0}', "at most 1024 chars"),
+        # terminal escapes and newlines printed by 'disco trace summary' (forged lines)
+        ('{"names": ["evil\\n\\x1b[31mworker 0 arrived last", "float32|sum|world|0|-1"], '
+         '"events": ev(1, 0, 1, kind=4), "dropped": 0}', "printable"),
+        ('{"names": ["bad\\ud800"], "events": ev(1), "dropped": 0}', "printable"),
+        # more rows than the ring it was given: 400 MB of controller memory per 32 MB sent
+        ('{"names": ["x"], "events": ev(300_000), "dropped": 0}', "more than its ring holds"),
+    ],
+    ids=["group-id", "peer", "dropped-4300-digits", "dropped-past-float", "long-name",
+         "escapes", "surrogate", "rows-past-capacity"],
+)  # fmt: skip
+def test_a_lying_worker_costs_its_own_track_not_the_file(tmp_path, monkeypatch, answer, note):
+    path = tmp_path / "t.json"
+    data = traced(lying_session(tmp_path, monkeypatch, answer=answer), path)
+    notes = " ".join(data["otherData"]["notes"])
+    assert "worker 1: no events" in notes and note in notes
+    assert worker_events(data, 0) and worker_events(data, 2) and not worker_events(data, 1)
+    assert os.path.getsize(path) < 1 << 20
+    out = subprocess.run(
+        [sys.executable, "-m", "disco_core", "trace", "summary", str(path)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout
+
+
+def test_a_clock_past_int64_costs_the_track_not_the_file(tmp_path, monkeypatch):
+    """A trace_clock answer of 10**400 made chrome.build raise OverflowError: no file."""
+    path = tmp_path / "t.json"
+    data = traced(lying_session(tmp_path, monkeypatch, clock="(10**400, 'x')"), path)
+    assert any("worker 1" in n and "clock" in n for n in data["otherData"]["notes"])
+    assert worker_events(data, 0) and worker_events(data, 2) and not worker_events(data, 1)
+
+
+def test_the_reader_takes_a_count_past_floats_range(tmp_path):
+    """A file (from anywhere) whose dropped count is 10**400 is read, not an OverflowError."""
+    path = tmp_path / "t.json"
+    big = "1" + "0" * 400
+    other = {"disco_trace": 1, "session": {"num_workers": 1}}
+    text = json.dumps({"traceEvents": [], "otherData": other})
+    path.write_text(
+        text[:-2] + f', "dropped": [{big}], "controller_dropped": {big}, "duration_us": {big}}}}}'
+    )
+    got = trace_reader.load(path)
+    assert got.dropped == [0] and got.controller_dropped == 0 and got.duration_us == 0.0
+
+
+def test_build_survives_what_the_check_misses():
+    """Defence in depth: an answer that breaks chrome.build costs its track, with a note."""
+    import numpy as np
+
+    from disco_core.tracing import chrome
+
+    bad = {"names": ["op", "a|b|group|x|y"], "events": np.array([[4, 0, 5, 6, 0, 0, -1, 1]]), "dropped": 0}  # fmt: skip
+    good = {"names": ["f"], "events": np.array([[1, 0, 5, 6, 0, 0, 0, 0]]), "dropped": 0}
+    data = chrome.TraceData(
+        session={"channel": "x", "num_workers": 2, "num_groups": 1}, t_start=0, t_end=10,
+        controller={"names": [], "events": np.zeros((0, 8), np.int64), "dropped": 0},
+        workers=[good, bad], clocks=[chrome.ClockFit(0, 0, 0), chrome.ClockFit(0, 0, 0)],
+        method="m",
+    )  # fmt: skip
+    out = chrome.build(data)
+    assert [e["tid"] for e in out["traceEvents"] if e["ph"] == "X"] == [1]
+    assert "worker 1: events left out (ValueError" in out["otherData"]["notes"][0]
