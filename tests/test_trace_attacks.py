@@ -160,3 +160,63 @@ def test_build_survives_what_the_check_misses():
     out = chrome.build(data)
     assert [e["tid"] for e in out["traceEvents"] if e["ph"] == "X"] == [1]
     assert "worker 1: events left out (ValueError" in out["otherData"]["notes"][0]
+
+
+# ---------------------------------------------------------------------------- chaos
+def test_a_failed_command_in_the_block_is_raised_not_swallowed_and_every_track_kept(tmp_path):
+    """The trace's stop used to meet the block's pending WorkerError: it became a note,
+    the program never saw it, and every worker process's events were lost."""
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(3) as sess:
+        with pytest.raises(disco.WorkerError, match="no_such_function"):
+            with disco.trace(sess, path):
+                sess.call_packed("disco.worker_id")
+                sess.call_packed("disco.no_such_function")
+        sess._sync_all()  # raised once, as without a trace; the session goes on
+        assert sess.call_packed("disco.worker_id").debug_get_from_remote(2) == 2
+    with open(path) as f:
+        data = json.load(f)
+    assert data["otherData"]["notes"] == []
+    for w in range(3):
+        assert "disco.worker_id" in [e["name"] for e in worker_events(data, w)]
+
+
+def test_the_blocks_own_exception_wins_over_a_failed_command(tmp_path):
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(2) as sess:
+        with pytest.raises(KeyError, match="mine"):
+            with disco.trace(sess, path):
+                sess.call_packed("disco.no_such_function")
+                raise KeyError("mine")
+    assert worker_events(json.loads(path.read_text()), 1)
+
+
+def test_two_threads_cannot_both_start_a_trace_of_one_session(tmp_path):
+    """Both starts used to pass the 'already traced' check (the claim came after the
+    clock round trips); the second trace_start replaced the first on every worker and
+    the first file lost every track, silently."""
+    import threading
+
+    with disco.ProcessSession(2) as sess:
+        barrier = threading.Barrier(2)
+        got: list[str] = []
+
+        def start(i: int) -> None:
+            barrier.wait()
+            try:
+                with disco.trace(sess, tmp_path / f"t{i}.json"):
+                    sess.call_packed("disco.worker_id")
+                    sess._sync_all()
+                got.append("traced")
+            except disco.DiscoError as exc:
+                got.append(str(exc))
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert sorted(got)[1] == "traced" and "already being traced" in sorted(got)[0]
+    (written,) = [p for p in tmp_path.glob("t*.json")]
+    data = json.loads(written.read_text())
+    assert data["otherData"]["notes"] == [] and worker_events(data, 1)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DiscoError, DiscoTypeError, DiscoValueError
+from ..errors import DiscoError, DiscoTypeError, DiscoValueError, WorkerError
 from . import chrome, worker_side
 from .recorder import (
     FIELDS,
@@ -86,6 +86,7 @@ _env_sessions = [0]
 #: the set when it stops, so a shut-down session is not kept alive until exit
 _at_exit: set[Trace] = set()  # sessions traced through DISCO_TRACE so far (for their file names)
 _env_lock = threading.Lock()
+_claim_lock = threading.Lock()
 
 
 class Trace:
@@ -145,8 +146,19 @@ class Trace:
         """Start recording on the controller and every worker; return ``self``."""
         session = self.session
         state = session._state
-        if state.get("trace") is not None:
-            raise DiscoError(f"this session is already being traced (into {state['trace'].path!r})")  # fmt: skip
+        with _claim_lock:  # the check and the claim at once: two threads may start a trace
+            running = state.get("trace")
+            if running is not None:
+                raise DiscoError(f"this session is already being traced (into {running.path!r})")
+            state["trace"] = self
+        try:
+            return self._start()
+        except BaseException:
+            state["trace"] = None
+            raise
+
+    def _start(self) -> Trace:
+        session = self.session
         session._check_open()
         start = session._get_cached_method("disco.trace_start")
         session._get_cached_method("disco.trace_stop")
@@ -161,7 +173,6 @@ class Trace:
             chrome.ClockFit(t, off, prec) if off is not None else None for t, off, prec in clocks
         ]
         self._install(rec)
-        state["trace"] = self
         self.active = True
         logger.info("trace started: %s, %d events per worker at most", self.path, self.capacity)
         return self
@@ -171,6 +182,12 @@ class Trace:
 
         A worker that cannot answer (it died) leaves its track empty, with a note in
         the file; the rest is still written.
+
+        Raises
+        ------
+        WorkerError
+            A command sent while tracing failed (the error the next synchronising call
+            would have raised); the file is written first, with every worker's events.
         """
         with self._lock:
             if not self.active:
@@ -185,6 +202,15 @@ class Trace:
             notes: list[str] = []
             workers: list[dict | None] = [None] * session.num_workers
             stopped = None
+            pending: WorkerError | None = None
+            try:
+                # The block's own commands first: their error is the program's, raised
+                # after the file is written (as the next sync would), not the trace's.
+                session._sync_all()
+            except WorkerError as exc:  # not WorkerDiedError: the session still runs
+                pending = exc
+            except Exception:  # noqa: BLE001, S110 - the gathering below meets it and notes it
+                pass
             try:
                 stopped = session.call_packed("disco.trace_stop")
                 session._sync_all()
@@ -243,6 +269,8 @@ class Trace:
             logger.info("trace written: %s", self.path)
             for note in notes:
                 logger.warning("trace %s: %s", self.path, note)
+            if pending is not None:
+                raise pending
             return self.path
 
     # ------------------------------------------------------------------ clocks
@@ -447,9 +475,15 @@ def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None)
     t = Trace(session, path, capacity).start()
     try:
         yield t
-    finally:
+    except BaseException:
         if not session.is_closed:
-            t.stop()
+            try:
+                t.stop()
+            except WorkerError as exc:  # the block's own exception is the one to see
+                logger.warning("trace %s: a command of the block also failed: %s", t.path, exc)
+        raise
+    if not session.is_closed:
+        t.stop()
 
 
 def start_from_env(session: Any) -> Trace | None:
