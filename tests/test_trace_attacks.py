@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import pytest
 
 import disco_core as disco
 from disco_core.tracing import _trace as trace_reader
+from disco_core.tracing import session_trace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -220,3 +222,37 @@ def test_two_threads_cannot_both_start_a_trace_of_one_session(tmp_path):
     (written,) = [p for p in tmp_path.glob("t*.json")]
     data = json.loads(written.read_text())
     assert data["otherData"]["notes"] == [] and worker_events(data, 1)
+
+
+# ---------------------------------------------------------------------------- file system
+def test_a_name_another_user_made_in_a_sticky_folder_is_refused_at_the_start(tmp_path, monkeypatch):
+    """In /tmp another user may pre-create the trace's name (a file or a symlink): the
+    rename at the end failed with a bare PermissionError after the whole run. The
+    check is at the start now. (Seen as root dropping to uid 1000: EPERM on os.replace.)"""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    (sticky / "theirs.json").write_text("someone else's")
+    os.symlink("/etc/passwd", sticky / "link.json")
+    # this process plays a user who owns neither the folder nor the names in it
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(sticky).st_uid + 4242)
+    for name in ("theirs.json", "link.json"):
+        with pytest.raises(disco.DiscoPermissionError, match="another user"):
+            session_trace.Trace.check_path(sticky / name)
+    assert session_trace.Trace.check_path(sticky / "new.json")  # a free name is fine
+    (tmp_path / "theirs.json").write_text("in a folder that is not sticky: replaceable")
+    assert session_trace.Trace.check_path(tmp_path / "theirs.json")
+
+
+def test_the_file_replaces_a_symlink_or_fifo_at_its_path_never_writes_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, tmp_path / "link.json")
+    os.mkfifo(tmp_path / "fifo.json")  # opening it to write would block until a reader came
+    for name in ("link.json", "fifo.json"):
+        with disco.ThreadedSession(2) as sess, disco.trace(sess, tmp_path / name):
+            sess.call_packed("disco.worker_id")
+        mode = os.lstat(tmp_path / name).st_mode
+        assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == 0o600
+    assert victim.read_text() == "precious"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".disco-trace")]

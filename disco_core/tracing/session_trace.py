@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -30,7 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DiscoError, DiscoTypeError, DiscoValueError, WorkerError
+from ..errors import (
+    DiscoError,
+    DiscoPermissionError,
+    DiscoTypeError,
+    DiscoValueError,
+    WorkerError,
+)
 from . import chrome, worker_side
 from .recorder import (
     FIELDS,
@@ -139,6 +146,19 @@ class Trace:
             raise DiscoValueError(f"trace: {path!r} is a folder, not a file name")
         if not os.access(folder, os.W_OK):
             raise DiscoValueError(f"trace: the folder of {path!r} is not writable")
+        # In a sticky folder (/tmp) a name another user made (a file, a symlink) cannot
+        # be replaced: say so now, not when the file is written at the end of the run.
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            return path
+        me = os.geteuid()
+        info = os.stat(folder)
+        if info.st_mode & stat.S_ISVTX and me not in (0, owner, info.st_uid):
+            raise DiscoPermissionError(
+                f"trace: {path!r} belongs to another user (uid {owner}) in a sticky folder: "
+                "it cannot be replaced; choose another name"
+            )
         return path
 
     # ------------------------------------------------------------------ start / stop
