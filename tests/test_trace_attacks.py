@@ -256,3 +256,30 @@ def test_the_file_replaces_a_symlink_or_fifo_at_its_path_never_writes_through(tm
         assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == 0o600
     assert victim.read_text() == "precious"
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".disco-trace")]
+
+
+# ---------------------------------------------------------------------------- memory
+def _rss_mib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+def test_a_ring_costs_only_the_memory_its_events_use(tmp_path):
+    """The ring was a bytearray, which CPython memsets whole: 16 MiB of every traced
+    process at the default capacity, and capacity=10**8 took 12 GiB of the controller
+    (worker 0's ring and its own) while worker 1, memsetting 6 GiB, missed the liveness
+    timeout and the session died."""
+    from disco_core.tracing.recorder import Recorder
+
+    before = _rss_mib()
+    rec = Recorder(1 << 22)  # 256 MiB of records
+    assert _rss_mib() - before < 32
+    for i in range(1000):
+        rec.add(1, 0, i, i + 1)
+    assert rec.events()[-1, 2] == 999
+    path = tmp_path / "t.json"
+    before = _rss_mib()
+    with disco.ProcessSession(2) as sess, disco.trace(sess, path, capacity=1 << 24):  # 1 GiB each
+        sess.call_packed("disco.worker_id").debug_get_from_remote(1)
+    assert _rss_mib() - before < 200
+    assert worker_events(json.loads(path.read_text()), 1)
