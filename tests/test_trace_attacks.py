@@ -283,3 +283,16 @@ def test_a_ring_costs_only_the_memory_its_events_use(tmp_path):
         sess.call_packed("disco.worker_id").debug_get_from_remote(1)
     assert _rss_mib() - before < 200
     assert worker_events(json.loads(path.read_text()), 1)
+
+
+def test_a_relative_path_is_where_it_was_when_the_trace_started(tmp_path, monkeypatch):
+    """A chdir inside the block used to move the file (or fail at the end if the new
+    folder had no such sub-folder): the path is checked at the start, so it counts then."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with disco.ThreadedSession(2) as sess, disco.trace(sess, "rel.json") as t:
+        sess.call_packed("disco.worker_id")
+        os.chdir(tmp_path / "b")
+    assert t.path == "rel.json"
+    assert os.listdir(tmp_path / "a") == ["rel.json"] and os.listdir(tmp_path / "b") == []

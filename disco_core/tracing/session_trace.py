@@ -124,6 +124,8 @@ class Trace:
             raise DiscoValueError(f"trace: capacity must be an int >= 1024 events, got {capacity!r}")  # fmt: skip
         self.session = session
         self.path = path
+        # where check_path looked: a later chdir (a library's, a daemon's) moves nothing
+        self._target = os.path.abspath(path)
         self.capacity = capacity
         self.active = False
         self._rec: Recorder | None = None
@@ -285,7 +287,7 @@ class Trace:
                 ),
                 notes=notes,
             )
-            chrome.write(chrome.build(data), self.path)
+            chrome.write(chrome.build(data), self._target)
             logger.info("trace written: %s", self.path)
             for note in notes:
                 logger.warning("trace %s: %s", self.path, note)
