@@ -296,3 +296,36 @@ def test_a_relative_path_is_where_it_was_when_the_trace_started(tmp_path, monkey
         os.chdir(tmp_path / "b")
     assert t.path == "rel.json"
     assert os.listdir(tmp_path / "a") == ["rel.json"] and os.listdir(tmp_path / "b") == []
+
+
+_REFUSER = """
+from disco_core import builtins
+from disco_core.registry import register_func
+from disco_core.worker import current
+
+_start = builtins.trace_start
+
+def start(capacity):
+    if current().worker_id == 1:
+        raise RuntimeError("this worker refuses to trace")
+    return _start(capacity)
+
+register_func("disco.trace_start", start, override=True)
+register_func("testing.is_tracing", lambda: current().tracer is not None, override=True)
+"""
+
+
+def test_a_start_that_fails_on_one_worker_stops_the_others(tmp_path, monkeypatch):
+    """The workers that took trace_start went on recording (hooks on, ring held) for the
+    rest of the session when another worker refused it."""
+    (tmp_path / "trace_refuser.py").write_text(_REFUSER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    with disco.ProcessSession(3) as sess:
+        sess.import_python_module("trace_refuser")
+        with pytest.raises(disco.WorkerError, match="refuses to trace"):
+            disco.trace(sess, tmp_path / "t.json").__enter__()
+        tracing = sess.call_packed("testing.is_tracing")
+        assert [tracing.debug_get_from_remote(w) for w in range(3)] == [False] * 3
+        assert "_call" not in sess.__dict__
+    assert not (tmp_path / "t.json").exists()

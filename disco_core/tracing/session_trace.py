@@ -177,6 +177,10 @@ class Trace:
             return self._start()
         except BaseException:
             state["trace"] = None
+            if self._rec is not None:  # trace_start went out: the workers that took it
+                with contextlib.suppress(Exception):  # would record until the next trace
+                    session.call_packed("disco.trace_stop")
+                    session._sync_all()
             raise
 
     def _start(self) -> Trace:
