@@ -21,6 +21,21 @@ from disco_core.tracing import session_trace
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(autouse=True)
+def _real_trace_functions():
+    """The attackers' modules are imported by worker 0 too, i.e. by this process: the
+    real trace functions are put back after each test (later tests' in-process workers)."""
+    from disco_core import builtins, registry
+
+    real = {
+        f"disco.{f}": getattr(builtins, f) for f in ("trace_start", "trace_stop", "trace_clock")
+    }
+    yield
+    for name, func in real.items():
+        registry.register_func(name, func, override=True)
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Worker 1 answers ``disco.trace_stop`` / ``disco.trace_clock`` with ANSWER / CLOCK,
