@@ -344,3 +344,44 @@ def test_a_start_that_fails_on_one_worker_stops_the_others(tmp_path, monkeypatch
         assert [tracing.debug_get_from_remote(w) for w in range(3)] == [False] * 3
         assert "_call" not in sess.__dict__
     assert not (tmp_path / "t.json").exists()
+
+
+# ---------------------------------------------------------------------------- socket
+def test_a_compromised_token_holding_agent_over_a_real_socket(tmp_path, monkeypatch):
+    """The same lies over a sealed SocketSession (agents on loopback, token set): one
+    agent's worker answers a 1 MiB name and a malformed collective; the file keeps the
+    other tracks, stays small, and nothing is left behind (agents, threads, fds)."""
+    disco_socket = pytest.importorskip("disco_socket", reason="the socket plugin is not installed")
+    answer = (
+        '{"names": ["allreduce", "f|s|group|x|-1", "A" * (1 << 20)], '
+        '"events": np.concatenate([ev(1, 0, 1, kind=4), ev(100, 2)]), "dropped": 0}'
+    )
+    name = "trace_liar_socket"
+    (tmp_path / f"{name}.py").write_text(
+        _LIAR.replace("{ANSWER}", answer).replace("{CLOCK}", "real")
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    import threading
+
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    agents: list = []
+    path = tmp_path / "t.json"
+    sess = disco.SocketSession(
+        3, 1, 1, "127.0.0.1", 0, token="trace-attack", timeout=30,
+        on_listen=lambda h, p: agents.extend(
+            disco_socket.start_local_agents(h, p, 2, 1, token="trace-attack", extra_args=("-q",))
+        ),
+    )  # fmt: skip
+    try:
+        sess.import_python_module(name)
+        data = traced(sess, path)
+    finally:
+        sess.shutdown()
+        for a in agents:
+            a.wait(20)
+    assert any("worker 1: no events" in n for n in data["otherData"]["notes"])
+    assert worker_events(data, 0) and worker_events(data, 2) and not worker_events(data, 1)
+    assert os.path.getsize(path) < 1 << 20
+    assert [a.returncode for a in agents] == [0, 0]
+    assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() == threads
