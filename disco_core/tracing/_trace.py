@@ -123,7 +123,10 @@ def _bad(path: str, what: str) -> DiscoValueError:
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        return float(value) if math.isfinite(value) else None
+    except OverflowError:  # an int past float's range: no usable number either
+        return None
 
 
 def _mapping(value: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from .format import CONTROLLER_TID, FORMAT_VERSION, PID, worker_tid
 from .recorder import K_COLLECTIVE, K_COMMAND, K_COPY, K_MODULE, K_SEND, K_SYNC
 from .worker_side import ACTION_NAMES
 
-__all__ = ["ClockFit", "TraceData", "build", "write"]
+__all__ = ["ClockFit", "TraceData", "build", "parse_attrs", "write"]
 
 _CATEGORY = {K_COMMAND: "command", K_COPY: "copy", K_MODULE: "module"}
 
@@ -69,7 +69,14 @@ class TraceData:
     notes: list[str] = field(default_factory=list)
 
 
-def _attrs(text: str) -> dict[str, Any]:
+def parse_attrs(text: str) -> dict[str, Any]:
+    """A collective's attributes (``dtype|reduce|comm|group_id|peer``) as event args.
+
+    Raises
+    ------
+    ValueError
+        ``text`` is not five fields, or its group id or peer is not an integer.
+    """
     dtype, reduce, comm, group_id, peer = text.split("|")
     out: dict[str, Any] = {"dtype": dtype, "group": comm if comm != "p2p" else "world"}
     if reduce:
@@ -94,7 +101,7 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
         dur = max(0.0, (b - a) / 1e3)
         name = names[name_id]
         if kind == K_COLLECTIVE:
-            args = _attrs(names[f7])
+            args = parse_attrs(names[f7])
             comm = args.pop("_comm")
             args.update(worker=w, op=name, bytes=f5, seq=seq, cmd_seq=-1)
             inside.append(args)
@@ -148,12 +155,25 @@ def build(data: TraceData) -> dict[str, Any]:
     flows: dict[str, list] = {}
     names_by_seq: dict[int, str] = {}
     dropped = []
+    notes = list(data.notes)
     for w, (wdata, fit) in enumerate(zip(data.workers, data.clocks)):
         if wdata is None or fit is None:
             dropped.append(0)
             continue
-        dropped.append(int(wdata["dropped"]))
-        found = _worker_events(w, wdata, fit, t0, events, flows)
+        mine: list[dict[str, Any]] = []
+        its_flows: dict[str, list] = {}
+        try:
+            found = _worker_events(w, wdata, fit, t0, mine, its_flows)
+            lost = int(wdata["dropped"])
+        except (LookupError, ValueError, TypeError, ArithmeticError) as exc:
+            # the caller checks a worker's answer; one it missed costs that track, not the file
+            notes.append(f"worker {w}: events left out ({type(exc).__name__}: {exc})")
+            dropped.append(0)
+            continue
+        dropped.append(lost)
+        events.extend(mine)
+        for key, members in its_flows.items():
+            flows.setdefault(key, []).extend(members)
         if not names_by_seq:
             names_by_seq = found
     ctl = data.controller
@@ -201,7 +221,7 @@ def build(data: TraceData) -> dict[str, Any]:
             },
             "dropped": dropped,
             "controller_dropped": int(ctl["dropped"]),
-            "notes": data.notes,
+            "notes": notes,
         },
     }
 

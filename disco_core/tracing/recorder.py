@@ -1,11 +1,12 @@
 """The event recorder of one worker (or of the controller): a ring buffer of fixed records.
 
 Each event is eight 64-bit integers written with one ``struct.pack_into`` into a
-preallocated ``bytearray`` (about 0.3 us), so recording costs no allocation per
+preallocated buffer (about 0.3 us), so recording costs no allocation per
 event and the memory a trace takes is bounded by its capacity: when the ring is
-full the oldest events are overwritten and counted as dropped. The bytearray is
-allocated and zero-filled whole when the recorder is made (``bytearray(n)`` writes
-every byte), so the ring's full size is resident from the trace's start.
+full the oldest events are overwritten and counted as dropped. The buffer is an
+anonymous mapping, zero-filled lazily by the kernel, so only the part a trace uses
+is ever touched (a ``bytearray`` would be memset whole: 16 MiB of every traced
+process's memory at the default capacity, gigabytes at a large one).
 
 Strings (function names, call sites, a collective's attributes) are interned in
 a table and referred to by index.
@@ -13,6 +14,7 @@ a table and referred to by index.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import time
@@ -120,7 +122,7 @@ class Recorder:
         self.count = 0  # events recorded in all
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
-        self._ring = bytearray(self.capacity * _RECORD.size)
+        self._ring = mmap.mmap(-1, max(1, self.capacity) * _RECORD.size)
         self._pack = _RECORD.pack_into
         #: controller side: call_packed commands sent so far
         self.cmd_seq = 0

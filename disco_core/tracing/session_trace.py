@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -30,7 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DiscoError, DiscoTypeError, DiscoValueError
+from ..errors import (
+    DiscoError,
+    DiscoPermissionError,
+    DiscoTypeError,
+    DiscoValueError,
+    WorkerError,
+)
 from . import chrome, worker_side
 from .recorder import (
     FIELDS,
@@ -86,6 +93,7 @@ _env_sessions = [0]
 #: the set when it stops, so a shut-down session is not kept alive until exit
 _at_exit: set[Trace] = set()  # sessions traced through DISCO_TRACE so far (for their file names)
 _env_lock = threading.Lock()
+_claim_lock = threading.Lock()
 
 
 class Trace:
@@ -116,6 +124,8 @@ class Trace:
             raise DiscoValueError(f"trace: capacity must be an int >= 1024 events, got {capacity!r}")  # fmt: skip
         self.session = session
         self.path = path
+        # where check_path looked: a later chdir (a library's, a daemon's) moves nothing
+        self._target = os.path.abspath(path)
         self.capacity = capacity
         self.active = False
         self._rec: Recorder | None = None
@@ -138,6 +148,19 @@ class Trace:
             raise DiscoValueError(f"trace: {path!r} is a folder, not a file name")
         if not os.access(folder, os.W_OK):
             raise DiscoValueError(f"trace: the folder of {path!r} is not writable")
+        # In a sticky folder (/tmp) a name another user made (a file, a symlink) cannot
+        # be replaced: say so now, not when the file is written at the end of the run.
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            return path
+        me = os.geteuid()
+        info = os.stat(folder)
+        if info.st_mode & stat.S_ISVTX and me not in (0, owner, info.st_uid):
+            raise DiscoPermissionError(
+                f"trace: {path!r} belongs to another user (uid {owner}) in a sticky folder: "
+                "it cannot be replaced; choose another name"
+            )
         return path
 
     # ------------------------------------------------------------------ start / stop
@@ -145,8 +168,23 @@ class Trace:
         """Start recording on the controller and every worker; return ``self``."""
         session = self.session
         state = session._state
-        if state.get("trace") is not None:
-            raise DiscoError(f"this session is already being traced (into {state['trace'].path!r})")  # fmt: skip
+        with _claim_lock:  # the check and the claim at once: two threads may start a trace
+            running = state.get("trace")
+            if running is not None:
+                raise DiscoError(f"this session is already being traced (into {running.path!r})")
+            state["trace"] = self
+        try:
+            return self._start()
+        except BaseException:
+            state["trace"] = None
+            if self._rec is not None:  # trace_start went out: the workers that took it
+                with contextlib.suppress(Exception):  # would record until the next trace
+                    session.call_packed("disco.trace_stop")
+                    session._sync_all()
+            raise
+
+    def _start(self) -> Trace:
+        session = self.session
         session._check_open()
         start = session._get_cached_method("disco.trace_start")
         session._get_cached_method("disco.trace_stop")
@@ -161,7 +199,6 @@ class Trace:
             chrome.ClockFit(t, off, prec) if off is not None else None for t, off, prec in clocks
         ]
         self._install(rec)
-        state["trace"] = self
         self.active = True
         logger.info("trace started: %s, %d events per worker at most", self.path, self.capacity)
         return self
@@ -171,6 +208,12 @@ class Trace:
 
         A worker that cannot answer (it died) leaves its track empty, with a note in
         the file; the rest is still written.
+
+        Raises
+        ------
+        WorkerError
+            A command sent while tracing failed (the error the next synchronising call
+            would have raised); the file is written first, with every worker's events.
         """
         with self._lock:
             if not self.active:
@@ -185,6 +228,15 @@ class Trace:
             notes: list[str] = []
             workers: list[dict | None] = [None] * session.num_workers
             stopped = None
+            pending: WorkerError | None = None
+            try:
+                # The block's own commands first: their error is the program's, raised
+                # after the file is written (as the next sync would), not the trace's.
+                session._sync_all()
+            except WorkerError as exc:  # not WorkerDiedError: the session still runs
+                pending = exc
+            except Exception:  # noqa: BLE001, S110 - the gathering below meets it and notes it
+                pass
             try:
                 stopped = session.call_packed("disco.trace_stop")
                 session._sync_all()
@@ -209,9 +261,14 @@ class Trace:
                     notes.append(f"the clocks were not measured again at the end ({type(exc).__name__}: {exc})")  # fmt: skip
                 for w in range(session.num_workers):
                     try:
-                        workers[w] = _checked_export(stopped.debug_get_from_remote(w))
+                        workers[w] = _checked_export(
+                            stopped.debug_get_from_remote(w), self.capacity
+                        )
                     except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
                         notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
+            for w, got in enumerate(workers):
+                if got is not None and self._clocks[w] is None:
+                    notes.append(f"worker {w}: no events (its clock answer was not a clock, so its times cannot be placed)")  # fmt: skip
             rec = self._rec
             assert rec is not None
             data = chrome.TraceData(
@@ -234,10 +291,12 @@ class Trace:
                 ),
                 notes=notes,
             )
-            chrome.write(chrome.build(data), self.path)
+            chrome.write(chrome.build(data), self._target)
             logger.info("trace written: %s", self.path)
             for note in notes:
                 logger.warning("trace %s: %s", self.path, note)
+            if pending is not None:
+                raise pending
             return self.path
 
     # ------------------------------------------------------------------ clocks
@@ -258,7 +317,12 @@ class Trace:
                 t0 = now()
                 value = session.call_packed(clock).debug_get_from_remote(w)
                 t1 = now()
-                if not (isinstance(value, tuple) and len(value) == 2 and type(value[0]) is int):
+                if not (
+                    isinstance(value, tuple)
+                    and len(value) == 2
+                    and type(value[0]) is int
+                    and -_INT64 <= value[0] < _INT64  # a clock the file's floats can hold
+                ):
                     break  # not our worker function's answer: no offset for this worker
                 mid = (t0 + t1) // 2
                 if mine and value[1] == mine:
@@ -366,13 +430,30 @@ class Trace:
             d.pop(method, None)
 
 
-def _checked_export(value: Any) -> dict[str, Any]:
-    """A worker's ``disco.trace_stop`` answer, if it is one (a remote worker may be anything)."""
+#: The longest event name a worker's answer may hold. Its recorder makes function names,
+#: ``register N`` and a collective's attributes; every event repeats its name in the
+#: file, so one long name would multiply into gigabytes on the controller's disk.
+MAX_NAME_CHARS = 1024
+_INT64 = 1 << 63
+
+
+def _checked_export(value: Any, capacity: int) -> dict[str, Any]:
+    """A worker's ``disco.trace_stop`` answer, if it is one (a remote worker may be anything).
+
+    Everything :func:`chrome.build` and the readers use is checked here: no more rows
+    than the worker's ring holds (``capacity``), short printable names (no terminal
+    escapes for ``disco trace summary`` to print), counts a JSON writer can write, and
+    collectives' attributes that parse.
+    """
     if not isinstance(value, dict):
         raise DiscoValueError(f"the worker sent {type(value).__name__}, not its events")
     names, events, dropped = value.get("names"), value.get("events"), value.get("dropped")
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise DiscoValueError("the worker's event names are not a list of str")
+    if not all(len(n) <= MAX_NAME_CHARS and n.isprintable() for n in names):
+        raise DiscoValueError(
+            f"the worker's event names are not all printable and at most {MAX_NAME_CHARS} chars"
+        )
     if not (
         isinstance(events, np.ndarray)
         and events.dtype == np.dtype("<i8")
@@ -380,7 +461,9 @@ def _checked_export(value: Any) -> dict[str, Any]:
         and events.shape[1] == FIELDS
     ):
         raise DiscoValueError(f"the worker's events are not an int64 array of {FIELDS} columns")
-    if type(dropped) is not int or dropped < 0:
+    if len(events) > capacity:
+        raise DiscoValueError(f"the worker sent {len(events)} events, more than its ring holds ({capacity})")  # fmt: skip
+    if type(dropped) is not int or not 0 <= dropped < _INT64:
         raise DiscoValueError("the worker's dropped count is not a count")
     if len(events):
         ids = events[:, 1]
@@ -388,8 +471,10 @@ def _checked_export(value: Any) -> dict[str, Any]:
         if ids.min() < 0 or ids.max() >= len(names) or (len(attrs) and (attrs.min() < 0 or attrs.max() >= len(names))):  # fmt: skip
             raise DiscoValueError("the worker's events name strings it did not send")
         for i in np.unique(attrs):
-            if names[int(i)].count("|") != 4:
-                raise DiscoValueError("a collective's attributes are malformed")
+            try:
+                chrome.parse_attrs(names[int(i)])
+            except ValueError:
+                raise DiscoValueError("a collective's attributes are malformed") from None
     return {"names": names, "events": events, "dropped": dropped}
 
 
@@ -416,9 +501,15 @@ def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None)
     t = Trace(session, path, capacity).start()
     try:
         yield t
-    finally:
+    except BaseException:
         if not session.is_closed:
-            t.stop()
+            try:
+                t.stop()
+            except WorkerError as exc:  # the block's own exception is the one to see
+                logger.warning("trace %s: a command of the block also failed: %s", t.path, exc)
+        raise
+    if not session.is_closed:
+        t.stop()
 
 
 def start_from_env(session: Any) -> Trace | None:
