@@ -312,11 +312,11 @@ def _cmd_trace_plot(args: argparse.Namespace) -> int:
     if trace is None:
         return 2
     try:
-        plot(trace, args.output)
+        written = plot(trace, args.output)
     except DiscoError as exc:
         print(f"disco trace plot: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {args.output}")
+    print(f"wrote {written}")
     return 0
 
 

@@ -983,6 +983,8 @@ class Session:
         if running is not None:
             try:
                 running.stop()
+            except WorkerError as exc:  # the file is written; a traced command had failed
+                logger.warning("trace %s written; a command sent while tracing failed: %s", running.path, exc)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - shutting down must go on
                 logger.warning("the trace %s could not be written: %s", running.path, exc)
         with self._lock:

@@ -227,3 +227,29 @@ def test_a_worker_that_answers_garbage_gets_a_note_not_a_crash(tmp_path, monkeyp
     assert "worker 1: no events" in notes and "strings it did not send" in notes
     assert "worker 2: no events" in notes and "list of str" in notes
     assert track(data, 0) and not track(data, 1) and not track(data, 2)
+
+
+def test_a_send_and_its_recv_are_one_exchange_split_into_waiting_and_moving(tmp_path):
+    """The k-th send from a to b and the k-th recv on b from a share a key: the one that
+    came early waited for the other, like at a collective."""
+    from disco_core.tracing import summary
+
+    path = tmp_path / "p2p.json"
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm")
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.import_python_module("disco_core.testing.ccl_funcs")
+        buf = sess.call_packed("ccl_kit.input", (256,), "float32", 7)
+        out = sess.empty((256,), "float32")
+        with disco.trace(sess, path):
+            sess.call_packed("testing.sleep", 0.2, 1)  # worker 1 comes late to the exchange
+            peer = sess.call_packed("ccl_kit.peer", "next")  # the other worker, on each
+            sess.call_packed("ccl_kit.exchange", buf, out, peer, peer)
+            sess._sync_all()
+    data = load(path)
+    keys = {w: [e["args"]["key"] for e in track(data, w, "collective")] for w in range(2)}
+    assert sorted(keys[0]) == sorted(keys[1]) == ["p2p:0>1:0", "p2p:1>0:0"]
+    s = summary.summarize(summary.load(path))
+    assert s.headline.startswith("worker 1 ")
+    assert s.workers[0].waiting_ms >= 150  # it waited for worker 1's sleep
+    assert [row.op for row in s.call_sites] == ["send/recv"]

@@ -180,7 +180,8 @@ def test_call_site_from_the_controllers_send(hand: Path):
 def test_call_site_falls_back_to_the_command_name_and_percentiles(tmp_path: Path):
     # Four allgathers among 4 workers, no send event: the site is the command's name.
     # Call times 10, 20, 30, 40 us: mean 25, p50 25, p99 39.7. Each moves 10 us after
-    # its last arrival: busbw = 4 x 1000 B / 40 us x 3/4.
+    # its last arrival; nccl-tests sizes an allgather by the whole gathered array
+    # (4 members x 1000 B): busbw = 4 calls x 4000 B / 40 us x 3/4.
     events = []
     for i, t in enumerate((10, 20, 30, 40)):
         base = 1000 * i
@@ -194,7 +195,7 @@ def test_call_site_falls_back_to_the_command_name_and_percentiles(tmp_path: Path
     assert row.mean_ms == pytest.approx(0.025)
     assert row.p50_ms == pytest.approx(0.025)
     assert row.p99_ms == pytest.approx(0.0397)
-    assert row.busbw_gbps == pytest.approx(4000 / 40 / 1e3 * 3 / 4)
+    assert row.busbw_gbps == pytest.approx(4 * 4000 / 40 / 1e3 * 3 / 4)
 
 
 def test_an_empty_send_site_falls_back_to_the_function_name(tmp_path: Path):
@@ -536,3 +537,25 @@ def test_a_sleep_on_one_worker_of_a_real_session_names_it(tmp_path: Path):
     assert s.workers[2].functions_ms >= 190
     assert min(s.workers[0].waiting_ms, s.workers[1].waiting_ms) >= 150
     assert s.workers[2].waiting_ms < 100
+
+
+def test_plot_output_names_are_checked(tmp_path: Path, hand: Path):
+    """A folder or an unknown suffix is a one-line error; no suffix means .png."""
+    from disco_core.tracing.plot import plot
+
+    trace = ts.load(hand)
+    with pytest.raises(DiscoError, match="is a folder"):
+        plot(trace, str(tmp_path) + os.sep)
+    with pytest.raises(DiscoError, match=r"cannot write \.xyz images; use one of .*\.png"):
+        plot(trace, tmp_path / "x.xyz")
+    assert plot(trace, tmp_path / "noext") == str(tmp_path / "noext.png")
+    assert (tmp_path / "noext.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_forged_worker_count_is_refused_before_it_costs_memory(tmp_path: Path, hand: Path):
+    data = json.loads(hand.read_text())
+    data["otherData"]["session"]["num_workers"] = 10**7
+    forged = tmp_path / "forged.json"
+    forged.write_text(json.dumps(data))
+    with pytest.raises(DiscoValueError, match="claims 10000000 workers"):
+        ts.load(forged)

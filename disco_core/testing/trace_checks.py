@@ -101,6 +101,12 @@ def check_trace(path: str | os.PathLike, num_workers: int, steps: int = 6) -> di
     assert not other.get("notes"), other.get("notes")
     precision = other["clock"]["precision_us"]
     assert all(p is not None and p >= 0 for p in precision), precision
+    span = other["duration_us"]
+    for e in data["traceEvents"]:
+        # every event inside the traced window (the trace's own start and stop left out)
+        if e["ph"] == "X" and e["tid"] != fmt.CONTROLLER_TID:
+            slack = precision[fmt.tid_worker(e["tid"])] + 1.0
+            assert -slack <= e["ts"] and e["ts"] + e["dur"] <= span + slack, (e, span)
     sends = sorted(
         (e for e in data["traceEvents"] if e.get("cat") == "send"), key=lambda e: e["args"]["seq"]
     )

@@ -18,12 +18,13 @@ Notes:
   functions: command time not inside a collective, a copy or a module load.
   coll. waiting / moving: per collective call, last_arrival = the latest start of its
     members; a member waits clamp(last_arrival - start, 0, dur) and moves the rest of
-    its time. send/recv: all moving.
+    its time. A send and its recv are one call of two members (send/recv).
   call site: the controller's send site of the command a collective ran in, else that
     command's name. time: latest end - earliest start over the call's members.
     bytes: per member. busbw = algbw x nccl-tests' factor (allreduce 2(n-1)/n,
     allgather/gather/scatter (n-1)/n, broadcast/send/recv 1, barrier -), algbw =
-    bytes / (latest end - last_arrival), summed over the row's calls.
+    size / (latest end - last_arrival), summed over the row's calls; size = bytes,
+    n x bytes for allgather/gather/scatter (as nccl-tests counts them).
   lateness: last_arrival - the second-latest start of a call with 2+ members.
     ~ marks lateness no larger than the two workers' clock precisions added: it may
     be clock error rather than a late worker."""

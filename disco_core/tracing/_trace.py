@@ -116,6 +116,10 @@ class Instance:
         return max(s.end for _, s in self.members)
 
 
+#: The most workers a trace file may claim (its header or its tracks).
+_MAX_WORKERS = 1 << 16
+
+
 def _bad(path: str, what: str) -> DiscoValueError:
     return DiscoValueError(f"{path}: {what}")
 
@@ -201,6 +205,8 @@ def load(path: str | os.PathLike[str]) -> Trace:
     num_workers = session.get("num_workers")
     if not isinstance(num_workers, int) or num_workers < highest + 1:
         num_workers = highest + 1
+    if num_workers > _MAX_WORKERS:  # a forged header: per-worker tables would exhaust memory
+        raise _bad(name, f"it claims {num_workers} workers (at most {_MAX_WORKERS} are read)")
     duration = _number(other.get("duration_us"))
     if duration is None:  # a reader can still say something: the last event's end
         ends = [s.end for t in by_tid.values() for c in _CATEGORIES for s in getattr(t, c)]
@@ -237,8 +243,9 @@ def instances(trace: Trace) -> list[Instance]:
         for span in track.collective:
             key = span.args.get("key")
             if key is None:
-                continue  # send/recv: no call to join
-            op = str(span.args.get("op", span.name))
+                continue  # nothing to join it with
+            # a send and its recv are one exchange (keys "p2p:<from>><to>:<k>")
+            op = "send/recv" if str(key).startswith("p2p:") else str(span.args.get("op", span.name))
             groups.setdefault(str(key), Instance(str(key), op, [])).members.append((w, span))
     return sorted(groups.values(), key=lambda inst: (inst.first_start, inst.key))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,7 @@ from .format import CONTROLLER_TID, FORMAT_VERSION, PID, worker_tid
 from .recorder import K_COLLECTIVE, K_COMMAND, K_COPY, K_MODULE, K_SEND, K_SYNC
 from .worker_side import ACTION_NAMES
 
-__all__ = ["ClockFit", "TraceData", "build", "parse_attrs", "write"]
+__all__ = ["ClockFit", "TraceData", "build", "iter_events", "parse_attrs", "write"]
 
 _CATEGORY = {K_COMMAND: "command", K_COPY: "copy", K_MODULE: "module"}
 
@@ -95,8 +95,12 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
     convert = fit.to_controller
     by_seq: dict[int, str] = {}
     inside: list[dict] = []  # collectives whose command has not ended yet (it is recorded next)
+    skipped = 0  # commands of the trace's own start (they end before it): not shown
     for kind, name_id, a, b, seq, f5, f6, f7 in data["events"].tolist():
         start = convert(a)
+        if convert(b) < t0:
+            skipped += kind != K_COLLECTIVE
+            continue
         ts = (start - t0) / 1e3
         dur = max(0.0, (b - a) / 1e3)
         name = names[name_id]
@@ -106,12 +110,14 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
             args.update(worker=w, op=name, bytes=f5, seq=seq, cmd_seq=-1)
             inside.append(args)
             if comm == "p2p":
-                args["key"] = None
+                peer = args["peer"]
+                src, dst = (w, peer) if name == "send" else (peer, w)
+                key = f"p2p:{src}>{dst}:{seq}"
             else:
                 where = "world" if comm == "world" else f"group{args['group_id']}"
                 key = f"{where}:{seq}"
-                args["key"] = key
-                flows.setdefault(key, []).append((ts, tid, name))
+            args["key"] = key
+            flows.setdefault(key, []).append((ts, tid, name))
             out.append({"name": name, "cat": "collective", "ph": "X", "ts": ts, "dur": dur,
                         "pid": PID, "tid": tid, "args": args})  # fmt: skip
             continue
@@ -119,7 +125,7 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
         if cat is None:
             continue
         action = "call_packed" if seq >= 0 else ACTION_NAMES.get(f7, f"action {f7}")
-        args = {"worker": w, "action": action, "index": f6, "seq": seq}
+        args = {"worker": w, "action": action, "index": f6 - skipped, "seq": seq}
         if kind == K_COPY:
             args["bytes"] = f5
         else:
@@ -134,11 +140,12 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
     return by_seq
 
 
-def build(data: TraceData) -> dict[str, Any]:
-    """The trace file's JSON object."""
+def iter_events(data: TraceData, other: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The trace file's events, one at a time (one worker's at most are held at once);
+    ``other`` receives the file's ``otherData`` once they are all out."""
     t0 = data.t_start
     n = len(data.workers)
-    events: list[dict[str, Any]] = [
+    yield from [
         {"name": "process_name", "ph": "M", "pid": PID, "tid": 0,
          "args": {"name": f"disco session ({data.session.get('channel', '?')}, {n} workers)"}},
         {"name": "thread_name", "ph": "M", "pid": PID, "tid": CONTROLLER_TID,
@@ -148,10 +155,10 @@ def build(data: TraceData) -> dict[str, Any]:
     ]  # fmt: skip
     for w in range(n):
         tid = worker_tid(w)
-        events.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid,
-                       "args": {"name": f"worker {w}"}})  # fmt: skip
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid,
-                       "args": {"sort_index": w}})  # fmt: skip
+        yield {"name": "thread_name", "ph": "M", "pid": PID, "tid": tid,
+               "args": {"name": f"worker {w}"}}  # fmt: skip
+        yield {"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid,
+               "args": {"sort_index": w}}  # fmt: skip
     flows: dict[str, list] = {}
     names_by_seq: dict[int, str] = {}
     dropped = []
@@ -171,7 +178,8 @@ def build(data: TraceData) -> dict[str, Any]:
             dropped.append(0)
             continue
         dropped.append(lost)
-        events.extend(mine)
+        yield from mine
+        del mine
         for key, members in its_flows.items():
             flows.setdefault(key, []).extend(members)
         if not names_by_seq:
@@ -183,16 +191,16 @@ def build(data: TraceData) -> dict[str, Any]:
         if kind == K_SEND:
             name = names[name_id] or names_by_seq.get(seq, "call_packed")
             args = {"seq": seq, "site": names[f5]}
-            events.append({"name": name, "cat": "send", "ph": "X", "ts": ts, "dur": dur,
-                           "pid": PID, "tid": CONTROLLER_TID, "args": args})  # fmt: skip
+            yield {"name": name, "cat": "send", "ph": "X", "ts": ts, "dur": dur,
+                   "pid": PID, "tid": CONTROLLER_TID, "args": args}  # fmt: skip
         elif kind == K_SYNC:
             name = names[name_id]
             args = {"worker": f6}
             cat = "sync"
             if name.startswith("copy_"):
                 cat, args["bytes"] = "copy", f7
-            events.append({"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur,
-                           "pid": PID, "tid": CONTROLLER_TID, "args": args})  # fmt: skip
+            yield {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur,
+                   "pid": PID, "tid": CONTROLLER_TID, "args": args}  # fmt: skip
     for flow_id, (_key, members) in enumerate(sorted(flows.items()), start=1):
         if len(members) < 2:
             continue
@@ -205,12 +213,10 @@ def build(data: TraceData) -> dict[str, Any]:
                   "pid": PID, "tid": tid}  # fmt: skip
             if ph != "s":
                 ev["bp"] = "e"
-            events.append(ev)
+            yield ev
     clocks = data.clocks
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
+    other.update(
+        {
             "disco_trace": FORMAT_VERSION,
             "session": data.session,
             "duration_us": (data.t_end - t0) / 1e3,
@@ -222,18 +228,41 @@ def build(data: TraceData) -> dict[str, Any]:
             "dropped": dropped,
             "controller_dropped": int(ctl["dropped"]),
             "notes": notes,
-        },
-    }
+        }
+    )
 
 
-def write(obj: dict[str, Any], path: str | os.PathLike) -> str:
-    """Write the trace file atomically (a reader never sees half of it); return its path."""
+def build(data: TraceData) -> dict[str, Any]:
+    """The trace file's JSON object (all of it in memory: :func:`write` streams instead)."""
+    other: dict[str, Any] = {}
+    events = list(iter_events(data, other))
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def write(obj: TraceData | dict[str, Any], path: str | os.PathLike) -> str:
+    """Write the trace file atomically (a reader never sees half of it); return its path.
+
+    ``obj`` is the recorded :class:`TraceData`, streamed one event at a time (a file
+    of a million events is never a million dicts in memory), or a built JSON object.
+    """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".disco-trace-", suffix=".json", dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, separators=(",", ":"))
+            if isinstance(obj, dict):
+                json.dump(obj, f, separators=(",", ":"))
+            else:
+                other: dict[str, Any] = {}
+                dumps, sep = json.JSONEncoder(separators=(",", ":")).encode, ""
+                f.write('{"traceEvents":[')
+                for ev in iter_events(obj, other):
+                    f.write(sep)
+                    f.write(dumps(ev))
+                    sep = ","
+                f.write('],"displayTimeUnit":"ms","otherData":')
+                f.write(dumps(other))
+                f.write("}")
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -45,10 +45,12 @@ worker ``w`` (``M`` events name the tracks). The events:
     ``"sum"``...; else absent), ``dtype``, ``bytes`` (this member's ``src``; ``dst`` for ``broadcast`` and ``scatter``,
     whose ``src`` only the root has; the buffer for ``send``/``recv``),
     ``group`` (``"world"`` or ``"group"``), ``group_id``, ``seq`` (this worker's count of
-    operations on that communicator, from 0), ``key`` (the same string on every
-    member of one collective call: ``"world:12"``, ``"group1:3"``; ``null`` for
-    ``send``/``recv``), ``peer`` (``send``/``recv`` only), ``cmd_seq`` (the ``seq`` of
-    the command it ran in, -1 if none).
+    operations on that communicator, from 0; for ``send``/``recv``, of those to or from
+    that peer), ``key`` (the same string on every member of one collective call:
+    ``"world:12"``, ``"group1:3"``; a send and its recv share ``"p2p:<from>><to>:<k>"``,
+    the k-th send from one worker to another with the k-th recv there from it),
+    ``peer`` (``send``/``recv`` only), ``cmd_seq`` (the ``seq`` of the command it ran
+    in, -1 if none).
 ``ph: "s"``, ``"t"``, ``"f"`` (``cat: "collective"``)
     Flow arrows that join the members of one collective call (same ``id``), in the
     order they started: ``s`` on the first to arrive, ``f`` on the last.

@@ -82,7 +82,7 @@ def _rows(trace: Trace) -> list[tuple[str, dict[str, list[tuple[float, float]]]]
     return rows
 
 
-def plot(trace: Trace, path: str | os.PathLike[str], summary: Summary | None = None) -> None:
+def plot(trace: Trace, path: str | os.PathLike[str], summary: Summary | None = None) -> str:
     """Draw ``trace``'s timeline and straggler chart into the image file ``path``.
 
     Top: one row per track (the controller, then each worker), bars coloured by
@@ -96,19 +96,37 @@ def plot(trace: Trace, path: str | os.PathLike[str], summary: Summary | None = N
     trace : disco_core.tracing._trace.Trace
         A trace read by :func:`disco_core.tracing.summary.load`.
     path : str or path-like
-        The image file to write.
+        The image file to write; without a suffix, ``.png`` is added.
     summary : disco_core.tracing.summary.Summary, optional
         ``summarize(trace)``, when the caller has it already.
+
+    Returns
+    -------
+    str
+        The file written.
 
     Raises
     ------
     DiscoError
-        matplotlib is not installed, or the file could not be written.
+        matplotlib is not installed, ``path`` is a folder or has a suffix matplotlib
+        cannot write, or the file could not be written.
     """
     Figure, Patch = _matplotlib()
+    target = os.fspath(path)
+    if not target or target.endswith(os.sep) or os.path.isdir(target):
+        raise DiscoError(f"{target!r} is a folder: give the image's file name (timeline.png)")
+    suffix = os.path.splitext(target)[1].lower().lstrip(".")
+    if not suffix:
+        target, suffix = target + ".png", "png"
     summary = summary if summary is not None else summarize(trace)
     rows = _rows(trace)
     fig = Figure(figsize=(12, 2.5 + 0.4 * len(rows)), layout="constrained")
+    formats = fig.canvas.get_supported_filetypes()
+    if suffix not in formats:
+        raise DiscoError(
+            f"{target}: matplotlib cannot write .{suffix} images; use one of "
+            + ", ".join(f".{f}" for f in sorted(formats))
+        )
     top, bottom = fig.subplots(2, 1, height_ratios=[max(len(rows), 2), 2])
 
     used = set()
@@ -155,6 +173,7 @@ def plot(trace: Trace, path: str | os.PathLike[str], summary: Summary | None = N
     bottom.margins(y=0.25)  # room for the labels above the bars
     bottom.set_title(f"stragglers: {summary.headline}", fontsize="medium")
     try:
-        fig.savefig(os.fspath(path), dpi=100)
+        fig.savefig(target, dpi=100)
     except OSError as exc:
-        raise DiscoError(f"{os.fspath(path)}: cannot write the plot: {exc}") from None
+        raise DiscoError(f"{target}: cannot write the plot: {exc}") from None
+    return target

@@ -35,13 +35,20 @@ __all__ = [
     "K_SEND",
     "K_SYNC",
     "capacity_from_env",
+    "check_capacity",
+    "MIN_CAPACITY",
+    "MAX_CAPACITY",
     "clock_identity",
     "now",
 ]
 
 #: Events a worker keeps (the newest ones), unless ``DISCO_TRACE_EVENTS`` says otherwise:
-#: 16 MiB of records per worker at most.
-DEFAULT_CAPACITY = 1 << 18
+#: 4 MiB of records per worker at most. Reading a trace back (``disco trace summary``,
+#: ``plot``) takes about 1 KB of memory per event, so a full default trace of 4 workers
+#: reads in ~300 MB.
+DEFAULT_CAPACITY = 1 << 16
+#: The fewest and the most events a ring may hold (the most: 1 GiB of records).
+MIN_CAPACITY, MAX_CAPACITY = 1 << 10, 1 << 24
 #: int64 fields of a record: kind, name, start, end, and four per kind (see below).
 FIELDS = 8
 
@@ -92,18 +99,30 @@ def clock_identity() -> str:
     return "|".join(parts) if parts[0] else ""
 
 
+def check_capacity(value: object, what: str) -> int:
+    """``value`` as a ring size, or a :class:`DiscoValueError` naming ``what``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not MIN_CAPACITY <= value <= MAX_CAPACITY
+    ):
+        raise DiscoValueError(
+            f"{what} must be a whole number of events from {MIN_CAPACITY:,} to {MAX_CAPACITY:,}, "
+            f"got {value!r}"
+        )
+    return value
+
+
 def capacity_from_env() -> int:
-    """The ring's size in events: ``DISCO_TRACE_EVENTS`` (at least 1,024) or the default."""
+    """The ring's size in events: ``DISCO_TRACE_EVENTS``, or the default."""
     text = os.environ.get("DISCO_TRACE_EVENTS", "").strip()
     if not text:
         return DEFAULT_CAPACITY
     try:
-        value = int(text)
+        value: object = int(text)
     except ValueError:
-        raise DiscoValueError(
-            f"DISCO_TRACE_EVENTS must be a whole number of events, got {text!r}"
-        ) from None
-    return max(1024, value)
+        value = text
+    return check_capacity(value, "DISCO_TRACE_EVENTS")
 
 
 class Recorder:
@@ -183,8 +202,11 @@ class Recorder:
             comm, peer = "p2p", bound.get("peer", -1)
         else:
             comm, peer = ("group" if bound.get("in_group", False) else "world"), -1
-        seq = self.seqs.get(comm, 0)
-        self.seqs[comm] = seq + 1
+        # a send and a recv are counted per peer: the k-th send from a to b meets the
+        # k-th recv on b from a (the file joins them)
+        counter = comm if comm != "p2p" else f"{name}>{peer}"
+        seq = self.seqs.get(counter, 0)
+        self.seqs[counter] = seq + 1
         reduce = bound.get("op", "") if name == "allreduce" else ""
         attrs = self.intern(f"{dtype}|{reduce}|{comm}|{group_id}|{peer}")
         t0 = now()

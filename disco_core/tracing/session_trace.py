@@ -46,6 +46,7 @@ from .recorder import (
     K_SYNC,
     Recorder,
     capacity_from_env,
+    check_capacity,
     clock_identity,
     now,
 )
@@ -110,7 +111,7 @@ class Trace:
         The JSON file to write.
     capacity : int, optional
         Events kept per worker and for the controller (the newest ones; default
-        ``DISCO_TRACE_EVENTS`` or 262,144, at most 16 MiB of records each).
+        ``DISCO_TRACE_EVENTS`` or 65,536: 4 MiB of records each; 1,024 to 16,777,216).
     """
 
     def __init__(self, session: Any, path: str | os.PathLike, capacity: int | None = None) -> None:
@@ -120,8 +121,8 @@ class Trace:
         path = self.check_path(path)
         if capacity is None:
             capacity = capacity_from_env()
-        elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1024:
-            raise DiscoValueError(f"trace: capacity must be an int >= 1024 events, got {capacity!r}")  # fmt: skip
+        else:
+            capacity = check_capacity(capacity, "trace: capacity")
         self.session = session
         self.path = path
         # where check_path looked: a later chdir (a library's, a daemon's) moves nothing
@@ -192,9 +193,11 @@ class Trace:
         session._sync_all()  # every earlier command (and error) before the trace
         clocks = self._measure_clocks()
         self._rec = rec = Recorder(self.capacity)
-        self._t_start = now()
         session.call_packed(start, self.capacity)
         session._sync_all()  # every worker records from here, in the same place
+        # The window opens once every worker records: what the workers did for the
+        # trace's own start (that sync) ends before it and is left out of the file.
+        self._t_start = now()
         self._clocks = [
             chrome.ClockFit(t, off, prec) if off is not None else None for t, off, prec in clocks
         ]
@@ -219,7 +222,6 @@ class Trace:
             if not self.active:
                 return self.path
             self.active = False
-            t_end = now()
             with _env_lock:
                 _at_exit.discard(self)
             session = self.session
@@ -237,6 +239,8 @@ class Trace:
                 pending = exc
             except Exception:  # noqa: BLE001, S110 - the gathering below meets it and notes it
                 pass
+            # The window closes when every worker has run every command sent in it.
+            t_end = now()
             try:
                 stopped = session.call_packed("disco.trace_stop")
                 session._sync_all()
@@ -291,7 +295,7 @@ class Trace:
                 ),
                 notes=notes,
             )
-            chrome.write(chrome.build(data), self._target)
+            chrome.write(data, self._target)
             logger.info("trace written: %s", self.path)
             for note in notes:
                 logger.warning("trace %s: %s", self.path, note)

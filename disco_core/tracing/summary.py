@@ -13,7 +13,8 @@ Per worker
     (the events with the same ``key`` on its members), ``last_arrival`` is the
     latest start of its members; a member's waiting is
     ``clamp(last_arrival - start, 0, dur)`` (it waited for the others), its moving
-    ``dur - waiting``; ``send``/``recv`` (no key) count as moving. *copies*: ``copy``
+    ``dur - waiting``; a ``send`` and its ``recv`` (the k-th send from a to b and the k-th
+    recv on b from a share a key) are split the same way. *copies*: ``copy``
     events; *modules*: ``module`` events; *idle*: span - busy.
 
 Per collective call site
@@ -22,9 +23,11 @@ Per collective call site
     that command's name. One row per (op, site): *count* of calls; *mean*, *p50*,
     *p99* of a call's time (latest end - earliest start over its members;
     percentiles linear between ranks); *bytes* per member (mean over the calls);
-    *busbw* in GB/s with the factors of nccl-tests on algbw = bytes / (latest end -
-    last_arrival), summed over the row's calls: allreduce 2(n-1)/n; allgather,
-    gather and scatter (n-1)/n; broadcast, send and recv 1; barrier none.
+    *busbw* in GB/s as nccl-tests reports it: algbw = size / (latest end -
+    last_arrival), summed over the row's calls, where size is the bytes per member
+    (n times that for allgather, gather and scatter, whose bytes is one member's
+    piece), times allreduce 2(n-1)/n; allgather, gather and scatter (n-1)/n;
+    broadcast and send/recv 1; barrier none.
 
 Stragglers
     For each collective call with two or more members, the last to arrive and its
@@ -59,7 +62,9 @@ __all__ = [
 ]
 
 #: Point-to-point operations: no ``key``, never joined into a call.
-_P2P = ("send", "recv")
+_P2P = ("send", "recv", "send/recv")
+#: Operations whose ``bytes`` is one member's piece of the array nccl-tests sizes them by.
+_WHOLE_IS_N_PIECES = ("allgather", "gather", "scatter")
 
 
 @dataclass
@@ -238,12 +243,15 @@ def _call_sites(trace: Trace, calls: list[Instance], site_of: SiteFinder) -> lis
     for inst in calls:
         w, first = inst.members[0]
         nbytes = max(_nbytes(s.args) for _, s in inst.members)
-        factor = bus_factor(inst.op, len(inst.members))
+        n = len(inst.members)
+        factor = bus_factor(inst.op, n)
+        # nccl-tests' size: the whole gathered or scattered array (n pieces of a member's)
+        size = nbytes * n if inst.op in _WHOLE_IS_N_PIECES else nbytes
         rows[(inst.op, site_of(w, first))].append(
             (
                 inst.last_end - inst.first_start,
                 nbytes,
-                None if factor is None else nbytes * factor,
+                None if factor is None else size * factor,
                 inst.last_end - inst.last_arrival,
             )
         )
