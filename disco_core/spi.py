@@ -100,6 +100,7 @@ from .net.io import (
     recv_exact,
     send_all,
     splice_exact,
+    unfilled_bytearray,
     write_all,
 )
 from .net.protect import SealedTransport
@@ -206,6 +207,7 @@ __all__ = [
     "send_all",
     "write_all",
     "recv_exact",
+    "unfilled_bytearray",
     "new_pipe",
     "grow_pipe",
     "CAN_SPLICE",

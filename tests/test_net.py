@@ -467,3 +467,16 @@ def test_decode_untrusted_builds_no_array_of_a_declared_size():
     obj = np.array([1, "x", (2, 3)], dtype=object)
     out = protocol.decode_untrusted(*protocol.encode(obj))
     assert out.dtype == object and list(out) == [1, "x", (2, 3)]
+
+
+def test_an_unfilled_bytearray_is_a_bytearray_of_that_size():
+    """The receive buffers skip bytearray(n)'s zeros (35 ms for 64 MiB on a VM)."""
+    from disco_core.spi import unfilled_bytearray
+
+    buf = unfilled_bytearray(1 << 20)
+    assert type(buf) is bytearray and len(buf) == 1 << 20
+    buf[:3] = b"abc"
+    assert bytes(buf[:3]) == b"abc"
+    assert unfilled_bytearray(0) == bytearray()
+    with pytest.raises(ValueError, match="negative"):
+        unfilled_bytearray(-1)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import FrameLimitError
+from .io import unfilled_bytearray
 
 __all__ = [
     "PREFIX",
@@ -197,7 +198,7 @@ class FrameReader:
         return header, [self._read_buffer(n) for n in lens], flags
 
     def _read_buffer(self, n: int) -> bytearray:
-        out = bytearray(n)
+        out = unfilled_bytearray(n)  # filled whole below, or dropped with the EOFError
         have = min(n, len(self.buf) - self.pos)
         if have:
             out[:have] = self.buf[self.pos : self.pos + have]

@@ -9,6 +9,7 @@ all of them, in order, without copying) and ``recv_into(writable view) -> int``
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import select
@@ -28,6 +29,7 @@ __all__ = [
     "send_all",
     "write_all",
     "recv_exact",
+    "unfilled_bytearray",
     "grow_pipe",
     "new_pipe",
     "drain_fd",
@@ -126,11 +128,28 @@ def _wait_writable(fd: int, stalled: Callable[[], None]) -> None:
         stalled()
 
 
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_new_bytearray.restype = ctypes.py_object
+_new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+
+
+def unfilled_bytearray(n: int) -> bytearray:
+    """A ``bytearray`` of ``n`` bytes whose contents are not set: for a buffer the caller
+    fills whole before anyone sees it (a receive that fails drops it).
+
+    ``bytearray(n)`` writes n zeros first: for 64 MiB that is 35 ms on a VM, more than
+    receiving the data over loopback takes; this costs 0.05 ms.
+    """
+    if n < 0:
+        raise ValueError(f"negative size {n}")
+    return _new_bytearray(None, n)
+
+
 def recv_exact(
     recv_into: Callable[[memoryview], int], n: int, what: str = "a message"
 ) -> bytearray:
     """Read exactly ``n`` bytes through ``recv_into``; ``EOFError`` if the stream ends first."""
-    buf = bytearray(n)
+    buf = unfilled_bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:

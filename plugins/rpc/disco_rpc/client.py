@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from disco_core import DiscoFileNotFoundError, DiscoPermissionError, DiscoTypeError, DiscoValueError
-from disco_core.spi import Device, as_dtype, as_shape, to_host
+from disco_core.spi import Device, as_dtype, as_shape, to_host, unfilled_bytearray
 
 from . import handler, protocol, wire
 from .auth import open_conn
@@ -660,7 +660,8 @@ class RPCSession:
         if target is None:
 
             def into_memory(conn: wire.Conn, size: int) -> bytearray:
-                out = bytearray(int(size))  # TVM's type; the socket fills it in place
+                # TVM's type; the socket fills it whole, in place (no zeros written first)
+                out = unfilled_bytearray(int(size))
                 conn.recv_stream(op, int(size), into=memoryview(out), progress=progress)
                 return out
 

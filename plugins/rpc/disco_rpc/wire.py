@@ -55,6 +55,7 @@ from disco_core.spi import (
     as_views,
     new_pipe,
     splice_exact,
+    unfilled_bytearray,
 )
 
 from .errors import (
@@ -624,7 +625,7 @@ class Conn:
             self.start = s + n
             return self.buf[s : s + n]
         if n > len(self.buf):
-            out = bytearray(n)
+            out = unfilled_bytearray(n)  # filled whole, or dropped with the error
             self.read_into(memoryview(out))
             return out
         if self.start == self.end and len(self.buf) > self._BUF:  # grown by settle()

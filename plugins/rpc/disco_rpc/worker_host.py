@@ -15,7 +15,15 @@ import sys
 import threading
 from typing import Any
 
-from disco_core.spi import FrameReader, HeartbeatSender, Worker, command_stream, encode, frame_head
+from disco_core.spi import (
+    FrameReader,
+    HeartbeatSender,
+    Worker,
+    command_stream,
+    encode,
+    frame_head,
+    unfilled_bytearray,
+)
 
 from . import wire
 
@@ -49,9 +57,9 @@ class LinkFrames:
         if n <= len(self._scratch):  # headers: into a reused buffer, copied out as received
             k = self.t.recv_into(self._scratch_view[:n])
             return self._scratch[:k]
-        buf = bytearray(n)
+        buf = unfilled_bytearray(n)
         k = self.t.recv_into(memoryview(buf))
-        del buf[k:]
+        del buf[k:]  # the unfilled rest is never seen
         return buf
 
     def has_buffered(self) -> bool:
