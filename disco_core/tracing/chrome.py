@@ -88,7 +88,7 @@ def parse_attrs(text: str) -> dict[str, Any]:
     return out
 
 
-def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: list, flows: dict) -> dict[int, str]:  # fmt: skip
+def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: list, flows: dict, t_end: int | None = None) -> dict[int, str]:  # fmt: skip
     """Append worker ``w``'s events to ``out``; return its command names by call_packed seq."""
     names: Sequence[str] = data["names"]
     tid = worker_tid(w)
@@ -101,6 +101,8 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
         if convert(b) < t0:
             skipped += kind != K_COLLECTIVE
             continue
+        if t_end is not None and kind != K_COLLECTIVE and convert(b) > t_end and seq < 0:
+            continue  # the trace's own last sync, whose reply closed the window
         ts = (start - t0) / 1e3
         dur = max(0.0, (b - a) / 1e3)
         name = names[name_id]
@@ -170,7 +172,7 @@ def iter_events(data: TraceData, other: dict[str, Any]) -> Iterator[dict[str, An
         mine: list[dict[str, Any]] = []
         its_flows: dict[str, list] = {}
         try:
-            found = _worker_events(w, wdata, fit, t0, mine, its_flows)
+            found = _worker_events(w, wdata, fit, t0, mine, its_flows, data.t_end)
             lost = int(wdata["dropped"])
         except (LookupError, ValueError, TypeError, ArithmeticError) as exc:
             # the caller checks a worker's answer; one it missed costs that track, not the file

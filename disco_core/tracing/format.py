@@ -54,8 +54,8 @@ worker ``w`` (``M`` events name the tracks). The events:
 ``ph: "s"``, ``"t"``, ``"f"`` (``cat: "collective"``)
     Flow arrows that join the members of one collective call (same ``id``), in the
     order they started: ``s`` on the first to arrive, ``f`` on the last.
-``cat: "send"`` (``ph: "X"``, the controller's track)
-    The controller sending one ``call_packed``. ``name``: the function's name;
+``cat: "send"`` (``ph: "X"``, ``dur`` 0, the controller's track)
+    The controller sending one ``call_packed`` (when it started to). ``name``: the function's name;
     ``args``: ``seq``, ``site`` (``"file.py:123"``, the first caller outside Disco, for
     Disco's collective functions such as ``disco.allreduce``; ``""`` for the others,
     whose collectives a reader attributes to the function's name).

@@ -134,7 +134,7 @@ class Recorder:
         Events kept; older ones are overwritten (and counted in :attr:`dropped`).
     """
 
-    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "cmd_seq", "seqs")
+    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = int(capacity)
@@ -143,8 +143,6 @@ class Recorder:
         self._ids: dict[str, int] = {}
         self._ring = mmap.mmap(-1, max(1, self.capacity) * _RECORD.size)
         self._pack = _RECORD.pack_into
-        #: controller side: call_packed commands sent so far
-        self.cmd_seq = 0
         #: worker side: operations so far per communicator key ("world", "group")
         self.seqs: dict[str, int] = {}
 
