@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,6 @@ import pytest
 
 import disco_core as disco
 from disco_core.testing import trace_checks
-from disco_core.tracing import format as fmt
 from disco_core.tracing import session_trace
 from disco_core.tracing.recorder import K_COMMAND, Recorder
 
@@ -22,20 +20,8 @@ pytestmark = pytest.mark.timeout(120)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load(path) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def track(data: dict, worker: int, cat: str | None = None) -> list[dict]:
-    """Worker ``worker``'s complete events (of category ``cat``), in time order."""
-    tid = fmt.worker_tid(worker)
-    out = [
-        e
-        for e in data["traceEvents"]
-        if e["ph"] == "X" and e["tid"] == tid and (cat is None or e["cat"] == cat)
-    ]
-    return sorted(out, key=lambda e: e["ts"])
+load = trace_checks.load_trace
+track = trace_checks.worker_events
 
 
 def test_every_worker_records_every_command_in_order_and_collectives_line_up(tmp_path):

@@ -37,7 +37,7 @@ import pytest
 import disco_core as disco
 from disco_core import plugins
 from disco_core.testing.funcs import DLPackOnly, machine_identity
-from disco_core.testing.trace_checks import load_trace, worker_events
+from disco_core.testing.trace_checks import check_streams, load_trace, worker_events
 
 __all__ = ["ChannelContract", "FUNCS_MODULE"]
 
@@ -362,13 +362,8 @@ class ChannelContract:
         np.testing.assert_array_equal(back, np.arange(6.0))
         data = load_trace(path)
         assert data["otherData"]["dropped"] == [0, 0, 0] and not data["otherData"]["notes"]
-        sends = sorted((e for e in data["traceEvents"] if e.get("cat") == "send"), key=lambda e: e["args"]["seq"])  # fmt: skip
-        for w in range(3):
-            cmds = [e for e in worker_events(data, w) if e["cat"] in ("command", "copy", "module")]
-            assert [e["args"]["index"] for e in cmds] == list(range(len(cmds))), f"worker {w}"
-            calls = [e for e in cmds if e["args"]["action"] == "call_packed"]
-            assert [(e["args"]["seq"], e["name"]) for e in calls] == [(e["args"]["seq"], e["name"]) for e in sends]  # fmt: skip
-            assert sum(e["name"] == "testing.append" for e in calls) == 20
+        for cmds in check_streams(data, 3).values():
+            assert sum(e["name"] == "testing.append" for e in cmds) == 20
         copies = [e["name"] for e in worker_events(data, 0, "copy")]
         assert copies == ["copy_to_worker_0", "copy_from_worker_0"]
 

@@ -24,6 +24,7 @@ __all__ = [
     "traced_demo",
     "check_trace",
     "check_straggler",
+    "check_streams",
     "load_trace",
     "worker_events",
     "LATE_STEP",
@@ -91,6 +92,26 @@ def traced_demo(
     return y
 
 
+def check_streams(data: dict[str, Any], num_workers: int) -> dict[int, list[dict]]:
+    """Assert that every worker's track holds every command it ran, in order, and the
+    controller's ``call_packed`` numbers and names; return each worker's commands."""
+    sends = sorted(
+        (e for e in data["traceEvents"] if e.get("cat") == "send"), key=lambda e: e["args"]["seq"]
+    )
+    assert [e["args"]["seq"] for e in sends] == list(range(len(sends)))
+    out = {}
+    for w in range(num_workers):
+        cmds = [e for e in worker_events(data, w) if e["cat"] in ("command", "copy", "module")]
+        # every command the worker ran, in order: no gap in its stream
+        assert [e["args"]["index"] for e in cmds] == list(range(len(cmds))), f"worker {w}"
+        calls = [e for e in cmds if e["args"]["action"] == "call_packed"]
+        assert [(e["args"]["seq"], e["name"]) for e in calls] == [
+            (e["args"]["seq"], e["name"]) for e in sends
+        ], f"worker {w}"
+        out[w] = cmds
+    return out
+
+
 def check_trace(path: str | os.PathLike, num_workers: int, steps: int = 6) -> dict[str, Any]:
     """Assert what a trace of :func:`traced_demo` must show; return its JSON object."""
     data = load_trace(path)
@@ -107,19 +128,10 @@ def check_trace(path: str | os.PathLike, num_workers: int, steps: int = 6) -> di
         if e["ph"] == "X" and e["tid"] != fmt.CONTROLLER_TID:
             slack = precision[fmt.tid_worker(e["tid"])] + 1.0
             assert -slack <= e["ts"] and e["ts"] + e["dur"] <= span + slack, (e, span)
-    sends = sorted(
-        (e for e in data["traceEvents"] if e.get("cat") == "send"), key=lambda e: e["args"]["seq"]
-    )
-    assert [e["args"]["seq"] for e in sends] == list(range(len(sends)))
-    for w in range(num_workers):
-        cmds = [e for e in worker_events(data, w) if e["cat"] in ("command", "copy", "module")]
-        # every command the worker ran, in order: no gap in its stream
-        assert [e["args"]["index"] for e in cmds] == list(range(len(cmds))), w
+    for w, cmds in check_streams(data, num_workers).items():
         calls = [e for e in cmds if e["args"]["action"] == "call_packed"]
-        assert [e["args"]["seq"] for e in calls] == [e["args"]["seq"] for e in sends], w
-        assert [e["name"] for e in calls] == [e["name"] for e in sends], w
-        assert sum(e["name"] == demo_funcs.MLP_SHARD for e in calls) == steps
-        assert sum(e["cat"] == "module" for e in cmds) == 2
+        assert sum(e["name"] == demo_funcs.MLP_SHARD for e in calls) == steps, w
+        assert sum(e["cat"] == "module" for e in cmds) == 2, w
     by_key: dict[str, list[dict]] = {}
     for w in range(num_workers):
         for e in worker_events(data, w, "collective"):

@@ -14,6 +14,7 @@ a table and referred to by index.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -82,6 +83,7 @@ _PARAMS = {
 now = time.perf_counter_ns
 
 
+@functools.cache
 def clock_identity() -> str:
     """What makes two processes' :data:`now` the same clock: the kernel's boot id and
     the process's time-namespace offsets (empty where they cannot be read).
