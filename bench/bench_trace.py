@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from _common import print_table, save_json
 from _placement import PLACEMENTS, Placement, floor, load_average, placements
+from bench_core import round_trip_samples
 
 import disco_core as disco
 from disco_core import demo, demo_funcs
@@ -40,22 +41,17 @@ TARGET_US = 2.0
 TARGET_DEMO = 0.10
 
 
+def _rt(sess: Any, f: Any, n: int) -> float:
+    return statistics.median(round_trip_samples(sess, f, n))
+
+
 def _async(sess: Any, f: Any, n: int) -> float:
+    # bench_core's async_sample syncs worker 0 only: here every worker's records count
     t0 = time.perf_counter()
     for _ in range(n):
         f()
     sess._sync_all()
     return (time.perf_counter() - t0) / n
-
-
-def _rt(sess: Any, f: Any, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        sess.sync_worker_0()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _demo_step(sess: Any, steps: int) -> Any:

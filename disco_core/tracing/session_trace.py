@@ -89,10 +89,10 @@ COLLECTIVE_FUNCTIONS = frozenset(
         "share_with_group_roots",
     )
 )  # fmt: skip
-_env_sessions = [0]
+_env_sessions = [0]  # sessions traced through DISCO_TRACE so far (for their file names)
 #: DISCO_TRACE's traces still running (the exit handler writes them); a trace leaves
 #: the set when it stops, so a shut-down session is not kept alive until exit
-_at_exit: set[Trace] = set()  # sessions traced through DISCO_TRACE so far (for their file names)
+_at_exit: set[Trace] = set()
 _env_lock = threading.Lock()
 _claim_lock = threading.Lock()
 
