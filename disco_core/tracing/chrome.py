@@ -95,14 +95,18 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
     convert = fit.to_controller
     by_seq: dict[int, str] = {}
     inside: list[dict] = []  # collectives whose command has not ended yet (it is recorded next)
-    skipped = 0  # commands of the trace's own start (they end before it): not shown
+    skipped = 0  # the trace's own start, not shown: the first index shown is 0
     for kind, name_id, a, b, seq, f5, f6, f7 in data["events"].tolist():
         start = convert(a)
-        if convert(b) < t0:
+        # The window opens when every worker has answered the trace's start sync and
+        # closes when every worker has answered its stop sync: a sync still running
+        # at either edge (its reply already sent) is the trace's own, not the program's.
+        own_sync = kind != K_COLLECTIVE and seq < 0
+        if convert(b) < t0 or (own_sync and start < t0):
             skipped += kind != K_COLLECTIVE
             continue
-        if t_end is not None and kind != K_COLLECTIVE and convert(b) > t_end and seq < 0:
-            continue  # the trace's own last sync, whose reply closed the window
+        if t_end is not None and own_sync and convert(b) > t_end:
+            continue
         ts = (start - t0) / 1e3
         dur = max(0.0, (b - a) / 1e3)
         name = names[name_id]
