@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 
 import disco_core as disco
 from disco_core.protocol import decode_untrusted, encode
+from disco_core.testing.procfs import freeze
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +35,7 @@ def liveness(monkeypatch):
 
 def _stop_worker(sess: disco.Session, worker_id: int) -> int:
     pid = sess.channel.procs[worker_id - 1].proc.pid
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     return pid
 
 

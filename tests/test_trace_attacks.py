@@ -216,17 +216,23 @@ def test_two_threads_cannot_both_start_a_trace_of_one_session(tmp_path):
 
     with disco.ProcessSession(2) as sess:
         barrier = threading.Barrier(2)
+        # The trace that started is held open until the other thread has tried:
+        # under load one thread's whole trace could end before the other began,
+        # and two traces one after the other are allowed.
+        both_tried = threading.Barrier(2, timeout=30)
         got: list[str] = []
 
         def start(i: int) -> None:
             barrier.wait()
             try:
                 with disco.trace(sess, tmp_path / f"t{i}.json"):
+                    both_tried.wait()
                     sess.call_packed("disco.worker_id")
                     sess._sync_all()
                 got.append("traced")
             except disco.DiscoError as exc:
                 got.append(str(exc))
+                both_tried.wait()
 
         threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
         for t in threads:

@@ -37,6 +37,7 @@ import pytest
 import disco_core as disco
 from disco_core import plugins
 from disco_core.testing.funcs import DLPackOnly, machine_identity
+from disco_core.testing.procfs import freeze
 from disco_core.testing.trace_checks import check_streams, load_trace, worker_events
 
 __all__ = ["ChannelContract", "FUNCS_MODULE"]
@@ -838,7 +839,7 @@ class ChannelContract:
         target = self._need_killable(sess)
         pids = _values(sess.get_global_func("testing.pid")(), 3)
         ok = sess.get_global_func("testing.echo")(1)
-        os.kill(pids[target], signal.SIGSTOP)
+        freeze(pids[target])
         try:
             t0 = time.monotonic()
             with pytest.raises(disco.WorkerUnresponsiveError) as info:

@@ -3,10 +3,47 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 from disco_core._procfs import children_of
 
-__all__ = ["children_of", "shm_in_use"]
+__all__ = ["children_of", "freeze", "shm_in_use"]
+
+#: States of a thread that runs no more of its own code: stopped, traced, dead.
+_STILL = frozenset("TtZX")
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    ``kill`` returns before the process stops: the stop waits until the thread the
+    kernel woke for it gets a CPU. On a loaded machine another thread of the process
+    ran on meanwhile and answered a request sent after the ``kill`` (a tracker's
+    reply, seen in CI). A test that expects silence must wait for the stop.
+
+    Raises
+    ------
+    TimeoutError
+        When some thread is still running after ``timeout`` seconds.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    state = f.read().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                continue  # the thread ended
+            if state not in _STILL:
+                running.append(tid)
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid}: threads {running} did not stop in {timeout:g} s")
+        time.sleep(0.001)
 
 
 def shm_in_use(names: set[str]) -> set[str]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 import disco_core as disco
 import disco_rpc as rpc
 from disco_core.testing import ChannelContract
+from disco_core.testing.procfs import freeze
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,7 +148,7 @@ def test_stopped_worker_with_a_full_socket_is_unresponsive(servers, monkeypatch)
     try:
         sess.import_python_module("disco_core.testing.funcs")
         pid = sess.call_packed("testing.pid").debug_get_from_remote(1)
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         t0 = time.monotonic()
         with pytest.raises(disco.WorkerUnresponsiveError) as info:
             for _ in range(50):  # 4 MiB each

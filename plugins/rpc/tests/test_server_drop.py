@@ -13,6 +13,7 @@ import pytest
 
 import disco_core as disco
 import disco_rpc as rpc
+from disco_core.testing.procfs import freeze
 from disco_rpc import tracker as tracker_mod
 from disco_rpc.protocol import REGISTRANT_KEY, REQUEST, T_PUT, T_REQUEST
 from disco_rpc.service import open_tracker_link
@@ -155,7 +156,7 @@ def test_a_stopped_tracker_is_an_error_not_a_hang(short_bounds):
     try:
         assert ts.summary()["queue_info"] == {}
         assert waiter.summary()["queue_info"] == {}
-        os.kill(tr.pid, signal.SIGSTOP)
+        freeze(tr.pid)
         t0 = time.monotonic()
         with pytest.raises(rpc.RPCError, match=r"did not answer for 0.5 s"):
             ts.summary()

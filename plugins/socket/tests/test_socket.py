@@ -22,6 +22,7 @@ from _socket_helpers import HOST, agent_cmd, children_of, wait_gone
 import disco_core as disco
 from disco_core import plugins
 from disco_core.protocol import encode, frame_head
+from disco_core.testing.procfs import freeze
 from disco_socket import SocketChannel, controller, start_local_agents, wire
 from disco_socket.controller import reachable_host
 
@@ -540,7 +541,7 @@ def test_frozen_node_is_declared_dead(cluster):
     ok = sess.get_global_func("testing.echo")(1)
     frozen = [sess.channel.nodes[0].info["pid"], pids[2], pids[3]]
     for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
     try:
         t0 = time.monotonic()
         with pytest.raises(disco.WorkerDiedError) as info:
@@ -571,7 +572,7 @@ def test_frozen_remote_worker_is_unresponsive(cluster, monkeypatch, token):
     sess = cluster.session(2, 2, token=token)
     sess.import_python_module(FUNCS)
     pids = _values(sess.get_global_func("testing.pid")(), 4)
-    os.kill(pids[3], signal.SIGSTOP)
+    freeze(pids[3])
     t0 = time.monotonic()
     with pytest.raises(disco.WorkerUnresponsiveError) as info:
         sess._sync_all()
@@ -671,7 +672,7 @@ def test_agent_exits_when_the_controller_freezes():
         port = json.loads(ctrl.stdout.readline())["port"]
         agent = subprocess.Popen(agent_cmd(HOST, port, 2, "-q"), stdin=subprocess.DEVNULL)
         pids = json.loads(ctrl.stdout.readline())["pids"]
-        os.kill(ctrl.pid, signal.SIGSTOP)
+        freeze(ctrl.pid)
         t0 = time.monotonic()
         assert agent.wait(15) == 1
         assert time.monotonic() - t0 < 2.0 + 3.0
