@@ -405,10 +405,15 @@ class NodeLink(BatchingLink):
                 if gid in hub.dead or self.dead_reason is not None:
                     break
                 time.sleep(0.02)
-            reason = self.dead_reason or (
-                f"worker {gid}'s reply connection closed ({exc}) (on {self.describe()})"
+            if self.dead_reason is not None:
+                # The node is gone, and all its workers with it. Name them all here too:
+                # the node's reader may set the reason a moment before it marks them, and
+                # a waiter woken by this worker alone would name only this one.
+                hub.mark_dead(self.worker_ids, self.dead_reason)
+                return
+            hub.mark_dead(
+                [gid], f"worker {gid}'s reply connection closed ({exc}) (on {self.describe()})"
             )
-            hub.mark_dead([gid], reason)
 
     def _read_loop(self) -> None:
         reader = self._node_reader = StreamReader(self.tx)
