@@ -11,9 +11,19 @@ import numpy as np
 import pytest
 
 import disco_core as disco
+from disco_core import protocol
 from disco_core.testing import trace_checks
+from disco_core.tracing import recorder as recorder_mod
 from disco_core.tracing import session_trace
-from disco_core.tracing.recorder import K_COMMAND, Recorder
+from disco_core.tracing.recorder import (
+    K_COMMAND,
+    K_MODULE,
+    K_SEND,
+    K_SYNC,
+    SHORT,
+    SHORT_RECORD,
+    Recorder,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,6 +104,57 @@ def test_the_ring_keeps_the_newest_events_and_counts_the_rest(tmp_path):
         assert data["otherData"]["dropped"][w] >= 3000 - 1024
         idx = [e["args"]["index"] for e in kept]
         assert idx == list(range(idx[0], idx[0] + len(kept)))  # the newest, still in order
+
+
+def test_short_records_read_back_as_full_ones_after_the_ring_went_round():
+    """The hot paths pack six fields (a worker's call_packed, the controller's send);
+    export() rebuilds the eight, and zeroes what an older record left in the last two."""
+    assert recorder_mod._CALL_PACKED == protocol.CALL_PACKED
+    rec = Recorder(1024)
+    for i in range(1024):  # fill the ring with long records: every field set
+        rec.add(K_SYNC, 1, i, i + 1, 7, 8, 9, 10)
+    for i in range(1024):
+        n = rec.count
+        if i % 2:
+            SHORT_RECORD.pack_into(rec._ring, (n % 1024) * 64, K_SEND, 2, i, i, i // 2, 3)
+        else:  # seq i // 2, register 40 + i, and 5 other commands before it
+            tag = SHORT + (K_MODULE if i % 4 else K_COMMAND) | 6 << 8
+            SHORT_RECORD.pack_into(rec._ring, (n % 1024) * 64, tag, i, i + 1, i // 2, 40 + i, 5)
+        rec.count = n + 1
+    ev = rec.export()["events"]
+    assert ev.shape == (1024, 8) and not (ev[:, 0] == K_SYNC).any()
+    sends, calls = ev[1::2], ev[0::2]
+    assert (sends[:, 0] == K_SEND).all() and (sends[:, 6:] == 0).all()
+    assert (sends[:, 4] == np.arange(512)).all()
+    assert set(calls[:, 0]) == {K_COMMAND, K_MODULE} and (calls[:, 1] == 6).all()
+    assert (calls[:, 2] == np.arange(0, 1024, 2)).all() and (calls[:, 3] == calls[:, 2] + 1).all()
+    assert (calls[:, 4] == np.arange(512)).all() and (calls[:, 5] == 40 + calls[:, 2]).all()
+    assert (calls[:, 6] == calls[:, 4] + 5).all()  # index: seq + the other commands
+    assert (calls[:, 7] == protocol.CALL_PACKED).all()
+
+
+def test_mixed_commands_keep_their_places_when_the_ring_goes_round(tmp_path):
+    """call_packed (short records) and syncs (long ones) interleaved past the ring's end:
+    every kept command has the next index, and each call the controller's seq."""
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(2) as sess:
+        f = sess.get_global_func("disco.worker_id")
+        with disco.trace(sess, path, capacity=1024):
+            for i in range(1500):
+                f()
+                if i % 3 == 0:
+                    sess._sync_worker(1)
+            sess._sync_all()
+    data = load(path)
+    sent = {e["args"]["seq"] for e in data["traceEvents"] if e.get("cat") == "send"}
+    for w in range(2):
+        kept = track(data, w)
+        assert len(kept) >= 1000
+        idx = [e["args"]["index"] for e in kept]
+        assert idx == list(range(idx[0], idx[0] + len(kept)))
+        seqs = [e["args"]["seq"] for e in kept if e["name"] == "disco.worker_id"]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        assert 1499 in seqs and 1499 in sent  # the last call: among the newest, kept on both sides
 
 
 def test_a_million_events_stay_in_a_fixed_ring():
@@ -241,3 +302,29 @@ def test_a_send_and_its_recv_are_one_exchange_split_into_waiting_and_moving(tmp_
     assert s.headline.startswith("worker 1 ")
     assert s.workers[0].waiting_ms >= 150  # it waited for worker 1's sleep
     assert [row.op for row in s.call_sites] == ["send/recv"]
+
+
+def test_a_register_taken_over_by_a_collective_gets_its_call_site(tmp_path):
+    """The controller remembers which registers are not collectives; a freed register
+    taken by a collective cached later in the trace must not keep that answer."""
+    import gc
+
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm")
+        x = sess.empty((4,), "float32")
+        with disco.trace(sess, path):
+            f = sess.get_global_func("disco.worker_id")
+            r = f()
+            old = f.reg_id
+            del f
+            gc.collect()
+            keep = sess.empty((1,), "float32")  # the register's release rides with this one
+            assert sess._free_regs[-1] == old  # the next register taken is f's
+            sess.allreduce(x, x, "sum")  # the first: cached now, on f's register
+            sess._sync_all()
+        assert sess._cache["disco.allreduce"].reg_id == old
+        del r, keep
+    sends = [e for e in load(path)["traceEvents"] if e.get("cat") == "send"]
+    (ar,) = [e for e in sends if e["name"] == "disco.allreduce"]
+    assert ar["args"]["site"].startswith("test_trace.py:"), ar

@@ -44,6 +44,7 @@ from .recorder import (
     K_COLLECTIVE,
     K_SEND,
     K_SYNC,
+    SHORT_RECORD,
     Recorder,
     capacity_from_env,
     check_capacity,
@@ -345,56 +346,79 @@ class Trace:
         Session = type(session)  # its class's own methods, under the recording ones
         intern = rec.intern
         cache = session._cache
-        # func register -> (name id, is a collective): the functions the session caches;
-        # the others' names come from worker 0's events when the file is written
-        known: dict[int, tuple[int, bool]] = {}
-        seen = [-1]  # the size of the session's cache when ``known`` was made
-
-        def lookup(reg: int) -> tuple[int, bool]:
-            if len(cache) != seen[0]:
-                seen[0] = len(cache)
-                for name, d in cache.items():
-                    known[d.reg_id] = (intern(name), name in COLLECTIVE_FUNCTIONS)
-            return known.get(reg, (unknown, False))
-
+        # func register -> its name id, or ~id (< 0) for a collective: the functions the
+        # session caches; the others' names come from worker 0's events when the file is
+        # written. A register not in the cache is remembered as unknown too (a lookup per
+        # command cost ~0.1 us). The cache grows only through _get_cached_method, which is
+        # wrapped below to forget ``known`` then: a register freed and taken by a newly
+        # cached function is renamed.
+        known: dict[int, int] = {}
         unknown = intern("")
-        no_site = intern("")
+        no_site = unknown
+
+        def lookup(reg: int) -> int:
+            if not known:
+                for name, d in cache.items():
+                    i = intern(name)
+                    known[d.reg_id] = ~i if name in COLLECTIVE_FUNCTIONS else i
+            found = known[reg] = known.get(reg, unknown)
+            return found
+
+        cached_method = Session._get_cached_method
+
+        def recording_get_cached_method(name: str) -> Any:
+            size = len(cache)
+            func = cached_method(session, name)
+            if len(cache) != size:
+                known.clear()
+            return func
+
         sites: dict[Any, int] = {}  # (code, line) -> site id
+
+        def site_of_caller() -> int:
+            """Where in the user's code the collective was called (~1 us: collectives only)."""
+            frame: Any = getframe(3)  # 1: recording_call, 2: Session's own caller of _call
+            while frame is not None and frame.f_code.co_filename in inner:
+                frame = frame.f_back
+            key = (frame.f_code, frame.f_lineno) if frame is not None else None
+            found = sites.get(key)
+            if found is None:
+                found = sites[key] = intern(
+                    f"{os.path.basename(key[0].co_filename)}:{key[1]}" if key else "?"
+                )
+            return found
+
         call = Session._call
         getframe, inner = sys._getframe, _SESSION_FILES
-        ring, pack, cap = rec._ring, rec._pack, rec.capacity
+        ring, cap = rec._ring, rec.capacity
+        pack = SHORT_RECORD.pack_into  # six fields: export() zeroes a send's last two
 
         handle_cls = (call.__defaults__ or (None,))[0]  # _call's own default (DRef)
 
         sent = 0  # call_packed commands sent while tracing: the seq of the next one
 
         def recording_call(func: Any, args: tuple, cls: Any = handle_cls) -> Any:
-            # the hot path of a traced session: the recorder's add() inlined, one clock
-            # read (a send is an instant: its end is not worth 50 ns a command)
+            # The hot path of a traced session, every step counted (~0.4 us on one CPU):
+            # the recorder's add() inlined, one clock read (a send is an instant).
             nonlocal sent
             t0 = now()
             ref = call(session, func, args, cls)
-            name, collective = known.get(func.reg_id) or lookup(func.reg_id)
-            site = no_site
-            if collective:  # where in the user's code (walking frames costs ~1 us)
-                frame: Any = getframe(2)  # frame 1 is Session's own caller of _call
-                while frame is not None and frame.f_code.co_filename in inner:
-                    frame = frame.f_back
-                key = (frame.f_code, frame.f_lineno) if frame is not None else None
-                found = sites.get(key)
-                if found is None:
-                    found = sites[key] = intern(
-                        f"{os.path.basename(key[0].co_filename)}:{key[1]}" if key else "?"
-                    )
-                site = found
+            name = known.get(func.reg_id)
+            if name is None:
+                name = lookup(func.reg_id)
+            if name < 0:
+                name, site = ~name, site_of_caller()
+            else:
+                site = no_site
             seq = sent
             sent = seq + 1
             n = rec.count
-            pack(ring, (n % cap) * 64, K_SEND, name, t0, t0, seq, site, 0, 0)
+            pack(ring, (n % cap) * 64, K_SEND, name, t0, t0, seq, site)
             rec.count = n + 1
             return ref
 
         session._call = recording_call
+        session._get_cached_method = recording_get_cached_method
         for method, shown in _SYNC_METHODS.items():
             session.__dict__[method] = self._recording_sync(getattr(Session, method), shown, rec)
 
@@ -435,6 +459,7 @@ class Trace:
     def _uninstall(self) -> None:
         d = self.session.__dict__
         d.pop("_call", None)
+        d.pop("_get_cached_method", None)
         for method in _SYNC_METHODS:
             d.pop(method, None)
 
