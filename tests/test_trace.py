@@ -13,15 +13,14 @@ import pytest
 import disco_core as disco
 from disco_core import protocol
 from disco_core.testing import trace_checks
-from disco_core.tracing import recorder as recorder_mod
 from disco_core.tracing import session_trace
 from disco_core.tracing.recorder import (
+    K_COLLECTIVE,
     K_COMMAND,
-    K_MODULE,
     K_SEND,
     K_SYNC,
-    SHORT,
     SHORT_RECORD,
+    CommandRing,
     Recorder,
 )
 
@@ -106,31 +105,55 @@ def test_the_ring_keeps_the_newest_events_and_counts_the_rest(tmp_path):
         assert idx == list(range(idx[0], idx[0] + len(kept)))  # the newest, still in order
 
 
-def test_short_records_read_back_as_full_ones_after_the_ring_went_round():
-    """The hot paths pack six fields (a worker's call_packed, the controller's send);
-    export() rebuilds the eight, and zeroes what an older record left in the last two."""
-    assert recorder_mod._CALL_PACKED == protocol.CALL_PACKED
+def test_a_workers_commands_and_collectives_read_back_in_one_stream_after_the_ring_went_round():
+    """A worker writes its commands apart (six fields, the offset in a closure) and its
+    collectives in the recorder; export() rebuilds full records, in order of their end,
+    a collective before the command it ran in, and drops collectives of lost commands."""
     rec = Recorder(1024)
-    for i in range(1024):  # fill the ring with long records: every field set
+    ring = rec.commands = CommandRing(1024)
+    written = 0
+    ring.position = lambda: written
+    for i in range(1536):  # 1.5 laps: calls, and every fourth command a sync (no call)
+        t0 = 10 * i
+        call = i % 4 != 3
+        others_before = i // 4
+        if call and i % 8 == 1:  # a collective inside this call
+            rec.add(K_COLLECTIVE, 5, t0 + 2, t0 + 5, i, 64, -1, 0)
+        row = (K_COMMAND | 6 << 8, t0, t0 + 8, 40 + i, others_before if call else -1,
+               protocol.CALL_PACKED if call else protocol.SYNC_WORKER)  # fmt: skip
+        SHORT_RECORD.pack_into(ring.ring, (written % 1024) * 48, *row)
+        written += 1
+    out = rec.export()
+    ev = out["events"]
+    cmds = ev[ev[:, 0] == K_COMMAND]
+    assert len(cmds) == 1024 and out["dropped"] == 512
+    assert (cmds[:, 6] == np.arange(512, 1536)).all()  # index: the place in the stream
+    assert (cmds[:, 1] == 6).all() and (cmds[:, 5] == 40 + cmds[:, 6]).all()
+    is_call = cmds[:, 7] == protocol.CALL_PACKED
+    assert (cmds[is_call, 4] == cmds[is_call, 6] - cmds[is_call, 6] // 4).all()  # the seq
+    assert (cmds[~is_call, 4] == -1).all()
+    # each kept collective comes right before the command it ran in; none of a lost one
+    coll = np.flatnonzero(ev[:, 0] == K_COLLECTIVE)
+    assert len(coll) == 1024 // 8 and (ev[coll, 4] == ev[coll + 1, 6]).all()
+    assert (ev[coll + 1, 0] == K_COMMAND).all()
+
+
+def test_a_sends_last_two_fields_are_zero_after_the_ring_went_round():
+    """The controller packs a send's first six fields; the last two of an older record
+    in the same place must not show through."""
+    rec = Recorder(1024)
+    for i in range(1024):
         rec.add(K_SYNC, 1, i, i + 1, 7, 8, 9, 10)
     for i in range(1024):
         n = rec.count
-        if i % 2:
-            SHORT_RECORD.pack_into(rec._ring, (n % 1024) * 64, K_SEND, 2, i, i, i // 2, 3)
-        else:  # seq i // 2, register 40 + i, and 5 other commands before it
-            tag = SHORT + (K_MODULE if i % 4 else K_COMMAND) | 6 << 8
-            SHORT_RECORD.pack_into(rec._ring, (n % 1024) * 64, tag, i, i + 1, i // 2, 40 + i, 5)
+        SHORT_RECORD.pack_into(rec._ring, (n % 1024) * 64, K_SEND, 2, i, i, i, 3)
         rec.count = n + 1
     ev = rec.export()["events"]
-    assert ev.shape == (1024, 8) and not (ev[:, 0] == K_SYNC).any()
-    sends, calls = ev[1::2], ev[0::2]
-    assert (sends[:, 0] == K_SEND).all() and (sends[:, 6:] == 0).all()
-    assert (sends[:, 4] == np.arange(512)).all()
-    assert set(calls[:, 0]) == {K_COMMAND, K_MODULE} and (calls[:, 1] == 6).all()
-    assert (calls[:, 2] == np.arange(0, 1024, 2)).all() and (calls[:, 3] == calls[:, 2] + 1).all()
-    assert (calls[:, 4] == np.arange(512)).all() and (calls[:, 5] == 40 + calls[:, 2]).all()
-    assert (calls[:, 6] == calls[:, 4] + 5).all()  # index: seq + the other commands
-    assert (calls[:, 7] == protocol.CALL_PACKED).all()
+    assert (
+        (ev[:, 0] == K_SEND).all()
+        and (ev[:, 6:] == 0).all()
+        and (ev[:, 4] == np.arange(1024)).all()
+    )
 
 
 def test_mixed_commands_keep_their_places_when_the_ring_goes_round(tmp_path):

@@ -35,8 +35,8 @@ __all__ = [
     "K_COLLECTIVE",
     "K_SEND",
     "K_SYNC",
-    "SHORT",
     "SHORT_RECORD",
+    "CommandRing",
     "capacity_from_env",
     "check_capacity",
     "MIN_CAPACITY",
@@ -59,10 +59,9 @@ FIELDS = 8
 K_COMMAND = 1
 K_COPY = 2
 K_MODULE = 3
-# A worker's call_packed is written shorter (six fields, ~0.1 us less per command):
-# (SHORT + kind | name << 8, t0, t1, seq, reg, other commands before it);
-# export() turns it into the record above (index = seq + others, action = call_packed).
-SHORT = 20
+# A worker writes its commands apart, in a CommandRing, six fields each (the hot path:
+# fewer steps per command): (kind | name << 8, t0, t1, reg or bytes, the other commands
+# before it or -1 if it is no call_packed, action); export() rebuilds the record above.
 # (kind, op, t0, t1, seq on its communicator, bytes, -1, attributes); the command it ran
 # in is the next command record (a command is recorded when it ends)
 K_COLLECTIVE = 4
@@ -71,9 +70,8 @@ K_SEND = 10
 K_SYNC = 11
 
 _RECORD = struct.Struct(f"<{FIELDS}q")
-#: the first six fields of a record: the hot paths' shorter records
+#: Six fields: a worker's command record, and the first six of a controller's send.
 SHORT_RECORD = struct.Struct("<6q")
-_CALL_PACKED = 3  # protocol.CALL_PACKED (tests check they agree): no import of the protocol here
 
 # The positional parameters of each CCL operation (``disco_core.ccl.base.CCL``).
 _PARAMS = {
@@ -136,6 +134,49 @@ def capacity_from_env() -> int:
     return check_capacity(value, "DISCO_TRACE_EVENTS")
 
 
+class CommandRing:
+    """A worker's commands, apart from its other events: six-field records, newest kept.
+
+    ``worker_side`` writes it from its recording ``execute``, keeping the write
+    offset in the closure (no attribute per command), and sets :attr:`position`
+    to a function giving the records written in all.
+
+    Parameters
+    ----------
+    capacity : int
+        Commands kept; older ones are overwritten (and counted in :attr:`dropped`).
+    """
+
+    __slots__ = ("capacity", "ring", "position")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self.ring = mmap.mmap(-1, max(1, self.capacity) * SHORT_RECORD.size)
+        self.position: Any = lambda: 0
+
+    @property
+    def dropped(self) -> int:
+        """Commands overwritten because the ring was full."""
+        return max(0, self.position() - self.capacity)
+
+    def events(self) -> np.ndarray:
+        """The kept commands, oldest first, as full records: int64, ``(k, FIELDS)``."""
+        total, cap = self.position(), self.capacity
+        raw = np.frombuffer(self.ring, dtype="<i8").reshape(cap, 6)
+        if total <= cap:
+            rows = raw[:total]
+        else:
+            start = total % cap
+            rows = np.concatenate([raw[start:], raw[:start]])
+        index = np.arange(total - len(rows), total, dtype=np.int64)
+        others = rows[:, 4]
+        return np.stack(
+            [rows[:, 0] & 0xFF, rows[:, 0] >> 8, rows[:, 1], rows[:, 2],
+             np.where(others >= 0, index - others, -1), rows[:, 3], index, rows[:, 5]],
+            axis=1,
+        ).astype(np.int64)  # fmt: skip
+
+
 class Recorder:
     """A bounded ring of event records.
 
@@ -145,7 +186,7 @@ class Recorder:
         Events kept; older ones are overwritten (and counted in :attr:`dropped`).
     """
 
-    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs")
+    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs", "commands")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = int(capacity)
@@ -156,6 +197,8 @@ class Recorder:
         self._pack = _RECORD.pack_into
         #: worker side: operations so far per communicator key ("world", "group")
         self.seqs: dict[str, int] = {}
+        #: worker side: the commands, written apart (``worker_side``); None elsewhere
+        self.commands: CommandRing | None = None
 
     def intern(self, text: str) -> int:
         """The table index of ``text`` (added on first use)."""
@@ -186,21 +229,27 @@ class Recorder:
         return np.concatenate([ring[start:], ring[:start]])
 
     def export(self) -> dict[str, Any]:
-        """Plain values for the controller (they may cross a socket: no objects)."""
+        """Plain values for the controller (they may cross a socket: no objects).
+
+        A worker's commands and its collectives come in one stream, ordered by their
+        end: a collective ends before the command it ran in, which comes next.
+        """
         events = self.events()
-        # the hot paths pack six fields only: the last two may hold an older record's,
-        # from before the ring went round
+        # the controller's hot path packs a send's first six fields only: the last two
+        # may hold an older record's, from before the ring went round
         events[events[:, 0] == K_SEND, 6:] = 0
-        short = (events[:, 0] & 0xFF) - SHORT
-        rows = (short == K_COMMAND) | (short == K_MODULE)
-        if rows.any():
-            s = events[rows]
-            events[rows] = np.stack(
-                [short[rows], s[:, 0] >> 8, s[:, 1], s[:, 2], s[:, 3], s[:, 4],
-                 s[:, 3] + s[:, 5], np.full(len(s), _CALL_PACKED)],
-                axis=1,
-            )  # fmt: skip
-        return {"names": list(self.names), "events": events, "dropped": self.dropped}
+        dropped = self.dropped
+        if self.commands is not None:
+            commands = self.commands.events()
+            dropped += self.commands.dropped
+            if self.commands.dropped and len(commands):
+                # a collective of a command the ring no longer holds would be joined
+                # to the wrong one: keep only those that began after the first kept
+                events = events[events[:, 2] >= commands[0, 2]]
+            both = np.concatenate([events, commands])
+            rank = np.r_[np.zeros(len(events), np.int8), np.ones(len(commands), np.int8)]
+            events = both[np.lexsort((np.arange(len(both)), rank, both[:, 3]))]
+        return {"names": list(self.names), "events": events, "dropped": dropped}
 
     def collective(self, ccl: Any, op: Any, hand_over: Any, args: tuple, kwargs: dict) -> Any:
         """Run the CCL operation ``op`` of ``ccl`` (after ``hand_over()``) and record it.
