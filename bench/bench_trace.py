@@ -85,7 +85,7 @@ def _demo_step(sess: Any, steps: int) -> Any:
 
 
 def measure(p: Placement, quick: bool, folder: str) -> dict[str, Any]:
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 9
     calls, rts, steps = (3000, 300, 8) if quick else (10000, 1000, 20)
     res: dict[str, list[float]] = {k: [] for k in ("async_off", "async_on", "rt_off", "rt_on", "demo_off", "demo_on")}  # fmt: skip
     with p.spawning():

@@ -1,8 +1,10 @@
 """The event recorder of one worker (or of the controller): a ring buffer of fixed records.
 
-Each event is eight 64-bit integers written with one ``struct.pack_into`` into a
-preallocated buffer (about 0.3 us), so recording costs no allocation per
-event and the memory a trace takes is bounded by its capacity: when the ring is
+Each event is eight 64-bit integers (six for a worker's commands, in a
+:class:`CommandRing` of their own, and for the controller's sends) written with one
+``struct.pack_into`` into a preallocated buffer (about 0.1 us), so recording costs
+no allocation per event and the memory a trace takes is bounded by its capacity:
+when the ring is
 full the oldest events are overwritten and counted as dropped. The buffer is an
 anonymous mapping, zero-filled lazily by the kernel, so only the part a trace uses
 is ever touched (a ``bytearray`` would be memset whole: 16 MiB of every traced
