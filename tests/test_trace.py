@@ -19,9 +19,11 @@ from disco_core.tracing.recorder import (
     K_COMMAND,
     K_SEND,
     K_SYNC,
+    SEND_RECORD,
     SHORT_RECORD,
     CommandRing,
     Recorder,
+    SendRing,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,22 +140,30 @@ def test_a_workers_commands_and_collectives_read_back_in_one_stream_after_the_ri
     assert (ev[coll + 1, 0] == K_COMMAND).all()
 
 
-def test_a_sends_last_two_fields_are_zero_after_the_ring_went_round():
-    """The controller packs a send's first six fields; the last two of an older record
-    in the same place must not show through."""
+def test_the_controllers_sends_read_back_with_their_seq_after_the_ring_went_round():
+    """The controller writes its sends apart (three fields, the offset in a closure);
+    a send's seq is its place among them, and export() puts them among the syncs by time."""
     rec = Recorder(1024)
-    for i in range(1024):
-        rec.add(K_SYNC, 1, i, i + 1, 7, 8, 9, 10)
-    for i in range(1024):
-        n = rec.count
-        SHORT_RECORD.pack_into(rec._ring, (n % 1024) * 64, K_SEND, 2, i, i, i, 3)
-        rec.count = n + 1
-    ev = rec.export()["events"]
-    assert (
-        (ev[:, 0] == K_SEND).all()
-        and (ev[:, 6:] == 0).all()
-        and (ev[:, 4] == np.arange(1024)).all()
-    )
+    ring = rec.sends = SendRing(1024)
+    written = 0
+    ring.position = lambda: written
+    for i in range(1500):
+        SEND_RECORD.pack_into(ring.ring, (written % 1024) * 24, 2, 10 * i, 3)
+        written += 1
+        if i % 100 == 0:
+            rec.add(K_SYNC, 1, 10 * i + 2, 10 * i + 5, -1, 0, 1, 0)  # after this send
+    out = rec.export()
+    ev = out["events"]
+    sends = ev[ev[:, 0] == K_SEND]
+    assert len(sends) == 1024 and out["dropped"] == 1500 - 1024
+    assert (sends[:, 4] == np.arange(1500 - 1024, 1500)).all()  # seq
+    assert (sends[:, 2] == 10 * sends[:, 4]).all() and (sends[:, 3] == sends[:, 2]).all()
+    assert (sends[:, 1] == 2).all() and (sends[:, 5] == 3).all() and (sends[:, 6:] == 0).all()
+    assert (np.diff(ev[:, 3]) >= 0).all()  # one stream, in order of the events' ends
+    syncs = np.flatnonzero(ev[:, 0] == K_SYNC)
+    assert len(syncs) == 15  # the syncs' ring did not go round: all kept
+    later = syncs[ev[syncs, 2] > sends[0, 2]]  # those after the first kept send
+    assert len(later) == 10 and (ev[later - 1, 0] == K_SEND).all()
 
 
 def test_mixed_commands_keep_their_places_when_the_ring_goes_round(tmp_path):

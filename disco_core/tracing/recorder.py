@@ -38,7 +38,9 @@ __all__ = [
     "K_SEND",
     "K_SYNC",
     "SHORT_RECORD",
+    "SEND_RECORD",
     "CommandRing",
+    "SendRing",
     "capacity_from_env",
     "check_capacity",
     "MIN_CAPACITY",
@@ -72,8 +74,10 @@ K_SEND = 10
 K_SYNC = 11
 
 _RECORD = struct.Struct(f"<{FIELDS}q")
-#: Six fields: a worker's command record, and the first six of a controller's send.
+#: Six fields: a worker's command record (:class:`CommandRing`).
 SHORT_RECORD = struct.Struct("<6q")
+#: Three fields: a controller's send (:class:`SendRing`).
+SEND_RECORD = struct.Struct("<3q")
 
 # The positional parameters of each CCL operation (``disco_core.ccl.base.CCL``).
 _PARAMS = {
@@ -179,6 +183,40 @@ class CommandRing:
         ).astype(np.int64)  # fmt: skip
 
 
+class SendRing:
+    """The controller's sends (its ``call_packed`` commands), apart: three fields each.
+
+    ``(name, t0, site)``; a send's seq is its place among them. ``session_trace``
+    writes it from the recording ``_call`` with the write offset in the closure, and
+    sets :attr:`position`, as for :class:`CommandRing`.
+    """
+
+    __slots__ = ("capacity", "ring", "position")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self.ring = mmap.mmap(-1, max(1, self.capacity) * SEND_RECORD.size)
+        self.position: Any = lambda: 0
+
+    @property
+    def dropped(self) -> int:
+        """Sends overwritten because the ring was full."""
+        return max(0, self.position() - self.capacity)
+
+    def events(self) -> np.ndarray:
+        """The kept sends, oldest first, as full records: int64, ``(k, FIELDS)``."""
+        total, cap = self.position(), self.capacity
+        raw = np.frombuffer(self.ring, dtype="<i8").reshape(cap, 3)
+        rows = raw[:total] if total <= cap else np.roll(raw, -(total % cap), axis=0)
+        seq = np.arange(total - len(rows), total, dtype=np.int64)
+        zero = np.zeros(len(rows), np.int64)
+        return np.stack(
+            [np.full(len(rows), K_SEND, np.int64), rows[:, 0], rows[:, 1], rows[:, 1], seq,
+             rows[:, 2], zero, zero],
+            axis=1,
+        ).astype(np.int64)  # fmt: skip
+
+
 class Recorder:
     """A bounded ring of event records.
 
@@ -188,7 +226,7 @@ class Recorder:
         Events kept; older ones are overwritten (and counted in :attr:`dropped`).
     """
 
-    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs", "commands")
+    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs", "commands", "sends")  # fmt: skip
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = int(capacity)
@@ -201,6 +239,8 @@ class Recorder:
         self.seqs: dict[str, int] = {}
         #: worker side: the commands, written apart (``worker_side``); None elsewhere
         self.commands: CommandRing | None = None
+        #: controller side: the sends, written apart (``session_trace``); None elsewhere
+        self.sends: SendRing | None = None
 
     def intern(self, text: str) -> int:
         """The table index of ``text`` (added on first use)."""
@@ -234,13 +274,16 @@ class Recorder:
         """Plain values for the controller (they may cross a socket: no objects).
 
         A worker's commands and its collectives come in one stream, ordered by their
-        end: a collective ends before the command it ran in, which comes next.
+        end: a collective ends before the command it ran in, which comes next. The
+        controller's sends and syncs, likewise.
         """
         events = self.events()
-        # the controller's hot path packs a send's first six fields only: the last two
-        # may hold an older record's, from before the ring went round
-        events[events[:, 0] == K_SEND, 6:] = 0
         dropped = self.dropped
+        if self.sends is not None:
+            sends = self.sends.events()
+            dropped += self.sends.dropped
+            both = np.concatenate([events, sends])
+            events = both[np.lexsort((np.arange(len(both)), both[:, 3]))]
         if self.commands is not None:
             commands = self.commands.events()
             dropped += self.commands.dropped

@@ -42,10 +42,10 @@ from . import chrome, worker_side
 from .recorder import (
     FIELDS,
     K_COLLECTIVE,
-    K_SEND,
     K_SYNC,
-    SHORT_RECORD,
+    SEND_RECORD,
     Recorder,
+    SendRing,
     capacity_from_env,
     check_capacity,
     clock_identity,
@@ -390,31 +390,43 @@ class Trace:
 
         call = Session._call
         getframe, inner = sys._getframe, _SESSION_FILES
-        ring, cap = rec._ring, rec.capacity
-        pack = SHORT_RECORD.pack_into  # six fields: export() zeroes a send's last two
+        sends = rec.sends = SendRing(rec.capacity)
+        ring, cap = sends.ring, sends.capacity
+        size = cap * SEND_RECORD.size
+        pack = SEND_RECORD.pack_into
+        clock = now
+        offset = 0  # where the next send goes in the ring
+        laps = 0  # times the ring went round
+
+        def position() -> int:
+            return laps * cap + offset // SEND_RECORD.size
+
+        sends.position = position
+
+        def lap() -> int:
+            nonlocal laps
+            laps += 1
+            return 0
 
         handle_cls = (call.__defaults__ or (None,))[0]  # _call's own default (DRef)
 
-        sent = 0  # call_packed commands sent while tracing: the seq of the next one
-
         def recording_call(func: Any, args: tuple, cls: Any = handle_cls) -> Any:
-            # The hot path of a traced session, every step counted (~0.4 us on one CPU):
-            # the recorder's add() inlined, one clock read (a send is an instant).
-            nonlocal sent
-            t0 = now()
+            # The hot path of a traced session, every step counted: one clock read (a
+            # send is an instant) and a three-field record; its seq is its place in
+            # the ring, and no counter but the write offset is kept.
+            nonlocal offset
+            t0 = clock()
             ref = call(session, func, args, cls)
             name = known.get(func.reg_id)
             if name is None:
                 name = lookup(func.reg_id)
-            if name < 0:
-                name, site = ~name, site_of_caller()
+            o = offset
+            if name >= 0:
+                pack(ring, o, name, t0, no_site)
             else:
-                site = no_site
-            seq = sent
-            sent = seq + 1
-            n = rec.count
-            pack(ring, (n % cap) * 64, K_SEND, name, t0, t0, seq, site)
-            rec.count = n + 1
+                pack(ring, o, ~name, t0, site_of_caller())
+            o += 24
+            offset = o if o < size else lap()
             return ref
 
         session._call = recording_call
