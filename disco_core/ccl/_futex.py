@@ -77,6 +77,7 @@ def wake(addr: int, count: int = 0x7FFFFFFF) -> None:
     if waker is None:
         if len(_wakers) >= 4096:  # addresses of segments long gone
             _wakers.clear()
+        assert _SYS_FUTEX is not None  # wake() is called only where available()
         args = (ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE))
         rest = (ctypes.c_int(count), None, None, ctypes.c_int(0))
         # a function without argtypes takes ready ctypes objects as they are
