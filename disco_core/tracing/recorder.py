@@ -234,7 +234,8 @@ class Recorder:
         """Plain values for the controller (they may cross a socket: no objects).
 
         A worker's commands and its collectives come in one stream, ordered by their
-        end: a collective ends before the command it ran in, which comes next.
+        end: a collective ends before the command it ran in, which comes next. The
+        stream holds ``capacity`` events at most (the newest), as one ring would.
         """
         events = self.events()
         # the controller's hot path packs a send's first six fields only: the last two
@@ -243,7 +244,7 @@ class Recorder:
         dropped = self.dropped
         if self.commands is not None:
             commands = self.commands.events()
-            dropped += self.commands.dropped
+            recorded = self.count + self.commands.position()
             if self.commands.dropped and len(commands):
                 # a collective of a command the ring no longer holds would be joined
                 # to the wrong one: keep only those that began after the first kept
@@ -251,6 +252,11 @@ class Recorder:
             both = np.concatenate([events, commands])
             rank = np.r_[np.zeros(len(events), np.int8), np.ones(len(commands), np.int8)]
             events = both[np.lexsort((np.arange(len(both)), rank, both[:, 3]))]
+            # The newest ``capacity`` of the stream, as one ring of them kept before the
+            # commands had their own: the controller takes no more from a worker (its
+            # whole track was refused), and every event left out is counted
+            events = events[-self.capacity :]
+            dropped = recorded - len(events)
         return {"names": list(self.names), "events": events, "dropped": dropped}
 
     def collective(self, ccl: Any, op: Any, hand_over: Any, args: tuple, kwargs: dict) -> Any:
