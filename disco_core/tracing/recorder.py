@@ -7,7 +7,7 @@ no allocation per event and the memory a trace takes is bounded by its capacity:
 when the ring is
 full the oldest events are overwritten and counted as dropped. The buffer is an
 anonymous mapping, zero-filled lazily by the kernel, so only the part a trace uses
-is ever touched (a ``bytearray`` would be memset whole: 16 MiB of every traced
+is ever touched (a ``bytearray`` would be memset whole: 4 to 7 MiB of every traced
 process's memory at the default capacity, gigabytes at a large one).
 
 Strings (function names, call sites, a collective's attributes) are interned in
@@ -48,7 +48,8 @@ __all__ = [
 ]
 
 #: Events a worker keeps (the newest ones), unless ``DISCO_TRACE_EVENTS`` says otherwise:
-#: 4 MiB of records per worker at most. Reading a trace back (``disco trace summary``,
+#: 4 MiB of records for the controller, 7 MiB for a worker's two rings (commands and
+#: collectives; what it exports is the newest of them all). Reading a trace back (``disco trace summary``,
 #: ``plot``) takes about 1 KB of memory per event, so a full default trace of 4 workers
 #: reads in ~300 MB.
 DEFAULT_CAPACITY = 1 << 16
