@@ -127,17 +127,20 @@ def test_a_workers_commands_and_collectives_read_back_in_one_stream_after_the_ri
         written += 1
     out = rec.export()
     ev = out["events"]
+    # one stream of the newest 1024 events, as one ring kept them: 1536 commands and
+    # 192 collectives were recorded, every one left out is counted
+    assert len(ev) == 1024 and out["dropped"] == 1536 + 192 - 1024
     cmds = ev[ev[:, 0] == K_COMMAND]
-    assert len(cmds) == 1024 and out["dropped"] == 512
-    assert (cmds[:, 6] == np.arange(512, 1536)).all()  # index: the place in the stream
+    first = cmds[0, 6]
+    assert (cmds[:, 6] == np.arange(first, 1536)).all()  # index: the place in the stream
     assert (cmds[:, 1] == 6).all() and (cmds[:, 5] == 40 + cmds[:, 6]).all()
     is_call = cmds[:, 7] == protocol.CALL_PACKED
     assert (cmds[is_call, 4] == cmds[is_call, 6] - cmds[is_call, 6] // 4).all()  # the seq
     assert (cmds[~is_call, 4] == -1).all()
     # each kept collective comes right before the command it ran in; none of a lost one
     coll = np.flatnonzero(ev[:, 0] == K_COLLECTIVE)
-    assert len(coll) == 1024 // 8 and (ev[coll, 4] == ev[coll + 1, 6]).all()
-    assert (ev[coll + 1, 0] == K_COMMAND).all()
+    assert len(coll) in (len(cmds[cmds[:, 6] % 8 == 1]) - 1, len(cmds[cmds[:, 6] % 8 == 1]))
+    assert (ev[coll, 4] == ev[coll + 1, 6]).all() and (ev[coll + 1, 0] == K_COMMAND).all()
 
 
 def test_the_controllers_sends_read_back_with_their_seq_after_the_ring_went_round():

@@ -7,7 +7,7 @@ no allocation per event and the memory a trace takes is bounded by its capacity:
 when the ring is
 full the oldest events are overwritten and counted as dropped. The buffer is an
 anonymous mapping, zero-filled lazily by the kernel, so only the part a trace uses
-is ever touched (a ``bytearray`` would be memset whole: 16 MiB of every traced
+is ever touched (a ``bytearray`` would be memset whole: 4 to 7 MiB of every traced
 process's memory at the default capacity, gigabytes at a large one).
 
 Strings (function names, call sites, a collective's attributes) are interned in
@@ -50,7 +50,8 @@ __all__ = [
 ]
 
 #: Events a worker keeps (the newest ones), unless ``DISCO_TRACE_EVENTS`` says otherwise:
-#: 4 MiB of records per worker at most. Reading a trace back (``disco trace summary``,
+#: 4 MiB of records for the controller, 7 MiB for a worker's two rings (commands and
+#: collectives; what it exports is the newest of them all). Reading a trace back (``disco trace summary``,
 #: ``plot``) takes about 1 KB of memory per event, so a full default trace of 4 workers
 #: reads in ~300 MB.
 DEFAULT_CAPACITY = 1 << 16
@@ -275,7 +276,8 @@ class Recorder:
 
         A worker's commands and its collectives come in one stream, ordered by their
         end: a collective ends before the command it ran in, which comes next. The
-        controller's sends and syncs, likewise.
+        controller's sends and syncs, likewise. A worker's stream holds ``capacity``
+        events at most (the newest), as one ring would.
         """
         events = self.events()
         dropped = self.dropped
@@ -286,7 +288,7 @@ class Recorder:
             events = both[np.lexsort((np.arange(len(both)), both[:, 3]))]
         if self.commands is not None:
             commands = self.commands.events()
-            dropped += self.commands.dropped
+            recorded = self.count + self.commands.position()
             if self.commands.dropped and len(commands):
                 # a collective of a command the ring no longer holds would be joined
                 # to the wrong one: keep only those that began after the first kept
@@ -294,6 +296,11 @@ class Recorder:
             both = np.concatenate([events, commands])
             rank = np.r_[np.zeros(len(events), np.int8), np.ones(len(commands), np.int8)]
             events = both[np.lexsort((np.arange(len(both)), rank, both[:, 3]))]
+            # The newest ``capacity`` of the stream, as one ring of them kept before the
+            # commands had their own: the controller takes no more from a worker (its
+            # whole track was refused), and every event left out is counted
+            events = events[-self.capacity :]
+            dropped = recorded - len(events)
         return {"names": list(self.names), "events": events, "dropped": dropped}
 
     def collective(self, ccl: Any, op: Any, hand_over: Any, args: tuple, kwargs: dict) -> Any:

@@ -112,7 +112,8 @@ class Trace:
         The JSON file to write.
     capacity : int, optional
         Events kept per worker and for the controller (the newest ones; default
-        ``DISCO_TRACE_EVENTS`` or 65,536: 4 MiB of records each; 1,024 to 16,777,216).
+        ``DISCO_TRACE_EVENTS`` or 65,536: 4 MiB of records, 7 MiB for a worker's
+        two rings; 1,024 to 16,777,216).
     """
 
     def __init__(self, session: Any, path: str | os.PathLike, capacity: int | None = None) -> None:
