@@ -154,6 +154,8 @@ class _Comm:
         self.bell = ctl // 4
         self.bell_addr = ccl.base_addr + ctl
         self.arrive = [(ctl + _LINE * (1 + i)) // 8 for i in range(self.n)]
+        # the next word of each member's line: 1 while it may sleep in a barrier
+        self.asleep = [a + 1 for a in self.arrive]
         self.desc_off = desc
         self.loc = layout.loc_offsets[index] // 8
         self.data_off = data
@@ -281,9 +283,19 @@ class ShmCCL(CCL):
         return [(q[at + 2 * k], q[at + 2 * k + 1]) for k in range(comm.n)]
 
     # ------------------------------------------------------------------ waiting
-    def _ring(self, bell: int, addr: int) -> None:
+    def _ring(self, bell: int, addr: int, sleepers: list[int] | None = None) -> None:
+        """Write a new value into the bell; wake its sleepers (if ``sleepers``, the words
+        where the members say they sleep, says there may be any: a wake is a syscall,
+        ~1 us, on every collective otherwise)."""
         self._stamp = (self._stamp + 1) & 0x3FFFFFF
         self.i[bell] = (self._stamp << 5) | (self._me & 31)
+        if sleepers is not None:
+            q = self.q
+            for idx in sleepers:
+                if q[idx]:
+                    break
+            else:
+                return
         _futex.wake(addr)
 
     def _check_abort(self, what: str) -> None:
@@ -295,8 +307,12 @@ class ShmCCL(CCL):
             error = CCLTimeoutError if self.i[0] == 2 else CCLError
             raise error(f"{what} aborted: {self.broken}")
 
-    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for) -> None:
-        """Wait until ``ready()``; sleep on the futex at ``addr`` between checks."""
+    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None) -> None:  # fmt: skip
+        """Wait until ``ready()``; sleep on the futex at ``addr`` between checks.
+
+        ``asleep``: the word (of ``self.q``) where this member says it may sleep, for
+        wakers that ring with ``sleepers`` (:meth:`_ring`).
+        """
         if ready():
             return
         if self.spin:
@@ -312,7 +328,20 @@ class ShmCCL(CCL):
                 if ready():
                     return
         deadline = time.monotonic() + self.timeout
+        if asleep is None:
+            return self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.05)
+        # Said before the bell is read: a waker that rings after this read wakes us. A
+        # waker whose check raced this store (a CPU may let its read pass its store)
+        # can miss it: the first sleep is short, so that costs at most 2 ms.
+        self.q[asleep] = 1
+        try:
+            self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.002)
+        finally:
+            self.q[asleep] = 0
+
+    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float) -> None:  # fmt: skip
         words = self.i
+        nap = first
         while True:
             seen = words[bell]
             if ready():
@@ -330,7 +359,8 @@ class ShmCCL(CCL):
                     "(raise it with init_ccl('shm', timeout=...) or DISCO_CCL_TIMEOUT); "
                     "the shm CCL of this session is unusable now"
                 )
-            _futex.wait(addr, seen, min(0.05, deadline - now))
+            _futex.wait(addr, seen, min(nap, deadline - now))
+            nap = 0.05
 
     def _barrier(self, comm: _Comm, what: str) -> None:
         """Arrive at the end of this round and wait for every member."""
@@ -338,7 +368,7 @@ class ShmCCL(CCL):
         target = comm.round
         q = self.q
         q[comm.arrive[comm.rank]] = target
-        self._ring(comm.bell, comm.bell_addr)
+        self._ring(comm.bell, comm.bell_addr, comm.asleep)
         arrive = comm.arrive
 
         def ready() -> bool:
@@ -350,6 +380,7 @@ class ShmCCL(CCL):
         self._wait(
             ready, comm.bell, comm.bell_addr, what,
             lambda: [comm.members[k] for k, idx in enumerate(arrive) if q[idx] < target],
+            comm.asleep[comm.rank],
         )  # fmt: skip
 
     def _slots(self, comm: _Comm) -> np.ndarray:
