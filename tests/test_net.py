@@ -480,3 +480,39 @@ def test_an_unfilled_bytearray_is_a_bytearray_of_that_size():
     assert unfilled_bytearray(0) == bytearray()
     with pytest.raises(ValueError, match="negative"):
         unfilled_bytearray(-1)
+
+
+def test_a_large_unfilled_bytearray_asks_for_huge_pages():
+    """A 64 MiB download into 4 KiB pages spent 32 ms in page faults on the VM (half its
+    time); the buffer asks for transparent huge pages, as NumPy's arrays do. Where the
+    kernel gives them on request (THP "always" or "madvise"), the touched buffer holds
+    some; where it never does, the buffer is still a plain, whole bytearray."""
+    import ctypes
+    import re
+
+    from disco_core.spi import unfilled_bytearray
+
+    n = 32 << 20
+    buf = unfilled_bytearray(n)
+    assert type(buf) is bytearray and len(buf) == n
+    memoryview(buf)[:] = b"\x07" * n  # the first touch, as a receive would
+    assert buf[0] == buf[n - 1] == 7
+    addr = ctypes.addressof((ctypes.c_char * n).from_buffer(buf))
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        mode = "[never]"
+    huge_kib = 0
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                lo, hi = int(m[1], 16), int(m[2], 16)
+                inside = lo < addr + n and addr < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                huge_kib += int(line.split()[1])
+    if "[never]" in mode:
+        assert huge_kib == 0
+    else:
+        assert huge_kib >= 2048, f"no huge page in the buffer (THP {mode.strip()})"

@@ -133,16 +133,37 @@ _new_bytearray.restype = ctypes.py_object
 _new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = getattr(_libc, "madvise", None)
+if _madvise is not None:
+    _madvise.restype = ctypes.c_int
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_HUGEPAGE = 14  # Linux
+_HUGE = 2 << 20  # x86-64's and arm64's transparent huge page
+#: buffers at least this large ask for huge pages (NumPy's threshold for its arrays)
+_HUGE_PAGES_FROM = 4 << 20
+
+
 def unfilled_bytearray(n: int) -> bytearray:
     """A ``bytearray`` of ``n`` bytes whose contents are not set: for a buffer the caller
     fills whole before anyone sees it (a receive that fails drops it).
 
     ``bytearray(n)`` writes n zeros first: for 64 MiB that is 35 ms on a VM, more than
-    receiving the data over loopback takes; this costs 0.05 ms.
+    receiving the data over loopback takes; this costs 0.05 ms. A large buffer asks
+    for transparent huge pages (``madvise``, as NumPy does for its arrays): its first
+    touch, when the data arrives, then faults once per 2 MiB instead of once per 4 KiB
+    (64 MiB: 32 ms of faults on a VM, against 3 ms).
     """
     if n < 0:
         raise ValueError(f"negative size {n}")
-    return _new_bytearray(None, n)
+    buf = _new_bytearray(None, n)
+    if n >= _HUGE_PAGES_FROM and _madvise is not None:
+        addr = ctypes.addressof((ctypes.c_char * n).from_buffer(buf))
+        start = -(-addr // _HUGE) * _HUGE
+        end = (addr + n) // _HUGE * _HUGE
+        if end > start:
+            _madvise(start, end - start, _MADV_HUGEPAGE)  # best effort: THP may be off
+    return buf
 
 
 def recv_exact(
