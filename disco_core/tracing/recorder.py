@@ -1,11 +1,11 @@
 """The event recorder of one worker (or of the controller): a ring buffer of fixed records.
 
 Each event is eight 64-bit integers (six for a worker's commands, in a
-:class:`CommandRing` of their own, and for the controller's sends) written with one
-``struct.pack_into`` into a preallocated buffer (about 0.1 us), so recording costs
-no allocation per event and the memory a trace takes is bounded by its capacity:
-when the ring is
-full the oldest events are overwritten and counted as dropped. The buffer is an
+:class:`CommandRing` of their own; three for the controller's sends, in a
+:class:`SendRing`) written with one ``struct.pack_into`` into a preallocated buffer
+(about 0.1 us), so recording costs no allocation per event and the memory a trace
+takes is bounded by its capacity: when a ring is full the oldest events are
+overwritten and counted as dropped. The buffer is an
 anonymous mapping, zero-filled lazily by the kernel, so only the part a trace uses
 is ever touched (a ``bytearray`` would be memset whole: 4 to 7 MiB of every traced
 process's memory at the default capacity, gigabytes at a large one).
@@ -90,6 +90,20 @@ _PARAMS = {
     "send": ("buf", "peer"),
     "recv": ("buf", "peer"),
     "barrier": ("in_group",),
+}
+# For a call with positional arguments only: the places of (the buffer that sizes it,
+# in_group, the reduction, the peer), -1 for none, and the last of them that must be
+# given (in_group has a default). Read straight from ``args``: building a dict of
+# them cost ~0.4 us a collective.
+_POSITIONS = {
+    "allreduce": (0, 3, 2, -1, 2),
+    "allgather": (0, 2, -1, -1, 0),
+    "gather": (0, 2, -1, -1, 0),
+    "broadcast": (1, 2, -1, -1, 1),
+    "scatter": (1, 2, -1, -1, 1),
+    "send": (0, -1, -1, 1, 1),
+    "recv": (0, -1, -1, 1, 1),
+    "barrier": (-1, 0, -1, -1, -1),
 }
 
 #: The clock of every event, in integer nanoseconds (CLOCK_MONOTONIC on Linux, so the
@@ -227,7 +241,7 @@ class Recorder:
         Events kept; older ones are overwritten (and counted in :attr:`dropped`).
     """
 
-    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs", "commands", "sends")  # fmt: skip
+    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs", "commands", "sends", "_calls")  # fmt: skip
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = int(capacity)
@@ -238,6 +252,8 @@ class Recorder:
         self._pack = _RECORD.pack_into
         #: worker side: operations so far per communicator key ("world", "group")
         self.seqs: dict[str, int] = {}
+        #: worker side: (op, dtype, reduce, comm, group, peer) -> (op's name id, attrs id)
+        self._calls: dict[tuple, tuple[int, int]] = {}
         #: worker side: the commands, written apart (``worker_side``); None elsewhere
         self.commands: CommandRing | None = None
         #: controller side: the sends, written apart (``session_trace``); None elsewhere
@@ -310,32 +326,55 @@ class Recorder:
         ``ctx.tracer`` is this recorder; the hand-over is part of the operation's time.
         """
         name = op.__name__
-        bound = dict(zip(_PARAMS.get(name, ()), args))
-        bound.update(kwargs)
-        # what every member holds alike: broadcast's and scatter's src is the root's only
-        buf = (
-            bound.get("dst")
-            if name in ("broadcast", "scatter")
-            else bound.get("src", bound.get("buf"))
-        )
+        fast = _POSITIONS.get(name)
+        if fast is not None and not kwargs and len(args) > fast[4]:
+            b, g, r, p, _ = fast  # the arguments' places (-1: none)
+            buf = args[b] if b >= 0 else None
+            in_group = args[g] if 0 <= g < len(args) else False
+            reduce = args[r] if r >= 0 else ""
+            peer = args[p] if p >= 0 else -1
+        else:
+            bound = dict(zip(_PARAMS.get(name, ()), args))
+            bound.update(kwargs)
+            # what every member holds alike: broadcast's and scatter's src is the root's only
+            buf = (
+                bound.get("dst")
+                if name in ("broadcast", "scatter")
+                else bound.get("src", bound.get("buf"))
+            )
+            in_group = bound.get("in_group", False)
+            reduce = bound.get("op", "") if name == "allreduce" else ""
+            peer = bound.get("peer", -1)
         nbytes = int(getattr(buf, "nbytes", 0) or 0)
-        dtype = str(getattr(buf, "dtype", ""))
         group_id = ccl.ctx.group_id
         if name in ("send", "recv"):
-            comm, peer = "p2p", bound.get("peer", -1)
+            comm = "p2p"
         else:
-            comm, peer = ("group" if bound.get("in_group", False) else "world"), -1
+            comm, peer = ("group" if in_group else "world"), -1
         # a send and a recv are counted per peer: the k-th send from a to b meets the
         # k-th recv on b from a (the file joins them)
         counter = comm if comm != "p2p" else f"{name}>{peer}"
         seq = self.seqs.get(counter, 0)
         self.seqs[counter] = seq + 1
-        reduce = bound.get("op", "") if name == "allreduce" else ""
-        attrs = self.intern(f"{dtype}|{reduce}|{comm}|{group_id}|{peer}")
+        # The names are made once per kind of call: str() of a NumPy dtype alone costs
+        # ~3 us, more than a small collective
+        dtype = getattr(buf, "dtype", "")
+        key: tuple | None = (name, dtype, reduce, comm, group_id, peer)
+        try:
+            ids = self._calls.get(key)  # type: ignore[arg-type]  # a tuple here
+        except TypeError:  # an unhashable attribute: no cache
+            ids, key = None, None
+        if ids is None:
+            ids = (self.intern(name), self.intern(f"{dtype}|{reduce}|{comm}|{group_id}|{peer}"))
+            if key is not None and len(self._calls) < 4096:
+                self._calls[key] = ids
         t0 = now()
         try:
             if hand_over is not None:
                 hand_over()
             return op(ccl, *args, **kwargs)
         finally:
-            self.add(K_COLLECTIVE, self.intern(name), t0, now(), seq, nbytes, -1, attrs)
+            t1 = now()
+            n = self.count
+            self._pack(self._ring, (n % self.capacity) * 64, K_COLLECTIVE, ids[0], t0, t1, seq, nbytes, -1, ids[1])  # fmt: skip
+            self.count = n + 1

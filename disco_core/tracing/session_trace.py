@@ -377,15 +377,20 @@ class Trace:
         sites: dict[Any, int] = {}  # (code, line) -> site id
 
         def site_of_caller() -> int:
-            """Where in the user's code the collective was called (~1 us: collectives only)."""
+            """Where in the user's code the collective was called (collectives only)."""
             frame: Any = getframe(3)  # 1: recording_call, 2: Session's own caller of _call
             while frame is not None and frame.f_code.co_filename in inner:
                 frame = frame.f_back
-            key = (frame.f_code, frame.f_lineno) if frame is not None else None
+            if frame is None:
+                return intern("?")
+            # keyed by the instruction: a frame's line number is computed from it each
+            # time it is read (a walk of the line table)
+            key = (frame.f_code, frame.f_lasti)
             found = sites.get(key)
             if found is None:
+                code = frame.f_code
                 found = sites[key] = intern(
-                    f"{os.path.basename(key[0].co_filename)}:{key[1]}" if key else "?"
+                    f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
                 )
             return found
 
