@@ -155,41 +155,60 @@ def capacity_from_env() -> int:
     return check_capacity(value, "DISCO_TRACE_EVENTS")
 
 
-class CommandRing:
-    """A worker's commands, apart from its other events: six-field records, newest kept.
+class _ClosureRing:
+    """A ring of fixed records whose writer keeps the write offset in its own closure
+    (no attribute read or written per record: the hot paths), the newest kept.
 
-    ``worker_side`` writes it from its recording ``execute``, keeping the write
-    offset in the closure (no attribute per command), and sets :attr:`position`
-    to a function giving the records written in all.
-
-    Parameters
-    ----------
-    capacity : int
-        Commands kept; older ones are overwritten (and counted in :attr:`dropped`).
+    The writer calls :meth:`track` once with a function giving its offset, and
+    :meth:`lap` (which returns the new offset, 0) when it goes round.
     """
 
-    __slots__ = ("capacity", "ring", "position")
+    __slots__ = ("capacity", "ring", "position", "laps")
+    record: struct.Struct  # the subclass's
 
     def __init__(self, capacity: int) -> None:
         self.capacity = int(capacity)
-        self.ring = mmap.mmap(-1, max(1, self.capacity) * SHORT_RECORD.size)
+        self.ring = mmap.mmap(-1, max(1, self.capacity) * self.record.size)
+        self.laps = 0
+        #: records written in all
         self.position: Any = lambda: 0
+
+    def track(self, offset: Any) -> None:
+        """Count the records from the writer's ``offset()`` (bytes) and the laps."""
+        cap, size = self.capacity, self.record.size
+        self.position = lambda: self.laps * cap + offset() // size
+
+    def lap(self) -> int:
+        self.laps += 1
+        return 0
 
     @property
     def dropped(self) -> int:
-        """Commands overwritten because the ring was full."""
+        """Records overwritten because the ring was full."""
         return max(0, self.position() - self.capacity)
+
+    def _kept(self) -> tuple[np.ndarray, np.ndarray]:
+        """The kept records, oldest first (raw fields), and their places in the stream."""
+        total, cap = self.position(), self.capacity
+        raw = np.frombuffer(self.ring, dtype="<i8").reshape(cap, self.record.size // 8)
+        rows = raw[:total] if total <= cap else np.roll(raw, -(total % cap), axis=0)
+        return rows, np.arange(total - len(rows), total, dtype=np.int64)
+
+
+class CommandRing(_ClosureRing):
+    """A worker's commands, apart from its other events: six fields each.
+
+    ``(kind | name << 8, t0, t1, reg or bytes, other commands before it or -1, action)``,
+    written by ``worker_side``'s recording ``execute``; a command's index is its place
+    in the stream and a call's seq that minus the other commands before it.
+    """
+
+    __slots__ = ()
+    record = SHORT_RECORD
 
     def events(self) -> np.ndarray:
         """The kept commands, oldest first, as full records: int64, ``(k, FIELDS)``."""
-        total, cap = self.position(), self.capacity
-        raw = np.frombuffer(self.ring, dtype="<i8").reshape(cap, 6)
-        if total <= cap:
-            rows = raw[:total]
-        else:
-            start = total % cap
-            rows = np.concatenate([raw[start:], raw[:start]])
-        index = np.arange(total - len(rows), total, dtype=np.int64)
+        rows, index = self._kept()
         others = rows[:, 4]
         return np.stack(
             [rows[:, 0] & 0xFF, rows[:, 0] >> 8, rows[:, 1], rows[:, 2],
@@ -198,32 +217,19 @@ class CommandRing:
         ).astype(np.int64)  # fmt: skip
 
 
-class SendRing:
+class SendRing(_ClosureRing):
     """The controller's sends (its ``call_packed`` commands), apart: three fields each.
 
-    ``(name, t0, site)``; a send's seq is its place among them. ``session_trace``
-    writes it from the recording ``_call`` with the write offset in the closure, and
-    sets :attr:`position`, as for :class:`CommandRing`.
+    ``(name, t0, site)``, written by ``session_trace``'s recording ``_call``; a send's
+    seq is its place among them.
     """
 
-    __slots__ = ("capacity", "ring", "position")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = int(capacity)
-        self.ring = mmap.mmap(-1, max(1, self.capacity) * SEND_RECORD.size)
-        self.position: Any = lambda: 0
-
-    @property
-    def dropped(self) -> int:
-        """Sends overwritten because the ring was full."""
-        return max(0, self.position() - self.capacity)
+    __slots__ = ()
+    record = SEND_RECORD
 
     def events(self) -> np.ndarray:
         """The kept sends, oldest first, as full records: int64, ``(k, FIELDS)``."""
-        total, cap = self.position(), self.capacity
-        raw = np.frombuffer(self.ring, dtype="<i8").reshape(cap, 3)
-        rows = raw[:total] if total <= cap else np.roll(raw, -(total % cap), axis=0)
-        seq = np.arange(total - len(rows), total, dtype=np.int64)
+        rows, seq = self._kept()
         zero = np.zeros(len(rows), np.int64)
         return np.stack(
             [np.full(len(rows), K_SEND, np.int64), rows[:, 0], rows[:, 1], rows[:, 1], seq,

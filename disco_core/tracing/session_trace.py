@@ -402,17 +402,8 @@ class Trace:
         pack = SEND_RECORD.pack_into
         clock = now
         offset = 0  # where the next send goes in the ring
-        laps = 0  # times the ring went round
-
-        def position() -> int:
-            return laps * cap + offset // SEND_RECORD.size
-
-        sends.position = position
-
-        def lap() -> int:
-            nonlocal laps
-            laps += 1
-            return 0
+        sends.track(lambda: offset)
+        lap = sends.lap
 
         handle_cls = (call.__defaults__ or (None,))[0]  # _call's own default (DRef)
 

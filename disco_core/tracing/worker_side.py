@@ -84,18 +84,9 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
     # forgotten here then)
     tags: dict[int, int] = {}
     offset = 0  # where the next record goes in the ring
-    laps = 0  # times the ring went round
     others = 0  # commands other than call_packed so far: a call's seq is index - others
-
-    def position() -> int:
-        return laps * cap + offset // SHORT_RECORD.size
-
-    commands.position = position
-
-    def lap() -> int:
-        nonlocal laps
-        laps += 1
-        return 0
+    commands.track(lambda: offset)
+    lap = commands.lap
 
     def tag_of(func_reg: int) -> int:
         name = names.get(func_reg)
