@@ -366,6 +366,19 @@ def test_dropped_events_are_reported(tmp_path: Path):
     assert "of worker 0 were lost" not in text
 
 
+def test_a_worker_that_dropped_events_is_measured_from_its_oldest_kept_one(tmp_path: Path):
+    """Over the whole window, the part a full ring lost counted as idle: a trace that
+    dropped most events showed the workers ~99 % idle (outside check)."""
+    events = [cmd(0, 0, 100), cmd(1, 600, 100), cmd(1, 800, 50)]
+    s = summary_of(write_trace(tmp_path / "t.json", events, 2, 1000, dropped=[0, 900]))
+    w0, w1 = s.workers
+    assert w0.span_ms == pytest.approx(1.0) and w0.idle_ms == pytest.approx(0.9)
+    assert w1.span_ms == pytest.approx(0.4)  # from 600, its oldest kept event
+    assert w1.busy_ms == pytest.approx(0.15) and w1.idle_ms == pytest.approx(0.25)
+    text = ts.format_summary(s)
+    assert "worker 1 0.400 ms" in text and "(37.5%)" in text  # 0.15 of 0.4
+
+
 # ---------------------------------------------------------------------------- bad files
 @pytest.mark.parametrize(
     "content, message",

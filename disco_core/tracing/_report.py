@@ -93,18 +93,26 @@ def render(s: Summary) -> str:
     # The top line is the answer most runs are read for: who held the others up.
     out = [s.headline, *_header(s), ""]
 
-    out.append(f"Per worker: ms (% of the {s.span_ms:.3f} ms span)")
+    if any(w.span_ms < s.span_ms for w in s.workers):
+        out.append(
+            f"Per worker: ms (% of the {s.span_ms:.3f} ms span; where events were dropped, "
+            "of the part from the oldest kept one: worker " + ", ".join(
+                f"{w.worker} {w.span_ms:.3f} ms" for w in s.workers if w.span_ms < s.span_ms
+            ) + ")"
+        )  # fmt: skip
+    else:
+        out.append(f"Per worker: ms (% of the {s.span_ms:.3f} ms span)")
     heads = ["worker", "busy", "functions", "coll. waiting", "coll. moving", "copies"]
     heads += ["modules", "idle"]
     rows = [
         [
             str(w.worker),
             *(
-                _ms_pct(v, s.span_ms)
+                _ms_pct(v, w.span_ms)
                 for v in (w.busy_ms, w.functions_ms, w.waiting_ms, w.moving_ms, w.copies_ms)
             ),
-            _ms_pct(w.modules_ms, s.span_ms),
-            _ms_pct(w.idle_ms, s.span_ms),
+            _ms_pct(w.modules_ms, w.span_ms),
+            _ms_pct(w.idle_ms, w.span_ms),
         ]
         for w in s.workers
     ]

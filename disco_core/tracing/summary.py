@@ -5,7 +5,8 @@ computes a :class:`Summary` and :func:`format_summary` prints it. Every time is 
 the controller's clock, as in the file.
 
 Per worker
-    *span*: ``otherData.duration_us``, the traced window, the same for every worker.
+    *span*: ``otherData.duration_us``, the traced window; for a worker whose ring
+    dropped its oldest events, from its oldest kept one to the window's end.
     *busy*: the union of the worker's top-level events (commands, copies, module
     loads; collectives are nested inside commands), cut to the window.
     *functions*: command time not inside a collective (nor inside a copy or a module
@@ -217,20 +218,25 @@ def _worker_times(trace: Trace, calls: list[Instance]) -> list[WorkerTime]:
         moving[w] += sum(s.dur for s in track.collective if s.args.get("key") is None)
         commands = union((s.start, s.end) for s in track.command)
         inner = union((s.start, s.end) for s in (*track.collective, *track.copy, *track.module))
-        busy = clip(union([*commands, *inner]), 0.0, span)
+        # A ring that dropped its oldest events covers the window from its oldest kept
+        # one: over the whole window, the lost part would count as idle
+        begin = 0.0
+        if trace.dropped[w] and (commands or inner):
+            begin = min(max(min(a for a, _ in [*commands, *inner]), 0.0), span)
+        busy = clip(union([*commands, *inner]), begin, span)
         copies = measure(union((s.start, s.end) for s in track.copy))
         modules = measure(union((s.start, s.end) for s in track.module))
         out.append(
             WorkerTime(
                 worker=w,
-                span_ms=span / 1e3,
+                span_ms=(span - begin) / 1e3,
                 busy_ms=measure(busy) / 1e3,
                 functions_ms=(measure(commands) - overlap(commands, inner)) / 1e3,
                 waiting_ms=waiting[w] / 1e3,
                 moving_ms=moving[w] / 1e3,
                 copies_ms=copies / 1e3,
                 modules_ms=modules / 1e3,
-                idle_ms=max(span - measure(busy), 0.0) / 1e3,
+                idle_ms=max(span - begin - measure(busy), 0.0) / 1e3,
                 dropped=trace.dropped[w],
             )
         )
