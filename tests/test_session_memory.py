@@ -8,9 +8,13 @@ ThreadedSession, reached within ~10-20 sessions, then flat; on a machine with mo
 cores glibc allows more arenas: 56 -> 203 MiB was seen). ``_close_channel`` calls
 ``malloc_trim(0)`` (``disco_core._memory``).
 
-The check: after a warm-up of 10 sessions, 20 more may add at most 24 MiB (measured
-here: at most 8.4 MiB, one step of the 8 MiB arrays' size; the bound leaves room for a
-noisy machine, and still catches a real per-session leak of 1.2 MiB or more).
+The check: from the 10th session to the 60th, at most 48 MiB more, which still
+catches a real per-session leak of 1 MiB or more. A quiet machine gives at most one
+step of the 8 MiB arrays' size. On a loaded one (both CPUs busy, as in CI's two test
+streams) the steps come later and keep coming for a while: 64 -> 96 MiB between
+sessions 10 and 60 was seen, with or without huge-page buffers; the cause (which
+memory the trim leaves) is not known yet. The old bound, 24 MiB over sessions 10-30,
+failed once that way in a fresh-clone run.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def rss_mib():
 
 a = np.random.default_rng(0).standard_normal(1 << 20)  # 8 MiB
 out = []
-for r in range(30):
+for r in range(60):
     with disco.ProcessSession(2) as sess:
         sess.init_ccl("shm")
         for k in range(2):
@@ -59,7 +63,7 @@ def test_rss_stays_flat_over_many_sessions():
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     rss = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RSS "))[4:])
-    assert rss[-1] - rss[9] < 24, rss
+    assert len(rss) == 60 and rss[-1] - rss[9] < 48, rss
 
 
 def test_release_free_memory_is_safe():
