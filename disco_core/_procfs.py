@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-__all__ = ["children_of", "running_threads", "wait_until_idle"]
+__all__ = ["children_of", "running_threads", "thread_states", "wait_until_idle"]
 
 
 def _stat_fields(path: str) -> list[str] | None:
@@ -30,22 +30,26 @@ def children_of(pid: int) -> set[int]:
     return out
 
 
+def thread_states(pid: int) -> dict[int, str]:
+    """The state letter (``R``, ``S``, ``T``...) of each live thread of ``pid``."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    out = {}
+    for tid in tids:
+        rest = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        if rest is not None:
+            out[int(tid)] = rest[0]
+    return out
+
+
 def running_threads(pids: set[int]) -> int:
     """How many threads of the processes ``pids`` are running or runnable, the caller's own not counted."""
     me = threading.get_native_id()
-    count = 0
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            if int(tid) == me:
-                continue
-            rest = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
-            if rest is not None and rest[0] == "R":
-                count += 1
-    return count
+    return sum(
+        state == "R" and tid != me for pid in pids for tid, state in thread_states(pid).items()
+    )
 
 
 def wait_until_idle(limit: float = 0.5, poll: float = 0.005) -> float:

@@ -43,7 +43,7 @@ if sys.platform.startswith("linux") and _SYS_FUTEX is not None:
         ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
     ]  # fmt: skip
-    _raw_syscall = ctypes.CDLL(None, use_errno=True).syscall  # no argtypes: see wake()
+    _raw_syscall = _libc["syscall"]  # a pointer of its own, without argtypes: see wake()
     _raw_syscall.restype = ctypes.c_long
 
 
@@ -63,23 +63,22 @@ def wait(addr: int, expected: int, timeout: float) -> None:
     _syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, expected, ctypes.addressof(ts), None, 0)
 
 
-#: addr -> syscall(2) with its arguments converted once: a collective wakes its bell
-#: every time, and ctypes' conversion through ``argtypes`` cost ~0.5 us of a ~1.3 us wake
-_wakers: dict[int, Any] = {}
+#: (addr, count) -> syscall(2) with its arguments converted once: a collective wakes
+#: its bell every time, and ctypes' conversion through ``argtypes`` cost ~0.5 us of a
+#: ~1.3 us wake
+_wakers: dict[tuple[int, int], Any] = {}
 
 
 def wake(addr: int, count: int = 0x7FFFFFFF) -> None:
     """Wake up to ``count`` waiters sleeping on the word at ``addr``."""
-    if count != 0x7FFFFFFF:
-        _syscall(_SYS_FUTEX, addr, _FUTEX_WAKE, count, None, None, 0)
-        return
-    waker = _wakers.get(addr)
+    waker = _wakers.get((addr, count))
     if waker is None:
         if len(_wakers) >= 4096:  # addresses of segments long gone
             _wakers.clear()
         assert _SYS_FUTEX is not None  # wake() is called only where available()
-        args = (ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE))
-        rest = (ctypes.c_int(count), None, None, ctypes.c_int(0))
         # a function without argtypes takes ready ctypes objects as they are
-        waker = _wakers[addr] = functools.partial(_raw_syscall, *args, *rest)
+        waker = _wakers[addr, count] = functools.partial(
+            _raw_syscall, ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr),
+            ctypes.c_int(_FUTEX_WAKE), ctypes.c_int(count), None, None, ctypes.c_int(0),
+        )  # fmt: skip
     waker()

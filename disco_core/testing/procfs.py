@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from disco_core._procfs import children_of
+from disco_core._procfs import children_of, thread_states
 
 __all__ = ["children_of", "freeze", "shm_in_use"]
 
@@ -30,15 +30,7 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while True:
-        running = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    state = f.read().rpartition(")")[2].split()[0]
-            except (OSError, IndexError):
-                continue  # the thread ended
-            if state not in _STILL:
-                running.append(tid)
+        running = [tid for tid, state in thread_states(pid).items() if state not in _STILL]
         if not running:
             return
         if time.monotonic() > deadline:

@@ -173,6 +173,12 @@ class _ClosureRing:
         #: records written in all
         self.position: Any = lambda: 0
 
+    def writer(self) -> tuple[mmap.mmap, int, int, Any]:
+        """What a writer's closure holds: the ring, a record's size and the ring's (bytes),
+        and the record's ``pack_into``."""
+        step = self.record.size
+        return self.ring, step, self.capacity * step, self.record.pack_into
+
     def track(self, offset: Any) -> None:
         """Count the records from the writer's ``offset()`` (bytes) and the laps."""
         cap, size = self.capacity, self.record.size

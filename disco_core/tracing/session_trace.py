@@ -43,7 +43,6 @@ from .recorder import (
     FIELDS,
     K_COLLECTIVE,
     K_SYNC,
-    SEND_RECORD,
     Recorder,
     SendRing,
     capacity_from_env,
@@ -374,7 +373,7 @@ class Trace:
                 known.clear()
             return func
 
-        sites: dict[Any, int] = {}  # (code, line) -> site id
+        sites: dict[Any, int] = {}  # (code, instruction) -> site id
 
         def site_of_caller() -> int:
             """Where in the user's code the collective was called (collectives only)."""
@@ -397,9 +396,7 @@ class Trace:
         call = Session._call
         getframe, inner = sys._getframe, _SESSION_FILES
         sends = rec.sends = SendRing(rec.capacity)
-        ring, cap = sends.ring, sends.capacity
-        size = cap * SEND_RECORD.size
-        pack = SEND_RECORD.pack_into
+        ring, step, size, pack = sends.writer()
         clock = now
         offset = 0  # where the next send goes in the ring
         sends.track(lambda: offset)
@@ -422,7 +419,7 @@ class Trace:
                 pack(ring, o, name, t0, no_site)
             else:
                 pack(ring, o, ~name, t0, site_of_caller())
-            o += 24
+            o += step
             offset = o if o < size else lap()
             return ref
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as P
-from .recorder import K_COMMAND, K_COPY, K_MODULE, SHORT_RECORD, CommandRing, Recorder, now
+from .recorder import K_COMMAND, K_COPY, K_MODULE, CommandRing, Recorder, now
 
 __all__ = ["start", "stop", "ACTION_NAMES", "MODULE_FUNCTIONS"]
 
@@ -74,9 +74,7 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
     names: dict[int, str] = worker._names
     intern = rec.intern
     commands = rec.commands = CommandRing(rec.capacity)
-    ring, cap = commands.ring, commands.capacity
-    size = cap * SHORT_RECORD.size
-    pack = SHORT_RECORD.pack_into
+    ring, step, size, pack = commands.writer()
     clock = now
     action_ids = {a: intern(n) for a, n in ACTION_NAMES.items()}
     # func register -> the record's tag (kind | name id << 8), as the worker names it
@@ -110,7 +108,7 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
                     tag = tag_of(cmd[2])
                 o = offset
                 pack(ring, o, tag, t0, t1, cmd[1], others, _CALL_PACKED)
-                o += 48
+                o += step
                 offset = o if o < size else lap()
         action = cmd[0]
         if action == _KILL_REG:  # freeing registers rides with most commands: not worth a record
@@ -134,7 +132,7 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
                 tag, arg = K_COMMAND | name_id << 8, reg if type(reg) is int else 0
             o = offset
             pack(ring, o, tag, t0, t1, arg, -1, action)
-            o += 48
+            o += step
             offset = o if o < size else lap()
 
     return recording
