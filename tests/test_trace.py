@@ -412,3 +412,40 @@ def test_a_collective_is_recorded_alike_from_positional_and_keyword_arguments():
     assert ("broadcast", "float32||world|3|-1") in got
     assert ("send", "float32||p2p|3|1") in got and ("barrier", "||group|3|-1") in got
     assert [n for name, _s, n, _a in rows[0] if name == "allreduce"] == [32, 32]
+
+
+def test_calls_of_one_communicator_share_its_seq_however_they_are_written():
+    """The cache of a call's names is keyed by how it was written (positional or not,
+    in_group given or defaulted, dtype); its seq counter is the communicator's, shared
+    by every entry. An argument that cannot be hashed takes the uncached way."""
+
+    class Ctx:
+        group_id = 0
+
+    class FakeCCL:
+        ctx = Ctx()
+
+    def allreduce(self, *args, **kwargs):
+        return None
+
+    a, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    c = np.ones(4, np.int64)
+    rec = Recorder(1024)
+    writes = [
+        ((a, b, "sum"), {}),  # in_group defaulted: world
+        ((a, b, "sum", False), {}),  # the same communicator, another cache entry
+        ((), dict(src=a, dst=b, op="sum")),
+        ((c, c, "max", False), {}),  # another dtype and reduction
+        ((a, b, ["sum"], False), {}),  # unhashable: not cached, still counted
+        ((a, b, "sum", True), {}),  # the group's own counter
+        ((a, b, "sum"), {}),
+    ]
+    for args, kwargs in writes:
+        rec.collective(FakeCCL(), allreduce, None, args, kwargs)
+    ev = rec.export()["events"].tolist()
+    got = [(r[4], rec.names[r[7]].split("|")[2], r[5]) for r in ev]
+    assert got == [
+        (0, "world", 16), (1, "world", 16), (2, "world", 16), (3, "world", 32),
+        (4, "world", 16), (0, "group", 16), (5, "world", 16),
+    ]  # fmt: skip
+    assert rec.names[ev[3][7]].startswith("int64|max|")

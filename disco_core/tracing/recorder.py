@@ -91,19 +91,20 @@ _PARAMS = {
     "recv": ("buf", "peer"),
     "barrier": ("in_group",),
 }
-# For a call with positional arguments only: the places of (the buffer that sizes it,
-# in_group, the reduction, the peer), -1 for none, and the last of them that must be
-# given (in_group has a default). Read straight from ``args``: building a dict of
-# them cost ~0.4 us a collective.
-_POSITIONS = {
-    "allreduce": (0, 3, 2, -1, 2),
-    "allgather": (0, 2, -1, -1, 0),
-    "gather": (0, 2, -1, -1, 0),
-    "broadcast": (1, 2, -1, -1, 1),
-    "scatter": (1, 2, -1, -1, 1),
-    "send": (0, -1, -1, 1, 1),
-    "recv": (0, -1, -1, 1, 1),
-    "barrier": (-1, 0, -1, -1, -1),
+# For a call with positional arguments only: the place of the buffer that sizes it
+# (-1: none) and of the first argument after the buffers (the reduction, in_group,
+# the peer). A call's attributes follow from the buffer's dtype and those arguments,
+# so they key a cache of its names: reading each argument apart cost ~0.5 us a
+# collective.
+_CUTS = {
+    "allreduce": (0, 2),
+    "allgather": (0, 2),
+    "gather": (0, 2),
+    "broadcast": (1, 2),
+    "scatter": (1, 2),
+    "send": (0, 1),
+    "recv": (0, 1),
+    "barrier": (-1, 0),
 }
 
 #: The clock of every event, in integer nanoseconds (CLOCK_MONOTONIC on Linux, so the
@@ -263,9 +264,10 @@ class Recorder:
         self._ring = mmap.mmap(-1, max(1, self.capacity) * _RECORD.size)
         self._pack = _RECORD.pack_into
         #: worker side: operations so far per communicator key ("world", "group")
-        self.seqs: dict[str, int] = {}
-        #: worker side: (op, dtype, reduce, comm, group, peer) -> (op's name id, attrs id)
-        self._calls: dict[tuple, tuple[int, int]] = {}
+        self.seqs: dict[str, list[int]] = {}
+        #: worker side: (op, dtype, the arguments after the buffers) -> ((op's name id,
+        #: attrs id), the communicator's seq counter), for calls with positional arguments
+        self._calls: dict[tuple, tuple[tuple[int, int], list[int]]] = {}
         #: worker side: the commands, written apart (``worker_side``); None elsewhere
         self.commands: CommandRing | None = None
         #: controller side: the sends, written apart (``session_trace``); None elsewhere
@@ -337,49 +339,26 @@ class Recorder:
         Called by the CCL's operation wrapper (``disco_core.ccl.base``) while
         ``ctx.tracer`` is this recorder; the hand-over is part of the operation's time.
         """
+        # The hot path of a traced collective, every step counted: a call with
+        # positional arguments finds its names and its seq counter in one lookup.
         name = op.__name__
-        fast = _POSITIONS.get(name)
-        if fast is not None and not kwargs and len(args) > fast[4]:
-            b, g, r, p, _ = fast  # the arguments' places (-1: none)
-            buf = args[b] if b >= 0 else None
-            in_group = args[g] if 0 <= g < len(args) else False
-            reduce = args[r] if r >= 0 else ""
-            peer = args[p] if p >= 0 else -1
-        else:
-            bound = dict(zip(_PARAMS.get(name, ()), args))
-            bound.update(kwargs)
-            # what every member holds alike: broadcast's and scatter's src is the root's only
-            buf = (
-                bound.get("dst")
-                if name in ("broadcast", "scatter")
-                else bound.get("src", bound.get("buf"))
-            )
-            in_group = bound.get("in_group", False)
-            reduce = bound.get("op", "") if name == "allreduce" else ""
-            peer = bound.get("peer", -1)
-        nbytes = int(getattr(buf, "nbytes", 0) or 0)
-        group_id = ccl.ctx.group_id
-        if name in ("send", "recv"):
-            comm = "p2p"
-        else:
-            comm, peer = ("group" if in_group else "world"), -1
-        # a send and a recv are counted per peer: the k-th send from a to b meets the
-        # k-th recv on b from a (the file joins them)
-        counter = comm if comm != "p2p" else f"{name}>{peer}"
-        seq = self.seqs.get(counter, 0)
-        self.seqs[counter] = seq + 1
-        # The names are made once per kind of call: str() of a NumPy dtype alone costs
-        # ~3 us, more than a small collective
-        dtype = getattr(buf, "dtype", "")
-        key: tuple | None = (name, dtype, reduce, comm, group_id, peer)
-        try:
-            ids = self._calls.get(key)  # type: ignore[arg-type]  # a tuple here
-        except TypeError:  # an unhashable attribute: no cache
-            ids, key = None, None
-        if ids is None:
-            ids = (self.intern(name), self.intern(f"{dtype}|{reduce}|{comm}|{group_id}|{peer}"))
-            if key is not None and len(self._calls) < 4096:
-                self._calls[key] = ids
+        cut = _CUTS.get(name)
+        call = None
+        if cut is not None and not kwargs and len(args) > cut[0]:
+            buf = args[cut[0]] if cut[0] >= 0 else None
+            try:
+                key = (name, getattr(buf, "dtype", ""), args[cut[1] :])
+                call = self._calls.get(key)
+                if call is None:
+                    call = self._new_call(ccl, name, args, kwargs, key)[0]
+                nbytes = int(getattr(buf, "nbytes", 0) or 0)
+            except TypeError:  # an unhashable argument: the slow way
+                call = None
+        if call is None:
+            call, nbytes = self._new_call(ccl, name, args, kwargs, None)
+        ids, counter = call
+        seq = counter[0]
+        counter[0] = seq + 1
         t0 = now()
         try:
             if hand_over is not None:
@@ -390,3 +369,31 @@ class Recorder:
             n = self.count
             self._pack(self._ring, (n % self.capacity) * 64, K_COLLECTIVE, ids[0], t0, t1, seq, nbytes, -1, ids[1])  # fmt: skip
             self.count = n + 1
+
+    def _new_call(self, ccl: Any, name: str, args: tuple, kwargs: dict, key: tuple | None) -> tuple:
+        """``((name id, attributes id), seq counter), bytes`` of a call, its first part
+        cached under ``key`` (None: not cached).
+
+        The seq counter is a one-item list shared by every call of one communicator.
+        """
+        bound = dict(zip(_PARAMS.get(name, ()), args))
+        bound.update(kwargs)
+        # what every member holds alike: broadcast's and scatter's src is the root's only
+        buf = bound.get("dst") if name in ("broadcast", "scatter") else bound.get("src", bound.get("buf"))  # fmt: skip
+        in_group = bound.get("in_group", False)
+        reduce = bound.get("op", "") if name == "allreduce" else ""
+        peer = bound.get("peer", -1)
+        if name in ("send", "recv"):
+            comm = "p2p"
+        else:
+            comm, peer = ("group" if in_group else "world"), -1
+        # a send and a recv are counted per peer: the k-th send from a to b meets the
+        # k-th recv on b from a (the file joins them)
+        counter = self.seqs.setdefault(comm if comm != "p2p" else f"{name}>{peer}", [0])
+        # str() of a NumPy dtype alone costs ~3 us, more than a small collective
+        dtype = getattr(buf, "dtype", "")
+        attrs = f"{dtype}|{reduce}|{comm}|{ccl.ctx.group_id}|{peer}"
+        call = ((self.intern(name), self.intern(attrs)), counter)
+        if key is not None and len(self._calls) < 4096:
+            self._calls[key] = call
+        return call, int(getattr(buf, "nbytes", 0) or 0)

@@ -58,12 +58,9 @@ logger = logging.getLogger("disco_core.tracing")
 #: Round trips per worker when a clock offset is measured (the fastest one counts).
 CLOCK_ROUNDS = 8
 
-#: Files whose frames stand between the user's code and ``Session._call``: a send's
+#: Modules whose frames stand between the user's code and ``Session._call``: a send's
 #: ``site`` is the first frame outside them (the demo and the kits are users, too).
-_SESSION_FILES = frozenset(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
-    for name in ("session.py", "host_array.py")
-)
+_SESSION_MODULES = ("disco_core.session", "disco_core.host_array")
 #: The controller's synchronising methods a trace records (by the name the trace shows).
 _SYNC_METHODS = {
     "_sync_worker": "sync_worker",
@@ -373,28 +370,35 @@ class Trace:
                 known.clear()
             return func
 
-        sites: dict[Any, int] = {}  # (code, instruction) -> site id
+        # (code's id, instruction) -> site id; the codes are kept alive meanwhile, so an
+        # id is not reused (hashing a code object hashes its contents: ~0.1 us)
+        sites: dict[tuple[int, int], int] = {}
+        codes: list[Any] = []
+        # the modules whose frames stand between the user and _call, by their globals
+        # (one identity test a frame; reading its file name took two lookups)
+        inner_a, inner_b = (sys.modules[m].__dict__ for m in _SESSION_MODULES)
 
         def site_of_caller() -> int:
             """Where in the user's code the collective was called (collectives only)."""
             frame: Any = getframe(3)  # 1: recording_call, 2: Session's own caller of _call
-            while frame is not None and frame.f_code.co_filename in inner:
+            while frame is not None and (frame.f_globals is inner_a or frame.f_globals is inner_b):
                 frame = frame.f_back
             if frame is None:
                 return intern("?")
             # keyed by the instruction: a frame's line number is computed from it each
             # time it is read (a walk of the line table)
-            key = (frame.f_code, frame.f_lasti)
+            code = frame.f_code
+            key = (id(code), frame.f_lasti)
             found = sites.get(key)
             if found is None:
-                code = frame.f_code
+                codes.append(code)
                 found = sites[key] = intern(
                     f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
                 )
             return found
 
         call = Session._call
-        getframe, inner = sys._getframe, _SESSION_FILES
+        getframe = sys._getframe
         sends = rec.sends = SendRing(rec.capacity)
         ring, step, size, pack = sends.writer()
         clock = now
