@@ -791,6 +791,12 @@ FLUSH_DELAY = env_seconds_or_default("DISCO_FLUSH_DELAY", 0.0005)
 #: Most commands held back in a channel's batch before it is handed to the links.
 BATCH_COMMANDS = 256
 
+#: Most commands a worker of the controller's process may have waiting: past it, the
+#: controller runs them itself before it goes on (as a full pipe makes it wait for a
+#: worker in another process), so a program that never syncs keeps its memory bounded
+#: (about 200 bytes a command).
+PENDING_COMMANDS = 1 << 14
+
 
 class LinkChannel(Channel):
     """A :class:`Channel` made of links, one per worker or per node.
@@ -1130,6 +1136,8 @@ class LinkChannel(Channel):
             batch += cmds
         for pending in self._pendings:
             pending.extend(cmds)  # in-process workers take immutable values as they are
+            if len(pending) > PENDING_COMMANDS:
+                self._catch_up()
         if self._direct_others:
             out = Outgoing(*cmds, shared=True)
             for link in self._direct_others:
@@ -1158,8 +1166,23 @@ class LinkChannel(Channel):
         else:
             for link in targets:
                 link.send(out)
+        for link in targets:
+            if type(link) is ThreadWorkerLink and len(link.pending) > PENDING_COMMANDS:
+                self._catch_up()
         if not self._flush_due:
             self._mark_dirty()
+
+    def _catch_up(self) -> None:
+        """Run the commands of every in-process worker that has too many waiting
+        (``PENDING_COMMANDS``) on this thread, as a sync with it would."""
+        hub = self.hub
+        hub.waiting += 1  # it may wait in a collective: the liveness watch judges silence
+        try:
+            for link in self.links:
+                if type(link) is ThreadWorkerLink and len(link.pending) > PENDING_COMMANDS:
+                    link.run_pending(self.check_alive)
+        finally:
+            hub.waiting -= 1
 
     def recv(self, worker_id: int, timeout: float | None = None) -> Any:
         link = self._link_of[worker_id]
