@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -449,3 +450,32 @@ def test_calls_of_one_communicator_share_its_seq_however_they_are_written():
         (4, "world", 16), (0, "group", 16), (5, "world", 16),
     ]  # fmt: skip
     assert rec.names[ev[3][7]].startswith("int64|max|")
+
+
+def test_a_freed_function_register_taken_by_a_returned_function_loses_its_old_name(tmp_path):
+    """A register that held ``get_global_func("testing.add")`` and, once freed, holds a
+    function a call returned names no global function: the worker's errors and the
+    trace call it by its register, not "testing.add"."""
+    sess = disco.ProcessSession(2)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        path = tmp_path / "t.json"
+        with disco.trace(sess, path):
+            add = sess.get_global_func("testing.add")
+            assert add(1, 2).debug_get_from_remote(1) == 3
+            freed = add.reg_id
+            del add
+            echo(0)  # the kill of add's register rides with this command
+            held = echo(echo)  # the returned function (echo) lands in the freed register
+            assert held.reg_id == freed
+            with pytest.raises(disco.WorkerError) as err:
+                sess.call_packed(held, 1, 2, 3).debug_get_from_remote(1)  # echo takes one
+        assert "testing.add" not in str(err.value)
+        assert f"register {freed}" in str(err.value)
+        events = json.loads(path.read_text())["traceEvents"]
+        names = [e["name"] for e in events if e.get("cat") == "command" and e["tid"] != 0]
+        assert names.count("testing.add") == 2  # the call before, on each worker
+        assert names.count(f"register {freed}") == 2
+    finally:
+        sess.shutdown()

@@ -112,7 +112,12 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
                 offset = o if o < size else lap()
         action = cmd[0]
         if action == _KILL_REG:  # freeing registers rides with most commands: not worth a record
-            return execute(worker, cmd)
+            known = len(names)
+            try:
+                return execute(worker, cmd)
+            finally:
+                if len(names) != known:  # a function's register was freed (the worker
+                    tags.clear()  # forgot its name): what it holds next is named anew
         if action == P.GET_GLOBAL_FUNC:
             tags.pop(cmd[1], None)  # the register names another function from now on
         others += 1

@@ -326,9 +326,11 @@ class Worker:
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
         elif action == _KILL_REG:
-            pop = self.regs.pop
+            pop, names = self.regs.pop, self._names
             for reg in cmd[1]:
                 pop(reg, None)
+                if reg in names:  # a freed register names no function any more
+                    del names[reg]
         elif action == P.GET_GLOBAL_FUNC:
             _, reg, name = cmd
             fn = registry.get_global_func(name, allow_missing=True)
