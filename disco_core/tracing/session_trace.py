@@ -407,24 +407,29 @@ class Trace:
         lap = sends.lap
 
         handle_cls = (call.__defaults__ or (None,))[0]  # _call's own default (DRef)
+        lock = session._lock
 
         def recording_call(func: Any, args: tuple, cls: Any = handle_cls) -> Any:
             # The hot path of a traced session, every step counted: one clock read (a
             # send is an instant) and a three-field record; its seq is its place in
             # the ring, and no counter but the write offset is kept.
+            # Under the session's send lock (re-entered by _call): the place in the
+            # ring is the command's seq, so two threads' sends are recorded in the
+            # order they went out.
             nonlocal offset
-            t0 = clock()
-            ref = call(session, func, args, cls)
-            name = known.get(func.reg_id)
-            if name is None:
-                name = lookup(func.reg_id)
-            o = offset
-            if name >= 0:
-                pack(ring, o, name, t0, no_site)
-            else:
-                pack(ring, o, ~name, t0, site_of_caller())
-            o += step
-            offset = o if o < size else lap()
+            with lock:
+                t0 = clock()
+                ref = call(session, func, args, cls)
+                name = known.get(func.reg_id)
+                if name is None:
+                    name = lookup(func.reg_id)
+                o = offset
+                if name >= 0:
+                    pack(ring, o, name, t0, no_site)
+                else:
+                    pack(ring, o, ~name, t0, site_of_caller())
+                o += step
+                offset = o if o < size else lap()
             return ref
 
         session._call = recording_call

@@ -1,0 +1,129 @@
+"""A controller's threads may share one session.
+
+Asynchronous calls were always safe from several threads (they are sent under the
+session's lock). A synchronising call waits for the worker's next answer, and
+answers come in the order the commands went: before ``Session._sync_lock``, two
+threads reading from one worker at once took each other's values (926 wrong in
+2 x 2,000 ``debug_get_from_remote``). Now one synchronising call runs at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import disco_core as disco
+
+pytestmark = pytest.mark.timeout(180)
+
+ROUNDS = 400
+
+
+def _session(kind: str) -> disco.Session:
+    sess = disco.ProcessSession(2) if kind == "process" else disco.ThreadedSession(2)
+    sess.import_python_module("disco_core.testing.funcs")
+    return sess
+
+
+def _run_threads(*targets) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def guarded(target):
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return errors
+
+
+@pytest.mark.parametrize("kind", ["process", "threaded"])
+def test_threads_reading_from_one_worker_get_their_own_values(kind):
+    sess = _session(kind)
+    try:
+        echo = sess.get_global_func("testing.echo")
+        refs = [echo(i) for i in range(3)]
+        arr = sess.empty((64,), "float64")
+        sess.copy_to_worker_0(np.arange(64.0), arr)
+        wrong: list[tuple] = []
+
+        def reader(i: int):
+            def run():
+                for _ in range(ROUNDS):
+                    got = refs[i].debug_get_from_remote(1)
+                    if got != i:
+                        wrong.append((i, got))
+
+            return run
+
+        def copier():
+            out = np.empty(64)
+            for _ in range(ROUNDS):
+                sess.copy_from_worker_0(out, arr)
+                if out[5] != 5.0:
+                    wrong.append(("copy", out[5]))
+                sess.sync_worker_0()
+                sess._sync_all()
+
+        errors = _run_threads(reader(0), reader(1), reader(2), copier)
+        assert not errors, errors
+        assert not wrong, wrong[:5]
+    finally:
+        sess.shutdown()
+
+
+def test_a_trace_numbers_the_sends_of_two_threads_in_the_order_they_went(tmp_path, monkeypatch):
+    """The controller's send record names a collective by its seq, which the workers
+    number in the order the commands came: two threads' sends must be recorded in
+    that order, or a send would name another thread's command.
+
+    A thread is rarely switched out between its send and its record (the GIL's
+    switch interval is 5 ms), so each send here gives the other thread its turn
+    right after it went out: without the lock around both, most seqs were swapped."""
+    sess = _session("process")
+    cls = type(sess)
+    send = cls._call
+
+    def send_then_yield(self, func, args, cls=send.__defaults__[0]):
+        ref = send(self, func, args, cls)
+        time.sleep(0)  # the other thread's turn, before this send is recorded
+        return ref
+
+    monkeypatch.setattr(cls, "_call", send_then_yield)
+    try:
+        sess.init_ccl("shm")
+        echo = sess.get_global_func("testing.echo")
+        x = sess.empty((4,), "float32")
+        y = sess.empty((4,), "float32")
+        path = tmp_path / "t.json"
+        with disco.trace(sess, path):
+
+            def collectives():
+                for _ in range(ROUNDS):
+                    sess.allreduce(x, y, "sum")
+
+            def calls():
+                for i in range(ROUNDS):
+                    echo(i)
+
+            assert not _run_threads(collectives, calls)
+        events = json.loads(path.read_text())["traceEvents"]
+        sends = {e["args"]["seq"]: e["name"] for e in events if e.get("cat") == "send"}
+        for tid in (1, 2):
+            ran = {e["args"]["seq"]: e["name"] for e in events
+                   if e.get("cat") == "command" and e["tid"] == tid and e["args"]["seq"] >= 0}  # fmt: skip
+            named = {s: n for s, n in sends.items() if n == "disco.allreduce"}
+            assert len(named) == ROUNDS
+            assert all(ran[s] == n for s, n in named.items()), "a send named another command"
+    finally:
+        sess.shutdown()
