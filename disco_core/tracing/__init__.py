@@ -7,4 +7,13 @@
 trace needs no session, and plotting needs matplotlib.
 """
 
-__all__ = ["chrome", "format", "plot", "recorder", "session_trace", "summary", "worker_side"]
+__all__ = [
+    "ccl_hooks",
+    "chrome",
+    "format",
+    "plot",
+    "recorder",
+    "session_trace",
+    "summary",
+    "worker_side",
+]

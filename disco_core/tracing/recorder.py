@@ -254,7 +254,7 @@ class Recorder:
         Events kept; older ones are overwritten (and counted in :attr:`dropped`).
     """
 
-    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs", "commands", "sends", "_calls")  # fmt: skip
+    __slots__ = ("capacity", "count", "names", "_ids", "_ring", "_pack", "seqs", "commands", "sends", "_calls", "hooked")  # fmt: skip
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = int(capacity)
@@ -272,6 +272,9 @@ class Recorder:
         self.commands: CommandRing | None = None
         #: controller side: the sends, written apart (``session_trace``); None elsewhere
         self.sends: SendRing | None = None
+        #: worker side: the CCL instance whose operations record here, and their names
+        #: (``ccl_hooks``); None when none
+        self.hooked: tuple[Any, list[str]] | None = None
 
     def intern(self, text: str) -> int:
         """The table index of ``text`` (added on first use)."""

@@ -370,31 +370,22 @@ class Trace:
                 known.clear()
             return func
 
-        # (code's id, instruction) -> site id; the codes are kept alive meanwhile, so an
-        # id is not reused (hashing a code object hashes its contents: ~0.1 us)
+        # A collective's call site: (code's id, instruction) -> site id. The codes are
+        # kept alive meanwhile, so an id is not reused (hashing a code object hashes
+        # its contents: ~0.1 us). The session's own modules are told by their globals.
         sites: dict[tuple[int, int], int] = {}
         codes: list[Any] = []
-        # the modules whose frames stand between the user and _call, by their globals
-        # (one identity test a frame; reading its file name took two lookups)
         inner_a, inner_b = (sys.modules[m].__dict__ for m in _SESSION_MODULES)
 
-        def site_of_caller() -> int:
-            """Where in the user's code the collective was called (collectives only)."""
-            frame: Any = getframe(3)  # 1: recording_call, 2: Session's own caller of _call
-            while frame is not None and (frame.f_globals is inner_a or frame.f_globals is inner_b):
-                frame = frame.f_back
+        def new_site(frame: Any) -> int:
+            """The site id of ``frame``'s instruction, first seen (None: no user frame)."""
             if frame is None:
                 return intern("?")
-            # keyed by the instruction: a frame's line number is computed from it each
-            # time it is read (a walk of the line table)
             code = frame.f_code
-            key = (id(code), frame.f_lasti)
-            found = sites.get(key)
-            if found is None:
-                codes.append(code)
-                found = sites[key] = intern(
-                    f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
-                )
+            codes.append(code)
+            found = sites[(id(code), frame.f_lasti)] = intern(
+                f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+            )
             return found
 
         call = Session._call
@@ -427,7 +418,17 @@ class Trace:
                 if name >= 0:
                     pack(ring, o, name, t0, no_site)
                 else:
-                    pack(ring, o, ~name, t0, site_of_caller())
+                    # A collective: where in the user's code it was called, the first
+                    # frame outside the session's modules (told by their globals: one
+                    # identity test a frame), keyed by the code's id and instruction (a
+                    # frame's line number is computed from it each time it is read)
+                    frame: Any = getframe(1)  # 0: this function, 1: Session's caller of _call
+                    while frame is not None and (
+                        frame.f_globals is inner_a or frame.f_globals is inner_b
+                    ):
+                        frame = frame.f_back
+                    site = None if frame is None else sites.get((id(frame.f_code), frame.f_lasti))  # fmt: skip
+                    pack(ring, o, ~name, t0, new_site(frame) if site is None else site)
                 o += step
                 offset = o if o < size else lap()
             return ref

@@ -2,9 +2,11 @@
 
 Nothing here runs while tracing is off. Starting a trace puts a recording
 ``execute`` on the :class:`~disco_core.worker.Worker` instance (the class's own
-``execute`` is untouched, so an untraced worker pays nothing) and a
+``execute`` is untouched, so an untraced worker pays nothing), recording
+operations on its CCL instance (:mod:`~disco_core.tracing.ccl_hooks`), and a
 :class:`~disco_core.tracing.recorder.Recorder` in ``ctx.tracer``, which the CCL's
-operation wrapper (``disco_core.ccl.base``) looks at once per collective.
+operation wrapper (``disco_core.ccl.base``) looks at once per collective (a CCL
+made during the trace, an operation the hooks leave to it).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as P
+from . import ccl_hooks
 from .recorder import K_COMMAND, K_COPY, K_MODULE, CommandRing, Recorder, now
 
 __all__ = ["start", "stop", "ACTION_NAMES", "MODULE_FUNCTIONS"]
@@ -49,6 +52,8 @@ def start(ctx: Any, capacity: int) -> None:
     stop(ctx)
     rec = Recorder(capacity)
     ctx.tracer = rec
+    if ctx.ccl is not None:
+        rec.hooked = (ctx.ccl, ccl_hooks.install(ctx.ccl, rec))
     worker = ctx.worker
     if worker is not None:
         worker.execute = _recording_execute(worker, rec)
@@ -62,6 +67,8 @@ def stop(ctx: Any) -> dict[str, Any] | None:
         worker.__dict__.pop("execute", None)  # the class's own again
     if rec is None:
         return None
+    if rec.hooked is not None:
+        ccl_hooks.uninstall(*rec.hooked)
     out = rec.export()
     out["worker"] = ctx.worker_id
     return out
