@@ -273,8 +273,13 @@ def _one_thread_at_a_time(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def one_at_a_time(self: Session, *args: Any, **kwargs: Any) -> Any:
-        with self._sync_lock:
+        lock = self._sync_lock
+        while not lock.acquire(timeout=0.2):  # another thread's call: wait for it,
+            self._check_open()  # unless the session is shut down meanwhile
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            lock.release()
 
     return one_at_a_time
 
@@ -425,6 +430,8 @@ class Session:
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
         channel = self._channel
+        if channel.backlogged:  # see Channel.backlogged
+            channel.catch_up()
         with self._lock:
             released = self._released
             if released and workers is None:
@@ -457,6 +464,8 @@ class Session:
                     raise DiscoValueError(f"call_packed: {a!r} belongs to another session")
             else:
                 shared = False  # copied for in-process workers, encoded at once
+        if self._channel.backlogged:  # worker 0 is far behind: run its commands first,
+            self._channel.catch_up()  # outside the lock (see Channel.backlogged)
         # The hot path of every session: _send() inlined.
         with self._lock:
             free = self._free_regs
@@ -684,13 +693,18 @@ class Session:
         which TVM's own tests call); raise pending worker errors."""
         w = self._check_worker(worker_id)
         self._check_open()
-        with self._sync_lock:  # one thread at a time (see _one_thread_at_a_time), inline: hot
-            try:
-                self._channel.sync(w)
-            except WorkerError as exc:
-                self._raise_pending(exc)
-                raise
+        lock = self._sync_lock  # one thread at a time (see _one_thread_at_a_time), inline: hot
+        while not lock.acquire(timeout=0.2):
+            self._check_open()
+        try:
+            self._channel.sync(w)
+        except WorkerError as exc:
+            self._raise_pending(exc)
+            raise
+        else:
             self._raise_pending()
+        finally:
+            lock.release()
 
     @_one_thread_at_a_time
     def copy_from_worker_0(self, host_array: np.ndarray, remote_array: DRef) -> None:

@@ -127,3 +127,76 @@ def test_a_trace_numbers_the_sends_of_two_threads_in_the_order_they_went(tmp_pat
             assert all(ran[s] == n for s, n in named.items()), "a send named another command"
     finally:
         sess.shutdown()
+
+
+def test_a_shutdown_ends_the_waits_of_other_threads():
+    """One thread waits for a worker that sleeps for minutes, another for its turn to
+    sync; a third shuts the session down: both get SessionClosedError, at once."""
+    sess = _session("process")
+    echo = sess.get_global_func("testing.echo")
+    one = echo(1)
+    sess.get_global_func("testing.sleep")(600.0, 1)  # worker 1 is busy for 10 minutes
+    outcome: dict[str, str] = {}
+
+    def wait_for_worker_1():
+        try:
+            one.debug_get_from_remote(1)
+            outcome["first"] = "answered"
+        except disco.DiscoError as exc:
+            outcome["first"] = type(exc).__name__
+
+    def wait_for_the_first():
+        time.sleep(0.5)  # the first thread holds the sync lock by then
+        try:
+            one.debug_get_from_remote(0)
+            outcome["second"] = "answered"
+        except disco.DiscoError as exc:
+            outcome["second"] = type(exc).__name__
+
+    threads = [threading.Thread(target=f) for f in (wait_for_worker_1, wait_for_the_first)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    sess.shutdown()
+    for t in threads:
+        t.join(15)
+    assert not any(t.is_alive() for t in threads), f"a wait outlived the shutdown: {outcome}"
+    assert outcome == {"first": "SessionClosedError", "second": "SessionClosedError"}
+    assert time.monotonic() - t0 < 15
+
+
+def test_a_shutdown_is_not_held_up_by_a_thread_that_floods_a_busy_worker_0(monkeypatch):
+    """A thread whose calls outrun worker 0 (busy in a long function) waits for it, as a
+    full pipe would make it wait for another worker; a shutdown from another thread
+    does not wait with it (the controller catches up outside the session's lock)."""
+    from disco_core.channels import base
+
+    monkeypatch.setattr(base, "PENDING_COMMANDS", 100)
+    sess = _session("process")
+    add = sess.get_global_func("testing.add")
+    busy = 12.0
+    sess.get_global_func("testing.sleep")(busy, 0)  # worker 0 is busy meanwhile
+    ended: list[str] = []
+
+    def flood():
+        try:
+            for i in range(1000):
+                add(i, 1)
+            ended.append("all sent")
+        except disco.DiscoError as exc:
+            ended.append(type(exc).__name__)
+
+    t = threading.Thread(target=flood, daemon=True)  # it waits for worker 0 meanwhile
+    t.start()
+    time.sleep(1.0)
+    assert not ended  # held back by the bound
+    t0 = time.monotonic()
+    sess.shutdown()
+    assert time.monotonic() - t0 < busy - 2  # not until worker 0 is done
+    # worker 0's function ends, then the flooding thread (no thread outlives the test)
+    t.join(30)
+    assert not t.is_alive() and ended == ["SessionClosedError"], ended
+    for left in threading.enumerate():
+        if left.name.startswith("disco-worker-"):
+            left.join(30)

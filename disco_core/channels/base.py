@@ -31,6 +31,7 @@ from .. import protocol
 from ..errors import (
     DiscoError,
     DiscoTimeoutError,
+    SessionClosedError,
     WorkerDiedError,
     WorkerError,
     WorkerUnresponsiveError,
@@ -137,6 +138,17 @@ class Channel(abc.ABC):
     num_nodes: int = 1
     shares_memory: bool = True
     kind: str = "?"
+    #: True when a worker of the controller's process has more commands waiting than
+    #: it may (``PENDING_COMMANDS``): the session then calls :meth:`catch_up` before
+    #: its next send, outside its own lock (a shutdown from another thread goes on).
+    backlogged: bool = False
+
+    def catch_up(self) -> None:
+        """Run what the workers of the controller's process have waiting, on this thread.
+
+        The default does nothing (a channel whose workers all live elsewhere: a full
+        pipe or socket makes the controller wait instead).
+        """
 
     @abc.abstractmethod
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
@@ -241,8 +253,16 @@ class ReplyHub:
         #: how many controller threads wait for a reply right now
         self.waiting = 0
         self.closing = False
+        #: True once the channel is closed: a wait still going then raises
+        self.is_shut = False
         self._death_callbacks: list[Callable[[list[int], str], None]] = []
         self._lock = threading.Lock()
+
+    def shut(self) -> None:
+        """The channel is closed: every wait still going (another thread's) raises."""
+        self.is_shut = True
+        for q in self.replies:
+            q.put(self._WAKE)
 
     def deliver(self, worker_id: int, msg: tuple) -> None:
         self.seen[worker_id] = time.monotonic()
@@ -319,6 +339,10 @@ class ReplyHub:
         while True:
             if self.dead:
                 raise self.died_error()
+            if self.is_shut:
+                raise SessionClosedError(
+                    f"the session was shut down while waiting for worker {worker_id}"
+                )
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -1136,8 +1160,9 @@ class LinkChannel(Channel):
             batch += cmds
         for pending in self._pendings:
             pending.extend(cmds)  # in-process workers take immutable values as they are
-            if len(pending) > PENDING_COMMANDS:
-                self._catch_up()
+        for pending in self._pendings:  # every queue has the command first: it may be a
+            if len(pending) > PENDING_COMMANDS:  # collective that waits for all of them
+                self.backlogged = True
         if self._direct_others:
             out = Outgoing(*cmds, shared=True)
             for link in self._direct_others:
@@ -1168,13 +1193,14 @@ class LinkChannel(Channel):
                 link.send(out)
         for link in targets:
             if type(link) is ThreadWorkerLink and len(link.pending) > PENDING_COMMANDS:
-                self._catch_up()
+                self.backlogged = True
         if not self._flush_due:
             self._mark_dirty()
 
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
         """Run the commands of every in-process worker that has too many waiting
         (``PENDING_COMMANDS``) on this thread, as a sync with it would."""
+        self.backlogged = False
         hub = self.hub
         hub.waiting += 1  # it may wait in a collective: the liveness watch judges silence
         try:
@@ -1262,3 +1288,4 @@ class LinkChannel(Channel):
                 link.close(deadline)
             except Exception:
                 pass
+        self.hub.shut()

@@ -398,7 +398,7 @@ class Trace:
         lap = sends.lap
 
         handle_cls = (call.__defaults__ or (None,))[0]  # _call's own default (DRef)
-        lock = session._lock
+        lock, channel = session._lock, session._channel
 
         def recording_call(func: Any, args: tuple, cls: Any = handle_cls) -> Any:
             # The hot path of a traced session, every step counted: one clock read (a
@@ -408,6 +408,8 @@ class Trace:
             # ring is the command's seq, so two threads' sends are recorded in the
             # order they went out.
             nonlocal offset
+            if channel.backlogged:  # what _call does first, outside the lock
+                channel.catch_up()
             with lock:
                 t0 = clock()
                 ref = call(session, func, args, cls)
