@@ -786,6 +786,7 @@ class Session:
         return self._call(func, (path, as_device(device)), DModule)
 
     # ------------------------------------------------------------------ collectives
+    @_one_thread_at_a_time  # two threads' calls: the second finds the first's CCL
     def init_ccl(self, ccl: str, *device_ids: int, **options: Any) -> None:
         """Initialise the collective library ``ccl`` on every worker.
 

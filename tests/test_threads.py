@@ -200,3 +200,26 @@ def test_a_shutdown_is_not_held_up_by_a_thread_that_floods_a_busy_worker_0(monke
     for left in threading.enumerate():
         if left.name.startswith("disco-worker-"):
             left.join(30)
+
+
+def test_two_threads_initialising_a_ccl_leave_one_working():
+    """The second of two concurrent init_ccl calls is refused on the controller; before,
+    both went to the workers and the loser's clean-up took the winner's CCL down."""
+    sess = _session("process")
+    try:
+        results: list[str] = []
+
+        def init():
+            try:
+                sess.init_ccl("shm")
+                results.append("ok")
+            except disco.DiscoError as exc:
+                results.append(type(exc).__name__)
+
+        assert not _run_threads(init, init)
+        assert sorted(results) == ["CCLError", "ok"], results
+        x = sess.empty((4,), "float32")
+        sess.allreduce(x, x)
+        sess._sync_all()
+    finally:
+        sess.shutdown()
