@@ -274,8 +274,8 @@ def _one_thread_at_a_time(method: Callable) -> Callable:
     @functools.wraps(method)
     def one_at_a_time(self: Session, *args: Any, **kwargs: Any) -> Any:
         lock = self._sync_lock
-        while not lock.acquire(timeout=0.2):  # another thread's call: wait for it,
-            self._check_open()  # unless the session is shut down meanwhile
+        if not lock.acquire(False):  # another thread's call: wait for it
+            self._wait_for_sync_lock()
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -418,6 +418,13 @@ class Session:
     def _check_open(self) -> None:
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
+
+    def _wait_for_sync_lock(self) -> None:
+        """Take ``_sync_lock`` once another thread's synchronising call is done, unless
+        the session is shut down meanwhile (a non-blocking try came first: it is the
+        common case, and the cheapest)."""
+        while not self._sync_lock.acquire(timeout=0.2):
+            self._check_open()
 
     def _send(
         self,
@@ -694,8 +701,8 @@ class Session:
         w = self._check_worker(worker_id)
         self._check_open()
         lock = self._sync_lock  # one thread at a time (see _one_thread_at_a_time), inline: hot
-        while not lock.acquire(timeout=0.2):
-            self._check_open()
+        if not lock.acquire(False):
+            self._wait_for_sync_lock()
         try:
             self._channel.sync(w)
         except WorkerError as exc:

@@ -398,7 +398,7 @@ class Trace:
         lap = sends.lap
 
         handle_cls = (call.__defaults__ or (None,))[0]  # _call's own default (DRef)
-        lock, channel = session._lock, session._channel
+        acquire, release, channel = session._lock.acquire, session._lock.release, session._channel
 
         def recording_call(func: Any, args: tuple, cls: Any = handle_cls) -> Any:
             # The hot path of a traced session, every step counted: one clock read (a
@@ -410,7 +410,9 @@ class Trace:
             nonlocal offset
             if channel.backlogged:  # what _call does first, outside the lock
                 channel.catch_up()
-            with lock:
+            if not acquire(False):  # another thread sends: wait (the common case first)
+                acquire()
+            try:
                 t0 = clock()
                 ref = call(session, func, args, cls)
                 name = known.get(func.reg_id)
@@ -433,6 +435,8 @@ class Trace:
                     pack(ring, o, ~name, t0, new_site(frame) if site is None else site)
                 o += step
                 offset = o if o < size else lap()
+            finally:
+                release()
             return ref
 
         session._call = recording_call
