@@ -647,7 +647,10 @@ class Session:
             raise DiscoTypeError(f"get_global_func: name must be a str, got {type(name).__name__}")
         with self._lock:
             reg = self._alloc()
-            self._send((P.GET_GLOBAL_FUNC, reg, name), shared=True)
+        # Sent outside the lock (the register is this call's alone until it returns):
+        # _send may first run a worker 0 that is far behind, and a shutdown from
+        # another thread must not wait for that (see Channel.backlogged).
+        self._send((P.GET_GLOBAL_FUNC, reg, name), shared=True)
         return _handle(DPackedFunc, self, reg)
 
     def import_python_module(self, module_name: str) -> None:

@@ -166,7 +166,8 @@ def test_a_shutdown_ends_the_waits_of_other_threads():
     assert time.monotonic() - t0 < 15
 
 
-def test_a_shutdown_is_not_held_up_by_a_thread_that_floods_a_busy_worker_0(monkeypatch):
+@pytest.mark.parametrize("by", ["call_packed", "get_global_func"])
+def test_a_shutdown_is_not_held_up_by_a_thread_that_floods_a_busy_worker_0(by, monkeypatch):
     """A thread whose calls outrun worker 0 (busy in a long function) waits for it, as a
     full pipe would make it wait for another worker; a shutdown from another thread
     does not wait with it (the controller catches up outside the session's lock)."""
@@ -182,7 +183,10 @@ def test_a_shutdown_is_not_held_up_by_a_thread_that_floods_a_busy_worker_0(monke
     def flood():
         try:
             for i in range(1000):
-                add(i, 1)
+                if by == "call_packed":
+                    add(i, 1)
+                else:  # a send made under the session's lock before (outside check)
+                    sess.get_global_func("testing.add")
             ended.append("all sent")
         except disco.DiscoError as exc:
             ended.append(type(exc).__name__)
