@@ -93,7 +93,9 @@ def _nbytes(buf: Any) -> int:
 # One maker per shape of parameters. Each recording function is the hot path of a
 # traced collective, every step counted: a lookup (a miss is the slow path), the
 # communicator's seq, two clock reads and one record. Its key holds the buffer's
-# type, so a cached call's buffer is known to have an integer ``nbytes``.
+# type, so a cached call's buffer is known to have an integer ``nbytes``. The makers
+# repeat those steps rather than share a helper on purpose: one more call, with its
+# arguments packed again, would cost ~0.15 us a collective (a third of the hook).
 
 
 def _make_allreduce(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callable:
