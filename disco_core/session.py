@@ -419,6 +419,14 @@ class Session:
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
 
+    def _closed_meanwhile(self, exc: WorkerDiedError, worker_id: int) -> None:
+        """Raise SessionClosedError (from ``exc``) if another thread shut the session
+        down while this one waited: the workers then stop, and that is not a death."""
+        if self._state["closed"]:
+            raise SessionClosedError(
+                f"the session was shut down while waiting for worker {worker_id}"
+            ) from exc
+
     def _wait_for_sync_lock(self) -> None:
         """Take ``_sync_lock`` once another thread's synchronising call is done, unless
         the session is shut down meanwhile (a non-blocking try came first: it is the
@@ -509,6 +517,9 @@ class Session:
             return self._channel.recv(worker_id)
         except WorkerError as exc:
             failure = exc
+        except WorkerDiedError as exc:
+            self._closed_meanwhile(exc, worker_id)
+            raise
         # Outside the except block: the merged error is not chained to this one.
         self._raise_pending(failure)
         raise failure
@@ -710,6 +721,9 @@ class Session:
             self._channel.sync(w)
         except WorkerError as exc:
             self._raise_pending(exc)
+            raise
+        except WorkerDiedError as exc:
+            self._closed_meanwhile(exc, w)
             raise
         else:
             self._raise_pending()
