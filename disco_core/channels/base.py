@@ -253,7 +253,7 @@ class ReplyHub:
         #: how many controller threads wait for a reply right now
         self.waiting = 0
         self.closing = False
-        #: True once the channel is closed: a wait still going then raises
+        #: Whether the channel is closed (a wait still going then raises).
         self.is_shut = False
         self._death_callbacks: list[Callable[[list[int], str], None]] = []
         self._lock = threading.Lock()
