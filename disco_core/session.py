@@ -1054,7 +1054,8 @@ class Session:
         running = self._state.get("trace")
         if running is not None:
             try:
-                running.stop()
+                # bounded as the rest of a shutdown: a worker busy for good is left out
+                running.stop(within=env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0))
             except WorkerError as exc:  # the file is written; a traced command had failed
                 logger.warning("trace %s written; a command sent while tracing failed: %s", running.path, exc)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - shutting down must go on

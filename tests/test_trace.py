@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import disco_core as disco
 from disco_core import protocol
 from disco_core.testing import trace_checks
 from disco_core.tracing import session_trace
+from disco_core.tracing.format import worker_tid
 from disco_core.tracing.recorder import (
     K_COLLECTIVE,
     K_COMMAND,
@@ -479,3 +481,26 @@ def test_a_freed_function_register_taken_by_a_returned_function_loses_its_old_na
         assert names.count(f"register {freed}") == 2
     finally:
         sess.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_traced_shutdown_does_not_wait_for_a_worker_busy_for_good(tmp_path):
+    """Stopping the trace at shutdown waits DISCO_SHUTDOWN_TIMEOUT at most, as the rest
+    of a shutdown does: a worker busy in a long function is left out of the file, with
+    a note, and the others' tracks are written (it waited for the function's end)."""
+    sess = disco.ProcessSession(3)
+    sess.import_python_module("disco_core.testing.funcs")
+    path = tmp_path / "t.json"
+    session_trace.Trace(sess, path).start()  # on until the shutdown, as DISCO_TRACE is
+    echo = sess.get_global_func("testing.echo")
+    assert echo(5).debug_get_from_remote(2) == 5
+    sess.get_global_func("testing.sleep")(300.0, 1)  # worker 1: busy for 5 minutes
+    t0 = time.monotonic()
+    sess.shutdown()
+    assert time.monotonic() - t0 < 30
+    data = json.loads(path.read_text())
+    notes = data["otherData"]["notes"]
+    assert any(n.startswith("worker 1: no events (it did not answer") for n in notes), notes
+    tracks = {e["tid"] for e in data["traceEvents"] if e.get("cat") == "command"}
+    assert {worker_tid(0), worker_tid(2)} <= tracks
+    assert worker_tid(1) not in tracks

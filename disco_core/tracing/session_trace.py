@@ -26,18 +26,22 @@ import os
 import stat
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from .. import protocol as P
 from ..errors import (
     DiscoError,
     DiscoPermissionError,
+    DiscoTimeoutError,
     DiscoTypeError,
     DiscoValueError,
     WorkerError,
 )
+from ..settings import env_seconds_or_default
 from . import chrome, worker_side
 from .recorder import (
     FIELDS,
@@ -204,11 +208,19 @@ class Trace:
         logger.info("trace started: %s, %d events per worker at most", self.path, self.capacity)
         return self
 
-    def stop(self) -> str:
+    def stop(self, within: float | None = None) -> str:
         """Stop recording, gather every worker's events and write the file; return its path.
 
         A worker that cannot answer (it died) leaves its track empty, with a note in
         the file; the rest is still written.
+
+        Parameters
+        ----------
+        within : float, optional
+            Seconds to wait for the workers in all (what a shutdown allows): a worker
+            that has not answered by then (busy in a long function, stopped) leaves
+            its track empty, with a note, and the end of the trace is not measured
+            again on the clocks. None (the default) waits for every worker.
 
         Raises
         ------
@@ -229,6 +241,9 @@ class Trace:
             workers: list[dict | None] = [None] * session.num_workers
             stopped = None
             pending: WorkerError | None = None
+            if within is not None:
+                workers, t_end = self._gather_within(within, notes)
+                return self._write(workers, t_end, notes, None)
             try:
                 # The block's own commands first: their error is the program's, raised
                 # after the file is written (as the next sync would), not the trace's.
@@ -268,38 +283,100 @@ class Trace:
                         )
                     except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
                         notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
-            for w, got in enumerate(workers):
-                if got is not None and self._clocks[w] is None:
-                    notes.append(f"worker {w}: no events (its clock answer was not a clock, so its times cannot be placed)")  # fmt: skip
-            rec = self._rec
-            assert rec is not None
-            data = chrome.TraceData(
-                session={
-                    "channel": session.channel.kind,
-                    "num_workers": session.num_workers,
-                    "num_groups": session.num_groups,
-                },
-                t_start=self._t_start,
-                t_end=t_end,
-                controller=rec.export(),
-                workers=workers,
-                clocks=[c if workers[w] is not None else None for w, c in enumerate(self._clocks)],
-                method=(
-                    "workers on the controller's kernel clock (same boot id, no time "
-                    "namespace offset): offset 0 exactly; the others: the fastest of "
-                    f"{CLOCK_ROUNDS} round trips (a disco.trace_clock call and its reply) at "
-                    "the start and at the end, offset = worker clock - midpoint of the round "
-                    "trip, precision = half that round trip, interpolated in between"
-                ),
-                notes=notes,
-            )
-            chrome.write(data, self._target)
-            logger.info("trace written: %s", self.path)
-            for note in notes:
-                logger.warning("trace %s: %s", self.path, note)
-            if pending is not None:
-                raise pending
-            return self.path
+            return self._write(workers, t_end, notes, pending)
+
+    def _write(self, workers: list[dict | None], t_end: int, notes: list[str], pending: WorkerError | None) -> str:  # fmt: skip
+        """Write the file from the gathered events; raise ``pending`` after."""
+        session = self.session
+        for w, got in enumerate(workers):
+            if got is not None and self._clocks[w] is None:
+                notes.append(f"worker {w}: no events (its clock answer was not a clock, so its times cannot be placed)")  # fmt: skip
+        rec = self._rec
+        assert rec is not None
+        data = chrome.TraceData(
+            session={
+                "channel": session.channel.kind,
+                "num_workers": session.num_workers,
+                "num_groups": session.num_groups,
+            },
+            t_start=self._t_start,
+            t_end=t_end,
+            controller=rec.export(),
+            workers=workers,
+            clocks=[c if workers[w] is not None else None for w, c in enumerate(self._clocks)],
+            method=(
+                "workers on the controller's kernel clock (same boot id, no time "
+                "namespace offset): offset 0 exactly; the others: the fastest of "
+                f"{CLOCK_ROUNDS} round trips (a disco.trace_clock call and its reply) at "
+                "the start and at the end, offset = worker clock - midpoint of the round "
+                "trip, precision = half that round trip, interpolated in between"
+            ),
+            notes=notes,
+        )
+        chrome.write(data, self._target)
+        logger.info("trace written: %s", self.path)
+        for note in notes:
+            logger.warning("trace %s: %s", self.path, note)
+        if pending is not None:
+            raise pending
+        return self.path
+
+    def _gather_within(self, within: float, notes: list[str]) -> tuple[list[dict | None], int]:
+        """The workers' events and the window's end, waiting ``within`` seconds at most
+        for each step (a sync, the stop, the events): a worker that does not answer
+        in time is left out (with a note), and is asked nothing more (an answer of its
+        that comes late would be taken for the next one)."""
+        session = self.session
+        n = session.num_workers
+        workers: list[dict | None] = [None] * n
+        lock = session._sync_lock
+        if not lock.acquire(timeout=max(0.0, within)):
+            notes.append(f"no worker's events: another thread's synchronising call held the session for {within:g} s")  # fmt: skip
+            return workers, now()
+        try:
+            live = self._answering(range(n), within)
+            t_end = now()  # the window closes when the live workers have run everything
+            stopped = session.call_packed("disco.trace_stop")
+            live = self._answering(live, within)
+            for w in range(n):
+                if w not in live:
+                    notes.append(f"worker {w}: no events (it did not answer within {within:g} s: busy, stopped or gone)")  # fmt: skip
+                    continue
+                try:
+                    session._send((P.DEBUG_GET_FROM_REMOTE, stopped.reg_id, w), [w])
+                    got = session._channel.recv(w, timeout=max(0.001, within))
+                    workers[w] = _checked_export(got, self.capacity)
+                except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
+                    notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
+            return workers, t_end
+        finally:
+            lock.release()
+
+    def _answering(self, among: Any, within: float) -> list[int]:
+        """The workers of ``among`` that answer a sync within ``within`` seconds (all
+        waited for at once: one busy worker does not use up the others' time)."""
+        session = self.session
+        waiting = list(among)
+        for w in waiting:
+            session._send((P.SYNC_WORKER, w), [w], shared=True)
+        deadline = time.monotonic() + within
+        live = []
+        while waiting:
+            for w in list(waiting):
+                try:
+                    session._channel.recv(w, timeout=0.01)
+                except DiscoTimeoutError:
+                    if time.monotonic() > deadline:
+                        waiting.remove(w)  # busy or stopped: left out
+                    continue
+                except WorkerError:
+                    pass  # it answered, with an earlier command's failure
+                except Exception:  # noqa: BLE001 - dead: left out
+                    waiting.remove(w)
+                    continue
+                waiting.remove(w)
+                live.append(w)
+        return sorted(live)
 
     # ------------------------------------------------------------------ clocks
     def _measure_clocks(self) -> list[tuple[int, int | None, int]]:
@@ -598,6 +675,6 @@ def _stop_at_exit() -> None:
     for t in running:
         try:
             if t.active and not t.session.is_closed:
-                t.stop()
+                t.stop(within=env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0))
         except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
             logger.warning("trace %s could not be written at exit: %s", t.path, exc)
