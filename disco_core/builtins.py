@@ -152,6 +152,7 @@ def init_ccl(name: str, payload: Any, device_ids: tuple, options: dict) -> None:
         raise CCLError(f"worker {ctx.worker_id} already has a CCL ({ctx.ccl.name})")
     cls = plugins.lookup("ccl", name)
     ctx.ccl = cls(ctx, payload, tuple(device_ids), **dict(options))
+    _trace_worker.hook_ccl(ctx)  # a trace that runs records it like one made before
 
 
 @_builtin("ccl_preflight")

@@ -147,3 +147,20 @@ def test_a_trace_takes_its_hooks_off_the_ccl_when_it_stops():
         sess._sync_all()
     finally:
         sess.shutdown()
+
+
+def test_a_ccl_made_during_a_trace_gets_the_hooks_too():
+    """DISCO_TRACE, trace= and the demo's --trace start before init_ccl: the CCL made
+    then is recorded through the hooks as well, and left without them at the stop."""
+    sess = disco.ProcessSession(2)
+    try:
+        path = os.path.join(tempfile.mkdtemp(), "t.json")
+        with disco.trace(sess, path):
+            sess.init_ccl("shm")
+            ccl = sess._channel.links[0].worker.ctx.ccl
+            assert set(WAITING_OPS) <= set(vars(ccl))
+            x = sess.empty((4,), "float32")
+            sess.allreduce(x, x)
+        assert not set(vars(ccl)) & set(WAITING_OPS)
+    finally:
+        sess.shutdown()

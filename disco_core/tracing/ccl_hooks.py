@@ -12,8 +12,9 @@ operation on the worker's CCL instance, with the operation's own parameters
 and seq counter in one lookup keyed by the buffer's type and dtype and the other
 arguments, hands over, runs the class's unwrapped operation and writes one record
 (~0.3 us). :func:`uninstall` takes them off again, so an untraced CCL is
-untouched. An operation whose parameters differ from the base class's keeps the
-class's recording wrapper, as does a CCL made while the trace runs.
+untouched. A CCL made while the trace runs (``init_ccl`` after ``DISCO_TRACE`` or
+``trace=`` started it) gets them when it is made. An operation whose parameters
+differ from the base class's keeps the class's recording wrapper.
 
 The records are the :class:`~disco_core.tracing.recorder.Recorder`'s own
 (``K_COLLECTIVE``): the same as the class's wrapper writes.
@@ -71,23 +72,20 @@ def _same_parameters(op: Callable, base: Callable) -> bool:
 
 
 def _lookup(rec: Recorder, ccl: Any, name: str, cache: dict) -> Callable:
-    """The miss path: the call's ``(name id, attrs id, seq counter)``, cached under ``key``."""
+    """The miss path: the call's ``(name id, attrs id, seq counter)``, cached under
+    ``key``, and its bytes (read as the class wrapper reads them)."""
 
-    def miss(key: tuple, args: tuple) -> tuple:
-        (ids, counter), _ = rec._new_call(ccl, name, args, {}, None)
+    def miss(key: tuple, args: tuple) -> tuple[tuple, int]:
+        (ids, counter), nbytes = rec._new_call(ccl, name, args, {}, None)
         call = (ids[0], ids[1], counter)
         if len(cache) < _CACHE_CAP:
             try:
                 cache[key] = call
             except TypeError:  # an unhashable argument: not cached
                 pass
-        return call
+        return call, nbytes
 
     return miss
-
-
-def _nbytes(buf: Any) -> int:
-    return int(getattr(buf, "nbytes", 0) or 0)
 
 
 # One maker per shape of parameters. Each recording function is the hot path of a
@@ -110,7 +108,7 @@ def _make_allreduce(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callab
             nbytes = src.nbytes
         except (KeyError, TypeError, AttributeError):
             key = (type(src), getattr(src, "dtype", None), op, in_group)
-            call, nbytes = miss(key, (src, dst, op, in_group)), _nbytes(src)
+            call, nbytes = miss(key, (src, dst, op, in_group))
         counter = call[2]
         seq = counter[0]
         counter[0] = seq + 1
@@ -143,7 +141,7 @@ def _make_two_buffers(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Call
             nbytes = buf.nbytes
         except (KeyError, TypeError, AttributeError):
             key = (type(buf), getattr(buf, "dtype", None), in_group)
-            call, nbytes = miss(key, (src, dst, in_group)), _nbytes(buf)
+            call, nbytes = miss(key, (src, dst, in_group))
         counter = call[2]
         seq = counter[0]
         counter[0] = seq + 1
@@ -173,7 +171,7 @@ def _make_point_to_point(ccl: Any, raw: Callable, rec: Recorder, name: str) -> C
             nbytes = buf.nbytes
         except (KeyError, TypeError, AttributeError):
             key = (type(buf), getattr(buf, "dtype", None), peer)
-            call, nbytes = miss(key, (buf, peer)), _nbytes(buf)
+            call, nbytes = miss(key, (buf, peer))
         counter = call[2]
         seq = counter[0]
         counter[0] = seq + 1
@@ -201,7 +199,7 @@ def _make_barrier(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callable
             key = (in_group,)
             call = cache[key]
         except (KeyError, TypeError):
-            call = miss((in_group,), (in_group,))
+            call = miss((in_group,), (in_group,))[0]
         counter = call[2]
         seq = counter[0]
         counter[0] = seq + 1

@@ -5,8 +5,8 @@ Nothing here runs while tracing is off. Starting a trace puts a recording
 ``execute`` is untouched, so an untraced worker pays nothing), recording
 operations on its CCL instance (:mod:`~disco_core.tracing.ccl_hooks`), and a
 :class:`~disco_core.tracing.recorder.Recorder` in ``ctx.tracer``, which the CCL's
-operation wrapper (``disco_core.ccl.base``) looks at once per collective (a CCL
-made during the trace, an operation the hooks leave to it).
+operation wrapper (``disco_core.ccl.base``) looks at once per collective (an
+operation the hooks leave to it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .. import protocol as P
 from . import ccl_hooks
 from .recorder import K_COMMAND, K_COPY, K_MODULE, CommandRing, Recorder, now
 
-__all__ = ["start", "stop", "ACTION_NAMES", "MODULE_FUNCTIONS"]
+__all__ = ["start", "stop", "hook_ccl", "ACTION_NAMES", "MODULE_FUNCTIONS"]
 
 _CALL_PACKED, _KILL_REG = P.CALL_PACKED, P.KILL_REG  # module globals: the hot path's tests
 
@@ -52,11 +52,18 @@ def start(ctx: Any, capacity: int) -> None:
     stop(ctx)
     rec = Recorder(capacity)
     ctx.tracer = rec
-    if ctx.ccl is not None:
-        rec.hooked = (ctx.ccl, ccl_hooks.install(ctx.ccl, rec))
+    hook_ccl(ctx)
     worker = ctx.worker
     if worker is not None:
         worker.execute = _recording_execute(worker, rec)
+
+
+def hook_ccl(ctx: Any) -> None:
+    """Record the operations of the worker's CCL through hooks on it (``ccl_hooks``),
+    if a trace runs; called when the trace starts and when a CCL is made."""
+    rec = ctx.tracer
+    if rec is not None and ctx.ccl is not None and (rec.hooked is None or rec.hooked[0] is not ctx.ccl):  # fmt: skip
+        rec.hooked = (ctx.ccl, ccl_hooks.install(ctx.ccl, rec))
 
 
 def stop(ctx: Any) -> dict[str, Any] | None:
