@@ -1160,9 +1160,8 @@ class LinkChannel(Channel):
             batch += cmds
         for pending in self._pendings:
             pending.extend(cmds)  # in-process workers take immutable values as they are
-        for pending in self._pendings:  # every queue has the command first: it may be a
-            if len(pending) > PENDING_COMMANDS:  # collective that waits for all of them
-                self.backlogged = True
+            if len(pending) > PENDING_COMMANDS:  # caught up at the next send, when every
+                self.backlogged = True  # queue has this command (it may be a collective)
         if self._direct_others:
             out = Outgoing(*cmds, shared=True)
             for link in self._direct_others:
