@@ -174,6 +174,7 @@ def test_a_shutdown_is_not_held_up_by_a_thread_that_floods_a_busy_worker_0(by, m
     from disco_core.channels import base
 
     monkeypatch.setattr(base, "PENDING_COMMANDS", 100)
+    before = set(threading.enumerate())  # earlier tests may leave worker threads stuck for good
     sess = _session("process")
     add = sess.get_global_func("testing.add")
     busy = 12.0
@@ -201,7 +202,7 @@ def test_a_shutdown_is_not_held_up_by_a_thread_that_floods_a_busy_worker_0(by, m
     # worker 0's function ends, then the flooding thread (no thread outlives the test)
     t.join(30)
     assert not t.is_alive() and ended == ["SessionClosedError"], ended
-    for left in threading.enumerate():
+    for left in set(threading.enumerate()) - before:
         if left.name.startswith("disco-worker-"):
             left.join(30)
 
