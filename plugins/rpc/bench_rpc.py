@@ -13,7 +13,9 @@ client and server on one CPU; client on CPU 0 and the server process (and the
 session processes it forks) on the others. The server is started while this
 process sits on the server's CPUs, so it inherits them; TVM's child does the same
 for its own server. Each placement prints the floor (one-byte ping-pong over
-loopback TCP between two processes, memcpy) and the load average.
+loopback TCP between two processes, memcpy; the raw stream into fresh memory,
+where a download lands, and into a file, where an upload lands) and the load
+average.
 
 Targets, met only when met in every placement: call round trip <= TVM's
 and < 100 us; 64 MiB upload and download >= 0.9x the raw loopback stream;
@@ -29,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -40,12 +43,17 @@ from _placement import PLACEMENTS, Placement, floor, load_average, placements  #
 BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 
 
-def raw_loopback(nbytes: int, reps: int, place: Placement, fresh: bool = False) -> float:
+def raw_loopback(
+    nbytes: int, reps: int, place: Placement, fresh: bool = False, to_file: bool = False
+) -> float:
     """GB/s of one ``sendall`` of ``nbytes`` to another process over 127.0.0.1 (best of reps).
 
     ``fresh``: the receiver reads each time into a new buffer, as a download that
     returns new memory must (on some VMs the first touch of fresh pages costs more
-    than the copy itself); otherwise into one buffer, reused.
+    than the copy itself); otherwise into one buffer, reused. ``to_file``: the
+    receiver writes what it reads (1 MiB at a time, one reused buffer) into a new
+    file in the temporary folder, where an upload lands: the page cache's own cost,
+    the floor of an upload.
     """
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
@@ -58,12 +66,20 @@ def raw_loopback(nbytes: int, reps: int, place: Placement, fresh: bool = False) 
             lst.close()
             c = socket.create_connection(("127.0.0.1", port))
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            buf = bytearray(nbytes)
-            view = memoryview(buf)
+            view = memoryview(bytearray(min(nbytes, 1 << 20) if to_file else nbytes))
             for _ in range(reps):
                 if fresh:
                     view = memoryview(bytearray(nbytes))
                 got = 0
+                if to_file:
+                    with tempfile.TemporaryFile() as f:
+                        while got < nbytes:
+                            k = c.recv_into(view[: nbytes - got])
+                            f.write(view[:k])
+                            got += k
+                        f.flush()
+                        c.sendall(b"k")
+                    continue
                 while got < nbytes:
                     got += c.recv_into(view[got:])
                 c.sendall(b"k")
@@ -256,17 +272,19 @@ def main() -> int:
             load = os.getloadavg()[0]
             raw = raw_loopback(nbytes, a.reps, place)
             raw_fresh = raw_loopback(nbytes, a.reps, place, fresh=True)
+            raw_file = raw_loopback(nbytes, a.reps, place, to_file=True)
             ours = bench_disco(nbytes, a.calls, a.reps, place, a.token)
         # TVM's child pins itself the same way (it starts from every CPU)
         tvm = None if a.no_tvm else bench_tvm(nbytes, a.calls, a.reps, place)
         results[place.name] = dict(
-            raw=raw, raw_fresh=raw_fresh, ours=ours, tvm=tvm, floor=fl, load=load
+            raw=raw, raw_fresh=raw_fresh, raw_file=raw_file, ours=ours, tvm=tvm, floor=fl, load=load
         )
         print(
             f"\n== {place.describe()}: load {load:.2f}; floor: socket ping-pong "
             f"{fl['socket_rt_s'] * 1e6:.1f} us, memcpy {fl['memcpy_GBps']:.1f} GB/s; "
             f"raw loopback TCP stream {raw:.2f} GB/s, into fresh memory {raw_fresh:.2f} GB/s "
-            f"(download/fresh stream: {ours['download_GBps'] / raw_fresh:.2f})"
+            f"(download/fresh stream: {ours['download_GBps'] / raw_fresh:.2f}), into a file "
+            f"{raw_file:.2f} GB/s (upload/file stream: {ours['upload_GBps'] / raw_file:.2f})"
         )
         print(f"{'':28s} {'disco-rpc':>10s} {'tvm.rpc':>10s} {'ours/TVM':>9s} {'ours/stream':>11s}")
         for label, k, unit in ROWS:
