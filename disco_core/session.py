@@ -463,7 +463,7 @@ class Session:
                 return
             channel.send(Outgoing(cmd, by_reference=by_reference, shared=shared), workers)
 
-    def _call(self, func: DRef, args: tuple, cls: type = DRef) -> Any:
+    def _call(self, func: DRef, args: tuple, cls: type = DRef, _traced: bool = False) -> Any:
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
         if not isinstance(func, DRef) or func.session is not self:
@@ -483,6 +483,10 @@ class Session:
             self._channel.catch_up()  # outside the lock (see Channel.backlogged)
         # The hot path of every session: _send() inlined.
         with self._lock:
+            if not _traced and "_call" in self.__dict__:
+                # a trace started while this thread waited for the lock: its _call
+                # numbers this send, as the workers will number the command
+                return self.__dict__["_call"](func, args, cls)
             free = self._free_regs
             reg = free.pop() if free else self._alloc()
             cmd = (P.CALL_PACKED, reg, func.reg_id, args)

@@ -94,8 +94,8 @@ def test_a_trace_numbers_the_sends_of_two_threads_in_the_order_they_went(tmp_pat
     cls = type(sess)
     send = cls._call
 
-    def send_then_yield(self, func, args, cls=send.__defaults__[0]):
-        ref = send(self, func, args, cls)
+    def send_then_yield(self, func, args, cls=send.__defaults__[0], _traced=False):
+        ref = send(self, func, args, cls, _traced)
         time.sleep(0)  # the other thread's turn, before this send is recorded
         return ref
 

@@ -257,25 +257,66 @@ def test_a_name_another_user_made_in_a_sticky_folder_is_refused_at_the_start(tmp
     os.symlink("/etc/passwd", sticky / "link.json")
     # this process plays a user who owns neither the folder nor the names in it
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(sticky).st_uid + 4242)
-    for name in ("theirs.json", "link.json"):
-        with pytest.raises(disco.DiscoPermissionError, match="another user"):
-            session_trace.Trace.check_path(sticky / name)
+    with pytest.raises(disco.DiscoPermissionError, match="another user"):
+        session_trace.Trace.check_path(sticky / "theirs.json")
+    with pytest.raises(disco.DiscoValueError, match="not a regular file"):
+        session_trace.Trace.check_path(sticky / "link.json")  # refused whoever made it
     assert session_trace.Trace.check_path(sticky / "new.json")  # a free name is fine
     (tmp_path / "theirs.json").write_text("in a folder that is not sticky: replaceable")
     assert session_trace.Trace.check_path(tmp_path / "theirs.json")
 
 
-def test_the_file_replaces_a_symlink_or_fifo_at_its_path_never_writes_through(tmp_path):
+def test_a_path_that_is_not_a_regular_file_is_refused_never_replaced(tmp_path):
+    """The file is written whole, then renamed over its path: a symlink, a pipe or a
+    device there was replaced by a plain file (as root, ``/dev/null`` itself; outside
+    check). They are refused at the start now, and again when the file is written."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     os.symlink(victim, tmp_path / "link.json")
     os.mkfifo(tmp_path / "fifo.json")  # opening it to write would block until a reader came
     for name in ("link.json", "fifo.json"):
-        with disco.ThreadedSession(2) as sess, disco.trace(sess, tmp_path / name):
+        with disco.ThreadedSession(2) as sess:
+            with pytest.raises(disco.DiscoValueError, match="not a regular file"):
+                disco.trace(sess, tmp_path / name).__enter__()
+            sess.call_packed("disco.worker_id")  # the session is untouched
+            sess.sync_worker_0()
+    for path, kind in (("/dev/null", "character device"), (tmp_path / "link.json", "symbolic link")):  # fmt: skip
+        with pytest.raises(disco.DiscoValueError, match=kind):
+            session_trace.Trace.check_path(path)
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert os.path.islink(tmp_path / "link.json") and victim.read_text() == "precious"
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo.json").st_mode)
+    # made while the trace ran: the write refuses it too, and leaves no file of its own
+    later = tmp_path / "later.json"
+    with disco.ThreadedSession(2) as sess:
+        with pytest.raises(disco.DiscoError, match="could not write .*not a regular file"):
+            with disco.trace(sess, later):
+                sess.call_packed("disco.worker_id")
+                os.mkfifo(later)
+    assert stat.S_ISFIFO(os.lstat(later).st_mode)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".disco-trace")]
+
+
+def test_a_folder_where_no_file_can_be_made_is_refused_at_the_start():
+    """``os.access`` says yes to root in /proc, where no file can be made: the run went
+    to its end, then failed with a bare OSError naming a hidden temporary file."""
+    with pytest.raises(disco.DiscoPermissionError, match="no file can be written"):
+        session_trace.Trace.check_path("/proc/trace.json")
+
+
+def test_a_failed_write_is_a_disco_error_naming_the_trace(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    with disco.ThreadedSession(2) as sess:
+        with pytest.raises(disco.DiscoFileNotFoundError, match=r"could not write '.*gone/t\.json'"):
+            with disco.trace(sess, gone / "t.json"):
+                sess.call_packed("disco.worker_id")
+                gone.rmdir()
+        sess.call_packed("disco.worker_id")
+        sess.sync_worker_0()  # still usable, and traced again
+        with disco.trace(sess, tmp_path / "again.json"):
             sess.call_packed("disco.worker_id")
-        mode = os.lstat(tmp_path / name).st_mode
-        assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == 0o600
-    assert victim.read_text() == "precious"
+    assert (tmp_path / "again.json").stat().st_size > 0
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".disco-trace")]
 
 

@@ -85,6 +85,8 @@ def _header(s: Summary) -> list[str]:
             f"dropped: the oldest {s.controller_dropped} events of the controller were lost "
             "(ring buffer full); call sites of the commands they sent are unknown"
         )
+    for note in s.notes:  # e.g. a worker that died: its idle time below is not idleness
+        out += textwrap.wrap(f"note: {note}", width=100, subsequent_indent="  ")
     return out
 
 

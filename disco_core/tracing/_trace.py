@@ -77,6 +77,9 @@ class Trace:
         Each worker's events (index: worker id).
     controller : Track
         The controller's events (``send``, ``sync``, ``copy``).
+    notes : list of str
+        What the writer could not record (``otherData.notes``): a worker that died,
+        did not answer in time, or sent events that were left out.
     """
 
     path: str
@@ -89,6 +92,13 @@ class Trace:
     controller_dropped: int
     workers: list[Track]
     controller: Track
+    notes: list[str] = field(default_factory=list)
+
+
+def _notes(value: Any) -> list[str]:
+    """The file's notes, printable and bounded (a forged file's go to a terminal)."""
+    items = value[:100] if isinstance(value, list) else []
+    return ["".join(c if c.isprintable() else "?" for c in n[:500]) for n in items if isinstance(n, str)]  # fmt: skip
 
 
 @dataclass
@@ -233,6 +243,8 @@ def load(path: str | os.PathLike[str]) -> Trace:
         controller_dropped=int(_number(other.get("controller_dropped")) or 0),
         workers=[by_tid.get(w + 1, Track()) for w in range(num_workers)],
         controller=by_tid.get(CONTROLLER_TID, Track()),
+        # printable, bounded: a forged file's notes go to a terminal
+        notes=_notes(other.get("notes")),
     )
 
 

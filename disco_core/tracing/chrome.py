@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import secrets
+import stat
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -193,6 +197,8 @@ def iter_events(data: TraceData, other: dict[str, Any]) -> Iterator[dict[str, An
     ctl = data.controller
     names = ctl["names"]
     for kind, name_id, a, b, seq, f5, f6, f7 in ctl["events"].tolist():
+        if b < t0:  # the trace's own start (as on the workers' tracks)
+            continue
         ts, dur = (a - t0) / 1e3, max(0.0, (b - a) / 1e3)
         if kind == K_SEND:
             name = names[name_id] or names_by_seq.get(seq, "call_packed")
@@ -245,17 +251,60 @@ def build(data: TraceData) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
+def probe_folder(folder: str) -> None:
+    """Make and drop a file in ``folder`` (``OSError`` if none can be made there)."""
+    os.close(_new_file(folder)[0])
+
+
+def _new_file(folder: str) -> tuple[int, str | None]:
+    """An open, writable new file in ``folder``: unnamed where the file system allows it
+    (``O_TMPFILE``: a process killed while writing leaves nothing), else a hidden
+    temporary name (returned, to be renamed or removed)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if flag:
+        try:
+            return os.open(folder, flag | os.O_WRONLY | os.O_CLOEXEC, 0o600), None
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise  # else: this file system has no unnamed files
+    fd, tmp = tempfile.mkstemp(prefix=".disco-trace-", suffix=".json", dir=folder)
+    return fd, tmp
+
+
+def _link_unnamed(fd: int, folder: str) -> str:
+    """Give the unnamed file ``fd`` a hidden name in ``folder``; return it."""
+    # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N (os.link calls plain link(), which
+    # does not follow the magic link, unless a directory fd is given)
+    proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for _ in range(100):
+            tmp = os.path.join(folder, f".disco-trace-{secrets.token_hex(6)}.json")
+            try:
+                os.link(f"self/fd/{fd}", tmp, src_dir_fd=proc, follow_symlinks=True)
+                return tmp
+            except FileExistsError:
+                continue
+    finally:
+        os.close(proc)
+    raise FileExistsError(errno.EEXIST, "no free temporary name", folder)
+
+
 def write(obj: TraceData | dict[str, Any], path: str | os.PathLike) -> str:
     """Write the trace file atomically (a reader never sees half of it); return its path.
 
     ``obj`` is the recorded :class:`TraceData`, streamed one event at a time (a file
     of a million events is never a million dicts in memory), or a built JSON object.
+    The file is written unnamed (``O_TMPFILE``) and named once whole, so a process
+    killed while writing leaves no file behind. A path that is not a regular file
+    (a device, a pipe, a symbolic link) is refused rather than replaced.
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".disco-trace-", suffix=".json", dir=folder)
+    fd, tmp = _new_file(folder)
     try:
-        with os.fdopen(fd, "w") as f:
+        # 1 MiB buffers: each write to the file lets other threads take the GIL (a thread
+        # that sends commands meanwhile held every one of ~1,000 small writes ~5 ms)
+        with os.fdopen(fd, "w", buffering=1 << 20, closefd=False) as f:
             if isinstance(obj, dict):
                 json.dump(obj, f, separators=(",", ":"))
             else:
@@ -269,11 +318,19 @@ def write(obj: TraceData | dict[str, Any], path: str | os.PathLike) -> str:
                 f.write('],"displayTimeUnit":"ms","otherData":')
                 f.write(dumps(other))
                 f.write("}")
-        os.replace(tmp, path)
-    except BaseException:
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            kind = os.lstat(path).st_mode
+        except FileNotFoundError:
+            kind = stat.S_IFREG
+        if not stat.S_ISREG(kind):  # made since the trace started (checked then too)
+            raise FileExistsError(errno.EEXIST, "is not a regular file: not replaced", path)
+        if tmp is None:
+            tmp = _link_unnamed(fd, folder)
+        os.replace(tmp, path)
+        tmp = None
+    finally:
+        os.close(fd)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     return path

@@ -35,7 +35,8 @@ def _matplotlib() -> Any:
         from matplotlib.patches import Patch
     except ImportError as exc:
         raise DiscoError(
-            f"disco trace plot needs matplotlib ({exc}): pip install 'disco-core[plot]'"
+            f"matplotlib is needed to plot a trace ({exc}): pip install 'disco-core[plot]' "
+            "(in a clone of the repository: pip install '.[plot]')"
         ) from None
     return Figure, Patch
 

@@ -35,10 +35,12 @@ import numpy as np
 from .. import protocol as P
 from ..errors import (
     DiscoError,
+    DiscoFileNotFoundError,
     DiscoPermissionError,
     DiscoTimeoutError,
     DiscoTypeError,
     DiscoValueError,
+    WorkerDiedError,
     WorkerError,
 )
 from ..settings import env_seconds_or_default
@@ -149,14 +151,32 @@ class Trace:
             raise DiscoValueError(f"trace: the folder of {path!r} does not exist")
         if os.path.isdir(path):
             raise DiscoValueError(f"trace: {path!r} is a folder, not a file name")
-        if not os.access(folder, os.W_OK):
-            raise DiscoValueError(f"trace: the folder of {path!r} is not writable")
-        # In a sticky folder (/tmp) a name another user made (a file, a symlink) cannot
-        # be replaced: say so now, not when the file is written at the end of the run.
         try:
-            owner = os.lstat(path).st_uid
-        except OSError:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            info = None
+        except OSError as exc:
+            raise DiscoValueError(f"trace: cannot look at {path!r}: {exc}") from None
+        if info is not None and not stat.S_ISREG(info.st_mode):
+            # the file is written whole and renamed over the name: a device (/dev/null),
+            # a pipe or a symlink there would be replaced by a plain file
+            raise DiscoValueError(
+                f"trace: {path!r} exists and is not a regular file ({_file_kind(info.st_mode)}); "
+                "a trace replaces the file at its path: choose another name"
+            )
+        # Writable, tried for real (os.access says yes to root in /proc, where no file
+        # can be made): now, not when the file is written at the end of the run.
+        try:
+            chrome.probe_folder(folder)
+        except OSError as exc:
+            raise DiscoPermissionError(
+                f"trace: no file can be written in the folder of {path!r}: {exc.strerror or exc}"
+            ) from None
+        # In a sticky folder (/tmp) a name another user made (a file) cannot be
+        # replaced: say so now, not when the file is written at the end of the run.
+        if info is None:
             return path
+        owner = info.st_uid
         me = os.geteuid()
         info = os.stat(folder)
         if info.st_mode & stat.S_ISVTX and me not in (0, owner, info.st_uid):
@@ -180,6 +200,7 @@ class Trace:
             return self._start()
         except BaseException:
             state["trace"] = None
+            self._uninstall()
             if self._rec is not None:  # trace_start went out: the workers that took it
                 with contextlib.suppress(Exception):  # would record until the next trace
                     session.call_packed("disco.trace_stop")
@@ -195,15 +216,19 @@ class Trace:
         session._sync_all()  # every earlier command (and error) before the trace
         clocks = self._measure_clocks()
         self._rec = rec = Recorder(self.capacity)
-        session.call_packed(start, self.capacity)
-        session._sync_all()  # every worker records from here, in the same place
+        # The workers number their commands from trace_start on, and the controller its
+        # sends from the same command: both at once under the send lock, so no other
+        # thread's send falls between them (it would shift every later number).
+        with session._lock:
+            session.call_packed(start, self.capacity)
+            self._install(rec)
+        type(session)._sync_all(session)  # every worker records from here (not recorded)
         # The window opens once every worker records: what the workers did for the
         # trace's own start (that sync) ends before it and is left out of the file.
         self._t_start = now()
         self._clocks = [
             chrome.ClockFit(t, off, prec) if off is not None else None for t, off, prec in clocks
         ]
-        self._install(rec)
         self.active = True
         logger.info("trace started: %s, %d events per worker at most", self.path, self.capacity)
         return self
@@ -259,14 +284,7 @@ class Trace:
                 session._sync_all()
             except Exception as exc:  # noqa: BLE001 - what can be had is still written
                 notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
-                for link in getattr(session.channel, "links", ()):
-                    worker = getattr(link, "worker", None)
-                    if getattr(link, "in_process", False) and worker is not None:
-                        # in this process: read its events (the stop may already have run)
-                        got = worker_side.stop(worker.ctx)
-                        if got is None and stopped is not None:
-                            got = worker.regs.get(stopped.reg_id)
-                        workers[worker.ctx.worker_id] = got if isinstance(got, dict) else None
+                self._in_process_events(workers, stopped)
                 stopped = None
             if stopped is not None:
                 try:
@@ -313,13 +331,32 @@ class Trace:
             ),
             notes=notes,
         )
-        chrome.write(data, self._target)
+        try:
+            chrome.write(data, self._target)
+        except OSError as exc:  # the folder went away, became read-only, the disk filled
+            cls = (
+                DiscoFileNotFoundError if isinstance(exc, FileNotFoundError)
+                else DiscoPermissionError if isinstance(exc, PermissionError)
+                else DiscoError
+            )  # fmt: skip
+            raise cls(f"trace: could not write {self.path!r}: {exc.strerror or exc}") from exc
         logger.info("trace written: %s", self.path)
         for note in notes:
             logger.warning("trace %s: %s", self.path, note)
         if pending is not None:
             raise pending
         return self.path
+
+    def _in_process_events(self, workers: list[dict | None], stopped: Any) -> None:
+        """Read the events of the workers in this process straight from them (the
+        session cannot ask: a worker died), into ``workers``."""
+        for link in getattr(self.session.channel, "links", ()):
+            worker = getattr(link, "worker", None)
+            if getattr(link, "in_process", False) and worker is not None:
+                got = worker_side.stop(worker.ctx)  # (the stop may already have run)
+                if got is None and stopped is not None:
+                    got = worker.regs.get(stopped.reg_id)
+                workers[worker.ctx.worker_id] = got if isinstance(got, dict) else None
 
     def _gather_within(self, within: float, notes: list[str]) -> tuple[list[dict | None], int]:
         """The workers' events and the window's end, waiting ``within`` seconds at most
@@ -333,11 +370,18 @@ class Trace:
         if not lock.acquire(timeout=max(0.0, within)):
             notes.append(f"no worker's events: another thread's synchronising call held the session for {within:g} s")  # fmt: skip
             return workers, now()
+        t_end = now()
+        stopped = None
         try:
-            live = self._answering(range(n), within)
-            t_end = now()  # the window closes when the live workers have run everything
-            stopped = session.call_packed("disco.trace_stop")
-            live = self._answering(live, within)
+            try:
+                live = self._answering(range(n), within)
+                t_end = now()  # the window closes when the live workers have run everything
+                stopped = session.call_packed("disco.trace_stop")
+                live = self._answering(live, within)
+            except Exception as exc:  # noqa: BLE001 - a worker died: what can be had is written
+                notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
+                self._in_process_events(workers, stopped)
+                return workers, t_end
             for w in range(n):
                 if w not in live:
                     notes.append(f"worker {w}: no events (it did not answer within {within:g} s: busy, stopped or gone)")  # fmt: skip
@@ -371,7 +415,9 @@ class Trace:
                     continue
                 except WorkerError:
                     pass  # it answered, with an earlier command's failure
-                except Exception:  # noqa: BLE001 - dead: left out
+                except WorkerDiedError:
+                    raise  # the session asks no worker anything more (the caller's note)
+                except Exception:  # noqa: BLE001 - gone: left out
                     waiting.remove(w)
                     continue
                 waiting.remove(w)
@@ -489,9 +535,14 @@ class Trace:
                 channel.catch_up()
             if not acquire(False):  # another thread sends: wait (the common case first)
                 acquire()
+                if session.__dict__.get("_call") is not recording_call:
+                    # the trace stopped (and maybe another started) while this thread
+                    # waited: the session's _call now is the one to number it, if any
+                    release()
+                    return session._call(func, args, cls)
             try:
                 t0 = clock()
-                ref = call(session, func, args, cls)
+                ref = call(session, func, args, cls, True)
                 name = known.get(func.reg_id)
                 if name is None:
                     name = lookup(func.reg_id)
@@ -611,6 +662,19 @@ def _checked_export(value: Any, capacity: int) -> dict[str, Any]:
     return {"names": names, "events": events, "dropped": dropped}
 
 
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
 @contextlib.contextmanager
 def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None) -> Iterator[Trace]:
     """Trace ``session`` inside the ``with`` block; write ``path`` at its end.
@@ -636,10 +700,14 @@ def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None)
         yield t
     except BaseException:
         if not session.is_closed:
+            # The block failed (an error, Ctrl-C): the workers may be stuck in a
+            # collective its controller side left, until the CCL's timeout. Wait as
+            # a shutdown does; a worker that has not answered by then leaves its
+            # track empty, with a note.
             try:
-                t.stop()
-            except WorkerError as exc:  # the block's own exception is the one to see
-                logger.warning("trace %s: a command of the block also failed: %s", t.path, exc)
+                t.stop(within=env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0))
+            except Exception as exc:  # noqa: BLE001 - the block's own exception is the one to see
+                logger.warning("trace %s could not be written: %s", t.path, exc)
         raise
     if not session.is_closed:
         t.stop()

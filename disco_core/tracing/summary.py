@@ -145,6 +145,8 @@ class Summary:
     dropped : list of int
         Per worker, the oldest events lost (the numbers cover the rest).
     controller_dropped : int
+    notes : list of str
+        The file's notes: what the trace could not record (a worker's track left empty).
     workers : list of WorkerTime
         By worker.
     call_sites : list of CallSite
@@ -165,6 +167,7 @@ class Summary:
     precision_us: list[float]
     dropped: list[int]
     controller_dropped: int
+    notes: list[str] = field(default_factory=list)
     workers: list[WorkerTime] = field(default_factory=list)
     call_sites: list[CallSite] = field(default_factory=list)
     calls: int = 0
@@ -361,6 +364,7 @@ def summarize(trace: Trace) -> Summary:
         precision_us=list(trace.precision_us),
         dropped=list(trace.dropped),
         controller_dropped=trace.controller_dropped,
+        notes=list(trace.notes),
         workers=_worker_times(trace, calls),
         call_sites=_call_sites(trace, calls, site_of),
         calls=counted,
