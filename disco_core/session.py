@@ -306,6 +306,12 @@ class Session:
     command, one call at a time, while other threads may go on sending.
     """
 
+    #: Traces running on sessions of this class. A trace puts a recording ``_call`` on
+    #: its session; a thread that was already inside the class's ``_call``, waiting for
+    #: the lock, hands its send over to it (else the send would go unnumbered, and every
+    #: later send's number would differ from the workers'). 0: one attribute read a call.
+    _traces_running = 0
+
     def __init__(self, channel: Channel) -> None:
         if not isinstance(channel, Channel):
             raise DiscoTypeError(
@@ -483,7 +489,7 @@ class Session:
             self._channel.catch_up()  # outside the lock (see Channel.backlogged)
         # The hot path of every session: _send() inlined.
         with self._lock:
-            if not _traced and "_call" in self.__dict__:
+            if not _traced and self._traces_running and "_call" in self.__dict__:
                 # a trace started while this thread waited for the lock: its _call
                 # numbers this send, as the workers will number the command
                 return self.__dict__["_call"](func, args, cls)

@@ -588,6 +588,7 @@ def test_another_threads_sends_are_numbered_alike_on_both_sides_when_a_trace_sta
         finally:
             stop.set()
             th.join(30)
+        assert type(sess)._traces_running == 0  # untraced sends check nothing more again
     checked = 0
     for k in range(3):
         events = json.loads((tmp_path / f"t{k}.json").read_text())["traceEvents"]

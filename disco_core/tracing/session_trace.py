@@ -137,6 +137,7 @@ class Trace:
         self._clocks: list[chrome.ClockFit | None] = []
         self._t_start = 0
         self._lock = threading.Lock()
+        self._installed = False  # the recording methods are on the session
         #: For each worker, True when it reads the controller's own clock (offset 0 exactly).
         self.shared_clock = [False] * session.num_workers
 
@@ -568,6 +569,10 @@ class Trace:
             return ref
 
         session._call = recording_call
+        cls = type(session)
+        with _claim_lock:
+            cls._traces_running += 1
+        self._installed = True
         session._get_cached_method = recording_get_cached_method
         for method, shown in _SYNC_METHODS.items():
             session.__dict__[method] = self._recording_sync(getattr(Session, method), shown, rec)
@@ -607,6 +612,11 @@ class Trace:
         return recording
 
     def _uninstall(self) -> None:
+        if self._installed:
+            self._installed = False
+            cls = type(self.session)
+            with _claim_lock:
+                cls._traces_running = max(0, cls._traces_running - 1)
         d = self.session.__dict__
         d.pop("_call", None)
         d.pop("_get_cached_method", None)
