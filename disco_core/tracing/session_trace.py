@@ -739,7 +739,11 @@ def start_from_env(session: Any) -> Trace | None:
     if k:
         stem, ext = os.path.splitext(path)
         path = f"{stem}.{k}{ext or '.json'}"
-    t = Trace(session, path).start()
+    try:
+        t = Trace(session, path)
+    except DiscoError as exc:  # say where the path came from
+        raise type(exc)(f"DISCO_TRACE: {exc}") from None
+    t.start()
     with _env_lock:
         if not _at_exit:
             atexit.register(_stop_at_exit)
