@@ -617,9 +617,11 @@ class ThreadWorkerLink(WorkerLink):
         self.thread.start()
 
     def _drain(self) -> None:
-        pending, execute = self.pending, self.worker.execute
+        pending, worker = self.pending, self.worker
         while pending and not self.stopped:
-            if not execute(pending.popleft()):
+            # worker.execute read for each command: a trace that starts or stops within
+            # the batch swaps it (the rest of the batch then went unnumbered: outside check)
+            if not worker.execute(pending.popleft()):
                 self.stopped = True
 
     def _run(self) -> None:

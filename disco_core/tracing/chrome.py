@@ -271,12 +271,16 @@ def _new_file(folder: str) -> tuple[int, str | None]:
     return fd, tmp
 
 
-def _link_unnamed(fd: int, folder: str) -> str:
-    """Give the unnamed file ``fd`` a hidden name in ``folder``; return it."""
+def _link_unnamed(fd: int, folder: str, name: str | None = None) -> str:
+    """Give the unnamed file ``fd`` the path ``name`` (``FileExistsError`` if taken), or
+    else a free hidden name in ``folder``; return it."""
     # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N (os.link calls plain link(), which
     # does not follow the magic link, unless a directory fd is given)
     proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        if name is not None:
+            os.link(f"self/fd/{fd}", name, src_dir_fd=proc, follow_symlinks=True)
+            return name
         for _ in range(100):
             tmp = os.path.join(folder, f".disco-trace-{secrets.token_hex(6)}.json")
             try:
@@ -325,7 +329,11 @@ def write(obj: TraceData | dict[str, Any], path: str | os.PathLike) -> str:
         if not stat.S_ISREG(kind):  # made since the trace started (checked then too)
             raise FileExistsError(errno.EEXIST, "is not a regular file: not replaced", path)
         if tmp is None:
-            tmp = _link_unnamed(fd, folder)
+            try:  # a new name: the file goes straight there (a kill leaves nothing)
+                _link_unnamed(fd, folder, path)
+                return path
+            except FileExistsError:  # replacing a file: through a hidden name
+                tmp = _link_unnamed(fd, folder)
         os.replace(tmp, path)
         tmp = None
     finally:
