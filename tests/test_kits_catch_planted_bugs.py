@@ -124,3 +124,23 @@ def test_the_channel_kit_checks_what_a_channel_says_it_is(tmp_path, channel, fai
         assert took < 20
     else:
         assert r.returncode == 0 and " passed" in r.stdout, out[-3000:]
+
+
+def test_the_ccl_kit_judges_files_in_dev_shm_not_folders_others_make_there():
+    """A segment left in /dev/shm is a leak; a folder another program made there while
+    the kit ran is not (a tester's folder there failed two suites of a fresh clone)."""
+    import tempfile
+
+    from disco_core.testing import ccl_kit
+
+    before = ccl_kit._resources()
+    folder = tempfile.mkdtemp(dir="/dev/shm", prefix="disco-kit-test-")
+    fd, segment = tempfile.mkstemp(dir="/dev/shm", prefix="disco-kit-test-")
+    os.close(fd)
+    try:
+        leaks = " ".join(ccl_kit._leaks(before, fds=False))
+        assert os.path.basename(segment) in leaks
+        assert os.path.basename(folder) not in leaks
+    finally:
+        os.unlink(segment)
+        os.rmdir(folder)

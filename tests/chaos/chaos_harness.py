@@ -131,7 +131,8 @@ def _dev_shm() -> set[str]:
     try:
         for e in os.scandir("/dev/shm"):
             try:
-                if e.stat(follow_symlinks=False).st_uid == uid:
+                # a segment is a file of ours (a folder made there is somebody else's)
+                if e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid == uid:
                     out.add(e.name)
             except OSError:
                 pass
