@@ -178,6 +178,8 @@ def _validate(args: argparse.Namespace) -> list[int]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.tol is not None and not args.tol >= 0:  # (NaN too) no result could pass
+        raise ValueError(f"--tol must be >= 0, got {args.tol}")
     if args.trace:
         tracing.Trace.check_path(args.trace)
     bad = [n for n in counts if args.d_ff % n]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -263,6 +264,19 @@ def _by_worker(errors: list[WorkerError]) -> list[WorkerError]:
     return sorted(errors, key=lambda e: e.worker_id)
 
 
+def _check_options(factory: Callable, channel: str, options: dict[str, Any]) -> None:
+    """Refuse options the channel's factory does not take, naming them (the factory's
+    own ``TypeError`` came from deep inside, without the channel's name)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a factory Python cannot inspect: it checks itself
+        return
+    try:
+        signature.bind(**options)
+    except TypeError as exc:
+        raise DiscoTypeError(f"Session.create({channel!r}, ...): {exc}") from None
+
+
 def _one_thread_at_a_time(method: Callable) -> Callable:
     """A synchronising method, run by one thread of the controller at a time.
 
@@ -372,6 +386,7 @@ class Session:
             Passed to the channel's factory (``num_workers=4``, ``num_groups=1``, ...).
         """
         factory = plugins.lookup("channel", channel)
+        _check_options(factory, channel, options)
         if "num_workers" in options:
             check_session_shape(options["num_workers"], options.get("num_groups", 1))
         if trace is None:

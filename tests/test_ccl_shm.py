@@ -181,8 +181,12 @@ def test_init_ccl_options_are_checked():
             sess.init_ccl("shm", no_such_option=1)
         with pytest.raises(TypeError, match="slotbytes"):
             sess.init_ccl("shm", slotbytes=4096)
-        for bad in ({"slot_bytes": 100}, {"mailbox_bytes": 0}, {"timeout": 0}, {"timeout": -1}):
-            with pytest.raises(ValueError):
+        for bad in (
+            {"slot_bytes": 100}, {"mailbox_bytes": 0}, {"timeout": 0}, {"timeout": -1},
+            {"timeout": float("nan")},  # (was accepted: nan <= 0 is False)
+        ):  # fmt: skip
+            (name,) = bad
+            with pytest.raises(disco.DiscoValueError, match=f"{name} must be"):
                 sess.init_ccl("shm", **bad)
         # Nothing was initialised by the failed calls: a good one works.
         sess.init_ccl("shm", timeout=30, slot_bytes=8192, mailbox_bytes=4096)

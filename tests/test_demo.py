@@ -78,6 +78,15 @@ def test_demo_rejects_a_split_that_does_not_divide():
 
 
 @pytest.mark.timeout(60)
+def test_demo_rejects_a_negative_tolerance_before_it_runs():
+    """It ran the whole demo, then failed every check (outside check)."""
+    proc = run_demo("--tol", "-1")
+    assert proc.returncode == 2
+    assert "--tol must be >= 0, got -1.0" in proc.stderr
+    assert "starting" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(60)
 def test_demo_rejects_bad_worker_list():
     proc = run_demo("--workers", "two")
     assert proc.returncode == 2

@@ -161,6 +161,16 @@ def test_third_party_channel_through_session_create(registered_plugins):
         assert wid.debug_get_from_remote(1) == 1
 
 
+def test_session_create_names_an_option_the_channel_does_not_take():
+    """The channel's own TypeError came from deep inside and did not name the channel."""
+    with pytest.raises(
+        disco.DiscoTypeError, match=r"Session.create\('process', \.\.\.\): .*'bogus'"
+    ):
+        disco.Session.create("process", num_workers=2, bogus=1)
+    with pytest.raises(disco.DiscoTypeError, match="missing a required argument: 'num_workers'"):
+        disco.Session.create("threaded")
+
+
 def _pythonpath(root) -> str:
     """``root`` first, then this interpreter's own path (a worktree under test stays first)."""
     return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CCLError, CCLTimeoutError
+from ..errors import CCLError, CCLTimeoutError, DiscoValueError
 from . import _arena, _futex, validate
 from .base import CCL, Rendezvous, average_in_place
 
@@ -210,10 +210,13 @@ class ShmCCL(CCL):
         }
         slot = int(options.get("slot_bytes", _DEFAULT_SLOT))
         mbox = int(options.get("mailbox_bytes", _DEFAULT_MBOX))
-        if slot < 4096 or mbox < 4096 or opts["timeout"] <= 0:
-            raise ValueError(
-                "init_ccl('shm'): slot_bytes and mailbox_bytes must be >= 4096, timeout > 0"
-            )
+        for name, value, ok, rule in (
+            ("slot_bytes", slot, slot >= 4096, ">= 4096"),
+            ("mailbox_bytes", mbox, mbox >= 4096, ">= 4096"),
+            ("timeout", opts["timeout"], opts["timeout"] > 0, "> 0 seconds"),  # NaN too
+        ):
+            if not ok:
+                raise DiscoValueError(f"init_ccl('shm'): {name} must be {rule}, got {value}")
         slot -= slot % 64
         return ShmRendezvous(Layout(channel.num_workers, channel.num_groups, slot, mbox), opts)
 

@@ -23,6 +23,17 @@ _COMMANDS = ("join", "version")
 _GLOBAL_FLAGS = ("-v", "--verbose", "-vv", "-vvv")
 
 
+def _port(text: str) -> int:
+    """A TCP port, 1-65535 (99999 said "connection refused": outside check)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
+
+
 def _usage(prog: str) -> str:
     return (
         f"{prog} join HOST PORT --workers N [options]\n"
@@ -63,7 +74,7 @@ def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
     )
     add_common_options(j, "disco-socket", version_text=version, default_level="info")
     j.add_argument("host", help="the controller's address")
-    j.add_argument("port", type=int, help="the controller's port")
+    j.add_argument("port", type=_port, help="the controller's port (1-65535)")
     j.add_argument(
         "--workers",
         "-n",

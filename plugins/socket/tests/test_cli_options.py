@@ -58,3 +58,11 @@ def test_log_level_before_the_short_form():
     assert r.returncode == 3 and " INFO " not in r.stderr  # -q: errors only
     r = _run("127.0.0.1", "1", "1", "--log-level", "nope")
     assert r.returncode == 2 and "unknown log level 'nope'" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_port_out_of_range_is_refused_as_such():
+    """It tried to connect and said "connection refused" (outside check)."""
+    for form in (["127.0.0.1", "99999", "1"], ["join", "127.0.0.1", "0", "--workers", "1"]):
+        r = _run(*form)
+        assert r.returncode == 2 and "a port is 1-65535, got" in r.stderr, r.stderr
