@@ -45,7 +45,7 @@ from .errors import (
 )
 from .host_array import with_numpy_method
 from .protocol import register_ref_type
-from .settings import env_seconds_or_default
+from .settings import shutdown_timeout
 from .store import ControllerStore
 from .tracing import session_trace
 
@@ -247,7 +247,7 @@ def _close_channel(channel: Channel, state: dict) -> None:
         # command; the session is going away, so make such waits fail now.
         rendezvous.abort("the session is shutting down")
     try:
-        channel.close(timeout=env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0))
+        channel.close(timeout=shutdown_timeout())
     finally:
         if rendezvous is not None:
             rendezvous.close()
@@ -320,7 +320,7 @@ class Session:
     command, one call at a time, while other threads may go on sending.
     """
 
-    #: Traces running on sessions of this class. A trace puts a recording ``_call`` on
+    #: Traces running on sessions (of any subclass). A trace puts a recording ``_call`` on
     #: its session; a thread that was already inside the class's ``_call``, waiting for
     #: the lock, hands its send over to it (else the send would go unnumbered, and every
     #: later send's number would differ from the workers'). 0: one attribute read a call.
@@ -1080,7 +1080,7 @@ class Session:
         if running is not None:
             try:
                 # bounded as the rest of a shutdown: a worker busy for good is left out
-                running.stop(within=env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0))
+                running.stop(within=shutdown_timeout())
             except WorkerError as exc:  # the file is written; a traced command had failed
                 logger.warning("trace %s written; a command sent while tracing failed: %s", running.path, exc)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - shutting down must go on

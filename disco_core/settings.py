@@ -14,7 +14,7 @@ import warnings
 
 from .errors import DiscoValueError
 
-__all__ = ["env_seconds", "env_seconds_or_default"]
+__all__ = ["env_seconds", "env_seconds_or_default", "shutdown_timeout"]
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -44,3 +44,9 @@ def env_seconds_or_default(name: str, default: float) -> float:
     except DiscoValueError as exc:
         warnings.warn(f"{exc}; using {default:g}", RuntimeWarning, stacklevel=2)
         return float(default)
+
+
+def shutdown_timeout() -> float:
+    """``$DISCO_SHUTDOWN_TIMEOUT`` (5 s): how long a shutdown, and the trace it stops,
+    waits for each step before it leaves a worker out."""
+    return env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0)

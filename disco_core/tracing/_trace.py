@@ -243,7 +243,6 @@ def load(path: str | os.PathLike[str]) -> Trace:
         controller_dropped=int(_number(other.get("controller_dropped")) or 0),
         workers=[by_tid.get(w + 1, Track()) for w in range(num_workers)],
         controller=by_tid.get(CONTROLLER_TID, Track()),
-        # printable, bounded: a forged file's notes go to a terminal
         notes=_notes(other.get("notes")),
     )
 

@@ -271,25 +271,26 @@ def _new_file(folder: str) -> tuple[int, str | None]:
     return fd, tmp
 
 
-def _link_unnamed(fd: int, folder: str, name: str | None = None) -> str:
-    """Give the unnamed file ``fd`` the path ``name`` (``FileExistsError`` if taken), or
-    else a free hidden name in ``folder``; return it."""
+def _link(fd: int, name: str) -> None:
+    """Give the unnamed file ``fd`` the path ``name`` (``FileExistsError`` if taken)."""
     # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N (os.link calls plain link(), which
     # does not follow the magic link, unless a directory fd is given)
     proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        if name is not None:
-            os.link(f"self/fd/{fd}", name, src_dir_fd=proc, follow_symlinks=True)
-            return name
-        for _ in range(100):
-            tmp = os.path.join(folder, f".disco-trace-{secrets.token_hex(6)}.json")
-            try:
-                os.link(f"self/fd/{fd}", tmp, src_dir_fd=proc, follow_symlinks=True)
-                return tmp
-            except FileExistsError:
-                continue
+        os.link(f"self/fd/{fd}", name, src_dir_fd=proc, follow_symlinks=True)
     finally:
         os.close(proc)
+
+
+def _link_hidden(fd: int, folder: str) -> str:
+    """Give the unnamed file ``fd`` a free hidden name in ``folder``; return it."""
+    for _ in range(100):
+        tmp = os.path.join(folder, f".disco-trace-{secrets.token_hex(6)}.json")
+        try:
+            _link(fd, tmp)
+            return tmp
+        except FileExistsError:
+            continue
     raise FileExistsError(errno.EEXIST, "no free temporary name", folder)
 
 
@@ -330,10 +331,10 @@ def write(obj: TraceData | dict[str, Any], path: str | os.PathLike) -> str:
             raise FileExistsError(errno.EEXIST, "is not a regular file: not replaced", path)
         if tmp is None:
             try:  # a new name: the file goes straight there (a kill leaves nothing)
-                _link_unnamed(fd, folder, path)
+                _link(fd, path)
                 return path
             except FileExistsError:  # replacing a file: through a hidden name
-                tmp = _link_unnamed(fd, folder)
+                tmp = _link_hidden(fd, folder)
         os.replace(tmp, path)
         tmp = None
     finally:

@@ -43,7 +43,7 @@ from ..errors import (
     WorkerDiedError,
     WorkerError,
 )
-from ..settings import env_seconds_or_default
+from ..settings import shutdown_timeout
 from . import chrome, worker_side
 from .recorder import (
     FIELDS,
@@ -569,9 +569,9 @@ class Trace:
             return ref
 
         session._call = recording_call
-        cls = type(session)
+        owner = _counter_owner(session)
         with _claim_lock:
-            cls._traces_running += 1
+            owner._traces_running += 1
         self._installed = True
         session._get_cached_method = recording_get_cached_method
         for method, shown in _SYNC_METHODS.items():
@@ -614,9 +614,9 @@ class Trace:
     def _uninstall(self) -> None:
         if self._installed:
             self._installed = False
-            cls = type(self.session)
+            owner = _counter_owner(self.session)
             with _claim_lock:
-                cls._traces_running = max(0, cls._traces_running - 1)
+                owner._traces_running -= 1
         d = self.session.__dict__
         d.pop("_call", None)
         d.pop("_get_cached_method", None)
@@ -672,6 +672,12 @@ def _checked_export(value: Any, capacity: int) -> dict[str, Any]:
     return {"names": names, "events": events, "dropped": dropped}
 
 
+def _counter_owner(session: Any) -> Any:
+    """The class that holds ``_traces_running`` (Session): one count for all its
+    subclasses (a count set on a subclass would shadow the base class's for good)."""
+    return next(c for c in type(session).__mro__ if "_traces_running" in vars(c))
+
+
 def _file_kind(mode: int) -> str:
     for test, kind in (
         (stat.S_ISLNK, "a symbolic link"),
@@ -715,7 +721,7 @@ def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None)
             # a shutdown does; a worker that has not answered by then leaves its
             # track empty, with a note.
             try:
-                t.stop(within=env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0))
+                t.stop(within=shutdown_timeout())
             except Exception as exc:  # noqa: BLE001 - the block's own exception is the one to see
                 logger.warning("trace %s could not be written: %s", t.path, exc)
         raise
@@ -757,6 +763,6 @@ def _stop_at_exit() -> None:
     for t in running:
         try:
             if t.active and not t.session.is_closed:
-                t.stop(within=env_seconds_or_default("DISCO_SHUTDOWN_TIMEOUT", 5.0))
+                t.stop(within=shutdown_timeout())
         except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
             logger.warning("trace %s could not be written at exit: %s", t.path, exc)
