@@ -224,9 +224,10 @@ def test_a_worker_that_dies_leaves_its_track_empty_with_a_note(tmp_path):
         t.stop()
     data = load(path)
     notes = data["otherData"]["notes"]
-    assert any("could not be gathered" in n and "worker 2" in n for n in notes)
-    # worker 0 lives in this process: its events are read directly
-    assert track(data, 0) and not track(data, 1) and not track(data, 2)
+    assert "worker 2: no events (it died)" in notes
+    # worker 0 lives in this process: its events are read directly; worker 1 is asked
+    # alone (once it was lost too: after a death every wait of the session raised)
+    assert track(data, 0) and track(data, 1) and not track(data, 2)
 
 
 def test_bad_arguments_are_refused_at_the_call(tmp_path):
@@ -534,9 +535,10 @@ def test_a_block_that_fails_does_not_wait_for_a_stuck_worker(tmp_path, monkeypat
     _assert_only_worker_1_left_out(path)
 
 
-def test_a_worker_that_dies_in_a_traced_block_still_leaves_a_file(tmp_path):
+def test_a_worker_that_dies_in_a_traced_block_loses_only_its_own_track(tmp_path):
     """The block's WorkerDiedError stays the one raised; the file is written with a
-    note, and worker 0's track (in this process) is kept."""
+    note, and every live worker's track is kept: worker 0's (in this process) and
+    worker 1's (a live process, asked despite worker 2's death)."""
     path = tmp_path / "t.json"
     with disco.ProcessSession(3) as sess:
         sess.import_python_module("disco_core.testing.funcs")
@@ -550,14 +552,40 @@ def test_a_worker_that_dies_in_a_traced_block_still_leaves_a_file(tmp_path):
                     sess._sync_all()
                     time.sleep(0.05)
     data = json.loads(path.read_text())
-    assert any("could not be gathered (WorkerDiedError" in n for n in data["otherData"]["notes"])
+    notes = data["otherData"]["notes"]
+    assert any("a worker died during the trace" in n for n in notes), notes
+    assert "worker 2: no events (it died)" in notes
+    assert not any(n.startswith(("worker 0", "worker 1")) for n in notes), notes
     tracks = {e["tid"] for e in data["traceEvents"] if e.get("cat") == "command"}
-    assert worker_tid(0) in tracks
-    # the summary says why workers 1 and 2 look idle
+    assert {worker_tid(0), worker_tid(1)} <= tracks
+    assert worker_tid(2) not in tracks
+    # the summary says why worker 2 looks idle
     from disco_core.tracing import summary
 
     text = summary.format_summary(summary.summarize(summary.load(path)))
-    assert "note: the worker processes' events could not be gathered (WorkerDiedError" in text
+    assert "note: worker 2: no events (it died)" in text
+
+
+def test_a_worker_that_dies_in_a_collective_leaves_the_live_workers_tracks(tmp_path):
+    """Worker 2 exits while workers 0 and 1 wait for it in an shm allreduce: the CCL
+    is aborted, and both live tracks keep the failed allreduce."""
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(3) as sess:
+        sess.init_ccl("shm")
+        sess.import_python_module("disco_core.testing.funcs")
+        die = sess.get_global_func("testing.die")
+        x, y = sess.empty((16,), "float32"), sess.empty((16,), "float32")
+        with pytest.raises(disco.WorkerDiedError):
+            with disco.trace(sess, path):
+                die("exit", 2, os.getpid(), 0.3)
+                sess.allreduce(x, y, "sum")
+                sess._sync_all()
+    data = json.loads(path.read_text())
+    notes = data["otherData"]["notes"]
+    assert "worker 2: no events (it died)" in notes
+    assert not any(n.startswith(("worker 0", "worker 1")) for n in notes), notes
+    ops = {e["tid"] for e in data["traceEvents"] if e.get("cat") == "collective"}
+    assert ops == {worker_tid(0), worker_tid(1)}
 
 
 @pytest.mark.parametrize("kind", ["process", "threaded"])

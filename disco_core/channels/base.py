@@ -334,10 +334,13 @@ class ReplyHub:
         poll: Callable[[], None],
         interval: float = 0.2,
         deadline: float | None = None,
+        despite_others: bool = False,
     ) -> Any:
+        """The next reply of ``worker_id``; ``despite_others``: raise for its own death
+        only (by default every wait raises once any worker of the session is dead)."""
         q = self.replies[worker_id]
         while True:
-            if self.dead:
+            if self.dead and (not despite_others or worker_id in self.dead):
                 raise self.died_error()
             if self.is_shut:
                 raise SessionClosedError(
@@ -1256,12 +1259,40 @@ class LinkChannel(Channel):
         return self.hub.take_errors()
 
     def check_alive(self) -> None:
+        self._mark_dead_links()
+        if self.hub.dead:
+            raise self.hub.died_error()
+
+    def _mark_dead_links(self) -> None:
         for link in self.links:
             reason = link.poll()
             if reason:
                 self.hub.mark_dead(link.worker_ids, reason)
-        if self.hub.dead:
-            raise self.hub.died_error()
+
+    def recv_despite_deaths(self, worker_id: int, timeout: float) -> Any:
+        """The next reply of ``worker_id`` while it lives, whichever other workers died.
+
+        :meth:`recv` raises for every worker once one is dead (the session's state
+        is lost); this is for fetching what the live ones still hold (a trace's
+        events, ``disco_core.tracing``).
+
+        Raises
+        ------
+        WorkerDiedError
+            ``worker_id`` itself is dead.
+        WorkerError
+            Its reply is a failure (of this command or an earlier one).
+        DiscoTimeoutError
+            No reply within ``timeout`` seconds.
+        """
+        self._link_of[worker_id].flush()  # its own link only: a dead one's may raise
+        hub = self.hub
+        hub.waiting += 1
+        try:
+            deadline = time.monotonic() + timeout
+            return hub.wait(worker_id, self._mark_dead_links, deadline=deadline, despite_others=True)  # fmt: skip
+        finally:
+            hub.waiting -= 1
 
     def on_worker_death(self, callback: Callable[[list[int], str], None]) -> None:
         self.hub.on_death(callback)

@@ -283,6 +283,9 @@ class Trace:
             try:
                 stopped = session.call_packed("disco.trace_stop")
                 session._sync_all()
+            except WorkerDiedError as exc:
+                self._gather_after_death(workers, stopped, shutdown_timeout(), notes, exc)
+                stopped = None
             except Exception as exc:  # noqa: BLE001 - what can be had is still written
                 notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
                 self._in_process_events(workers, stopped)
@@ -359,6 +362,59 @@ class Trace:
                     got = worker.regs.get(stopped.reg_id)
                 workers[worker.ctx.worker_id] = got if isinstance(got, dict) else None
 
+    def _gather_after_death(self, workers: list[dict | None], stopped: Any, within: float, notes: list[str], death: WorkerDiedError) -> None:  # fmt: skip
+        """After a worker died: the events of every worker still alive, into ``workers``.
+
+        The session asks its workers nothing once one is dead (every wait raises), so
+        the in-process workers are read directly and the live worker processes are
+        asked one by one, through the channel's ``recv_despite_deaths`` (a channel
+        without it keeps only the in-process tracks), ``within`` seconds in all.
+        """
+        notes.append(f"a worker died during the trace: {death}")
+        self._in_process_events(workers, stopped)
+        session = self.session
+        channel = session._channel
+        recv = getattr(channel, "recv_despite_deaths", None)
+        dead = set(getattr(getattr(channel, "hub", None), "dead", ())) | set(death.worker_ids)
+        ask = [w for w in range(session.num_workers) if workers[w] is None and w not in dead]
+        for w in sorted(dead):
+            notes.append(f"worker {w}: no events (it died)")
+        if not ask:
+            return
+        if recv is None:
+            for w in ask:
+                notes.append(f"worker {w}: no events (the {channel.kind} channel cannot ask one worker while another is dead)")  # fmt: skip
+            return
+        deadline = time.monotonic() + within
+        try:
+            if stopped is None:  # the stop was not sent: to the live workers only
+                func = session._cache["disco.trace_stop"]  # cached when the trace started
+                with session._lock:
+                    reg = session._free_regs.pop() if session._free_regs else session._alloc()
+                for w in ask:
+                    session._send((P.CALL_PACKED, reg, func.reg_id, ()), [w])
+            else:
+                reg = stopped.reg_id
+        except Exception as exc:  # noqa: BLE001 - what can be had is written
+            notes.append(f"the live workers' events could not be asked for ({type(exc).__name__}: {exc})")  # fmt: skip
+            return
+        for w in ask:
+            try:
+                session._send((P.DEBUG_GET_FROM_REMOTE, reg, w), [w])
+                while True:
+                    try:
+                        got = recv(w, max(0.001, deadline - time.monotonic()))
+                    except WorkerError:
+                        continue  # an earlier command's failure, reported now
+                    if isinstance(got, dict):
+                        break
+                    # else: the reply to a wait that the death cut short (a sync's)
+                workers[w] = _checked_export(got, self.capacity)
+            except DiscoTimeoutError:
+                notes.append(f"worker {w}: no events (it did not answer within {within:g} s: busy, maybe in a collective with the dead worker)")  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
+                notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
+
     def _gather_within(self, within: float, notes: list[str]) -> tuple[list[dict | None], int]:
         """The workers' events and the window's end, waiting ``within`` seconds at most
         for each step (a sync, the stop, the events): a worker that does not answer
@@ -379,7 +435,10 @@ class Trace:
                 t_end = now()  # the window closes when the live workers have run everything
                 stopped = session.call_packed("disco.trace_stop")
                 live = self._answering(live, within)
-            except Exception as exc:  # noqa: BLE001 - a worker died: what can be had is written
+            except WorkerDiedError as exc:
+                self._gather_after_death(workers, stopped, within, notes, exc)
+                return workers, t_end
+            except Exception as exc:  # noqa: BLE001 - what can be had is written
                 notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
                 self._in_process_events(workers, stopped)
                 return workers, t_end
