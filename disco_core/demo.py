@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import statistics
 import sys
 import time
@@ -84,7 +85,12 @@ class DemoResult:
 def _worker_counts(values: list[str]) -> list[int]:
     counts: list[int] = []
     for value in values:
-        for part in str(value).replace(",", " ").split():
+        text = str(value).strip()
+        if re.search(r"(^|,)\s*(,|$)", text):  # "1,,2", ",2", "2,": a count left out
+            raise argparse.ArgumentTypeError(
+                f"--workers: {value!r} has an empty count between commas (give '1,2,4')"
+            )
+        for part in text.replace(",", " ").split():
             try:
                 n = int(part)
             except ValueError:

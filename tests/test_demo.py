@@ -93,6 +93,14 @@ def test_demo_rejects_bad_worker_list():
     assert "--workers" in proc.stderr
 
 
+@pytest.mark.parametrize("value", ["1,,2", "2,", ",2"])
+def test_demo_worker_list_with_a_count_left_out_is_refused(value):
+    """'1,,2' ran as '1,2' (outside check): a typo that drops a count is not guessed at."""
+    with pytest.raises(argparse.ArgumentTypeError, match="empty count between commas"):
+        demo._worker_counts([value])
+    assert demo._worker_counts(["1, 2", "4"]) == [1, 2, 4]
+
+
 # ---------------------------------------------------------------------------- in process
 @pytest.mark.timeout(120)
 def test_run_in_process_threaded(capsys):

@@ -534,6 +534,7 @@ def test_a_sleep_on_one_worker_of_a_real_session_names_it(tmp_path: Path):
         sess.import_python_module("disco_core.testing.funcs")
         sleep = sess.get_global_func("testing.sleep")
         x, y = sess.empty((1024,), "float32"), sess.empty((1024,), "float32")
+        sess.call_packed("testing.fill", x, 1.0)  # (uninitialised memory may sum to NaN)
         with disco.trace(sess, path):
             for i in range(6):
                 if i == 3:

@@ -60,11 +60,18 @@ def start_local_agents(
         )
 
     The token travels in the agents' environment (``DISCO_TOKEN``), never on their
-    command line.
+    command line. The agents and their workers log warnings and errors only (a
+    program's output is its own), unless ``extra_args`` or ``$DISCO_LOG_LEVEL`` set
+    a level (``extra_args=["-v"]`` for the INFO lines ``disco-socket join`` prints).
     """
     env = dict(os.environ if env is None else env)
     if token is not None:
         env["DISCO_TOKEN"] = token
+    levels = ("-q", "--quiet", "-v", "--verbose", "-vv", "--log-level")
+    if not env.get("DISCO_LOG_LEVEL") and not any(
+        a in levels or a.startswith("--log-level=") for a in extra_args
+    ):
+        extra_args = [*extra_args, "--log-level", "WARNING"]
     argv = [
         sys.executable,
         "-m",

@@ -109,6 +109,30 @@ def test_session_create_by_name(cluster):
     assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra", [(), ("-v",)])
+def test_local_agents_log_warnings_only_unless_asked(cluster, extra):
+    """A program that starts its agents itself keeps its output: the agents (and their
+    workers) printed INFO lines into it (outside check of the README's one-box example)."""
+    agents = []
+    env = {k: v for k, v in os.environ.items() if k != "DISCO_LOG_LEVEL"}
+
+    def start(h, p):
+        agents.extend(start_local_agents(h, p, 1, 1, token="t0k", extra_args=extra, env=env, stderr=subprocess.PIPE))  # fmt: skip
+
+    sess = disco.SocketSession(2, 1, host=HOST, port=0, token="t0k", timeout=30, on_listen=start)
+    cluster.sessions.append(sess)
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+    sess.shutdown()
+    [agent] = agents
+    err = agent.communicate(timeout=30)[1].decode()
+    assert agent.returncode == 0, err
+    if extra:
+        assert " INFO disco-socket: joined" in err and "worker 1 of 2 started" in err, err
+    else:
+        assert "INFO" not in err, err
+
+
 # --------------------------------------------------------------------------- module files
 _MODULE = """
 from disco_core.worker import current
