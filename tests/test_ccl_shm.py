@@ -374,3 +374,43 @@ def test_a_communicator_of_one_copies_and_still_checks():
         with pytest.raises(disco.WorkerError, match="allreduce"):
             sess.allreduce(x, wrong, "sum", in_group=True)
             sess._sync_all()
+
+
+@disco.register_func("test_shm.read_only", override=True)
+def _read_only(arr: np.ndarray) -> None:
+    arr.flags.writeable = False
+
+
+@disco.register_func("test_shm.kept", override=True)
+def _kept() -> int:
+    return len(current().ccl._small)
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_small_allreduce_checks_its_arrays_again():
+    """A small allreduce of arrays seen before runs from kept views (ShmCCL._small):
+    a dst made read-only since is still refused on every worker, never written; and
+    at most 32 pairs of arrays are kept."""
+    with disco.ThreadedSession(2) as sess:
+        sess.init_ccl("shm")
+        src, dst = sess.empty((8,), "float32"), sess.empty((8,), "float32")
+        for w in range(2):
+            src.debug_copy_from(w, np.full(8, w + 1, np.float32))
+        for _ in range(3):
+            sess.allreduce(src, dst, "sum", in_group=False)
+        np.testing.assert_array_equal(dst.debug_get_from_remote(1), np.full(8, 3))
+        assert sess.call_packed("test_shm.kept").debug_get_from_remote(0) == 1
+        for w in range(2):
+            src.debug_copy_from(w, np.full(8, 10 * (w + 1), np.float32))
+        sess.call_packed("test_shm.read_only", dst)
+        with pytest.raises(disco.WorkerError, match="(?i)read-only|writ") as info:
+            sess.allreduce(src, dst, "sum", in_group=False)
+            sess._sync_all()
+        assert {info.value.worker_id, *(e.worker_id for e in info.value.others)} == {0, 1}
+        np.testing.assert_array_equal(dst.debug_get_from_remote(0), np.full(8, 3))  # untouched
+    with disco.ThreadedSession(2) as sess:
+        sess.init_ccl("shm")
+        pairs = [(sess.empty((4,), "int32"), sess.empty((4,), "int32")) for _ in range(40)]
+        for a, b in pairs:
+            sess.allreduce(a, b, "max", in_group=False)
+        assert 1 <= sess.call_packed("test_shm.kept").debug_get_from_remote(0) <= 32

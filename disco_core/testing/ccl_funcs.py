@@ -203,6 +203,14 @@ def fail_on(worker_id: int, shape: Any, dtype: str) -> np.ndarray:
     return _on_device(np.ones(shape, as_dtype(dtype)))
 
 
+@_reg("refill")
+def refill(arr: Any, seed: int) -> None:
+    """Overwrite ``arr`` in place with this worker's :func:`make_input` of ``seed``
+    (the same array object, new contents: a CCL that keeps anything per array must
+    read it anew)."""
+    arr[...] = _on_device(make_input(arr.shape, arr.dtype, seed, current().worker_id))
+
+
 @_reg("reshaped")
 def reshaped(arr: Any, shape: Any) -> Any:
     """A new array with ``arr``'s data in another shape."""

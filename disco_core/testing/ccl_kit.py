@@ -639,6 +639,24 @@ class CCLContract:
                     members = _members(w, self.num_workers, groups, in_group)
                     self.check_allreduce(got, [xs[m] for m in members], op, f"size {size} w{w}")
 
+    def test_allreduce_again_on_the_same_arrays(self, session):
+        """The same src and dst registers, over and over, as a training loop does: each
+        call reduces the contents src has now (a CCL may keep views of arrays it saw),
+        in place or not, with every op in turn."""
+        sess = session()
+        nw = self.num_workers
+        for shape, dtype in (((16,), "float32"), ((3, 5), "int32")):
+            src = sess.call_packed("ccl_kit.input", shape, dtype, 0)
+            dst = sess.empty(shape, dtype)
+            for i, op in enumerate([*self.reduce_ops(dtype), "sum", "sum"]):
+                seed = _seed("again", dtype, i)
+                sess.call_packed("ccl_kit.refill", src, seed)
+                xs = self.inputs(shape, dtype, seed)
+                target = src if i % 3 == 2 else dst  # now and then in place
+                sess.allreduce(src, target, op, in_group=False)
+                for w, got in _values(target, range(nw)).items():
+                    self.check_allreduce(got, xs, op, f"call {i} ({op}, {dtype}) worker {w}")
+
     def test_allreduce_in_place(self, session):
         sess = session()
         seed = _seed("in_place")
