@@ -388,7 +388,11 @@ def run(
         g = by.get(("gloo", 2, "allreduce", 4 * KiB))
         r_m = ratio(o and o["time_s"], m and m["time_s"])
         r_g = ratio(o and o["time_s"], g and g["time_s"])
-        checks.append((f"{kind} 4 KiB latency <= 3x MPICH", r_m, r_m is not None and r_m <= 3))
+        # issue 16: processes at most 1.5x MPICH, threads (one GIL) at most 3x
+        limit = 3 if kind == "threaded" else 1.5
+        checks.append(
+            (f"{kind} 4 KiB latency <= {limit:g}x MPICH", r_m, r_m is not None and r_m <= limit)
+        )
         checks.append(
             (f"{kind} 4 KiB latency << gloo (ours/gloo)", r_g, r_g is not None and r_g < 0.5)
         )
