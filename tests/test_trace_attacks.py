@@ -432,3 +432,19 @@ def test_a_compromised_token_holding_agent_over_a_real_socket(tmp_path, monkeypa
     assert os.path.getsize(path) < 1 << 20
     assert [a.returncode for a in agents] == [0, 0]
     assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() == threads
+
+
+def test_two_running_traces_into_one_file_are_refused(tmp_path, monkeypatch):
+    """The second trace into a file is refused at its start (by any spelling of the
+    path): the last one to stop overwrote the other's file, silently."""
+    path = tmp_path / "t.json"
+    with disco.ThreadedSession(1) as a, disco.ThreadedSession(1) as b:
+        with disco.trace(a, path):
+            monkeypatch.chdir(tmp_path)
+            for spelling in (path, "t.json", f"../{tmp_path.name}/t.json"):
+                with pytest.raises(disco.DiscoValueError, match="another running trace"):
+                    disco.trace(b, spelling).__enter__()
+            with disco.trace(b, tmp_path / "other.json"):
+                pass
+        with disco.trace(b, path):  # free again once the first stopped
+            pass

@@ -98,6 +98,10 @@ _env_sessions = [0]  # sessions traced through DISCO_TRACE so far (for their fil
 _at_exit: set[Trace] = set()
 _env_lock = threading.Lock()
 _claim_lock = threading.Lock()
+#: The files of the traces running in this process (by real path), so that a second
+#: trace into one file is refused at its start: the last to stop would overwrite the
+#: other's file silently. (Under _claim_lock.)
+_files_in_use: dict[str, Trace] = {}
 
 
 class Trace:
@@ -138,6 +142,7 @@ class Trace:
         self._t_start = 0
         self._lock = threading.Lock()
         self._installed = False  # the recording methods are on the session
+        self._key = ""  # the file's real path, in _files_in_use while the trace runs
         #: For each worker, True when it reads the controller's own clock (offset 0 exactly).
         self.shared_clock = [False] * session.num_workers
 
@@ -192,21 +197,37 @@ class Trace:
         """Start recording on the controller and every worker; return ``self``."""
         session = self.session
         state = session._state
+        key = os.path.join(os.path.realpath(os.path.dirname(self._target)), os.path.basename(self._target))  # fmt: skip
         with _claim_lock:  # the check and the claim at once: two threads may start a trace
             running = state.get("trace")
             if running is not None:
                 raise DiscoError(f"this session is already being traced (into {running.path!r})")
+            other = _files_in_use.get(key)
+            if other is not None:
+                raise DiscoValueError(
+                    f"trace: {self.path!r} is the file of another running trace (of "
+                    f"{'this' if other.session is session else 'another'} session); "
+                    "the last to stop would overwrite the other's: choose another name"
+                )
             state["trace"] = self
+            _files_in_use[key] = self
+        self._key = key
         try:
             return self._start()
         except BaseException:
             state["trace"] = None
+            self._release_file()
             self._uninstall()
             if self._rec is not None:  # trace_start went out: the workers that took it
                 with contextlib.suppress(Exception):  # would record until the next trace
                     session.call_packed("disco.trace_stop")
                     session._sync_all()
             raise
+
+    def _release_file(self) -> None:
+        with _claim_lock:
+            if _files_in_use.get(self._key) is self:
+                del _files_in_use[self._key]
 
     def _start(self) -> Trace:
         session = self.session
@@ -258,54 +279,59 @@ class Trace:
             if not self.active:
                 return self.path
             self.active = False
-            with _env_lock:
-                _at_exit.discard(self)
-            session = self.session
-            self._uninstall()
-            session._state["trace"] = None
-            notes: list[str] = []
-            workers: list[dict | None] = [None] * session.num_workers
+            try:
+                return self._stop(within)
+            finally:
+                self._release_file()  # only now: another trace may start into the file
+
+    def _stop(self, within: float | None) -> str:
+        """:meth:`stop`'s work, under its lock, once the trace is marked stopped."""
+        with _env_lock:
+            _at_exit.discard(self)
+        session = self.session
+        self._uninstall()
+        session._state["trace"] = None
+        notes: list[str] = []
+        workers: list[dict | None] = [None] * session.num_workers
+        stopped = None
+        pending: WorkerError | None = None
+        if within is not None:
+            workers, t_end = self._gather_within(within, notes)
+            return self._write(workers, t_end, notes, None)
+        try:
+            # The block's own commands first: their error is the program's, raised
+            # after the file is written (as the next sync would), not the trace's.
+            session._sync_all()
+        except WorkerError as exc:  # not WorkerDiedError: the session still runs
+            pending = exc
+        except Exception:  # noqa: BLE001, S110 - the gathering below meets it and notes it
+            pass
+        # The window closes when every worker has run every command sent in it.
+        t_end = now()
+        try:
+            stopped = session.call_packed("disco.trace_stop")
+            session._sync_all()
+        except WorkerDiedError as exc:
+            self._gather_after_death(workers, stopped, shutdown_timeout(), notes, exc)
             stopped = None
-            pending: WorkerError | None = None
-            if within is not None:
-                workers, t_end = self._gather_within(within, notes)
-                return self._write(workers, t_end, notes, None)
+        except Exception as exc:  # noqa: BLE001 - what can be had is still written
+            notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
+            self._in_process_events(workers, stopped)
+            stopped = None
+        if stopped is not None:
             try:
-                # The block's own commands first: their error is the program's, raised
-                # after the file is written (as the next sync would), not the trace's.
-                session._sync_all()
-            except WorkerError as exc:  # not WorkerDiedError: the session still runs
-                pending = exc
-            except Exception:  # noqa: BLE001, S110 - the gathering below meets it and notes it
-                pass
-            # The window closes when every worker has run every command sent in it.
-            t_end = now()
-            try:
-                stopped = session.call_packed("disco.trace_stop")
-                session._sync_all()
-            except WorkerDiedError as exc:
-                self._gather_after_death(workers, stopped, shutdown_timeout(), notes, exc)
-                stopped = None
-            except Exception as exc:  # noqa: BLE001 - what can be had is still written
-                notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
-                self._in_process_events(workers, stopped)
-                stopped = None
-            if stopped is not None:
+                for w, (t, off, prec) in enumerate(self._measure_clocks()):
+                    fit = self._clocks[w]
+                    if fit is not None and off is not None:
+                        fit.t_end, fit.offset_end, fit.precision_end = t, off, prec
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"the clocks were not measured again at the end ({type(exc).__name__}: {exc})")  # fmt: skip
+            for w in range(session.num_workers):
                 try:
-                    for w, (t, off, prec) in enumerate(self._measure_clocks()):
-                        fit = self._clocks[w]
-                        if fit is not None and off is not None:
-                            fit.t_end, fit.offset_end, fit.precision_end = t, off, prec
-                except Exception as exc:  # noqa: BLE001
-                    notes.append(f"the clocks were not measured again at the end ({type(exc).__name__}: {exc})")  # fmt: skip
-                for w in range(session.num_workers):
-                    try:
-                        workers[w] = _checked_export(
-                            stopped.debug_get_from_remote(w), self.capacity
-                        )
-                    except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
-                        notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
-            return self._write(workers, t_end, notes, pending)
+                    workers[w] = _checked_export(stopped.debug_get_from_remote(w), self.capacity)
+                except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
+                    notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
+        return self._write(workers, t_end, notes, pending)
 
     def _write(self, workers: list[dict | None], t_end: int, notes: list[str], pending: WorkerError | None) -> str:  # fmt: skip
         """Write the file from the gathered events; raise ``pending`` after."""
