@@ -38,7 +38,7 @@ from _placement import PLACEMENTS, Placement, floor, load_average, placements
 from bench_core import round_trip_samples
 
 import disco_core as disco
-from disco_core import demo, demo_funcs
+from disco_core import _procfs, demo, demo_funcs
 
 TARGET_US = 2.0
 TARGET_DEMO = 0.10
@@ -101,9 +101,14 @@ def measure(p: Placement, quick: bool, folder: str) -> dict[str, Any]:
         _async(sess, f, 1000)
         step()
         for r in range(rounds):
+            # Each round trip sample after the demo's and the trace's threads went idle:
+            # the traced one came right after a demo step, whose BLAS threads poll on
+            # for ~0.1 s, and read +4.9 us unpinned against +1.7 in the other placements.
+            _procfs.wait_until_idle()
             res["rt_off"].append(_rt(sess, f, rts))
             res["demo_off"].append(step())
             with disco.trace(sess, os.path.join(folder, f"{p.name}-{r}.json")):
+                _procfs.wait_until_idle()
                 res["rt_on"].append(_rt(sess, f, rts))
                 res["demo_on"].append(step())
         # Many short rounds: unpinned, the scheduler flips between placements of the
