@@ -235,12 +235,26 @@ class Channel(abc.ABC):
 
 
 class ReplyHub:
-    """Where replies and asynchronous error reports of all workers arrive."""
+    """Where replies and asynchronous error reports of all workers arrive.
 
-    _WAKE = ("wake", None)
+    A worker answers each of its synchronous commands with exactly one ``reply`` or
+    ``fail``, in order; the hub numbers them per worker as they arrive (on reader
+    threads, or on the thread that runs an in-process worker). A wait that is left
+    by an exception of the program (Ctrl-C's ``KeyboardInterrupt``, a signal
+    handler's error) before its answer came marks that answer stale
+    (:meth:`abandon`), so the next wait does not take it for its own: once, every
+    later reply of that worker was the previous call's.
+    """
+
+    _WAKE = ("wake", None, 0)
 
     def __init__(self, num_workers: int) -> None:
         self.replies: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_workers)]
+        #: per worker: answers (reply or fail) delivered so far, the number of the
+        #: newest taken by a wait, and the last number known stale (abandoned)
+        self.delivered = [0] * num_workers
+        self.taken = [0] * num_workers
+        self.stale = [0] * num_workers
         self.errors: collections.deque[WorkerError] = collections.deque()
         self.dead: dict[int, str] = {}
         #: workers declared dead because they stopped answering (a subset of ``dead``)
@@ -270,14 +284,27 @@ class ReplyHub:
             logger.warning("dropped a malformed message from worker %d", worker_id)
             return
         kind = msg[0]
-        if kind == "error":
+        if kind == "reply" or kind == "fail":
+            n = self.delivered[worker_id] = self.delivered[worker_id] + 1
+            self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, n))
+        elif kind == "error":
             self.errors.append(msg[1])
         elif kind == "alive":  # a heartbeat is only a sign of life, and says the worker sends them
             self.beating.add(worker_id)
         elif kind == "store":  # a rendezvous store request: answered by the store's own thread
             self.store_handler(worker_id, msg)
         else:
-            self.replies[worker_id].put(msg)
+            self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, 0))
+
+    def expect(self, worker_id: int) -> int:
+        """The number of the answer a wait starting now is for (the next one not stale)."""
+        return max(self.taken[worker_id], self.stale[worker_id]) + 1
+
+    def abandon(self, worker_id: int, number: int) -> None:
+        """The wait for answer ``number`` of ``worker_id`` ended without it: drop it when
+        it comes (and it may already have been taken: nothing is dropped twice)."""
+        if number > self.stale[worker_id]:
+            self.stale[worker_id] = number
 
     def store_handler(self, worker_id: int, msg: tuple) -> None:
         """Serve a worker's ``("store", ...)`` request; never blocks (the reader thread calls it).
@@ -351,16 +378,21 @@ class ReplyHub:
                 if left <= 0:
                     raise DiscoTimeoutError(f"worker {worker_id} did not answer in time")
             try:
-                kind, payload = q.get(
+                kind, payload, number = q.get(
                     timeout=interval if deadline is None else min(interval, max(left, 0.001))
                 )
             except queue.Empty:
                 poll()
                 continue
-            if kind == "reply" or kind == "ready":
+            if number:  # an answer
+                self.taken[worker_id] = number
+                if number <= self.stale[worker_id]:
+                    continue  # the answer to a wait that was given up (see abandon)
+                if kind == "fail":
+                    raise payload
                 return payload
-            if kind == "fail":
-                raise payload
+            if kind == "ready":
+                return payload
             # "wake": loop to look at self.dead
 
     def take_errors(self) -> list[WorkerError]:
@@ -1225,6 +1257,7 @@ class LinkChannel(Channel):
         # calls ctx.hand_over() first. A sync then costs no system call at all.
         hub = self.hub
         hub.waiting += 1  # the liveness watch judges silence only while someone waits
+        number = hub.expect(worker_id)
         try:
             if not inline:
                 # An in-process worker's commands then run on its own thread: a
@@ -1233,6 +1266,11 @@ class LinkChannel(Channel):
                 return hub.wait(worker_id, self.check_alive, deadline=deadline)
             link.run_pending(self.check_alive)  # type: ignore[attr-defined]  # inline: in-process
             return hub.wait(worker_id, self.check_alive)
+        except DiscoError:
+            raise  # an answer, a death, a timeout the caller asked for: nothing to drop
+        except BaseException:
+            hub.abandon(worker_id, number)  # Ctrl-C: its answer must not be the next call's
+            raise
         finally:
             hub.waiting -= 1
 
