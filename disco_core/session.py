@@ -28,7 +28,7 @@ import numpy as np
 from . import _memory, plugins
 from . import protocol as P
 from .ccl.base import REDUCE_OPS
-from .channels.base import Channel, Outgoing, gather_timeout
+from .channels.base import ANSWERED, Channel, Outgoing, gather_timeout
 from .device import Device, as_array, as_device, as_dtype, as_shape
 from .errors import (
     CCLError,
@@ -468,7 +468,10 @@ class Session:
         channel = self._channel
         if channel.backlogged:  # see Channel.backlogged
             channel.catch_up()
+        hub = getattr(channel, "hub", None) if cmd[0] in ANSWERED else None
         with self._lock:
+            if hub is not None:  # the answers it will bring are counted (see ReplyHub)
+                hub.ask((cmd,), range(self.num_workers) if workers is None else workers)
             released = self._released
             if released and workers is None:
                 ids = []
@@ -1077,17 +1080,19 @@ class Session:
         if self._state["closed"]:
             return
         running = self._state.get("trace")
-        if running is not None:
-            try:
-                # bounded as the rest of a shutdown: a worker busy for good is left out
-                running.stop(within=shutdown_timeout())
-            except WorkerError as exc:  # the file is written; a traced command had failed
-                logger.warning("trace %s written; a command sent while tracing failed: %s", running.path, exc)  # fmt: skip
-            except Exception as exc:  # noqa: BLE001 - shutting down must go on
-                logger.warning("the trace %s could not be written: %s", running.path, exc)
-        with self._lock:
-            self._finalizer()
-            self._cache.clear()
+        try:
+            if running is not None:
+                try:
+                    # bounded as the rest of a shutdown: a worker busy for good is left out
+                    running.stop(within=shutdown_timeout())
+                except WorkerError as exc:  # the file is written; a traced command had failed
+                    logger.warning("trace %s written; a command sent while tracing failed: %s", running.path, exc)  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 - shutting down must go on
+                    logger.warning("the trace %s could not be written: %s", running.path, exc)
+        finally:  # Ctrl-C in the trace's stop: the workers are still stopped
+            with self._lock:
+                self._finalizer()
+                self._cache.clear()
 
     @property
     def is_closed(self) -> bool:

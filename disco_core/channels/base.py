@@ -46,6 +46,7 @@ logger = logging.getLogger("disco_core.channels")
 __all__ = [
     "Channel",
     "Outgoing",
+    "ANSWERED",
     "ReplyHub",
     "WorkerLink",
     "BatchingLink",
@@ -234,26 +235,40 @@ class Channel(abc.ABC):
         """Stop every worker (the shutdown command has been sent); kill laggards."""
 
 
+#: The commands a worker answers (one ``reply`` or ``fail`` each, in order).
+ANSWERED = frozenset(
+    {
+        protocol.SYNC_WORKER,
+        protocol.COPY_FROM_WORKER0,
+        protocol.COPY_TO_WORKER0,
+        protocol.DEBUG_GET_FROM_REMOTE,
+        protocol.DEBUG_SET_REGISTER,
+    }
+)
+
+
 class ReplyHub:
     """Where replies and asynchronous error reports of all workers arrive.
 
-    A worker answers each of its synchronous commands with exactly one ``reply`` or
-    ``fail``, in order; the hub numbers them per worker as they arrive (on reader
-    threads, or on the thread that runs an in-process worker). A wait that is left
-    by an exception of the program (Ctrl-C's ``KeyboardInterrupt``, a signal
-    handler's error) before its answer came marks that answer stale
-    (:meth:`abandon`), so the next wait does not take it for its own: once, every
-    later reply of that worker was the previous call's.
+    A worker answers each of its synchronous commands (:data:`ANSWERED`) with
+    exactly one ``reply`` or ``fail``, in order. The controller counts those
+    commands per worker as it sends them (:meth:`ask`) and the hub numbers the
+    answers as they arrive (on reader threads, or on the thread that runs an
+    in-process worker). A synchronous call left by an exception of the program
+    (Ctrl-C's ``KeyboardInterrupt``, a signal handler's error), or a worker given
+    up on, marks every answer asked for so far stale (:meth:`abandon`), so that no
+    later wait takes one for its own: once, after Ctrl-C, every later reply of a
+    worker was the previous call's.
     """
 
     _WAKE = ("wake", None, 0)
 
     def __init__(self, num_workers: int) -> None:
         self.replies: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_workers)]
-        #: per worker: answers (reply or fail) delivered so far, the number of the
-        #: newest taken by a wait, and the last number known stale (abandoned)
+        #: per worker: answers asked for so far, answers delivered so far, and the
+        #: last number known stale (answers up to it are dropped when they come)
+        self.asked = [0] * num_workers
         self.delivered = [0] * num_workers
-        self.taken = [0] * num_workers
         self.stale = [0] * num_workers
         self.errors: collections.deque[WorkerError] = collections.deque()
         self.dead: dict[int, str] = {}
@@ -296,15 +311,18 @@ class ReplyHub:
         else:
             self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, 0))
 
-    def expect(self, worker_id: int) -> int:
-        """The number of the answer a wait starting now is for (the next one not stale)."""
-        return max(self.taken[worker_id], self.stale[worker_id]) + 1
+    def ask(self, cmds: Iterable[tuple], worker_ids: Iterable[int]) -> None:
+        """``cmds`` go to ``worker_ids``: count the answers they will bring."""
+        n = sum(1 for c in cmds if c[0] in ANSWERED)
+        if n:
+            for w in worker_ids:
+                self.asked[w] += n
 
-    def abandon(self, worker_id: int, number: int) -> None:
-        """The wait for answer ``number`` of ``worker_id`` ended without it: drop it when
-        it comes (and it may already have been taken: nothing is dropped twice)."""
-        if number > self.stale[worker_id]:
-            self.stale[worker_id] = number
+    def abandon(self, worker_ids: Iterable[int] | None = None) -> None:
+        """Nobody waits for the answers asked of ``worker_ids`` (None: every worker) so
+        far: drop them when they come (an answer already taken is not dropped twice)."""
+        for w in range(len(self.asked)) if worker_ids is None else worker_ids:
+            self.stale[w] = self.asked[w]
 
     def store_handler(self, worker_id: int, msg: tuple) -> None:
         """Serve a worker's ``("store", ...)`` request; never blocks (the reader thread calls it).
@@ -385,7 +403,6 @@ class ReplyHub:
                 poll()
                 continue
             if number:  # an answer
-                self.taken[worker_id] = number
                 if number <= self.stale[worker_id]:
                     continue  # the answer to a wait that was given up (see abandon)
                 if kind == "fail":
@@ -505,7 +522,10 @@ class BatchingLink(WorkerLink):
         hub = self.hub
         if hub is not None and any(w in hub.dead for w in self.worker_ids):
             return hub.died_error()
-        return self._died(exc)
+        error = self._died(exc)
+        if hub is not None:  # known dead from now on, as the reader's end of file would say
+            hub.mark_dead(error.worker_ids, error.reason)
+        return error
 
     @property
     def buffered(self) -> bool:  # type: ignore[override]  # read-only here
@@ -1257,7 +1277,6 @@ class LinkChannel(Channel):
         # calls ctx.hand_over() first. A sync then costs no system call at all.
         hub = self.hub
         hub.waiting += 1  # the liveness watch judges silence only while someone waits
-        number = hub.expect(worker_id)
         try:
             if not inline:
                 # An in-process worker's commands then run on its own thread: a
@@ -1269,7 +1288,7 @@ class LinkChannel(Channel):
         except DiscoError:
             raise  # an answer, a death, a timeout the caller asked for: nothing to drop
         except BaseException:
-            hub.abandon(worker_id, number)  # Ctrl-C: its answer must not be the next call's
+            hub.abandon()  # Ctrl-C: the call's answers must not be taken for the next one's
             raise
         finally:
             hub.waiting -= 1
@@ -1277,6 +1296,7 @@ class LinkChannel(Channel):
     def sync(self, worker_id: int) -> None:
         link = self._link_of[worker_id]
         if type(link) is not ThreadWorkerLink:
+            self.hub.ask(((protocol.SYNC_WORKER,),), (worker_id,))
             return super().sync(worker_id)
         # A worker of this process syncs right here: no command, no reply to queue.
         hub = self.hub

@@ -143,6 +143,8 @@ class Trace:
         self._lock = threading.Lock()
         self._installed = False  # the recording methods are on the session
         self._key = ""  # the file's real path, in _files_in_use while the trace runs
+        self._stopped: Any = None  # while stopping: the disco.trace_stop call, once sent
+        self._t_end = 0  # while stopping: the window's end
         #: For each worker, True when it reads the controller's own clock (offset 0 exactly).
         self.shared_clock = [False] * session.num_workers
 
@@ -275,29 +277,64 @@ class Trace:
             A command sent while tracing failed (the error the next synchronising call
             would have raised); the file is written first, with every worker's events.
         """
-        with self._lock:
+        # A bounded stop (a shutdown's) waits for another thread's stop no longer than
+        # it allows; the session's state names this trace until the file is written,
+        # so that a shutdown from another thread waits for it.
+        if not self._lock.acquire(timeout=-1 if within is None else max(0.0, within)):
+            return self.path
+        try:
             if not self.active:
                 return self.path
             self.active = False
             try:
                 return self._stop(within)
             finally:
+                if self.session._state.get("trace") is self:
+                    self.session._state["trace"] = None
                 self._release_file()  # only now: another trace may start into the file
+        finally:
+            self._lock.release()
 
     def _stop(self, within: float | None) -> str:
-        """:meth:`stop`'s work, under its lock, once the trace is marked stopped."""
+        """:meth:`stop`'s work, under its lock, once the trace is marked stopped.
+
+        What was gathered is written even when the gathering is cut short: by a
+        worker's death (the live workers are still asked, :meth:`_gather_after_death`)
+        or by Ctrl-C (the file is written with what is here, then the
+        ``KeyboardInterrupt`` goes on).
+        """
         with _env_lock:
             _at_exit.discard(self)
-        session = self.session
         self._uninstall()
-        session._state["trace"] = None
         notes: list[str] = []
-        workers: list[dict | None] = [None] * session.num_workers
-        stopped = None
-        pending: WorkerError | None = None
-        if within is not None:
-            workers, t_end = self._gather_within(within, notes)
-            return self._write(workers, t_end, notes, None)
+        workers: list[dict | None] = [None] * self.session.num_workers
+        self._stopped = None  # the disco.trace_stop call, once sent
+        self._t_end = now()  # the window's end: moved once the workers ran everything
+        pending: DiscoError | None = None
+        try:
+            if within is not None:
+                self._gather_within(within, notes, workers)
+            else:
+                pending = self._gather(notes, workers)
+        except KeyboardInterrupt:
+            notes.append("the stop was interrupted (KeyboardInterrupt): the events of the workers not gathered by then are missing")  # fmt: skip
+            if within is None:  # the wait had no bound: one more try, bounded as a shutdown is
+                with contextlib.suppress(KeyboardInterrupt):
+                    self._gather_within(shutdown_timeout(), notes, workers)
+            self._in_process_events(workers, self._stopped, keep=True)
+            self._write(workers, self._t_end, notes, None)
+            raise
+        return self._write(workers, self._t_end, notes, pending)
+
+    def _gather(self, notes: list[str], workers: list[dict | None]) -> DiscoError | None:
+        """The events of every worker, waiting as long as they take (the block ended
+        normally), into ``workers``; returns the error to raise once the file is
+        written: a command's failure, or a worker's death met here."""
+        session = self.session
+        pending: DiscoError | None = None
+        # a death the session knew of before is no news to the program (it raised it,
+        # or its next call will): a death met here is
+        known_dead = bool(getattr(getattr(session._channel, "hub", None), "dead", None))
         try:
             # The block's own commands first: their error is the program's, raised
             # after the file is written (as the next sync would), not the trace's.
@@ -307,33 +344,35 @@ class Trace:
         except Exception:  # noqa: BLE001, S110 - the gathering below meets it and notes it
             pass
         # The window closes when every worker has run every command sent in it.
-        t_end = now()
+        self._t_end = now()
         try:
-            stopped = session.call_packed("disco.trace_stop")
+            self._stopped = stopped = session.call_packed("disco.trace_stop")
             session._sync_all()
-        except WorkerDiedError as exc:
-            self._gather_after_death(workers, stopped, shutdown_timeout(), notes, exc)
-            stopped = None
-        except Exception as exc:  # noqa: BLE001 - what can be had is still written
-            notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
-            self._in_process_events(workers, stopped)
-            stopped = None
-        if stopped is not None:
             try:
                 for w, (t, off, prec) in enumerate(self._measure_clocks()):
                     fit = self._clocks[w]
                     if fit is not None and off is not None:
                         fit.t_end, fit.offset_end, fit.precision_end = t, off, prec
+            except WorkerDiedError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"the clocks were not measured again at the end ({type(exc).__name__}: {exc})")  # fmt: skip
             for w in range(session.num_workers):
                 try:
                     workers[w] = _checked_export(stopped.debug_get_from_remote(w), self.capacity)
+                except WorkerDiedError:
+                    raise
                 except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
                     notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
-        return self._write(workers, t_end, notes, pending)
+        except WorkerDiedError as exc:
+            self._gather_after_death(workers, self._stopped, shutdown_timeout(), notes, exc)
+            return None if known_dead else exc  # news: the block ended without meeting it
+        except Exception as exc:  # noqa: BLE001 - what can be had is still written
+            notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
+            self._in_process_events(workers, self._stopped)
+        return pending
 
-    def _write(self, workers: list[dict | None], t_end: int, notes: list[str], pending: WorkerError | None) -> str:  # fmt: skip
+    def _write(self, workers: list[dict | None], t_end: int, notes: list[str], pending: DiscoError | None) -> str:  # fmt: skip
         """Write the file from the gathered events; raise ``pending`` after."""
         session = self.session
         for w, got in enumerate(workers):
@@ -377,33 +416,38 @@ class Trace:
             raise pending
         return self.path
 
-    def _in_process_events(self, workers: list[dict | None], stopped: Any) -> None:
+    def _in_process_events(self, workers: list[dict | None], stopped: Any, keep: bool = False) -> None:  # fmt: skip
         """Read the events of the workers in this process straight from them (the
-        session cannot ask: a worker died), into ``workers``."""
+        session cannot ask: a worker died), into ``workers`` (``keep``: not over
+        events already there)."""
         for link in getattr(self.session.channel, "links", ()):
             worker = getattr(link, "worker", None)
             if getattr(link, "in_process", False) and worker is not None:
+                w = worker.ctx.worker_id
+                if keep and workers[w] is not None:
+                    continue
                 got = worker_side.stop(worker.ctx)  # (the stop may already have run)
                 if got is None and stopped is not None:
                     got = worker.regs.get(stopped.reg_id)
-                workers[worker.ctx.worker_id] = got if isinstance(got, dict) else None
+                workers[w] = got if isinstance(got, dict) else None
 
     def _gather_after_death(self, workers: list[dict | None], stopped: Any, within: float, notes: list[str], death: WorkerDiedError) -> None:  # fmt: skip
         """After a worker died: the events of every worker still alive, into ``workers``.
 
         The session asks its workers nothing once one is dead (every wait raises), so
         the in-process workers are read directly and the live worker processes are
-        asked one by one, through the channel's ``recv_despite_deaths`` (a channel
-        without it keeps only the in-process tracks), ``within`` seconds in all.
+        asked through the channel's ``recv_despite_deaths`` (a channel without it
+        keeps only the in-process tracks), all at once, ``within`` seconds in all.
         """
         notes.append(f"a worker died during the trace: {death}")
-        self._in_process_events(workers, stopped)
+        self._in_process_events(workers, stopped, keep=True)
         session = self.session
         channel = session._channel
         recv = getattr(channel, "recv_despite_deaths", None)
         dead = set(getattr(getattr(channel, "hub", None), "dead", ())) | set(death.worker_ids)
         ask = [w for w in range(session.num_workers) if workers[w] is None and w not in dead]
         for w in sorted(dead):
+            workers[w] = None
             notes.append(f"worker {w}: no events (it died)")
         if not ask:
             return
@@ -424,63 +468,96 @@ class Trace:
         except Exception as exc:  # noqa: BLE001 - what can be had is written
             notes.append(f"the live workers' events could not be asked for ({type(exc).__name__}: {exc})")  # fmt: skip
             return
+        late = f"it did not answer within {within:g} s: busy, maybe in a collective with the dead worker"  # fmt: skip
+        self._fetch(ask, reg, deadline, recv, workers, notes, late, after_death=True)
+
+    def _fetch(self, ask: list[int], reg: int, deadline: float, recv: Any, workers: list[dict | None], notes: list[str], late: str, after_death: bool = False) -> None:  # fmt: skip
+        """Ask each worker of ``ask`` for the events in register ``reg``, all at once, and
+        take the answers as they come until ``deadline`` (one slow worker does not use
+        up the others' time); ``recv(worker, timeout)`` takes an answer.
+
+        ``after_death``: a reply that is not events is one to a wait the death cut
+        short (skipped), and a worker's own death is a note, not an error.
+        """
+        session = self.session
+        waiting = []
         for w in ask:
             try:
                 session._send((P.DEBUG_GET_FROM_REMOTE, reg, w), [w])
-                while True:
-                    try:
-                        got = recv(w, max(0.001, deadline - time.monotonic()))
-                    except WorkerError:
-                        continue  # an earlier command's failure, reported now
-                    if isinstance(got, dict):
-                        break
-                    # else: the reply to a wait that the death cut short (a sync's)
-                workers[w] = _checked_export(got, self.capacity)
-            except DiscoTimeoutError:
-                notes.append(f"worker {w}: no events (it did not answer within {within:g} s: busy, maybe in a collective with the dead worker)")  # fmt: skip
+                waiting.append(w)
+            except WorkerDiedError:
+                if not after_death:
+                    raise
+                notes.append(f"worker {w}: no events (it died)")
             except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
                 notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
-
-    def _gather_within(self, within: float, notes: list[str]) -> tuple[list[dict | None], int]:
-        """The workers' events and the window's end, waiting ``within`` seconds at most
-        for each step (a sync, the stop, the events): a worker that does not answer
-        in time is left out (with a note), and is asked nothing more (an answer of its
-        that comes late would be taken for the next one)."""
-        session = self.session
-        n = session.num_workers
-        workers: list[dict | None] = [None] * n
-        lock = session._sync_lock
-        if not lock.acquire(timeout=max(0.0, within)):
-            notes.append(f"no worker's events: another thread's synchronising call held the session for {within:g} s")  # fmt: skip
-            return workers, now()
-        t_end = now()
-        stopped = None
-        try:
-            try:
-                live = self._answering(range(n), within)
-                t_end = now()  # the window closes when the live workers have run everything
-                stopped = session.call_packed("disco.trace_stop")
-                live = self._answering(live, within)
-            except WorkerDiedError as exc:
-                self._gather_after_death(workers, stopped, within, notes, exc)
-                return workers, t_end
-            except Exception as exc:  # noqa: BLE001 - what can be had is written
-                notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
-                self._in_process_events(workers, stopped)
-                return workers, t_end
-            for w in range(n):
-                if w not in live:
-                    notes.append(f"worker {w}: no events (it did not answer within {within:g} s: busy, stopped or gone)")  # fmt: skip
-                    continue
+        while waiting:
+            for w in list(waiting):
                 try:
-                    session._send((P.DEBUG_GET_FROM_REMOTE, stopped.reg_id, w), [w])
-                    got = session._channel.recv(w, timeout=max(0.001, within))
+                    got = recv(w, 0.01)
+                except DiscoTimeoutError:
+                    if time.monotonic() > deadline:
+                        waiting.remove(w)
+                        self._give_up(w)
+                        notes.append(f"worker {w}: no events ({late})")
+                    continue
+                except WorkerError:
+                    continue  # an earlier command's failure, reported now
+                except WorkerDiedError:
+                    if not after_death:
+                        raise
+                    waiting.remove(w)
+                    notes.append(f"worker {w}: no events (it died)")
+                    continue
+                except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
+                    waiting.remove(w)
+                    notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
+                    continue
+                if after_death and not isinstance(got, dict):
+                    continue
+                waiting.remove(w)
+                try:
                     workers[w] = _checked_export(got, self.capacity)
                 except Exception as exc:  # noqa: BLE001 - one worker's loss is a note
                     notes.append(f"worker {w}: no events ({type(exc).__name__}: {exc})")
-            return workers, t_end
+
+    def _gather_within(self, within: float, notes: list[str], workers: list[dict | None]) -> None:  # fmt: skip
+        """The workers' events into ``workers`` and the window's end, waiting ``within``
+        seconds at most for each step (a sync, the stop, the events): a worker that
+        does not answer in time is left out (with a note), and is asked nothing more
+        (its answers that come late are dropped: :meth:`_give_up`)."""
+        session = self.session
+        n = session.num_workers
+        lock = session._sync_lock
+        if not lock.acquire(timeout=max(0.0, within)):
+            notes.append(f"no worker's events: another thread's synchronising call held the session for {within:g} s")  # fmt: skip
+            return
+        try:
+            try:
+                live = self._answering(range(n), within)
+                self._t_end = now()  # the window closes when the live workers ran everything
+                self._stopped = session.call_packed("disco.trace_stop")
+                live = self._answering(live, within)
+                for w in range(n):
+                    if w not in live:
+                        notes.append(f"worker {w}: no events (it did not answer within {within:g} s: busy, stopped or gone)")  # fmt: skip
+                late = f"it did not answer within {within:g} s"
+                recv = session._channel.recv
+                self._fetch(live, self._stopped.reg_id, time.monotonic() + within, recv, workers, notes, late)  # fmt: skip
+            except WorkerDiedError as exc:
+                self._gather_after_death(workers, self._stopped, within, notes, exc)
+            except Exception as exc:  # noqa: BLE001 - what can be had is written
+                notes.append(f"the worker processes' events could not be gathered ({type(exc).__name__}: {exc})")  # fmt: skip
+                self._in_process_events(workers, self._stopped, keep=True)
         finally:
             lock.release()
+
+    def _give_up(self, worker: int) -> None:
+        """Wait for no answer of ``worker`` asked so far: one that comes late is dropped
+        (it would be taken for the program's next call's)."""
+        hub = getattr(self.session._channel, "hub", None)
+        if hub is not None:
+            hub.abandon([worker])
 
     def _answering(self, among: Any, within: float) -> list[int]:
         """The workers of ``among`` that answer a sync within ``within`` seconds (all
@@ -498,6 +575,7 @@ class Trace:
                 except DiscoTimeoutError:
                     if time.monotonic() > deadline:
                         waiting.remove(w)  # busy or stopped: left out
+                        self._give_up(w)
                     continue
                 except WorkerError:
                     pass  # it answered, with an earlier command's failure
