@@ -470,8 +470,6 @@ class Session:
             channel.catch_up()
         hub = getattr(channel, "hub", None) if cmd[0] in ANSWERED else None
         with self._lock:
-            if hub is not None:  # the answers it will bring are counted (see ReplyHub)
-                hub.ask((cmd,), range(self.num_workers) if workers is None else workers)
             released = self._released
             if released and workers is None:
                 ids = []
@@ -484,8 +482,12 @@ class Session:
                     )
                 )
                 self._free_regs.extend(ids)
-                return
-            channel.send(Outgoing(cmd, by_reference=by_reference, shared=shared), workers)
+            else:
+                channel.send(Outgoing(cmd, by_reference=by_reference, shared=shared), workers)
+            if hub is not None:
+                # the answers it will bring, counted once it went out (see ReplyHub): a
+                # command counted that never left would make a later answer stale
+                hub.ask((cmd,), range(self.num_workers) if workers is None else workers)
 
     def _call(self, func: DRef, args: tuple, cls: type = DRef, _traced: bool = False) -> Any:
         if self._state["closed"]:

@@ -45,3 +45,26 @@ def test_an_interrupted_wait_leaves_no_answer_for_the_next_call(kind, worker):
         other = 1 - worker
         assert echo(11).debug_get_from_remote(other) == 11
         sess._sync_all()
+
+
+@pytest.mark.timeout(60)
+def test_a_command_that_could_not_be_sent_is_not_waited_for():
+    """An answered command that never left (its value cannot be sent) is not counted:
+    counted, it made the answer of the call after an interrupted one stale, and that
+    call waited for good."""
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
+        ref = echo(1)
+        with pytest.raises(TypeError):
+            ref.debug_copy_from(1, threading.Lock())  # cannot be pickled: never sent
+        assert ref.debug_get_from_remote(1) == 1
+        sleep(1.0, 1)
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                echo(7).debug_get_from_remote(1)
+        finally:
+            timer.cancel()
+        assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]

@@ -270,6 +270,9 @@ class ReplyHub:
         self.asked = [0] * num_workers
         self.delivered = [0] * num_workers
         self.stale = [0] * num_workers
+        #: workers a write to failed (raised as WorkerDiedError before the readers,
+        #: which mark them dead, may have seen the end of their output)
+        self.write_failed: set[int] = set()
         self.errors: collections.deque[WorkerError] = collections.deque()
         self.dead: dict[int, str] = {}
         #: workers declared dead because they stopped answering (a subset of ``dead``)
@@ -523,8 +526,8 @@ class BatchingLink(WorkerLink):
         if hub is not None and any(w in hub.dead for w in self.worker_ids):
             return hub.died_error()
         error = self._died(exc)
-        if hub is not None:  # known dead from now on, as the reader's end of file would say
-            hub.mark_dead(error.worker_ids, error.reason)
+        if hub is not None:  # (not mark_dead here: its callbacks may send, and a lock is held)
+            hub.write_failed.update(error.worker_ids)
         return error
 
     @property
@@ -1296,8 +1299,10 @@ class LinkChannel(Channel):
     def sync(self, worker_id: int) -> None:
         link = self._link_of[worker_id]
         if type(link) is not ThreadWorkerLink:
-            self.hub.ask(((protocol.SYNC_WORKER,),), (worker_id,))
-            return super().sync(worker_id)
+            self.send(Outgoing((protocol.SYNC_WORKER, worker_id), shared=True), [worker_id])
+            self.hub.ask(((protocol.SYNC_WORKER,),), (worker_id,))  # once sent: see ReplyHub
+            self.recv(worker_id)
+            return
         # A worker of this process syncs right here: no command, no reply to queue.
         hub = self.hub
         if hub.dead:

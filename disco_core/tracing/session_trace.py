@@ -334,7 +334,8 @@ class Trace:
         pending: DiscoError | None = None
         # a death the session knew of before is no news to the program (it raised it,
         # or its next call will): a death met here is
-        known_dead = bool(getattr(getattr(session._channel, "hub", None), "dead", None))
+        hub = getattr(session._channel, "hub", None)
+        known_dead = hub is not None and bool(hub.dead or hub.write_failed)
         try:
             # The block's own commands first: their error is the program's, raised
             # after the file is written (as the next sync would), not the trace's.
