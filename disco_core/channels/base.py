@@ -250,7 +250,7 @@ ANSWERED = frozenset(
 class ReplyHub:
     """Where replies and asynchronous error reports of all workers arrive.
 
-    A worker answers each of its synchronous commands (:data:`ANSWERED`) with
+    A worker answers each of its synchronous commands (``ANSWERED``) with
     exactly one ``reply`` or ``fail``, in order. The controller counts those
     commands per worker as it sends them (:meth:`ask`) and the hub numbers the
     answers as they arrive (on reader threads, or on the thread that runs an
@@ -265,8 +265,8 @@ class ReplyHub:
 
     def __init__(self, num_workers: int) -> None:
         self.replies: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_workers)]
-        #: per worker: answers asked for so far, answers delivered so far, and the
-        #: last number known stale (answers up to it are dropped when they come)
+        # Per worker, the answers asked for so far, the answers delivered so far, and
+        # the last number known stale (answers up to it are dropped when they come).
         self.asked = [0] * num_workers
         self.delivered = [0] * num_workers
         self.stale = [0] * num_workers
