@@ -36,7 +36,10 @@ def _notes(path) -> list[str]:
 def _kill(sess, w: int) -> None:
     pid = sess.channel.links[w].proc.pid
     os.kill(pid, signal.SIGKILL)
-    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead for sure (not reaped)
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead for sure (not reaped)
+    except ChildProcessError:
+        pass  # the channel reaped it already: dead for sure
 
 
 @pytest.mark.timeout(60)
