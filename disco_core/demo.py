@@ -186,8 +186,12 @@ def _validate(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.tol is not None and not args.tol >= 0:  # (NaN too) no result could pass
         raise ValueError(f"--tol must be >= 0, got {args.tol}")
+    if args.seed < 0:  # NumPy's generator takes none
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.trace:
         tracing.Trace.check_path(args.trace)
+        for n in counts:  # each row's own file (FILE.<n>w.json), before any row runs
+            tracing.Trace.check_path(trace_path(args, n))
     bad = [n for n in counts if args.d_ff % n]
     if bad:
         raise ValueError(

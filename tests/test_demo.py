@@ -93,6 +93,26 @@ def test_demo_rejects_bad_worker_list():
     assert "--workers" in proc.stderr
 
 
+@pytest.mark.timeout(60)
+def test_demo_rejects_a_negative_seed_before_it_runs():
+    """It printed the banner, then NumPy's traceback (outside check)."""
+    proc = run_demo("--seed", "-1")
+    assert proc.returncode == 2
+    assert "--seed must be >= 0, got -1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_demo_checks_every_rows_trace_file_before_it_runs(tmp_path):
+    """With several worker counts each row traces into FILE.<n>w.json: a folder of that
+    name failed the 2-worker row after the 1-worker row had run (outside check)."""
+    (tmp_path / "clash.2w.json").mkdir()
+    proc = run_demo("--workers", "1,2", "--trace", str(tmp_path / "clash.json"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "clash.2w.json" in proc.stderr and "is a folder" in proc.stderr
+    assert "starting" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("value", ["1,,2", "2,", ",2"])
 def test_demo_worker_list_with_a_count_left_out_is_refused(value):
     """'1,,2' ran as '1,2' (outside check): a typo that drops a count is not guessed at."""

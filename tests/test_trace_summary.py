@@ -564,6 +564,13 @@ def test_plot_output_names_are_checked(tmp_path: Path, hand: Path):
         plot(trace, tmp_path / "x.xyz")
     assert plot(trace, tmp_path / "noext") == str(tmp_path / "noext.png")
     assert (tmp_path / "noext.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a device, a pipe or a link is not an image's name (-o /dev/null wrote /dev/null.png)
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "link.png").symlink_to(tmp_path / "elsewhere.png")
+    for name in ("pipe", "link.png"):
+        with pytest.raises(DiscoError, match="not a regular file"):
+            plot(trace, tmp_path / name)
+    assert not (tmp_path / "pipe.png").exists() and not (tmp_path / "elsewhere.png").exists()
 
 
 def test_a_forged_worker_count_is_refused_before_it_costs_memory(tmp_path: Path, hand: Path):

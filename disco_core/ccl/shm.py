@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CCLError, CCLTimeoutError, DiscoValueError
+from ..errors import CCLError, CCLTimeoutError, DiscoTypeError, DiscoValueError
 from . import _arena, _futex, validate
 from .base import CCL, Rendezvous, average_in_place
 
@@ -216,7 +216,7 @@ class ShmCCL(CCL):
             )
         unknown = set(options) - {"timeout", "slot_bytes", "mailbox_bytes", "arena_bytes"}
         if unknown:
-            raise TypeError(f"init_ccl('shm'): unknown options {sorted(unknown)}")
+            raise DiscoTypeError(f"init_ccl('shm'): unknown options {sorted(unknown)}")
         opts: dict[str, Any] = {
             "arena_bytes": options.get("arena_bytes"),
             "timeout": float(

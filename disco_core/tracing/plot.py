@@ -8,6 +8,7 @@ state): the canvas is Agg's.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,7 +37,7 @@ def _matplotlib() -> Any:
     except ImportError as exc:
         raise DiscoError(
             f"matplotlib is needed to plot a trace ({exc}): pip install 'disco-core[plot]' "
-            "(in a clone of the repository: pip install '.[plot]')"
+            "(in a clone of the repository: pip install -e '.[plot]', editable as scripts/demo.sh installs it)"
         ) from None
     return Figure, Patch
 
@@ -83,6 +84,22 @@ def _rows(trace: Trace) -> list[tuple[str, dict[str, list[tuple[float, float]]]]
     return rows
 
 
+def _check_regular(target: str) -> None:
+    """Refuse a name that exists and is not a regular file (a device, a pipe, a symbolic
+    link): an image would be written through it, or beside it, as for a trace."""
+    try:
+        mode = os.lstat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise DiscoError(f"{target!r}: cannot look at it: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise DiscoError(
+            f"{target!r} exists and is not a regular file: give the image's file name "
+            "(timeline.png)"
+        )
+
+
 def plot(trace: Trace, path: str | os.PathLike[str], summary: Summary | None = None) -> str:
     """Draw ``trace``'s timeline and straggler chart into the image file ``path``.
 
@@ -118,7 +135,9 @@ def plot(trace: Trace, path: str | os.PathLike[str], summary: Summary | None = N
         raise DiscoError(f"{target!r} is a folder: give the image's file name (timeline.png)")
     suffix = os.path.splitext(target)[1].lower().lstrip(".")
     if not suffix:
+        _check_regular(target)  # -o /dev/null wrote /dev/null.png
         target, suffix = target + ".png", "png"
+    _check_regular(target)
     summary = summary if summary is not None else summarize(trace)
     rows = _rows(trace)
     fig = Figure(figsize=(12, 2.5 + 0.4 * len(rows)), layout="constrained")
