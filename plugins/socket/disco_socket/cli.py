@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import ssl
 import sys
 
 from disco_core.spi import HelpFormatter, add_common_options, configure_logging, level_from_args
@@ -32,6 +33,17 @@ def _port(text: str) -> int:
     if not 0 < port < 65536:
         raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
     return port
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (-1 and nan were accepted: outside check)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be > 0 and finite, got {text}")
+    return value
 
 
 def _usage(prog: str) -> str:
@@ -92,7 +104,7 @@ def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
     j.add_argument(
         "--connect-timeout",
         metavar="SECONDS",
-        type=float,
+        type=_seconds,
         default=float(os.environ.get("DISCO_CONNECT_TIMEOUT", "60")),
         help="seconds to keep retrying while nothing answers at HOST PORT (default: "
         "$DISCO_CONNECT_TIMEOUT, else 60)",
@@ -100,7 +112,7 @@ def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
     j.add_argument(
         "--retry-interval",
         metavar="SECONDS",
-        type=float,
+        type=_seconds,
         default=0.2,
         help="seconds between attempts",
     )
@@ -188,12 +200,20 @@ def main(argv: list[str] | None = None, prog: str = "disco-socket") -> int:
     configure_logging(level, pass_to_workers=asked or bool(os.environ.get("DISCO_LOG_LEVEL")))
     from .agent import client_ssl_context, run_agent
 
-    ctx = None
-    if args.tls or args.tls_ca or args.tls_cert:
-        ctx = client_ssl_context(args.tls_ca, args.tls_cert, args.tls_key)
     if args.workers < 1:
         print("disco-socket: --workers must be >= 1", file=sys.stderr)
         return 2
+    if args.tls_key and not args.tls_cert:
+        print("disco-socket: --tls-key needs --tls-cert (the certificate it is the key of)", file=sys.stderr)  # fmt: skip
+        return 2
+    ctx = None
+    if args.tls or args.tls_ca or args.tls_cert:
+        try:
+            ctx = client_ssl_context(args.tls_ca, args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as exc:  # a missing file, a file that is no PEM
+            files = ", ".join(f for f in (args.tls_ca, args.tls_cert, args.tls_key) if f)
+            print(f"disco-socket: cannot use the TLS files ({files}): {exc}", file=sys.stderr)
+            return 2
     return run_agent(
         args.host,
         args.port,

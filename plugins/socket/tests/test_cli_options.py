@@ -66,3 +66,22 @@ def test_a_port_out_of_range_is_refused_as_such():
     for form in (["127.0.0.1", "99999", "1"], ["join", "127.0.0.1", "0", "--workers", "1"]):
         r = _run(*form)
         assert r.returncode == 2 and "a port is 1-65535, got" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--tls-ca", "/nonexistent/ca.pem"], "cannot use the TLS files (/nonexistent/ca.pem)"),
+        (["--tls-cert", "/etc/hostname", "--tls-key", "/etc/hostname"], "cannot use the TLS files"),
+        (["--tls-key", "/etc/hostname"], "--tls-key needs --tls-cert"),
+        (["--retry-interval", "-1"], "seconds must be > 0 and finite, got -1"),
+        (["--connect-timeout", "nan"], "seconds must be > 0 and finite, got nan"),
+    ],
+)
+def test_bad_tls_files_and_seconds_are_refused_without_a_traceback(options, says):
+    """Each gave a traceback and exit code 1, or was accepted (-1 s, nan s, a key with
+    no certificate): outside check."""
+    r = _run("join", "127.0.0.1", "9", "--workers", "1", *options)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
