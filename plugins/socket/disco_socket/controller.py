@@ -459,9 +459,7 @@ class NodeLink(BatchingLink):
             answer = _loads(reader.read_blob())
             settle()
             if not isinstance(answer, dict):
-                raise DiscoValueError(
-                    "protocol error: a module-file answer is not an object"
-                )
+                raise DiscoValueError("protocol error: a module-file answer is not an object")
             q = self._requests.get(arg)
             if q is not None:
                 q.put(answer)
@@ -891,6 +889,14 @@ class SocketChannel(LinkChannel):
                 raise DiscoValueError(f"{name} must be >= 1, got {value}")
         if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
             raise DiscoTypeError("ssl_context must be an ssl.SSLContext")
+        # (a port of 70000 or "9091", a timeout of -1 were taken: new-user check)
+        if not isinstance(host, str) or not host:
+            raise DiscoTypeError(f"host must be a host name or address, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise DiscoValueError(f"port must be an int 0-65535 (0: any free port), got {port!r}")
+        for name, seconds in (("timeout", timeout), ("handshake_timeout", handshake_timeout)):
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):  # fmt: skip
+                raise DiscoValueError(f"{name} must be a number of seconds > 0, got {seconds!r}")
         num_workers = num_nodes * num_workers_per_node
         super().__init__(num_workers, num_groups)
         self.num_nodes = num_nodes
@@ -1051,8 +1057,12 @@ class SocketChannel(LinkChannel):
         host, port = self.address
         rejected = ""
         if self.rejected:
-            rejected = f"; {len(self.rejected)} connection(s) were rejected: " + "; ".join(
-                list(self.rejected)[-3:]
+            n = len(self.rejected)
+            last = f"the last 3 of {n}" if n > 3 else "they"
+            rejected = (
+                f"; {n} connection(s) were rejected ({last}: "
+                + "; ".join(list(self.rejected)[-3:])
+                + ")"
             )
         return DiscoTimeoutError(
             f"SocketSession: only {len(self.nodes)} of {want} node(s) joined {host}:{port} "
@@ -1278,7 +1288,9 @@ class SocketChannel(LinkChannel):
         loads = self._scan(out) if self.nodes else None
         link_of = self._link_of
         if workers is None:
-            targets: list[tuple[WorkerLink, list[int] | None]] = [(link, None) for link in self.links]
+            targets: list[tuple[WorkerLink, list[int] | None]] = [
+                (link, None) for link in self.links
+            ]
         else:
             groups: dict[int, tuple[WorkerLink, list[int]]] = {}
             for w in workers:

@@ -85,3 +85,25 @@ def test_bad_tls_files_and_seconds_are_refused_without_a_traceback(options, says
     r = _run("join", "127.0.0.1", "9", "--workers", "1", *options)
     assert r.returncode == 2, r.stderr
     assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"port": 70000}, "port must be an int 0-65535"),
+        ({"port": "9091"}, "port must be an int 0-65535"),
+        ({"port": -1}, "port must be an int 0-65535"),
+        ({"host": ""}, "host must be a host name"),
+        ({"timeout": -1}, "timeout must be a number of seconds > 0"),
+        ({"handshake_timeout": float("nan")}, "handshake_timeout must be a number of seconds"),
+    ],
+)
+def test_socket_session_options_are_checked_before_it_listens(options, says):
+    """A port of 70000 or "9091" and a timeout of -1 were taken (with one node: no
+    error at all), an empty host retried for the whole timeout (new-user check)."""
+    import disco_core as disco
+
+    kwargs = {"host": "127.0.0.1", "port": 0, "token": "t0k", **options}
+    with pytest.raises((disco.DiscoValueError, disco.DiscoTypeError), match=says):
+        disco.SocketSession(1, 1, **kwargs)
