@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+import time
 
 import pytest
 
@@ -68,3 +69,45 @@ def test_a_command_that_could_not_be_sent_is_not_waited_for():
         finally:
             timer.cancel()
         assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["process", "threaded"])
+def test_ctrl_c_while_worker_0_builds_its_answer_still_leaves_one_answer(kind):
+    """Worker 0 runs its commands on the waiting thread: Ctrl-C in the middle of its
+    64 MiB copy used to leave the command with no answer at all, and the counted
+    answers then dropped every later one of worker 0 (each later call waited for
+    good; outside check). SIGALRM handled as SIGINT is, 3 ms into the copy."""
+    import signal
+
+    import numpy as np
+
+    sess = disco.ProcessSession(2) if kind == "process" else disco.ThreadedSession(2)
+    old = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    try:
+        with sess:
+            sess.import_python_module("disco_core.testing.funcs")
+            echo = sess.get_global_func("testing.echo")
+            big = sess.get_global_func("testing.arange")(16 << 20, "float32")
+            host = np.empty(16 << 20, np.float32)
+            sess.sync_worker_0()
+            for call in (lambda: big.debug_get_from_remote(0), lambda: sess.copy_from_worker_0(host, big)):  # fmt: skip
+                signal.setitimer(signal.ITIMER_REAL, 0.003)
+                try:
+                    call()
+                    time.sleep(0.2)  # (the copy was quicker: the alarm lands here)
+                except KeyboardInterrupt:
+                    pass
+                except disco.WorkerError as exc:  # the copy's own failure, reported
+                    assert "KeyboardInterrupt" in str(exc)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                try:
+                    got = echo(8).debug_get_from_remote(0)
+                except disco.WorkerError as exc:  # the interrupted copy, said once
+                    assert "KeyboardInterrupt" in str(exc)
+                    got = echo(8).debug_get_from_remote(0)
+                assert got == 8
+                assert [echo(v).debug_get_from_remote(w) for v, w in ((9, 0), (10, 1))] == [9, 10]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -433,15 +433,23 @@ class Worker:
         _copy_into(held, value, "debug_copy_from")
 
     def _sync_op(self, op: Callable[[], Any]) -> None:
+        # Exactly one answer, whatever happens: the controller counts the answers it
+        # asked for (ReplyHub). A worker in the controller's process runs this on the
+        # controller's thread, where Ctrl-C may interrupt it: the answer is a failure
+        # then, and the interrupt goes on (with no answer, every later one was dropped).
         try:
             value = op()
-        except Exception as exc:
+        except BaseException as exc:
             self.send(("fail", self._error(exc)))
+            if not isinstance(exc, Exception):
+                raise
             return
         try:
             self.send(("reply", value))
-        except Exception as exc:  # e.g. a value that cannot be pickled
+        except BaseException as exc:  # e.g. a value that cannot be pickled
             self.send(("fail", self._error(exc, "sending the reply")))
+            if not isinstance(exc, Exception):
+                raise
 
     def _error(self, exc: BaseException, where: str = "", tb: bool = True) -> WorkerError:
         typ = type(exc)
