@@ -487,7 +487,7 @@ class Session:
             if hub is not None:
                 # the answers it will bring, counted once it went out (see ReplyHub): a
                 # command counted that never left would make a later answer stale
-                hub.ask((cmd,), range(self.num_workers) if workers is None else workers)
+                hub.ask(range(self.num_workers) if workers is None else workers)
 
     def _call(self, func: DRef, args: tuple, cls: type = DRef, _traced: bool = False) -> Any:
         if self._state["closed"]:

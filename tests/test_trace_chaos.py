@@ -110,10 +110,29 @@ def test_a_stopped_worker_does_not_use_up_the_others_time(tmp_path, monkeypatch)
     assert not any(n.startswith("worker 3") for n in notes), notes
 
 
-def _interrupt_in(seconds: float) -> threading.Timer:
-    timer = threading.Timer(seconds, _thread.interrupt_main)  # as Ctrl-C does
-    timer.start()
-    return timer
+class _CtrlC:
+    """``with _CtrlC() as ctrl_c: ...; ctrl_c.after(s); ...``: Ctrl-C (``KeyboardInterrupt``
+    in the main thread, as ``_thread.interrupt_main`` raises it) ``s`` seconds after
+    ``after``, expected to end the block; the timer never outlives it."""
+
+    def __init__(self) -> None:
+        self.timer: threading.Timer | None = None
+        self.raises = pytest.raises(KeyboardInterrupt)
+
+    def after(self, seconds: float) -> None:
+        self.timer = threading.Timer(seconds, _thread.interrupt_main)
+        self.timer.start()
+
+    def __enter__(self) -> _CtrlC:
+        self.raises.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        try:
+            return bool(self.raises.__exit__(*exc))  # type: ignore[arg-type]
+        finally:
+            if self.timer is not None:
+                self.timer.cancel()
 
 
 @pytest.mark.timeout(60)
@@ -125,16 +144,11 @@ def test_ctrl_c_while_the_stop_waits_still_writes_the_file(tmp_path):
     with disco.ProcessSession(3) as sess:
         sess.import_python_module(FUNCS)
         echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
-        timer = None
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                with disco.trace(sess, path):
-                    echo(1)
-                    sleep(2.0, 1)
-                    timer = _interrupt_in(0.5)
-        finally:
-            if timer is not None:
-                timer.cancel()
+        with _CtrlC() as ctrl_c:
+            with disco.trace(sess, path):
+                echo(1)
+                sleep(2.0, 1)
+                ctrl_c.after(0.5)
         assert os.path.exists(path)
         assert {worker_tid(w) for w in range(3)} <= _tracks(path)
         assert any("interrupted (KeyboardInterrupt)" in n for n in _notes(path))
@@ -150,16 +164,11 @@ def test_ctrl_c_in_a_traced_block_leaves_the_replies_in_step(tmp_path):
     with disco.ProcessSession(3) as sess:
         sess.import_python_module(FUNCS)
         echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
-        timer = None
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                with disco.trace(sess, path):
-                    sleep(2.0, 1)
-                    timer = _interrupt_in(0.5)
-                    echo(7).debug_get_from_remote(1)
-        finally:
-            if timer is not None:
-                timer.cancel()
+        with _CtrlC() as ctrl_c:
+            with disco.trace(sess, path):
+                sleep(2.0, 1)
+                ctrl_c.after(0.5)
+                echo(7).debug_get_from_remote(1)
         assert {worker_tid(w) for w in range(3)} <= _tracks(path)
         assert not any(n.startswith("worker") for n in _notes(path)), _notes(path)
         assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]

@@ -314,12 +314,10 @@ class ReplyHub:
         else:
             self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, 0))
 
-    def ask(self, cmds: Iterable[tuple], worker_ids: Iterable[int]) -> None:
-        """``cmds`` go to ``worker_ids``: count the answers they will bring."""
-        n = sum(1 for c in cmds if c[0] in ANSWERED)
-        if n:
-            for w in worker_ids:
-                self.asked[w] += n
+    def ask(self, worker_ids: Iterable[int]) -> None:
+        """A command of ``ANSWERED`` went to ``worker_ids``: count its answers."""
+        for w in worker_ids:
+            self.asked[w] += 1
 
     def abandon(self, worker_ids: Iterable[int] | None = None) -> None:
         """Nobody waits for the answers asked of ``worker_ids`` (None: every worker) so
@@ -1300,7 +1298,7 @@ class LinkChannel(Channel):
         link = self._link_of[worker_id]
         if type(link) is not ThreadWorkerLink:
             self.send(Outgoing((protocol.SYNC_WORKER, worker_id), shared=True), [worker_id])
-            self.hub.ask(((protocol.SYNC_WORKER,),), (worker_id,))  # once sent: see ReplyHub
+            self.hub.ask((worker_id,))  # once sent: see ReplyHub
             self.recv(worker_id)
             return
         # A worker of this process syncs right here: no command, no reply to queue.
