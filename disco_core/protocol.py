@@ -68,6 +68,9 @@ class Action(enum.IntEnum):
 
 
 # Plain ints for the hot path (an IntEnum is slower to compare and to pickle).
+#: ``(SYNC_WORKER, worker_id)`` is TVM's; ``(SYNC_WORKER, worker_id, token)`` (token: a
+#: ``bytes``) is a fence: the worker answers ``token`` at once, and the controller drops
+#: every answer of that worker that comes before it (``ReplyHub``).
 SHUTDOWN, KILL_REG, GET_GLOBAL_FUNC, CALL_PACKED, SYNC_WORKER = 0, 1, 2, 3, 4
 COPY_FROM_WORKER0, COPY_TO_WORKER0, DEBUG_GET_FROM_REMOTE, DEBUG_SET_REGISTER = 5, 6, 7, 8
 #: Not TVM's (so not an :class:`Action`): the controller's answer to a worker's

@@ -292,6 +292,9 @@ def _one_thread_at_a_time(method: Callable) -> Callable:
             self._wait_for_sync_lock()
         try:
             return method(self, *args, **kwargs)
+        except BaseException:
+            self._abandon_answers()
+            raise
         finally:
             lock.release()
 
@@ -468,7 +471,10 @@ class Session:
         channel = self._channel
         if channel.backlogged:  # see Channel.backlogged
             channel.catch_up()
-        hub = getattr(channel, "hub", None) if cmd[0] in ANSWERED else None
+        if cmd[0] in ANSWERED:
+            hub = getattr(channel, "hub", None)
+            if hub is not None and hub.unfenced:  # answers were abandoned: see ReplyHub
+                channel.fence(range(self.num_workers) if workers is None else workers)
         with self._lock:
             released = self._released
             if released and workers is None:
@@ -484,10 +490,6 @@ class Session:
                 self._free_regs.extend(ids)
             else:
                 channel.send(Outgoing(cmd, by_reference=by_reference, shared=shared), workers)
-            if hub is not None:
-                # the answers it will bring, counted once it went out (see ReplyHub): a
-                # command counted that never left would make a later answer stale
-                hub.ask(range(self.num_workers) if workers is None else workers)
 
     def _call(self, func: DRef, args: tuple, cls: type = DRef, _traced: bool = False) -> Any:
         if self._state["closed"]:
@@ -553,6 +555,14 @@ class Session:
         # Outside the except block: the merged error is not chained to this one.
         self._raise_pending(failure)
         raise failure
+
+    def _abandon_answers(self) -> None:
+        """A synchronising call ends with an exception: answers it asked for may still
+        come (one that went out just before Ctrl-C, the others' after a failure), and
+        no later call may take them for its own (see ``ReplyHub``)."""
+        hub = getattr(self._channel, "hub", None)
+        if hub is not None:
+            hub.abandon()
 
     def _raise_pending(self, failure: WorkerError | None = None) -> None:
         """Raise the errors the workers reported so far (merged with ``failure``).
@@ -748,15 +758,19 @@ class Session:
         if not lock.acquire(False):
             self._wait_for_sync_lock()
         try:
-            self._channel.sync(w)
-        except WorkerError as exc:
-            self._raise_pending(exc)
+            try:
+                self._channel.sync(w)
+            except WorkerError as exc:
+                self._raise_pending(exc)
+                raise
+            except WorkerDiedError as exc:
+                self._closed_meanwhile(exc, w)
+                raise
+            else:
+                self._raise_pending()
+        except BaseException:
+            self._abandon_answers()
             raise
-        except WorkerDiedError as exc:
-            self._closed_meanwhile(exc, w)
-            raise
-        else:
-            self._raise_pending()
         finally:
             lock.release()
 

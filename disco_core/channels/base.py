@@ -18,6 +18,7 @@ import collections
 import ctypes
 import fcntl
 import logging
+import os
 import queue
 import select
 import struct
@@ -36,6 +37,7 @@ from ..errors import (
     WorkerError,
     WorkerUnresponsiveError,
 )
+from ..net.io import STALL_CHECK
 from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
 from ..settings import env_seconds, env_seconds_or_default
 from ..store import ControllerStore, NoStore
@@ -195,6 +197,15 @@ class Channel(abc.ABC):
         self.send(Outgoing((protocol.SYNC_WORKER, worker_id), shared=True), [worker_id])
         self.recv(worker_id)
 
+    def fence(self, worker_ids: Iterable[int]) -> None:
+        """Before a command that ``worker_ids`` answer: make sure no wait takes an answer
+        that an earlier, abandoned call asked for (see :class:`ReplyHub`).
+
+        The session calls it only for a channel with a ``hub`` whose ``unfenced``
+        workers are not empty; :class:`LinkChannel` implements it. The default does
+        nothing (a channel without a hub keeps its own order).
+        """
+
     def settle(self, timeout: float = 1.0) -> None:
         """Deliver every reply and error report the workers have already sent.
 
@@ -251,25 +262,27 @@ class ReplyHub:
     """Where replies and asynchronous error reports of all workers arrive.
 
     A worker answers each of its synchronous commands (``ANSWERED``) with
-    exactly one ``reply`` or ``fail``, in order. The controller counts those
-    commands per worker as it sends them (:meth:`ask`) and the hub numbers the
-    answers as they arrive (on reader threads, or on the thread that runs an
-    in-process worker). A synchronous call left by an exception of the program
-    (Ctrl-C's ``KeyboardInterrupt``, a signal handler's error), or a worker given
-    up on, marks every answer asked for so far stale (:meth:`abandon`), so that no
-    later wait takes one for its own: once, after Ctrl-C, every later reply of a
-    worker was the previous call's.
+    exactly one ``reply`` or ``fail``, in order, and a wait takes the next one.
+    A synchronous call left by an exception (Ctrl-C's ``KeyboardInterrupt``, a
+    signal handler's error, a failure), or a worker given up on, may leave
+    answers in flight that nobody will take: :meth:`abandon` marks those workers,
+    and the next answered command to each is preceded by a fence
+    (:meth:`LinkChannel.fence`, ``protocol.SYNC_WORKER``), whose answer is a fresh
+    random token. Waits drop every answer of that worker until the token comes
+    back. Once, after Ctrl-C, every later reply of a worker was the previous
+    call's; counting the answers asked for instead missed the commands that went
+    out just before an interrupt, and a fence needs no count.
     """
 
     _WAKE = ("wake", None, 0)
 
     def __init__(self, num_workers: int) -> None:
         self.replies: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_workers)]
-        # Per worker, the answers asked for so far, the answers delivered so far, and
-        # the last number known stale (answers up to it are dropped when they come).
-        self.asked = [0] * num_workers
-        self.delivered = [0] * num_workers
-        self.stale = [0] * num_workers
+        #: workers whose next answered command must be preceded by a fence (see above)
+        self.unfenced: set[int] = set()
+        #: per worker, the token of the fence whose answer the waits drop answers
+        #: until (None: no fence under way)
+        self.fences: list[bytes | None] = [None] * num_workers
         #: workers a write to failed (raised as WorkerDiedError before the readers,
         #: which mark them dead, may have seen the end of their output)
         self.write_failed: set[int] = set()
@@ -303,8 +316,7 @@ class ReplyHub:
             return
         kind = msg[0]
         if kind == "reply" or kind == "fail":
-            n = self.delivered[worker_id] = self.delivered[worker_id] + 1
-            self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, n))
+            self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, 1))
         elif kind == "error":
             self.errors.append(msg[1])
         elif kind == "alive":  # a heartbeat is only a sign of life, and says the worker sends them
@@ -314,16 +326,10 @@ class ReplyHub:
         else:
             self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, 0))
 
-    def ask(self, worker_ids: Iterable[int]) -> None:
-        """A command of ``ANSWERED`` went to ``worker_ids``: count its answers."""
-        for w in worker_ids:
-            self.asked[w] += 1
-
     def abandon(self, worker_ids: Iterable[int] | None = None) -> None:
-        """Nobody waits for the answers asked of ``worker_ids`` (None: every worker) so
-        far: drop them when they come (an answer already taken is not dropped twice)."""
-        for w in range(len(self.asked)) if worker_ids is None else worker_ids:
-            self.stale[w] = self.asked[w]
+        """Nobody waits for the answers of ``worker_ids`` (None: every worker) still to
+        come: drop them (the next answered command to each is fenced)."""
+        self.unfenced.update(range(len(self.replies)) if worker_ids is None else worker_ids)
 
     def store_handler(self, worker_id: int, msg: tuple) -> None:
         """Serve a worker's ``("store", ...)`` request; never blocks (the reader thread calls it).
@@ -404,8 +410,11 @@ class ReplyHub:
                 poll()
                 continue
             if number:  # an answer
-                if number <= self.stale[worker_id]:
-                    continue  # the answer to a wait that was given up (see abandon)
+                fence = self.fences[worker_id]
+                if fence is not None:  # answers nobody waits for, until the fence's own
+                    if kind == "reply" and type(payload) is bytes and payload == fence:
+                        self.fences[worker_id] = None
+                    continue
                 if kind == "fail":
                     raise payload
                 return payload
@@ -495,6 +504,10 @@ class BatchingLink(WorkerLink):
         frame = out.frame
         self.send_head(frame_head(frame, out.flags), frame[1])
 
+    #: A frame whose buffers hold at least this many bytes, sent from the main thread,
+    #: is written by a helper thread (``_write_whole``: Ctrl-C cannot cut it in half).
+    WHOLE_BYTES = 1 << 20
+
     def send_head(self, head: bytes, buffers: Sequence[Any]) -> None:
         """Send a frame's ``head`` (with any routing prefix) and its out-of-band ``buffers``."""
         try:
@@ -503,7 +516,13 @@ class BatchingLink(WorkerLink):
                     self._flush_locked()
                     self.writing_since = time.monotonic()
                     try:
-                        self._write_views(head, buffers)
+                        if (
+                            threading.current_thread() is threading.main_thread()
+                            and sum(memoryview(b).nbytes for b in buffers) >= self.WHOLE_BYTES
+                        ):
+                            self._write_whole(head, buffers)
+                        else:
+                            self._write_views(head, buffers)
                     finally:
                         self.writing_since = None
                 else:
@@ -513,6 +532,60 @@ class BatchingLink(WorkerLink):
                         self._flush_locked()
         except OSError as exc:
             raise self._gone(exc) from None
+
+    def _write_whole(self, head: bytes, buffers: Sequence[Any]) -> None:
+        """:meth:`_write_views` on a helper thread, so that Ctrl-C cannot cut the frame.
+
+        Python runs signal handlers on the main thread only. Half a frame in the
+        stream made the worker read the next commands as the rest of its payload:
+        it never answered, and its heartbeats kept it "alive" (a hang). An
+        interrupt while the frame is written waits for its end, then goes on; a
+        second one gives the link's workers up (the session ends for them, as for
+        workers that died): their command stream is cut.
+        """
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                self._write_views(head, buffers)
+            except BaseException as exc:  # raised on the caller's thread below
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=write, name="disco-frame-writer", daemon=True).start()
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                done.wait()
+                break
+            except BaseException as exc:  # Ctrl-C, a signal handler's error
+                if interrupted is not None:
+                    self._cut(exc)
+                    done.wait(max(1.0, 4 * STALL_CHECK))  # the write sees the death
+                    raise
+                interrupted = exc
+                logger.warning(
+                    "interrupted while a command (%d bytes) is written to worker(s) %s: "
+                    "finishing it first; interrupt again to give these workers up",
+                    sum(memoryview(b).nbytes for b in buffers), list(self.worker_ids),
+                )  # fmt: skip
+        if failed:
+            raise failed[0]
+        if interrupted is not None:
+            raise interrupted
+
+    def _cut(self, exc: BaseException) -> None:
+        """A second interrupt during :meth:`_write_whole`: the workers are given up."""
+        hub = self.hub
+        reason = (
+            f"a second interrupt ({type(exc).__name__}) cut the command being written "
+            "to it: its command stream was lost"
+        )
+        if hub is not None:
+            hub.mark_dead(self.worker_ids, reason, unresponsive=True)
+        self.give_up_at = 0.0  # a write waiting on a full pipe ends (_stalled)
 
     #: ``time.monotonic()`` when the write in progress began (None: not writing). The
     #: liveness watch judges the workers of a link whose write does not end.
@@ -1297,8 +1370,9 @@ class LinkChannel(Channel):
     def sync(self, worker_id: int) -> None:
         link = self._link_of[worker_id]
         if type(link) is not ThreadWorkerLink:
+            if self.hub.unfenced:
+                self.fence((worker_id,))
             self.send(Outgoing((protocol.SYNC_WORKER, worker_id), shared=True), [worker_id])
-            self.hub.ask((worker_id,))  # once sent: see ReplyHub
             self.recv(worker_id)
             return
         # A worker of this process syncs right here: no command, no reply to queue.
@@ -1329,6 +1403,21 @@ class LinkChannel(Channel):
             reason = link.poll()
             if reason:
                 self.hub.mark_dead(link.worker_ids, reason)
+
+    def fence(self, worker_ids: Iterable[int]) -> None:
+        """Before an answered command to ``worker_ids``: fence those whose answers were
+        abandoned (see :class:`ReplyHub`), so that no wait takes one of those for its own.
+
+        Costs nothing to wait for: the fence goes out ahead of the command, and the
+        command's wait drops what comes before the fence's answer.
+        """
+        hub = self.hub
+        for w in worker_ids:
+            if w in hub.unfenced:
+                token = os.urandom(16)
+                hub.fences[w] = token  # first: an interrupt after the send still drops
+                self.send(Outgoing((protocol.SYNC_WORKER, w, token), shared=True), [w])
+                hub.unfenced.discard(w)
 
     def recv_despite_deaths(self, worker_id: int, timeout: float) -> Any:
         """The next reply of ``worker_id`` while it lives, whichever other workers died.

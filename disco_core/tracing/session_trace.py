@@ -317,12 +317,14 @@ class Trace:
             else:
                 pending = self._gather(notes, workers)
         except KeyboardInterrupt:
+            self.session._abandon_answers()  # what it asked for may still come (ReplyHub)
             notes.append("the stop was interrupted (KeyboardInterrupt): the events of the workers not gathered by then are missing")  # fmt: skip
             if within is None:  # the wait had no bound: one more try, bounded as a shutdown is
                 with contextlib.suppress(KeyboardInterrupt):
                     self._gather_within(shutdown_timeout(), notes, workers)
             self._in_process_events(workers, self._stopped, keep=True)
             self._write(workers, self._t_end, notes, None)
+            self.session._abandon_answers()  # the retry's, too
             raise
         return self._write(workers, self._t_end, notes, pending)
 

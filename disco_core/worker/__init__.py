@@ -348,8 +348,12 @@ class Worker:
                 self.regs[reg] = fn
                 self._names[reg] = name
         elif action == P.SYNC_WORKER:
-            ccl = self.ctx.ccl
-            self._sync_op(ccl.synchronize if ccl is not None else _nothing)
+            if len(cmd) > 2:  # a fence (see protocol.SYNC_WORKER): its token, at once
+                token = cmd[2]
+                self._sync_op(lambda: token)
+            else:
+                ccl = self.ctx.ccl
+                self._sync_op(ccl.synchronize if ccl is not None else _nothing)
         elif action == P.COPY_FROM_WORKER0:
             _, reg, host = cmd
             self._sync_op(lambda: _copy_into(host, self.get_reg(reg), "copy_from_worker_0"))
@@ -433,10 +437,10 @@ class Worker:
         _copy_into(held, value, "debug_copy_from")
 
     def _sync_op(self, op: Callable[[], Any]) -> None:
-        # Exactly one answer, whatever happens: the controller counts the answers it
-        # asked for (ReplyHub). A worker in the controller's process runs this on the
-        # controller's thread, where Ctrl-C may interrupt it: the answer is a failure
-        # then, and the interrupt goes on (with no answer, every later one was dropped).
+        # Exactly one answer, whatever happens (the controller's waits take answers in
+        # order). A worker in the controller's process runs this on the controller's
+        # thread, where Ctrl-C may interrupt it: the answer is a failure then, and the
+        # interrupt goes on.
         try:
             value = op()
         except BaseException as exc:

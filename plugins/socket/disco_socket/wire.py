@@ -134,9 +134,11 @@ __all__ = [
 ]
 
 #: The protocol's version. Version 3 added heartbeats (``PING``) and JSON death
-#: reports, and 4 the core's handshake (transcript-bound proofs, ``auth`` flags)
-#: and sealed records with a token.
-PROTOCOL_VERSION = 4
+#: reports, 4 the core's handshake (transcript-bound proofs, ``auth`` flags)
+#: and sealed records with a token, and 5 the fence command (a ``SYNC_WORKER`` with
+#: a token, which a node of version 4 would answer without it: the controller's
+#: waits would then drop every answer).
+PROTOCOL_VERSION = 5
 #: The label of this protocol's handshakes (proofs and keys of other protocols never fit).
 LABEL = b"disco-socket/4"
 MAGIC = b"DISCOSOK"
