@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import statistics
@@ -184,8 +185,14 @@ def _validate(args: argparse.Namespace) -> list[int]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.tol is not None and not args.tol >= 0:  # (NaN too) no result could pass
-        raise ValueError(f"--tol must be >= 0, got {args.tol}")
+    if args.tol is not None and not 0 <= args.tol < math.inf:  # NaN: none could pass; inf: all
+        raise ValueError(f"--tol must be a finite number >= 0, got {args.tol}")
+    if args.blas_threads is not None and args.blas_threads < 0:
+        raise ValueError(
+            f"--blas-threads must be >= 0 (0: leave the BLAS alone), got {args.blas_threads}"
+        )
+    if args.trace is not None and not args.trace.strip():
+        raise ValueError("--trace: give a file name (FILE.json)")
     if args.seed < 0:  # NumPy's generator takes none
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.trace:

@@ -78,11 +78,22 @@ def test_demo_rejects_a_split_that_does_not_divide():
 
 
 @pytest.mark.timeout(60)
-def test_demo_rejects_a_negative_tolerance_before_it_runs():
-    """It ran the whole demo, then failed every check (outside check)."""
-    proc = run_demo("--tol", "-1")
+@pytest.mark.parametrize(
+    "option, said",
+    [
+        # it ran the whole demo, then failed every check (outside check)
+        (("--tol", "-1"), "--tol must be a finite number >= 0, got -1.0"),
+        # every result passed: no check at all (new-user check)
+        (("--tol", "inf"), "--tol must be a finite number >= 0, got inf"),
+        (("--blas-threads", "-1"), "--blas-threads must be >= 0"),
+        # an empty name ran the demo untraced, silently (new-user check)
+        (("--trace", ""), "--trace: give a file name"),
+    ],
+)
+def test_demo_rejects_a_bad_option_before_it_runs(option, said):
+    proc = run_demo(*option)
     assert proc.returncode == 2
-    assert "--tol must be >= 0, got -1.0" in proc.stderr
+    assert said in proc.stderr
     assert "starting" not in proc.stdout + proc.stderr
 
 

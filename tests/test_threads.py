@@ -174,10 +174,12 @@ def test_a_shutdown_is_not_held_up_by_a_thread_that_floods_a_busy_worker_0(by, m
     from disco_core.channels import base
 
     monkeypatch.setattr(base, "PENDING_COMMANDS", 100)
+    # the shutdown waits this long for the workers, worker 0's function keeps going
+    monkeypatch.setenv("DISCO_SHUTDOWN_TIMEOUT", "1.5")
     before = set(threading.enumerate())  # earlier tests may leave worker threads stuck for good
     sess = _session("process")
     add = sess.get_global_func("testing.add")
-    busy = 12.0
+    busy = 6.0
     sess.get_global_func("testing.sleep")(busy, 0)  # worker 0 is busy meanwhile
     ended: list[str] = []
 

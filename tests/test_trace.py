@@ -497,10 +497,11 @@ def _assert_only_worker_1_left_out(path) -> None:
     assert worker_tid(1) not in tracks
 
 
-def test_a_traced_shutdown_does_not_wait_for_a_worker_busy_for_good(tmp_path):
+def test_a_traced_shutdown_does_not_wait_for_a_worker_busy_for_good(tmp_path, monkeypatch):
     """Stopping the trace at shutdown waits DISCO_SHUTDOWN_TIMEOUT at most, as the rest
     of a shutdown does: a worker busy in a long function is left out of the file, with
     a note, and the others' tracks are written (it waited for the function's end)."""
+    monkeypatch.setenv("DISCO_SHUTDOWN_TIMEOUT", "2")
     sess = disco.ProcessSession(3)
     sess.import_python_module("disco_core.testing.funcs")
     path = tmp_path / "t.json"

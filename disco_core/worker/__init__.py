@@ -530,8 +530,8 @@ class _LateBound:
             note = f"; {self.note}" if self.note else ""
             raise ValueError(
                 f"{registry.missing_message(self.name)} (looked up by worker 0, which runs in "
-                "the controller's process; the other workers have it: register it in the "
-                f"controller too, e.g. import the module that defines it there{note})"
+                "the controller's process; where the other workers have it, register it in "
+                f"the controller too, e.g. import the module that defines it there{note})"
             )
         return fn(*args)
 
