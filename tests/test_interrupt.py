@@ -216,3 +216,21 @@ def test_a_second_ctrl_c_during_that_write_gives_the_worker_up():
         with pytest.raises(disco.WorkerDiedError, match="second interrupt"):
             echo(8).debug_get_from_remote(1)
     assert proc.wait(10) is not None
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_shutdowns_wait_still_stops_a_busy_worker():
+    """Ctrl-C while ``shutdown()`` waits for a worker busy in a long function cut the
+    wait short and left that worker running until the controller exited (re-check)."""
+    sess = disco.ProcessSession(2)
+    proc = sess._channel.procs[0].proc
+    sess.import_python_module("disco_core.testing.funcs")
+    sess.get_global_func("testing.sleep")(30.0, 1)
+    sess._sync_worker(0)
+    end = _alarms_as_ctrl_c(0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sess.shutdown()
+    finally:
+        end()
+    assert proc.wait(5) is not None  # killed, not left for 30 s

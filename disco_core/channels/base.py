@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -1465,9 +1466,20 @@ class LinkChannel(Channel):
             kill = getattr(link, "kill", None)
             if kill is not None and self.hub.unresponsive.intersection(link.worker_ids):
                 kill()  # it answers nothing, so it would not stop either
-        for link in self.links:
-            try:
-                link.close(deadline)
-            except Exception:
-                pass
-        self.hub.shut()
+        try:
+            for link in self.links:
+                try:
+                    link.close(deadline)
+                except Exception:
+                    pass
+        except BaseException:
+            # Ctrl-C cut the wait short: a worker still busy would run on, unstopped,
+            # until this process exits
+            for link in self.links:
+                kill = getattr(link, "kill", None)
+                if kill is not None:
+                    with contextlib.suppress(Exception):
+                        kill()
+            raise
+        finally:
+            self.hub.shut()
