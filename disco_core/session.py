@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _memory, plugins
 from . import protocol as P
+from ._locks import owned, release_if_left
 from .ccl.base import REDUCE_OPS
 from .channels.base import ANSWERED, Channel, Outgoing, gather_timeout
 from .device import Device, as_array, as_device, as_dtype, as_shape
@@ -288,15 +289,18 @@ def _one_thread_at_a_time(method: Callable) -> Callable:
     @functools.wraps(method)
     def one_at_a_time(self: Session, *args: Any, **kwargs: Any) -> Any:
         lock = self._sync_lock
-        if not lock.acquire(False):  # another thread's call: wait for it
-            self._wait_for_sync_lock()
+        owned_before = owned(lock)  # re-entered (a trace's stop holds it)
         try:
-            return method(self, *args, **kwargs)
+            if not lock.acquire(False):  # another thread's call: wait for it
+                self._wait_for_sync_lock()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                lock.release()
         except BaseException:
             self._abandon_answers()
+            release_if_left(lock, owned_before)  # Ctrl-C right after the acquire
             raise
-        finally:
-            lock.release()
 
     return one_at_a_time
 
@@ -534,8 +538,12 @@ class Session:
                     self._channel.send(Outgoing(*cmds))
                 free.extend(ids)
             except BaseException as exc:
-                free.append(reg)
-                released.extendleft(reversed(ids))  # freed with a later command
+                free.append(reg)  # (if the call went out, the next owner's result lands after)
+                # Freed with a later command, unless they are free already: Ctrl-C can land
+                # after the extend above, and a register both free and queued was killed
+                # again once a new value took it (a sweep of interrupts lost a function)
+                if not (ids and free[-len(ids) - 1 : -1] == ids):
+                    released.extendleft(reversed(ids))
                 if isinstance(exc, (DiscoError, OSError)) or not isinstance(exc, Exception):
                     raise
                 raise DiscoTypeError(
@@ -755,9 +763,10 @@ class Session:
         w = self._check_worker(worker_id)
         self._check_open()
         lock = self._sync_lock  # one thread at a time (see _one_thread_at_a_time), inline: hot
-        if not lock.acquire(False):
-            self._wait_for_sync_lock()
+        owned_before = owned(lock)
         try:
+            if not lock.acquire(False):
+                self._wait_for_sync_lock()
             try:
                 self._channel.sync(w)
             except WorkerError as exc:
@@ -768,11 +777,12 @@ class Session:
                 raise
             else:
                 self._raise_pending()
+            finally:
+                lock.release()
         except BaseException:
             self._abandon_answers()
+            release_if_left(lock, owned_before)  # Ctrl-C right after the acquire
             raise
-        finally:
-            lock.release()
 
     @_one_thread_at_a_time
     def copy_from_worker_0(self, host_array: np.ndarray, remote_array: DRef) -> None:

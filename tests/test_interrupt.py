@@ -234,3 +234,63 @@ def test_ctrl_c_in_shutdowns_wait_still_stops_a_busy_worker():
     finally:
         end()
     assert proc.wait(5) is not None  # killed, not left for 30 s
+
+
+class _InterruptedRightAfterAcquire:
+    """A lock whose first acquire by the main thread succeeds, then raises
+    ``KeyboardInterrupt``: Ctrl-C landing between ``acquire`` returning and the ``try``
+    that releases the lock, which left it taken for good (a sweep of interrupts placed
+    at random microseconds hung worker 0's lock that way)."""
+
+    def __init__(self, lock):
+        self.lock, self.armed = lock, True
+
+    def acquire(self, *args, **kwargs):
+        got = self.lock.acquire(*args, **kwargs)
+        if got and self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            raise KeyboardInterrupt
+        return got
+
+    def release(self):
+        self.lock.release()
+
+    def _is_owned(self):
+        return self.lock._is_owned()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which", ["session sync lock", "worker 0's lock", "reply reader gate"])
+def test_ctrl_c_right_after_a_lock_is_taken_leaves_it_free(which):
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        assert echo(6).debug_get_from_remote(1) == 6
+        channel = sess._channel
+        if which == "session sync lock":
+            owner, name = sess, "_sync_lock"
+        elif which == "worker 0's lock":
+            owner, name = channel.links[0], "lock"
+        else:
+            owner, name = channel.gates[0], "lock"
+        trap = _InterruptedRightAfterAcquire(getattr(owner, name))
+        setattr(owner, name, trap)
+        with pytest.raises(KeyboardInterrupt):
+            for v in range(100):  # until the trap springs
+                assert echo(v).debug_get_from_remote(0) == v
+        assert not trap.armed
+        assert [echo(v).debug_get_from_remote(w) for v, w in ((7, 0), (8, 1))] == [7, 8]
+        # another thread too (a re-entrant lock left taken blocks only the others)
+        got = []
+        other = threading.Thread(target=lambda: got.append(echo(9).debug_get_from_remote(0)))
+        other.start()
+        other.join(20)
+        assert got == [9]
+        sess.sync_worker_0()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 
 import numpy as np
@@ -251,8 +252,21 @@ def test_reader_gate():
         held.append(1)  # taken by the reader, not yet delivered
         assert not gate.quiet()
         held.clear()
-        with gate.lock:  # the reader is delivering
+        taken, done = threading.Event(), threading.Event()
+
+        def deliver() -> None:  # the reader (a thread of its own) is delivering
+            with gate.lock:
+                taken.set()
+                done.wait(10)
+
+        reader = threading.Thread(target=deliver)
+        reader.start()
+        try:
+            assert taken.wait(10)
             assert not gate.quiet()
+        finally:
+            done.set()
+            reader.join(10)
         assert gate.settled(time.monotonic() + 0.05)
         gate.remove(r)
         os.write(w, b"y")

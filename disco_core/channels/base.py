@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from .. import protocol
+from .._locks import owned, release_if_left
 from ..errors import (
     DiscoError,
     DiscoTimeoutError,
@@ -634,22 +635,28 @@ class BatchingLink(WorkerLink):
         (``ctx.hand_over``): a full pipe means a peer is not reading (it may be
         waiting for this very worker), so blocking there could never end.
         """
-        if not self.lock.acquire(timeout=0.002):
-            return False  # another thread is writing: it hands the commands over
+        lock = self.lock
+        owned_before = owned(lock)
         try:
-            if not self.outbox:
+            if not lock.acquire(timeout=0.002):
+                return False  # another thread is writing: it hands the commands over
+            try:
+                if not self.outbox:
+                    return True
+                room = self.room()
+                if room is not None and self.outbox_bytes > room:
+                    return False
+                # Room unknown (a socket, whose buffers are large): write now, as flush()
+                # does; through the flusher thread it could wait for the GIL for milliseconds.
+                self._flush_locked()
                 return True
-            room = self.room()
-            if room is not None and self.outbox_bytes > room:
-                return False
-            # Room unknown (a socket, whose buffers are large): write now, as flush() does;
-            # through the flusher thread it could wait for the GIL for milliseconds.
-            self._flush_locked()
-            return True
-        except OSError as exc:
-            raise self._gone(exc) from None
-        finally:
-            self.lock.release()
+            except OSError as exc:
+                raise self._gone(exc) from None
+            finally:
+                lock.release()
+        except BaseException:
+            release_if_left(lock, owned_before)  # Ctrl-C right after the acquire
+            raise
 
     def _flush_locked(self) -> None:
         if self.outbox:
@@ -729,7 +736,8 @@ class ThreadWorkerLink(WorkerLink):
         self.worker_ids = (worker_id,)
         self.pending: collections.deque = collections.deque()
         self.tokens: queue.SimpleQueue = queue.SimpleQueue()
-        self.lock = threading.Lock()
+        # an RLock for its owner (disco_core._locks), never taken twice by one thread
+        self.lock = threading.RLock()
         self.stopped = False
         deliver = hub.deliver
 
@@ -782,18 +790,22 @@ class ThreadWorkerLink(WorkerLink):
         if not self.pending and not sync:
             return
         lock = self.lock
-        while not lock.acquire(timeout=0.2):
-            poll()  # the worker thread is busy; meanwhile notice dead peers
         try:
-            previous = set_current(self.worker.ctx)
+            while not lock.acquire(timeout=0.2):
+                poll()  # the worker thread is busy; meanwhile notice dead peers
             try:
-                self._drain()
-                if sync and not self.stopped:
-                    self.worker.synchronize()
+                previous = set_current(self.worker.ctx)
+                try:
+                    self._drain()
+                    if sync and not self.stopped:
+                        self.worker.synchronize()
+                finally:
+                    set_current(previous)
             finally:
-                set_current(previous)
-        finally:
-            lock.release()
+                lock.release()
+        except BaseException:
+            release_if_left(lock)  # Ctrl-C right after the acquire (disco_core._locks)
+            raise
 
     def send(self, out: Outgoing) -> None:
         self.pending.extend(out.local())
@@ -860,7 +872,8 @@ class ReaderGate:
     _READY = select.POLLIN | select.POLLHUP | select.POLLERR
 
     def __init__(self, fds: Iterable[int] = ()) -> None:
-        self.lock = threading.Lock()
+        # an RLock for its owner (disco_core._locks), never taken twice by one thread
+        self.lock = threading.RLock()
         self._fds: list[int] = []
         self._buffered: list[Callable[[], Any]] = []
         self._pollfds: Any = None
@@ -909,27 +922,35 @@ class ReaderGate:
         Runs after every synchronising call, so it is kept to a lock and a poll.
         """
         lock = self.lock
-        if not lock.acquire(False):
-            return False  # the reader is delivering
         try:
-            if self._fds and self._ready():
-                return False
-            for buffered in self._buffered:
-                if buffered():
+            if not lock.acquire(False):
+                return False  # the reader is delivering
+            try:
+                if self._fds and self._ready():
                     return False
-            return True
-        finally:
-            lock.release()
+                for buffered in self._buffered:
+                    if buffered():
+                        return False
+                return True
+            finally:
+                lock.release()
+        except BaseException:
+            release_if_left(lock)  # Ctrl-C right after the acquire (disco_core._locks)
+            raise
 
     def settled(self, deadline: float) -> bool:
         """Wait until nothing is left undelivered, or until ``deadline``; True when settled."""
         while True:
-            if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                return False
             try:
-                ready = self._ready() or any(b() for b in self._buffered)
-            finally:
-                self.lock.release()
+                if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    return False
+                try:
+                    ready = self._ready() or any(b() for b in self._buffered)
+                finally:
+                    self.lock.release()
+            except BaseException:
+                release_if_left(self.lock)  # Ctrl-C right after the acquire
+                raise
             if not ready:
                 return True
             if time.monotonic() >= deadline:
@@ -1164,6 +1185,10 @@ class LinkChannel(Channel):
         n = len(batch)
         if n:
             out = Outgoing(*batch[:n], shared=True)
+            # Encoded before the batch lets go of them: Ctrl-C in the middle of the
+            # encoding lost the commands for every worker process (one sweep lost a
+            # get_global_func, and every later call to that function failed there)
+            out.frame  # noqa: B018 - computed and kept by the property
             del batch[:n]  # a sender's extend meanwhile went after these n
             for link in self._deferring:
                 link.send(out)
