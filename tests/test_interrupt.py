@@ -294,3 +294,22 @@ def test_ctrl_c_right_after_a_lock_is_taken_leaves_it_free(which):
         other.join(20)
         assert got == [9]
         sess.sync_worker_0()
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_for_a_lost_fence_ends_with_the_next_ctrl_c_and_the_session_goes_on():
+    """What the README says of a command lost to an interrupt (outside check: bursts of
+    interrupts microseconds apart lost a fence, and the next wait waited for it): Ctrl-C
+    ends that wait, and the next call's fresh fence gets every call its own answer."""
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        assert echo(1).debug_get_from_remote(1) == 1
+        sess._channel.hub.fences[1] = b"lost" * 4  # a fence whose command never left
+        end = _alarms_as_ctrl_c(1.0)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                echo(5).debug_get_from_remote(1)
+        finally:
+            end()
+        assert [echo(v).debug_get_from_remote(1) for v in (6, 7)] == [6, 7]
