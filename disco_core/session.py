@@ -468,8 +468,11 @@ class Session:
         workers: Sequence[int] | None = None,
         by_reference: bool = False,
         shared: bool = False,
+        pipelined: bool = False,
     ) -> None:
-        """Send ``cmd``; ``shared``: its values are all immutable (see ``Outgoing``)."""
+        """Send ``cmd``; ``shared``: its values are all immutable (see ``Outgoing``);
+        ``pipelined``: an answer of an earlier command may be unread, and the caller
+        reads it (no fence for it)."""
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
         channel = self._channel
@@ -477,8 +480,13 @@ class Session:
             channel.catch_up()
         if cmd[0] in ANSWERED:
             hub = getattr(channel, "hub", None)
-            if hub is not None and hub.unfenced:  # answers were abandoned: see ReplyHub
-                channel.fence(range(self.num_workers) if workers is None else workers)
+            if hub is not None:
+                ws = range(self.num_workers) if workers is None else workers
+                # answers abandoned, or one no wait took (see ReplyHub): fence first,
+                # unless the caller reads the earlier answers itself (``pipelined``)
+                if hub.unfenced or (not pipelined and hub.open.intersection(ws)):
+                    channel.fence([w for w in ws if pipelined is False or w in hub.unfenced])
+                hub.open.update(ws)  # before it goes
         with self._lock:
             released = self._released
             if released and workers is None:
@@ -612,7 +620,7 @@ class Session:
         laggards: list[int] = []
         try:
             for w in range(self.num_workers):
-                self._send((P.SYNC_WORKER, w), [w], shared=True)
+                self._send((P.SYNC_WORKER, w), [w], shared=True, pipelined=True)
             for w in range(self.num_workers):
                 # ``owed``: workers whose reply to an earlier sync is still to be read
                 for _ in range(1 + (w in owed)):

@@ -313,3 +313,46 @@ def test_a_wait_for_a_lost_fence_ends_with_the_next_ctrl_c_and_the_session_goes_
         finally:
             end()
         assert [echo(v).debug_get_from_remote(1) for v in (6, 7)] == [6, 7]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["process", "threaded"])
+def test_a_second_ctrl_c_in_the_clean_up_of_the_first_still_leaves_no_answer(kind, monkeypatch):
+    """Ctrl-C right after a command went out, then a second one inside the clean-up that
+    marks its answers abandoned: the clean-up never ran, and every later answer of that
+    worker was the previous call's (outside check, deterministic with settrace). The
+    answers are now marked open before each send and cleared only as a wait takes one."""
+    sess = disco.ProcessSession(2) if kind == "process" else disco.ThreadedSession(2)
+    with sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        ref = echo(7)
+
+        def interrupted_clean_up():
+            monkeypatch.undo()
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(sess, "_abandon_answers", interrupted_clean_up)
+        _interrupt_after_sending(sess._channel, P.DEBUG_GET_FROM_REMOTE, 1)
+        with pytest.raises(KeyboardInterrupt):
+            ref.debug_get_from_remote(1)
+        assert [echo(v).debug_get_from_remote(1) for v in (8, 9, 10)] == [8, 9, 10]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_a_large_pickled_argument_is_written_finishes_it_first(caplog):
+    """The same for a large value pickled into the command itself (a Python list, no
+    out-of-band buffer): the frame was cut in half and worker 1 never answered again
+    (outside check: every time)."""
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
+        sleep(3.0, 1)  # worker 1 busy: the pipe to it fills and the write waits
+        end = _alarms_as_ctrl_c(1.0)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                echo(list(range(2_000_000)))
+        finally:
+            end()
+        assert "finishing it first" in caplog.text
+        assert echo(8).debug_get_from_remote(1) == 8

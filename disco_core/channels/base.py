@@ -282,6 +282,11 @@ class ReplyHub:
         self.replies: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_workers)]
         #: workers whose next answered command must be preceded by a fence (see above)
         self.unfenced: set[int] = set()
+        #: The workers sent an answered command whose answer no wait has taken yet.
+        #: Marked before the send and cleared as a wait takes the answer, so the next
+        #: command finds a wait that was given up without relying on any clean-up (a
+        #: second Ctrl-C can land in the clean-up itself, an outside check found).
+        self.open: set[int] = set()
         #: per worker, the token of the fence whose answer the waits drop answers
         #: until (None: no fence under way)
         self.fences: list[bytes | None] = [None] * num_workers
@@ -417,6 +422,7 @@ class ReplyHub:
                     if kind == "reply" and type(payload) is bytes and payload == fence:
                         self.fences[worker_id] = None
                     continue
+                self.open.discard(worker_id)
                 if kind == "fail":
                     raise payload
                 return payload
@@ -506,8 +512,8 @@ class BatchingLink(WorkerLink):
         frame = out.frame
         self.send_head(frame_head(frame, out.flags), frame[1])
 
-    #: A frame whose buffers hold at least this many bytes, sent from the main thread,
-    #: is written by a helper thread (``_write_whole``: Ctrl-C cannot cut it in half).
+    #: A frame (its buffers too) or a batch of at least this many bytes, sent from the main
+    #: thread, is written by a helper thread (``_write_whole``: Ctrl-C cannot cut it).
     WHOLE_BYTES = 1 << 20
 
     def send_head(self, head: bytes, buffers: Sequence[Any]) -> None:
@@ -518,11 +524,12 @@ class BatchingLink(WorkerLink):
                     self._flush_locked()
                     self.writing_since = time.monotonic()
                     try:
+                        total = len(head) + sum(memoryview(b).nbytes for b in buffers)
                         if (
-                            threading.current_thread() is threading.main_thread()
-                            and sum(memoryview(b).nbytes for b in buffers) >= self.WHOLE_BYTES
+                            total >= self.WHOLE_BYTES
+                            and threading.current_thread() is threading.main_thread()
                         ):
-                            self._write_whole(head, buffers)
+                            self._write_whole(lambda: self._write_views(head, buffers), total)
                         else:
                             self._write_views(head, buffers)
                     finally:
@@ -535,8 +542,8 @@ class BatchingLink(WorkerLink):
         except OSError as exc:
             raise self._gone(exc) from None
 
-    def _write_whole(self, head: bytes, buffers: Sequence[Any]) -> None:
-        """:meth:`_write_views` on a helper thread, so that Ctrl-C cannot cut the frame.
+    def _write_whole(self, write: Callable[[], None], nbytes: int) -> None:
+        """``write()`` (of ``nbytes``) on a helper thread, so that Ctrl-C cannot cut it.
 
         Python runs signal handlers on the main thread only. Half a frame in the
         stream made the worker read the next commands as the rest of its payload:
@@ -548,15 +555,15 @@ class BatchingLink(WorkerLink):
         done = threading.Event()
         failed: list[BaseException] = []
 
-        def write() -> None:
+        def writer() -> None:
             try:
-                self._write_views(head, buffers)
+                write()
             except BaseException as exc:  # raised on the caller's thread below
                 failed.append(exc)
             finally:
                 done.set()
 
-        threading.Thread(target=write, name="disco-frame-writer", daemon=True).start()
+        threading.Thread(target=writer, name="disco-frame-writer", daemon=True).start()
         interrupted: BaseException | None = None
         while True:
             try:
@@ -571,7 +578,7 @@ class BatchingLink(WorkerLink):
                 logger.warning(
                     "interrupted while a command (%d bytes) is written to worker(s) %s: "
                     "finishing it first; interrupt again to give these workers up",
-                    sum(memoryview(b).nbytes for b in buffers), list(self.worker_ids),
+                    nbytes, list(self.worker_ids),
                 )  # fmt: skip
         if failed:
             raise failed[0]
@@ -665,7 +672,11 @@ class BatchingLink(WorkerLink):
             self.outbox_bytes = 0
             self.writing_since = time.monotonic()
             try:
-                self._write(data)
+                # a large value pickled into a command (a long list) is as large a frame
+                if len(data) >= self.WHOLE_BYTES and threading.current_thread() is threading.main_thread():  # fmt: skip
+                    self._write_whole(lambda: self._write(data), len(data))
+                else:
+                    self._write(data)
             finally:
                 self.writing_since = None
 
@@ -1396,8 +1407,10 @@ class LinkChannel(Channel):
     def sync(self, worker_id: int) -> None:
         link = self._link_of[worker_id]
         if type(link) is not ThreadWorkerLink:
-            if self.hub.unfenced:
+            hub = self.hub
+            if hub.unfenced or worker_id in hub.open:
                 self.fence((worker_id,))
+            hub.open.add(worker_id)  # before it goes (see ReplyHub.open)
             self.send(Outgoing((protocol.SYNC_WORKER, worker_id), shared=True), [worker_id])
             self.recv(worker_id)
             return
@@ -1439,7 +1452,8 @@ class LinkChannel(Channel):
         """
         hub = self.hub
         for w in worker_ids:
-            if w in hub.unfenced:
+            if w in hub.unfenced or w in hub.open:
+                hub.unfenced.add(w)  # (an interrupt below: fenced next time, too)
                 token = os.urandom(16)
                 hub.fences[w] = token  # first: an interrupt after the send still drops
                 self.send(Outgoing((protocol.SYNC_WORKER, w, token), shared=True), [w])
