@@ -516,3 +516,29 @@ def test_a_large_unfilled_bytearray_asks_for_huge_pages():
         assert huge_kib == 0
     else:
         assert huge_kib >= 2048, f"no huge page in the buffer (THP {mode.strip()})"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity API here")
+def test_readers_poll_unless_both_sides_are_pinned_to_one_cpu():
+    """Two processes pinned to the same single CPU do not poll for each other's frames:
+    the peer would run only when the poller sleeps. Pinned to different CPUs, or not
+    pinned, or on another kernel, they do; a peer's malformed placement changes nothing."""
+    from disco_core.net.io import may_poll_beside, placement
+
+    before = os.sched_getaffinity(0)
+    try:
+        cpu = min(before)
+        os.sched_setaffinity(0, {cpu})
+        kernel, cpus = placement()
+        assert cpus == [cpu] and len(kernel) == 32
+        assert may_poll_beside([kernel, [cpu]]) is False
+        assert may_poll_beside([kernel, [cpu + 1]]) is True
+        assert may_poll_beside(["0" * 32, [cpu]]) is True  # another machine's CPU 0
+        for junk in (None, [], [kernel], [kernel, cpu], [1, [cpu]], [kernel, "0"], "x" * 99):
+            assert may_poll_beside(junk) is True
+        if len(before) > 1:
+            os.sched_setaffinity(0, before)
+            assert may_poll_beside([kernel, [cpu]]) is True  # this side may run elsewhere
+            assert may_poll_beside([kernel, sorted(before)]) is True
+    finally:
+        os.sched_setaffinity(0, before)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import hashlib
 import os
 import select
 import socket
@@ -35,6 +36,8 @@ __all__ = [
     "drain_fd",
     "splice_exact",
     "SinkFailedError",
+    "placement",
+    "may_poll_beside",
     "SocketTransport",
     "SSLTransport",
     "PipeTransport",
@@ -272,6 +275,44 @@ def splice_exact(
             on_chunk(k, left)
 
 
+def placement() -> list:
+    """Where this process runs, as a peer compares it (:func:`may_poll_beside`).
+
+    Returns
+    -------
+    list
+        ``[kernel, cpus]``: a hash of this kernel's boot id ("" where unknown) and the
+        sorted CPUs this process may run on (plain values: a handshake carries them).
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            kernel = hashlib.sha256(f.read().strip()).hexdigest()[:32]
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return ["", []]
+    return [kernel, cpus]
+
+
+def may_poll_beside(peer: object) -> bool:
+    """Whether a reader's polling can pay off, given the peer's :func:`placement`.
+
+    False when the peer runs on this kernel pinned to the one CPU this process is
+    pinned to (``taskset`` on both): the peer then runs only when the poller
+    sleeps, so polling only delays the answer (a loopback RPC round trip took
+    59 us with polling against 33 us without, and a download reached 0.46 of the
+    raw stream against 0.72; 2-vCPU VM). A peer pinned to another CPU is what
+    polling is for (128 us without it). Anything else, a malformed value included
+    (it comes from the peer): True.
+    """
+    if not (isinstance(peer, (list, tuple)) and len(peer) == 2):
+        return True
+    kernel, cpus = peer
+    if not isinstance(kernel, str) or not kernel or not isinstance(cpus, (list, tuple)) or len(cpus) != 1:  # fmt: skip
+        return True
+    mine = placement()
+    return not (mine[0] == kernel and mine[1] == list(cpus))
+
+
 class SocketTransport:
     """A connected stream socket: ``sendmsg`` of header and buffers in one call."""
 
@@ -282,7 +323,8 @@ class SocketTransport:
         except OSError:
             pass
         self.recv_into = sock.recv_into
-        self.spin = SPIN_US * 1e-6
+        # one CPU in the machine: nothing runs while this polls (see may_poll_beside)
+        self.spin = SPIN_US * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
 
     def recv_head_into(self, view: Any) -> int:
         """``recv_into`` that first polls without blocking for up to ``SPIN_US``."""

@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 
 from disco_core import DiscoFileNotFoundError, DiscoPermissionError, DiscoTypeError, DiscoValueError
-from disco_core.spi import Device, as_dtype, as_shape, to_host, unfilled_bytearray
+from disco_core.spi import (
+    Device,
+    as_dtype,
+    as_shape,
+    may_poll_beside,
+    placement,
+    to_host,
+    unfilled_bytearray,
+)
 
 from . import handler, protocol, wire
 from .auth import open_conn
@@ -504,9 +512,12 @@ class RPCSession:
         args = list(constructor_args) if constructor_args else []
         limit = self._conn.max if self._conn is not None else None
         beats = self._beats()
-        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit, beats) or {}
+        where = placement()
+        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit, beats, where) or {}  # fmt: skip
         if self._conn is not None and self.info.get("max_message_bytes"):
             self._conn.peer_max = int(self.info["max_message_bytes"])
+        if self._conn is not None and not may_poll_beside(self.info.get("placement")):
+            wire.stop_polling(self._conn)
         self._server_timeout = float(self.info.get("server_timeout") or 0)
         liveness = float(self.info.get("liveness_timeout") or 0)
         if beats and liveness > 0:

@@ -106,7 +106,6 @@ _PART_RE = re.compile(re.escape(PART_PREFIX) + r"[0-9a-f]{16}\Z")
 _clock = time.perf_counter
 
 
-
 def rmtree_at(name: str, dir_fd: int, *, fallback: bool = sys.version_info < (3, 11)) -> None:
     """Remove the folder ``name`` of ``dir_fd`` and all it holds, following no link.
 
@@ -129,6 +128,7 @@ def rmtree_at(name: str, dir_fd: int, *, fallback: bool = sys.version_info < (3,
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
+
 
 class SystemLib:
     """The server's "system library": global functions, then symbols of loaded libraries."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disco_core import DiscoTypeError, DiscoValueError
-from disco_core.spi import env_seconds, is_loopback, relay
+from disco_core.spi import env_seconds, is_loopback, may_poll_beside, placement, relay
 
 from . import auth, wire
 from .errors import ProtocolError, RPCError
@@ -246,8 +246,10 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
     """Read the INIT request; return ``(timeout, inner conn or None, log relay)``.
 
     ``timeout`` is ``False`` when the session must end at once. INIT carries
-    ``(session_timeout, constructor, client max_message_bytes)``; the reply tells the
-    client this server's limits (``max_message_bytes``, ``server_timeout``).
+    ``(session_timeout, constructor, client max_message_bytes, heartbeats, placement)``
+    (the later ones optional); the reply tells the client this server's limits
+    (``max_message_bytes``, ``server_timeout``) and its ``placement``: two processes
+    pinned to one CPU do not poll for each other's frames.
     """
     try:
         _kind, op, payload = conn.recv()
@@ -259,6 +261,8 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             conn.peer_max = int(init[2])
         beats = int(init[3]) if len(init) > 3 and init[3] in (BEATS_IDLE, BEATS_ALWAYS) else 0
         conn.peer_beats = beats  # read by _start_liveness
+        if len(init) > 4 and not may_poll_beside(init[4]):
+            wire.stop_polling(conn)
         timeout = _min_positive(session_timeout, cfg.session_timeout)
         inner, log_relay = None, False
         info = {
@@ -273,6 +277,7 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             child = getattr(inner, "child", None)  # rpc.PopenSession's: ends with the session
             if child is not None:
                 handler.on_close.append(lambda: child.close(grace=0))
+        info["placement"] = placement()  # this process's: the client's peer is this one
         own = cfg.liveness_timeout if can_watch(conn) else 0.0
         lt = _min_positive(own, info.get("liveness_timeout"))
         if lt:

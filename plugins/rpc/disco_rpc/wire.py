@@ -209,7 +209,19 @@ def encode(value: Any, export: Callable[[Any], HandleRef | None] | None = None) 
 
 def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
     t = type(v)
-    if v is None:
+    if t is tuple or t is list:  # a request is a tuple of tuples: the common case first
+        if depth >= MAX_DEPTH:
+            raise DiscoValueError("value nested too deeply for RPC")
+        out += _TI.pack(T_TUPLE if t is tuple else T_LIST, len(v))
+        for x in v:
+            tx = type(x)  # plain ints and None inline: most arguments and results
+            if tx is int and _INT64_MIN <= x <= _INT64_MAX:
+                out += _TQ.pack(T_INT, x)
+            elif x is None:
+                out.append(T_NONE)
+            else:
+                _enc(x, out, bufs, export, depth + 1)
+    elif v is None:
         out.append(T_NONE)
     elif t is bool:
         out.append(T_TRUE if v else T_FALSE)
@@ -226,12 +238,6 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
         b = v.encode("utf-8", "surrogatepass")
         out += _TI.pack(T_STR, len(b))
         out += b
-    elif t is tuple or t is list:
-        if depth >= MAX_DEPTH:
-            raise DiscoValueError("value nested too deeply for RPC")
-        out += _TI.pack(T_TUPLE if t is tuple else T_LIST, len(v))
-        for x in v:
-            _enc(x, out, bufs, export, depth + 1)
     elif t is HandleRef:
         out += _BBQ.pack(T_HANDLE, v.kind, v.hid)
         _enc(v.info, out, bufs, export, depth + 1)
@@ -319,34 +325,27 @@ def _freeze(v: Any) -> Any:
     return v
 
 
-class _Decoder:
-    __slots__ = ("meta", "pos", "lens", "used", "on_handle", "fills", "has_bytes")
+_q_from = struct.Struct("<q").unpack_from
+_d_from = struct.Struct("<d").unpack_from
+_dd_from = struct.Struct("<dd").unpack_from
+_I_from = _I.unpack_from
+_II_from = struct.Struct("<II").unpack_from
+_BQ_from = struct.Struct("<BQ").unpack_from
 
-    def __init__(self, meta, lens, on_handle):
-        self.meta = meta
-        self.pos = 0
+
+class _Reads:
+    """What a decode collects beside the value: the out-of-band buffers it refers to."""
+
+    __slots__ = ("lens", "used", "on_handle", "fills", "has_bytes")
+
+    def __init__(self, lens: list, on_handle: Any) -> None:
         self.lens = lens
         self.used = [False] * len(lens)
         self.on_handle = on_handle
         self.fills: list = []  # (index, writable memoryview)
         self.has_bytes = False
 
-    def _take(self, n: int):
-        p = self.pos
-        if n < 0 or p + n > len(self.meta):
-            raise ProtocolError("truncated value in frame")
-        self.pos = p + n
-        return self.meta[p : p + n]
-
-    def _u32(self) -> int:
-        p = self.pos
-        if p + 4 > len(self.meta):
-            raise ProtocolError("truncated value in frame")
-        self.pos = p + 4
-        return _I.unpack_from(self.meta, p)[0]
-
-    def _buffer(self, expect: int | None) -> int:
-        idx = self._u32()
+    def buffer(self, idx: int, expect: int | None) -> int:
         if idx >= len(self.lens) or self.used[idx]:
             raise ProtocolError(f"bad buffer index {idx}")
         if expect is not None and self.lens[idx] != expect:
@@ -354,88 +353,120 @@ class _Decoder:
         self.used[idx] = True
         return idx
 
-    def value(self, depth: int = 0) -> Any:
-        if depth > MAX_DEPTH:
-            raise ProtocolError("value nested too deeply")
-        meta = self.meta
-        p = self.pos
-        if p >= len(meta):
-            raise ProtocolError("truncated value in frame")
-        tag = meta[p]
-        self.pos = p + 1
-        if tag == T_INT:
-            return struct.unpack("<q", self._take(8))[0]
-        if tag == T_NONE:
-            return None
-        if tag == T_STR:
-            return bytes(self._take(self._u32())).decode("utf-8", "surrogatepass")
-        if tag == T_TUPLE or tag == T_LIST:
-            n = self._u32()
-            if n > len(meta) - self.pos:
-                raise ProtocolError("container longer than its frame")
-            items = [self.value(depth + 1) for _ in range(n)]
-            return tuple(items) if tag == T_TUPLE else items
-        if tag == T_FALSE:
-            return False
-        if tag == T_TRUE:
-            return True
-        if tag == T_FLOAT:
-            return struct.unpack("<d", self._take(8))[0]
-        if tag == T_HANDLE:
-            kind, hid = struct.unpack("<BQ", self._take(9))
-            info = self.value(depth + 1)
-            ref = HandleRef(kind, hid, info)
-            return self.on_handle(ref) if self.on_handle is not None else ref
-        if tag == T_BYTES:
-            return bytes(self._take(self._u32()))
-        if tag == T_BUF:
-            idx = self._buffer(None)
-            out = bytearray(self.lens[idx])  # read in place, made bytes once filled
-            self.fills.append((idx, memoryview(out)))
-            self.has_bytes = True
-            return out
-        if tag == T_ARRAY:
-            nbytes_idx_pos = self.pos
-            self._take(4)
-            dtype = _parse_dtype(bytes(self._take(self._take(1)[0])))
-            ndim = self._take(1)[0]
-            shape = struct.unpack(f"<{ndim}Q", self._take(8 * ndim))
-            count = 1
-            for d in shape:
-                count *= d
-            end = self.pos
-            self.pos = nbytes_idx_pos
-            idx = self._buffer(count * dtype.itemsize)
-            self.pos = end
-            arr = np.empty(shape, dtype)
-            self.fills.append((idx, arr.reshape(-1).view(np.uint8).data))
-            return arr
-        if tag == T_DICT:
-            n = self._u32()
-            if n > len(meta) - self.pos:
-                raise ProtocolError("container longer than its frame")
-            items_of: dict = {}
-            for _ in range(n):
-                k = self.value(depth + 1)
-                try:
-                    items_of[k] = self.value(depth + 1)
-                except TypeError:
-                    raise ProtocolError("unhashable dict key") from None
-            return items_of
-        if tag == T_DEVICE:
-            code, dev_id = struct.unpack("<II", self._take(8))
+
+def _span(meta: bytes, p: int, n: int) -> int:
+    """The end of ``n`` bytes from ``p``, which must lie within ``meta``."""
+    e = p + n
+    if e > len(meta):
+        raise ProtocolError("truncated value in frame")
+    return e
+
+
+def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
+    """The value encoded at ``meta[p:]`` and where it ends.
+
+    One function with its state in locals, the common tags first: a call's request
+    is decoded on the round trip of every remote call. A read past the end raises
+    ``IndexError`` or ``struct.error``, which :func:`decode` reports as truncation.
+    """
+    if depth > MAX_DEPTH:
+        raise ProtocolError("value nested too deeply")
+    tag = meta[p]
+    p += 1
+    if tag == T_INT:
+        return _q_from(meta, p)[0], p + 8
+    if tag == T_TUPLE or tag == T_LIST:
+        n = _I_from(meta, p)[0]
+        p += 4
+        if n > len(meta) - p:
+            raise ProtocolError("container longer than its frame")
+        items = []
+        for _ in range(n):
+            t = meta[p]  # plain ints and None inline: most arguments and results
+            if t == T_INT:
+                items.append(_q_from(meta, p + 1)[0])
+                p += 9
+            elif t == T_NONE:
+                items.append(None)
+                p += 1
+            else:
+                v, p = _value(meta, p, depth + 1, r)
+                items.append(v)
+        return (tuple(items) if tag == T_TUPLE else items), p
+    if tag == T_NONE:
+        return None, p
+    if tag == T_HANDLE:
+        kind, hid = _BQ_from(meta, p)
+        info, p = _value(meta, p + 9, depth + 1, r)
+        ref = HandleRef(kind, hid, info)
+        return (r.on_handle(ref) if r.on_handle is not None else ref), p
+    if tag == T_STR:
+        p += 4
+        e = _span(meta, p, _I_from(meta, p - 4)[0])
+        return meta[p:e].decode("utf-8", "surrogatepass"), e
+    if tag == T_FALSE:
+        return False, p
+    if tag == T_TRUE:
+        return True, p
+    if tag == T_FLOAT:
+        return _d_from(meta, p)[0], p + 8
+    if tag == T_BYTES:
+        p += 4
+        e = _span(meta, p, _I_from(meta, p - 4)[0])
+        return meta[p:e], e
+    if tag == T_BUF:
+        idx = r.buffer(_I_from(meta, p)[0], None)
+        out = bytearray(r.lens[idx])  # read in place, made bytes once filled
+        r.fills.append((idx, memoryview(out)))
+        r.has_bytes = True
+        return out, p + 4
+    if tag == T_ARRAY:
+        idx_at = p
+        p += 4
+        e = _span(meta, p + 1, meta[p])
+        dtype = _parse_dtype(meta[p + 1 : e])
+        ndim = meta[e]
+        p = _span(meta, e + 1, 8 * ndim)
+        shape = struct.unpack_from(f"<{ndim}Q", meta, e + 1)
+        count = 1
+        for d in shape:
+            count *= d
+        idx = r.buffer(_I_from(meta, idx_at)[0], count * dtype.itemsize)
+        arr = np.empty(shape, dtype)
+        r.fills.append((idx, arr.reshape(-1).view(np.uint8).data))
+        return arr, p
+    if tag == T_DICT:
+        n = _I_from(meta, p)[0]
+        p += 4
+        if n > len(meta) - p:
+            raise ProtocolError("container longer than its frame")
+        items_of: dict = {}
+        for _ in range(n):
+            k, p = _value(meta, p, depth + 1, r)
+            x, p = _value(meta, p, depth + 1, r)
             try:
-                return Device(code, dev_id)
-            except (ValueError, TypeError) as exc:
-                raise ProtocolError(str(exc)) from None
-        if tag == T_DTYPE:
-            return _parse_dtype(bytes(self._take(self._u32())))
-        if tag == T_BIGINT:
-            return int.from_bytes(self._take(self._u32()), "little", signed=True)
-        if tag == T_COMPLEX:
-            re, im = struct.unpack("<dd", self._take(16))
-            return complex(re, im)
-        raise ProtocolError(f"unknown value tag {tag}")
+                items_of[k] = x
+            except TypeError:
+                raise ProtocolError("unhashable dict key") from None
+        return items_of, p
+    if tag == T_DEVICE:
+        code, dev_id = _II_from(meta, p)
+        try:
+            return Device(code, dev_id), p + 8
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(str(exc)) from None
+    if tag == T_DTYPE:
+        p += 4
+        e = _span(meta, p, _I_from(meta, p - 4)[0])
+        return _parse_dtype(meta[p:e]), e
+    if tag == T_BIGINT:
+        p += 4
+        e = _span(meta, p, _I_from(meta, p - 4)[0])
+        return int.from_bytes(meta[p:e], "little", signed=True), e
+    if tag == T_COMPLEX:
+        re, im = _dd_from(meta, p)
+        return complex(re, im), p + 16
+    raise ProtocolError(f"unknown value tag {tag}")
 
 
 def _parse_dtype(name: bytes) -> np.dtype:
@@ -451,19 +482,23 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
     ``fills`` are the buffers' destinations, by index; ``has_bytes`` says that some
     are byte strings, to pass through :func:`_freeze` once filled.
     """
-    d = _Decoder(memoryview(meta), list(lens), on_handle)
+    if type(meta) is not bytes:
+        meta = bytes(meta)
+    r = _Reads(list(lens), on_handle)
     try:
-        value = d.value()
+        value, end = _value(meta, 0, 0, r)
     except ProtocolError:
         raise
-    except (struct.error, UnicodeDecodeError, ValueError, IndexError, OverflowError) as exc:
+    except (IndexError, struct.error):
+        raise ProtocolError("truncated value in frame") from None
+    except (UnicodeDecodeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"malformed value: {exc}") from None
-    if d.pos != len(d.meta):
+    if end != len(meta):
         raise ProtocolError("trailing bytes after the value")
-    if not all(d.used):
+    if not all(r.used):
         raise ProtocolError("frame has buffers no value refers to")
-    d.fills.sort(key=lambda f: f[0])
-    return value, d.fills, d.has_bytes
+    r.fills.sort(key=lambda f: f[0])
+    return value, r.fills, r.has_bytes
 
 
 # --------------------------------------------------------------------------- splicing
@@ -588,6 +623,13 @@ def _splice_sealed(t: SealedTransport, pipe: tuple[int, int], out_fd: int, size:
 
 
 # --------------------------------------------------------------------------- connection
+def stop_polling(conn: Conn) -> None:
+    """Make ``conn``'s reader sleep in ``recv`` at once (its peer shares its one CPU)."""
+    t = getattr(conn.t, "inner", conn.t)  # a sealed link polls on the socket under it
+    if hasattr(t, "spin"):
+        t.spin = 0.0
+
+
 class Conn:
     """Frames over a transport, with a read buffer and a bound on frame sizes.
 
@@ -744,7 +786,7 @@ class Conn:
             self._skip(total)
             self.settle()
             raise ProtocolError("a file chunk where no file transfer was going on")
-        meta = bytes(self.read_exact(meta_len))
+        meta = self.read_exact(meta_len)  # decode() makes it bytes
         try:
             value, fills, has_bytes = decode(meta, lens, on_handle)
         except BaseException:

@@ -867,3 +867,27 @@ def test_cli_files_persist_with_work_dir(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity API here")
+def test_client_and_server_pinned_to_one_cpu_do_not_poll(server):
+    """The server tells its placement in INIT's reply; a client pinned to the same single
+    CPU as its server sleeps in recv at once (polling there only delays the server),
+    and calls still work. Unpinned (a 2-CPU machine), the client polls."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        srv = rpc.Server(port=9800, port_end=9900)  # its processes inherit the one CPU
+        try:
+            with rpc.connect("127.0.0.1", srv.port) as s:
+                assert s.info["placement"][1] == [cpu]
+                assert s._conn.t.spin == 0
+                assert s.get_function("rpctest.add")(40, 2) == 42
+        finally:
+            srv.terminate()
+    finally:
+        os.sched_setaffinity(0, before)
+    if len(before) > 1:
+        with rpc.connect("127.0.0.1", server.port) as s:
+            assert s._conn.t.spin > 0

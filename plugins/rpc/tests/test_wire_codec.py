@@ -1,0 +1,132 @@
+"""The tagged value encoding alone (``wire.encode`` / ``wire.decode``), no sockets.
+
+The decoder is the first code that reads a peer's bytes on every request, so it is
+checked as an attacker would use it: any value round-trips exactly, every strict
+prefix of a valid encoding and any random bytes end in a ``ProtocolError`` (never
+another exception), and nesting is bounded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from disco_rpc import wire
+from disco_rpc.errors import ProtocolError
+from disco_rpc.protocol import MAX_DEPTH
+
+pytestmark = pytest.mark.timeout(120)
+
+SEEDED = settings(
+    max_examples=300,
+    derandomize=True,  # the same cases in every CI run
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()  # beyond 64 bits too (T_BIGINT)
+    | st.floats(allow_nan=False)
+    | st.complex_numbers(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=40)
+    | st.binary(min_size=wire.INLINE_BYTES, max_size=wire.INLINE_BYTES + 3)  # out of band
+    | st.sampled_from(["float32", "int8", "uint64", "complex128"]).map(
+        lambda d: np.arange(5, dtype=d).reshape(5, 1)
+    )
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.tuples(inner, inner)
+        | st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=4).map(tuple)
+        | st.dictionaries(st.integers() | st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=20,
+)
+
+
+def _round_trip(value):
+    meta, bufs = wire.encode(value)
+    lens = [wire._buffer_size(b) for b in bufs]
+    out, fills, has_bytes = wire.decode(bytes(meta), lens)
+    assert [i for i, _ in fills] == list(range(len(bufs)))
+    for (_i, view), buf in zip(fills, bufs):
+        view[:] = memoryview(buf).cast("B")  # what Conn.recv reads into them
+    return wire._freeze(out) if has_bytes else out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and (a == b).all()  # fmt: skip
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float):
+        return a == b and math.copysign(1, a) == math.copysign(1, b)
+    return a == b
+
+
+@SEEDED
+@given(_values)
+def test_every_value_round_trips_exactly(value):
+    assert _same(_round_trip(value), value)
+
+
+@SEEDED
+@given(_values)
+def test_every_strict_prefix_is_a_protocol_error(value):
+    meta = bytes(wire.encode(value)[0])
+    lens = [wire._buffer_size(b) for b in wire.encode(value)[1]]
+    for cut in range(len(meta)):
+        with pytest.raises(ProtocolError):
+            wire.decode(meta[:cut], lens)
+
+
+@SEEDED
+@given(st.binary(max_size=64))
+def test_random_bytes_decode_or_raise_a_protocol_error(data):
+    try:
+        wire.decode(data, (8, 8))
+    except ProtocolError:
+        pass  # the only exception a peer's bytes may cause
+
+
+def test_handles_are_resolved_by_the_callback():
+    ref = wire.HandleRef(wire.HandleRef.FUNC, 7, "f")
+    meta = bytes(wire.encode(((), (ref, (1, None))))[0])
+    seen = []
+    value, _, _ = wire.decode(meta, (), lambda r: seen.append((r.kind, r.hid, r.info)) or "obj")
+    assert value == ((), ("obj", (1, None)))
+    assert seen == [(wire.HandleRef.FUNC, 7, "f")]
+
+
+def test_nesting_is_bounded_both_ways():
+    deep: object = 1
+    for _ in range(MAX_DEPTH + 2):
+        deep = (deep,)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        wire.encode(deep)
+    # a peer's frame nested past the bound: refused, not a RecursionError
+    meta = (bytes([wire.T_TUPLE]) + (1).to_bytes(4, "little")) * (MAX_DEPTH + 5) + bytes([wire.T_NONE])  # fmt: skip
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        wire.decode(meta)
+
+
+def test_trailing_and_unreferenced_buffers_are_refused():
+    meta = bytes(wire.encode(5)[0])
+    with pytest.raises(ProtocolError, match="trailing"):
+        wire.decode(meta + b"\x00")
+    with pytest.raises(ProtocolError, match="no value refers"):
+        wire.decode(meta, (4,))
