@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from . import _interrupts
+
 __all__ = ["release_if_left", "owned"]
 
 
@@ -23,6 +25,7 @@ def owned(lock: Any) -> bool:
     return bool(lock._is_owned())
 
 
+@_interrupts.protect()
 def release_if_left(lock: Any, owned_before: bool = False) -> None:
     """After an exception escaped a block that takes ``lock`` (an RLock) and releases it
     in a ``finally``: release it if the exception came before that ``try`` began.
@@ -31,8 +34,11 @@ def release_if_left(lock: Any, owned_before: bool = False) -> None:
     (it is re-entrant); then the block's taking it cannot be told apart, and nothing is
     released.
     """
-    if not owned_before and lock._is_owned():
-        lock.release()
+    try:
+        if not owned_before and lock._is_owned():
+            lock.release()
+    finally:  # a second Ctrl-C landing here waited (it left the lock taken)
+        _interrupts.deliver()
 
 
 # (a guard against a platform whose RLock lacks the method: fail at import, not later)

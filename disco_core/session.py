@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _memory, plugins
+from . import _interrupts, _memory, plugins
 from . import protocol as P
+from ._interrupts import state as _pending
 from ._locks import owned, release_if_left
 from .ccl.base import REDUCE_OPS
 from .channels.base import ANSWERED, Channel, Outgoing, gather_timeout
@@ -78,8 +79,11 @@ class DRef:
         self.reg_id = reg_id
         self._owner: DRef | None = None  # None: this handle frees the register
 
+    @_interrupts.protect()
     def __del__(self) -> None:
         # A wrapper keeps its owner alive instead: the owner frees the register, once.
+        # Ctrl-C waits for the end (Python drops a __del__'s exceptions: the interrupt
+        # was lost, and the register with it).
         try:
             if self._owner is None and self.reg_id:
                 session = self.session
@@ -87,6 +91,9 @@ class DRef:
                     session._released.append(self.reg_id)
         except AttributeError:  # never fully constructed
             pass
+        finally:
+            if _pending.pending:
+                _interrupts.deliver_later()
 
     def debug_get_from_remote(self, worker_id: int = 0) -> Any:
         """Fetch the register's value from one worker (arrays come back as NumPy).
@@ -231,22 +238,12 @@ def _close_channel(channel: Channel, state: dict) -> None:
     """Stop a session's workers (also run by the finaliser at interpreter exit)."""
     if state.get("closed"):
         return
-    state["closed"] = True
-    logger.info("session shutting down: %s channel", channel.kind)
-    try:
-        channel.send(Outgoing((P.SHUTDOWN,)))
-    except Exception:  # dead workers: close() still reaps them
-        pass
-    store = state.get("store")
-    if store is not None:
-        # Before the channel closes: a worker waiting in the store gets its answer
-        # (an error) and then reads the shutdown command it set aside.
-        store.close("the session is shutting down")
     rendezvous = state.get("rendezvous")
-    if rendezvous is not None:
-        # A worker still waiting in a collective would never read the shutdown
-        # command; the session is going away, so make such waits fail now.
-        rendezvous.abort("the session is shutting down")
+    try:
+        _begin_close(channel, state)
+    finally:
+        if state.pop("sigint", False):
+            _interrupts.uninstall()
     try:
         channel.close(timeout=shutdown_timeout())
     finally:
@@ -254,6 +251,32 @@ def _close_channel(channel: Channel, state: dict) -> None:
             rendezvous.close()
         _memory.release_free_memory()  # the session's threads' malloc arenas
         logger.debug("session shut down: %s channel", channel.kind)
+
+
+@_interrupts.protect(blocking=True)
+def _begin_close(channel: Channel, state: dict) -> None:
+    """Mark the session closed and tell the workers to stop, as one step: Ctrl-C waits
+    for its end (cut after the mark, no worker was told, and a busy worker process
+    outlived the session)."""
+    try:
+        state["closed"] = True
+        logger.info("session shutting down: %s channel", channel.kind)
+        try:
+            channel.send(Outgoing((P.SHUTDOWN,)))
+        except Exception:  # dead workers: close() still reaps them
+            pass
+        store = state.get("store")
+        if store is not None:
+            # Before the channel closes: a worker waiting in the store gets its answer
+            # (an error) and then reads the shutdown command it set aside.
+            store.close("the session is shutting down")
+        rendezvous = state.get("rendezvous")
+        if rendezvous is not None:
+            # A worker still waiting in a collective would never read the shutdown
+            # command; the session is going away, so make such waits fail now.
+            rendezvous.abort("the session is shutting down")
+    finally:
+        _interrupts.deliver()
 
 
 def _store_reply(channel: Channel, worker_id: int, cmd: tuple) -> None:
@@ -288,6 +311,8 @@ def _one_thread_at_a_time(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def one_at_a_time(self: Session, *args: Any, **kwargs: Any) -> Any:
+        if _pending.users:  # a session holds Ctrl-C back where it must (disco_core._interrupts)
+            _interrupts.reclaim()
         lock = self._sync_lock
         owned_before = owned(lock)  # re-entered (a trace's stop holds it)
         try:
@@ -368,6 +393,8 @@ class Session:
             "session started: %s channel, %d worker(s) in %d group(s)",
             channel.kind, self.num_workers, self.num_groups,
         )  # fmt: skip
+        # Ctrl-C waits for the end of the steps it must not cut (disco_core._interrupts)
+        self._state["sigint"] = _interrupts.install()
         if os.environ.get("DISCO_TRACE") and not session_trace.explicit.get():
             try:
                 session_trace.start_from_env(self)

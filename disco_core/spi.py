@@ -57,6 +57,7 @@ Commands
 
 from __future__ import annotations
 
+from . import _interrupts as interrupts
 from . import commandline, net, protocol, registry
 from .ccl import validate
 from .ccl.base import CCL, REDUCE_OPS, Rendezvous, average_in_place
@@ -142,6 +143,8 @@ from .store import (
 from .worker import HeartbeatSender, Worker, command_stream
 
 __all__ = [
+    # Ctrl-C held back in steps that must not be cut (protect, deliver)
+    "interrupts",
     # channels
     "LinkChannel",
     "WorkerLink",

@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
-from .. import protocol
+from .. import _interrupts, protocol
+from .._interrupts import state as _held
 from .._locks import owned, release_if_left
 from ..errors import (
     DiscoError,
@@ -521,19 +522,7 @@ class BatchingLink(WorkerLink):
         try:
             with self.lock:
                 if buffers:
-                    self._flush_locked()
-                    self.writing_since = time.monotonic()
-                    try:
-                        total = len(head) + sum(memoryview(b).nbytes for b in buffers)
-                        if (
-                            total >= self.WHOLE_BYTES
-                            and threading.current_thread() is threading.main_thread()
-                        ):
-                            self._write_whole(lambda: self._write_views(head, buffers), total)
-                        else:
-                            self._write_views(head, buffers)
-                    finally:
-                        self.writing_since = None
+                    self._write_frame_locked(head, buffers)
                 else:
                     self.outbox.append(head)
                     self.outbox_bytes += len(head)
@@ -541,6 +530,29 @@ class BatchingLink(WorkerLink):
                         self._flush_locked()
         except OSError as exc:
             raise self._gone(exc) from None
+
+    @_interrupts.protect(blocking=True)
+    def _write_frame_locked(self, head: bytes, buffers: Sequence[Any]) -> None:
+        """Write what the outbox holds, then a frame with out-of-band buffers, whole:
+        Ctrl-C waits for the end (half a frame hung the worker), and a second one while
+        the write blocks gives the workers up."""
+        try:
+            self._flush_locked()
+            self.writing_since = time.monotonic()
+            try:
+                total = len(head) + sum(memoryview(b).nbytes for b in buffers)
+                if total >= self.WHOLE_BYTES and threading.current_thread() is threading.main_thread():  # fmt: skip
+                    self._write_whole(lambda: self._write_views(head, buffers), total)
+                else:
+                    self._write_views(head, buffers)
+            finally:
+                self.writing_since = None
+        except KeyboardInterrupt as exc:
+            if _interrupts.state.escalated:
+                self._cut(exc)
+            raise
+        finally:
+            _interrupts.deliver()
 
     def _write_whole(self, write: Callable[[], None], nbytes: int) -> None:
         """``write()`` (of ``nbytes``) on a helper thread, so that Ctrl-C cannot cut it.
@@ -570,7 +582,9 @@ class BatchingLink(WorkerLink):
                 done.wait()
                 break
             except BaseException as exc:  # Ctrl-C, a signal handler's error
-                if interrupted is not None:
+                # (a first Ctrl-C may have been held back by a protected caller, which
+                # warned: this one is then the second)
+                if interrupted is not None or (isinstance(exc, KeyboardInterrupt) and _interrupts.state.escalated):  # fmt: skip
                     self._cut(exc)
                     done.wait(max(1.0, 4 * STALL_CHECK))  # the write sees the death
                     raise
@@ -665,20 +679,31 @@ class BatchingLink(WorkerLink):
             release_if_left(lock, owned_before)  # Ctrl-C right after the acquire
             raise
 
+    @_interrupts.protect(blocking=True)
     def _flush_locked(self) -> None:
-        if self.outbox:
-            data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
-            self.outbox.clear()
-            self.outbox_bytes = 0
-            self.writing_since = time.monotonic()
-            try:
-                # a large value pickled into a command (a long list) is as large a frame
-                if len(data) >= self.WHOLE_BYTES and threading.current_thread() is threading.main_thread():  # fmt: skip
-                    self._write_whole(lambda: self._write(data), len(data))
-                else:
-                    self._write(data)
-            finally:
-                self.writing_since = None
+        # Ctrl-C waits for the write's end (disco_core._interrupts): half a batch in
+        # the pipe hung the worker, and a batch taken from the outbox and not written
+        # was lost. A second Ctrl-C while the write blocks gives the workers up.
+        try:
+            if self.outbox:
+                data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
+                self.outbox.clear()
+                self.outbox_bytes = 0
+                self.writing_since = time.monotonic()
+                try:
+                    # a large value pickled into a command (a long list) is as large a frame
+                    if len(data) >= self.WHOLE_BYTES and threading.current_thread() is threading.main_thread():  # fmt: skip
+                        self._write_whole(lambda: self._write(data), len(data))
+                    else:
+                        self._write(data)
+                finally:
+                    self.writing_since = None
+        except KeyboardInterrupt as exc:
+            if _interrupts.state.escalated:
+                self._cut(exc)
+            raise
+        finally:
+            _interrupts.deliver()
 
     def _write(self, data: bytes) -> None:
         write_all(self.out_fd, data, self._stalled)
@@ -1191,18 +1216,22 @@ class LinkChannel(Channel):
         with self._seal_lock:  # cut and handed over at once: two sealers keep the order
             self._seal_locked()
 
+    @_interrupts.protect()
     def _seal_locked(self) -> None:
-        batch = self._batch
-        n = len(batch)
-        if n:
-            out = Outgoing(*batch[:n], shared=True)
-            # Encoded before the batch lets go of them: Ctrl-C in the middle of the
-            # encoding lost the commands for every worker process (one sweep lost a
-            # get_global_func, and every later call to that function failed there)
-            out.frame  # noqa: B018 - computed and kept by the property
-            del batch[:n]  # a sender's extend meanwhile went after these n
-            for link in self._deferring:
-                link.send(out)
+        # Ctrl-C waits for its end (disco_core._interrupts): cut between the links, a
+        # batch went to some workers and not to others, and a later call failed there
+        # or read an older value (a lost batch held a register's release and its reuse)
+        try:
+            batch = self._batch
+            n = len(batch)
+            if n:
+                out = Outgoing(*batch[:n], shared=True)
+                out.frame  # noqa: B018 - encoded before the batch lets go of the commands
+                del batch[:n]  # a sender's extend meanwhile went after these n
+                for link in self._deferring:
+                    link.send(out)
+        finally:
+            _interrupts.deliver()
 
     def _set_links(self, links: list[WorkerLink]) -> None:
         # In-process links first: a pipe that blocks must never delay worker 0.
@@ -1319,50 +1348,64 @@ class LinkChannel(Channel):
             if not gate.settled(deadline):
                 return
 
+    @_interrupts.protect()
     def send_shared(self, cmds: tuple[tuple, ...]) -> None:
-        if not self._fast_shared:
-            return self.send(Outgoing(*cmds, shared=True))
-        # No encoding, no write, no wake-up now: the batch leaves as one frame.
-        batch = self._batch
-        if self._deferring:
-            batch += cmds
-        for pending in self._pendings:
-            pending.extend(cmds)  # in-process workers take immutable values as they are
-            if len(pending) > PENDING_COMMANDS:  # caught up at the next send, when every
-                self.backlogged = True  # queue has this command (it may be a collective)
-        if self._direct_others:
-            out = Outgoing(*cmds, shared=True)
-            for link in self._direct_others:
-                link.send(out)
-        if len(batch) >= BATCH_COMMANDS:
-            self.flush()
-        elif not self._flush_due:
-            self._mark_dirty()
+        # Ctrl-C waits for the end (disco_core._interrupts): cut between two workers'
+        # queues, a command went to some workers and not to the others
+        try:
+            if not self._fast_shared:
+                return self.send(Outgoing(*cmds, shared=True))
+            # No encoding, no write, no wake-up now: the batch leaves as one frame.
+            batch = self._batch
+            if self._deferring:
+                batch += cmds
+            for pending in self._pendings:
+                pending.extend(cmds)  # in-process workers take immutable values as they are
+                if len(pending) > PENDING_COMMANDS:  # caught up at the next send, when every
+                    self.backlogged = True  # queue has this command (it may be a collective)
+            if self._direct_others:
+                out = Outgoing(*cmds, shared=True)
+                for link in self._direct_others:
+                    link.send(out)
+            if len(batch) >= BATCH_COMMANDS:
+                self.flush()
+            elif not self._flush_due:
+                self._mark_dirty()
+        finally:
+            if _held.pending:  # (the hot path: one attribute read)
+                _interrupts.deliver()
 
+    @_interrupts.protect()
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
-        if workers is None:
-            if out.shared:
-                return self.send_shared(out.cmds)
-            targets: Sequence[WorkerLink] = self.links
-        elif len(workers) == 1:
-            targets = (self._link_of[workers[0]],)
-        else:
-            targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
-        if any(link.defers for link in targets):
-            # What was sent before goes first, also when another thread (the flusher,
-            # a worker's hand_over) has cut the batch and is still writing it out.
-            with self._seal_lock:
-                self._seal_locked()
+        # Ctrl-C waits for the end, as in send_shared (a write that blocks is protected
+        # on its own, where a second Ctrl-C gives the workers up)
+        try:
+            if workers is None:
+                if out.shared:
+                    return self.send_shared(out.cmds)
+                targets: Sequence[WorkerLink] = self.links
+            elif len(workers) == 1:
+                targets = (self._link_of[workers[0]],)
+            else:
+                targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
+            if any(link.defers for link in targets):
+                # What was sent before goes first, also when another thread (the flusher,
+                # a worker's hand_over) has cut the batch and is still writing it out.
+                with self._seal_lock:
+                    self._seal_locked()
+                    for link in targets:
+                        link.send(out)
+            else:
                 for link in targets:
                     link.send(out)
-        else:
             for link in targets:
-                link.send(out)
-        for link in targets:
-            if type(link) is ThreadWorkerLink and len(link.pending) > PENDING_COMMANDS:
-                self.backlogged = True
-        if not self._flush_due:
-            self._mark_dirty()
+                if type(link) is ThreadWorkerLink and len(link.pending) > PENDING_COMMANDS:
+                    self.backlogged = True
+            if not self._flush_due:
+                self._mark_dirty()
+        finally:
+            if _held.pending:
+                _interrupts.deliver()
 
     def catch_up(self) -> None:
         """Run the commands of every in-process worker that has too many waiting

@@ -36,6 +36,7 @@ import hmac
 import struct
 from typing import Any
 
+from .. import _interrupts
 from ..errors import DiscoError, FrameLimitError, IntegrityError
 from .security import SessionKeys
 
@@ -142,6 +143,7 @@ class SealedTransport:
         self._small = bytearray(TAG_BYTES)
         self._held: memoryview | None = None  # verified bytes of a small record, not taken yet
         self._broken: str | None = None
+        self._sent_broken: str | None = None  # the sending side cut by a second interrupt
 
     @property
     def record_left(self) -> int:
@@ -166,8 +168,28 @@ class SealedTransport:
         return 0
 
     # -- sending --------------------------------------------------------------------
+    @_interrupts.protect(blocking=True)
     def send_parts(self, parts: list) -> None:
-        """Send ``parts`` (buffers) as one record."""
+        """Send ``parts`` (buffers) as one record.
+
+        Ctrl-C is held back until the record is out (``disco_core._interrupts``): the
+        record's number is taken before it is written, so a record cut short, or
+        never sent after its number was taken, broke the peer's next check and ended
+        the session. A second Ctrl-C during a blocked write cuts the stream: later
+        sends say so.
+        """
+        try:
+            if self._sent_broken is not None:
+                raise IntegrityError(self._sent_broken)
+            self._send_record(parts)
+        except KeyboardInterrupt:
+            if _interrupts.state.escalated:
+                self._sent_broken = "a second interrupt cut a sealed record being sent: the stream is broken"  # fmt: skip
+            raise
+        finally:
+            _interrupts.deliver()
+
+    def _send_record(self, parts: list) -> None:
         views = []
         total = 0
         for p in parts:

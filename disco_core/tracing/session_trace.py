@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .. import protocol as P
+from .._locks import owned, release_if_left
 from ..errors import (
     DiscoError,
     DiscoFileNotFoundError,
@@ -140,7 +141,9 @@ class Trace:
         self._rec: Recorder | None = None
         self._clocks: list[chrome.ClockFit | None] = []
         self._t_start = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: it knows its owner (disco_core._locks)
+        #: the ``with disco.trace`` block of this trace has ended (its stop may have been cut)
+        self.ended = False
         self._installed = False  # the recording methods are on the session
         self._key = ""  # the file's real path, in _files_in_use while the trace runs
         self._stopped: Any = None  # while stopping: the disco.trace_stop call, once sent
@@ -200,6 +203,10 @@ class Trace:
         session = self.session
         state = session._state
         key = os.path.join(os.path.realpath(os.path.dirname(self._target)), os.path.basename(self._target))  # fmt: skip
+        running = state.get("trace")
+        if running is not None and running.ended:
+            # Its ``with`` block ended, and Ctrl-C cut the stop before it began: written now
+            running.stop()
         with _claim_lock:  # the check and the claim at once: two threads may start a trace
             running = state.get("trace")
             if running is not None:
@@ -280,20 +287,28 @@ class Trace:
         # A bounded stop (a shutdown's) waits for another thread's stop no longer than
         # it allows; the session's state names this trace until the file is written,
         # so that a shutdown from another thread waits for it.
-        if not self._lock.acquire(timeout=-1 if within is None else max(0.0, within)):
-            return self.path
+        lock = self._lock
+        owned_before = owned(lock)
         try:
-            if not self.active:
+            if not lock.acquire(timeout=-1 if within is None else max(0.0, within)):
                 return self.path
-            self.active = False
             try:
-                return self._stop(within)
+                if not self.active:
+                    return self.path
+                self.active = False
+                try:
+                    return self._stop(within)
+                finally:
+                    if self.session._state.get("trace") is self:
+                        self.session._state["trace"] = None
+                    self._release_file()  # only now: another trace may start into the file
             finally:
-                if self.session._state.get("trace") is self:
-                    self.session._state["trace"] = None
-                self._release_file()  # only now: another trace may start into the file
-        finally:
-            self._lock.release()
+                lock.release()
+        except BaseException:
+            # Ctrl-C right after the acquire left the lock taken, and every later trace
+            # of the session said "already being traced" (outside check)
+            release_if_left(lock, owned_before)
+            raise
 
     def _stop(self, within: float | None) -> str:
         """:meth:`stop`'s work, under its lock, once the trace is marked stopped.
@@ -879,7 +894,10 @@ def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None)
     """
     t = Trace(session, path, capacity).start()
     try:
-        yield t
+        try:
+            yield t
+        finally:
+            t.ended = True  # stopped by the next trace, if an interrupt cuts the stop below
     except BaseException:
         if not session.is_closed:
             # The block failed (an error, Ctrl-C): the workers may be stuck in a

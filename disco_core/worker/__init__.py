@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import _interrupts, registry
 from .. import protocol as P
-from .. import registry
 from ..commandline import configure_from_env
 from ..device import Device, as_array, to_host
 from ..errors import FOLLOW_ON_NOTE, DiscoError, WorkerError
@@ -301,6 +301,7 @@ class Worker:
             self._next = self._source  # type: ignore[assignment]  # set by run()
         return cmd
 
+    @_interrupts.barrier  # a command runs interruptibly, whoever called it
     def execute(self, cmd: tuple) -> bool:
         """Execute one command; return False after a shutdown command."""
         action = cmd[0]

@@ -53,6 +53,7 @@ from disco_core.spi import (
     SSLTransport,
     as_dtype,
     as_views,
+    interrupts,
     new_pipe,
     splice_exact,
     unfilled_bytearray,
@@ -544,8 +545,23 @@ class SealedLink(SealedTransport):
             # just after the reader went to sleep, and a wake-up costs far more
             inner.spin *= 2
 
+    @interrupts.protect(blocking=True)
     def send_parts(self, parts: list) -> None:
-        """Send ``parts`` as one record, or as several of at most :data:`RECORD_BYTES`."""
+        """Send ``parts`` as one record, or as several of at most :data:`RECORD_BYTES`.
+
+        Ctrl-C waits until all are out (a frame cut between its records left the peer
+        waiting for the rest); a second one while the write blocks breaks the link.
+        """
+        try:
+            self._send_records(parts)
+        except KeyboardInterrupt:
+            if interrupts.state.escalated:
+                self._sent_broken = "a second interrupt cut a frame being sent: the link is broken"
+            raise
+        finally:
+            interrupts.deliver()
+
+    def _send_records(self, parts: list) -> None:
         if sum(_buffer_size(p) for p in parts) <= RECORD_BYTES:
             super().send_parts(parts)
             return

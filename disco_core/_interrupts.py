@@ -1,0 +1,208 @@
+"""Ctrl-C held back for the few steps of the controller that must not be cut.
+
+Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread,
+also at the first instruction of a function. Some steps of the controller leave the
+session broken when cut there: handing a batch of commands to the worker processes
+(cut, some workers got it and others not: a later call failed or, worse, read an
+older value), writing a frame to a pipe or a sealed socket (half a frame: the worker
+hung, or the session's authentication broke), releasing a lock after an interrupt
+(a second interrupt left it taken: a hang).
+
+While a session lives, SIGINT's handler is :func:`_on_sigint` (when Python's own was
+in place; a program's own handler is left alone). It looks at the frames the main
+thread is in: inside a *protected* function (:func:`protect`), reached through
+Disco's own code only, the interrupt is noted and the function raises it as it
+returns (:func:`deliver`, in its ``finally``); anywhere else, ``KeyboardInterrupt`` is raised at once,
+as Python's handler does. User code called from a protected function is not held
+back (the walk stops at the first frame outside Disco). Protection costs nothing on
+the way in: a protected function only checks :data:`state` as it returns.
+
+A protected function that may block (a write to a worker's full pipe) is marked so:
+there, a second Ctrl-C raises at once, and the function gives the link up (its
+command stream is cut), so that a worker that never reads cannot make Ctrl-C wait
+for ever.
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any, TypeVar
+
+__all__ = [
+    "protect",
+    "barrier",
+    "deliver",
+    "deliver_later",
+    "install",
+    "uninstall",
+    "installed",
+    "state",
+]
+
+logger = logging.getLogger("disco_core")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _State:
+    """What the handler noted. ``pending``: an interrupt held back, to raise when the
+    outermost protected function returns; ``escalated``: a second one, raised inside a
+    function that may block (the function cuts what it was writing)."""
+
+    __slots__ = ("pending", "escalated", "users")
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.escalated = False
+        self.users = 0  # sessions alive that installed the handler
+
+
+state = _State()
+#: protected code objects -> whether the function may block (a second Ctrl-C raises there)
+_PROTECTED: dict[CodeType, bool] = {}
+#: code objects where the walk stops: a worker running a command (a function, a
+#: collective waiting for its peers) is interruptible, whoever called it
+_BARRIERS: set[CodeType] = set()
+#: How many frames the handler looks at: protected steps are shallow.
+_DEPTH = 12
+_lock = threading.Lock()
+_MAIN = threading.main_thread().ident
+
+
+def protect(blocking: bool = False) -> Callable[[F], F]:
+    """Mark a function whose run must not be cut by Ctrl-C (see the module's text).
+
+    The function must end with ``deliver()`` in a ``finally`` (or as it returns), so
+    that an interrupt held back reaches the program once it is done.
+
+    Parameters
+    ----------
+    blocking : bool
+        The function may wait for long (a write to a pipe): a second Ctrl-C while one
+        is held back raises at once, with :attr:`_State.escalated` set.
+    """
+
+    def mark(func: F) -> F:
+        _PROTECTED[func.__code__] = blocking
+        return func
+
+    return mark
+
+
+def barrier(func: F) -> F:
+    """Mark a function that runs code which must stay interruptible (a worker running a
+    command): a protected function that called it does not hold Ctrl-C back for it."""
+    _BARRIERS.add(func.__code__)
+    return func
+
+
+def deliver() -> None:
+    """Raise an interrupt held back, as Python would have: called last by a protected
+    function (in its ``finally``). While an outer protected function still runs, that
+    one raises it. Only the main thread's protected functions hold interrupts back,
+    so only the main thread raises them."""
+    if state.pending and threading.get_ident() == _MAIN:
+        if _protected_frame(sys._getframe(2)) is not None:  # 1: the protected function
+            return
+        state.pending = False
+        raise KeyboardInterrupt
+
+
+def deliver_later() -> None:
+    """:func:`deliver` for a function whose exceptions Python drops (``__del__``): the
+    interrupt is raised at the next bytecode the main thread runs outside protection."""
+    if state.pending and threading.get_ident() == _MAIN:
+        state.pending = False
+        _thread.interrupt_main()
+
+
+def _protected_frame(frame: FrameType | None) -> bool | None:
+    """Whether ``frame`` (the main thread's) is inside a protected function reached
+    through Disco's code only: None if not, else whether that function may block."""
+    found: bool | None = None
+    for _ in range(_DEPTH):
+        if frame is None:
+            break
+        code = frame.f_code
+        if code in _BARRIERS:
+            break
+        blocking = _PROTECTED.get(code)
+        if blocking is not None:
+            found = blocking if found is None else (found or blocking)
+        elif not frame.f_globals.get("__name__", "").startswith("disco_"):
+            break  # user code (or a library) runs here: interruptible
+        frame = frame.f_back
+    return found
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    blocking = _protected_frame(frame)
+    if blocking is None or (blocking and state.pending):
+        state.pending = False
+        state.escalated = blocking is not None
+        raise KeyboardInterrupt
+    if not state.pending and blocking:
+        logger.warning(
+            "interrupted while commands are written to a worker: finishing that first; "
+            "interrupt again to give the worker up"
+        )
+    state.pending = True
+
+
+def install() -> bool:
+    """Hold Ctrl-C back in protected functions while a session lives: called as one is
+    made; True when it did (then :func:`uninstall` as the session ends). Only from the
+    main thread and only over Python's own handler: a program's own handler stays."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with _lock:
+        try:
+            current = signal.getsignal(signal.SIGINT)
+            if current is not _on_sigint:
+                if current is not signal.default_int_handler:
+                    return False
+                signal.signal(signal.SIGINT, _on_sigint)
+        except (ValueError, OSError):  # no signals here (an embedded interpreter)
+            return False
+        state.users += 1
+        return True
+
+
+def uninstall() -> None:
+    """A session that :func:`install` counted ended: with the last one, Python's own
+    handler again (unless the program replaced ours, or this is not the main thread:
+    ours then stays, and behaves as Python's outside Disco)."""
+    with _lock:
+        state.users = max(0, state.users - 1)
+        if state.users or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGINT) is _on_sigint:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+        except (ValueError, OSError):
+            pass
+
+
+def reclaim() -> None:
+    """Take SIGINT again where Python's own handler came back while sessions live
+    (Jupyter's kernel puts it back before each cell runs); called by synchronising
+    calls. Ours behaves as Python's outside Disco's protected steps."""
+    if state.users and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        try:
+            signal.signal(signal.SIGINT, _on_sigint)
+        except ValueError:  # not the main thread: the main thread's next call does it
+            pass
+
+
+def installed() -> bool:
+    """Whether Ctrl-C is held back in protected functions now."""
+    try:
+        return signal.getsignal(signal.SIGINT) is _on_sigint
+    except (ValueError, OSError):
+        return False
