@@ -11,10 +11,11 @@ hung, or the session's authentication broke), releasing a lock after an interrup
 While a session lives, SIGINT's handler is :func:`_on_sigint` (when Python's own was
 in place; a program's own handler is left alone). It looks at the frames the main
 thread is in: inside a *protected* function (:func:`protect`), reached through
-Disco's own code only, the interrupt is noted and the function raises it as it
+Disco's own code and the standard library's only, the interrupt is noted and the function raises it as it
 returns (:func:`deliver`, in its ``finally``); anywhere else, ``KeyboardInterrupt`` is raised at once,
 as Python's handler does. User code called from a protected function is not held
-back (the walk stops at the first frame outside Disco). Protection costs nothing on
+back (the walk stops at the first frame outside Disco and the standard library), nor
+is a command a worker runs (:func:`barrier`). Protection costs nothing on
 the way in: a protected function only checks :data:`state` as it returns.
 
 A protected function that may block (a write to a worker's full pipe) is marked so:
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import _thread
 import logging
+import os
 import signal
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -122,6 +125,25 @@ def deliver_later() -> None:
         _thread.interrupt_main()
 
 
+def _stdlib_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple({os.path.join(paths[k], "") for k in ("stdlib", "platstdlib") if k in paths})
+
+
+_STDLIB = _stdlib_dirs()
+
+
+def _ours_or_stdlib(frame: FrameType) -> bool:
+    """Whether ``frame`` runs Disco's code or the standard library's (which a protected
+    step calls: ``logging``, ``queue``, ``threading``): the walk goes on through it."""
+    if frame.f_globals.get("__name__", "").startswith("disco_"):
+        return True
+    filename = frame.f_code.co_filename
+    if filename.startswith("<frozen "):
+        return True
+    return filename.startswith(_STDLIB) and "site-packages" not in filename
+
+
 def _protected_frame(frame: FrameType | None) -> bool | None:
     """Whether ``frame`` (the main thread's) is inside a protected function reached
     through Disco's code only: None if not, else whether that function may block."""
@@ -135,8 +157,8 @@ def _protected_frame(frame: FrameType | None) -> bool | None:
         blocking = _PROTECTED.get(code)
         if blocking is not None:
             found = blocking if found is None else (found or blocking)
-        elif not frame.f_globals.get("__name__", "").startswith("disco_"):
-            break  # user code (or a library) runs here: interruptible
+        elif not _ours_or_stdlib(frame):
+            break  # user code (or a library's) runs here: interruptible
         frame = frame.f_back
     return found
 
