@@ -58,11 +58,12 @@ class _State:
     outermost protected function returns; ``escalated``: a second one, raised inside a
     function that may block (the function cuts what it was writing)."""
 
-    __slots__ = ("pending", "escalated", "users")
+    __slots__ = ("pending", "escalated", "warning", "users")
 
     def __init__(self) -> None:
         self.pending = False
         self.escalated = False
+        self.warning = False  # the handler is logging its warning
         self.users = 0  # sessions alive that installed the handler
 
 
@@ -164,17 +165,24 @@ def _protected_frame(frame: FrameType | None) -> bool | None:
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    if state.warning:  # a Ctrl-C while the warning below is logged: merged with the first
+        return  # (raised inside logging, it could leave a logging lock taken)
     blocking = _protected_frame(frame)
     if blocking is None or (blocking and state.pending):
         state.pending = False
         state.escalated = blocking is not None
         raise KeyboardInterrupt
-    if not state.pending and blocking:
-        logger.warning(
-            "interrupted while commands are written to a worker: finishing that first; "
-            "interrupt again to give the worker up"
-        )
+    first = not state.pending
     state.pending = True
+    if first and blocking:
+        state.warning = True
+        try:
+            logger.warning(
+                "interrupted while commands are written to a worker: finishing that first; "
+                "interrupt again to give the worker up"
+            )
+        finally:
+            state.warning = False
 
 
 def install() -> bool:

@@ -401,12 +401,21 @@ def test_ctrl_c_as_a_batch_is_handed_to_the_worker_processes_loses_no_command():
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_small_commands_wait_for_room_in_a_full_pipe_finishes_them(caplog):
+@pytest.mark.parametrize("second", [False, True])
+def test_ctrl_c_while_small_commands_wait_for_room_in_a_full_pipe_finishes_them(caplog, second):
     """A loop of asynchronous calls to a busy worker process fills its pipe, and the
     write of the next batch waits for room; Ctrl-C there cut the batch in half, and
     the worker never answered again (outside check, finding 3). Now the write ends
-    first (with a warning), then the interrupt goes on, and the session carries on."""
-    with disco.ProcessSession(2) as sess:
+    first (with a warning), then the interrupt goes on, and the session carries on.
+    A second Ctrl-C while that warning is logged is merged with the first: raised
+    inside the logging, it cut the batch without giving the worker up (a hang)."""
+    import contextlib
+    import logging
+
+    from disco_core.testing.interrupts import interrupt_on_entry
+
+    nested = interrupt_on_entry(logging.Logger.warning.__code__) if second else contextlib.nullcontext([1])  # fmt: skip
+    with disco.ProcessSession(2) as sess, nested as fired:
         sess.import_python_module("disco_core.testing.funcs")
         echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
         sleep(2.0, 1)  # worker 1 busy: its pipe fills
@@ -419,6 +428,7 @@ def test_ctrl_c_while_small_commands_wait_for_room_in_a_full_pipe_finishes_them(
         finally:
             cancel()
         assert "finishing that first" in caplog.text
+        assert fired == [1]
         assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]
 
 
@@ -588,3 +598,62 @@ def test_ctrl_c_between_two_in_process_workers_queues_gives_the_command_to_both(
         sess.allreduce(x, y)
         sess._sync_all()  # worker 0 waited for a second allreduce of worker 1's: CCL timeout
         assert [y.debug_get_from_remote(w).tolist() for w in (0, 1)] == [[2.0] * 4] * 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["_stop", "_uninstall"])
+def test_ctrl_c_as_a_trace_stop_begins_still_writes_the_file(tmp_path, where):
+    """Ctrl-C in the first microseconds of a trace's stop (the recording methods being
+    taken off the session) came after the trace was marked stopped and before the
+    ``try`` that writes the file: the file was never written (outside check: 8 and 9
+    of 95). Cut inside the stop, the file is written with what it has; cut as the stop
+    is entered, the trace goes on, and the next trace of the session writes it."""
+    import json
+
+    from disco_core.testing.interrupts import interrupt_on_entry
+    from disco_core.tracing.session_trace import Trace
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        with interrupt_on_entry(getattr(Trace, where).__code__) as fired:
+            with pytest.raises(KeyboardInterrupt):
+                with disco.trace(sess, str(a)):
+                    assert echo(1).debug_get_from_remote(1) == 1
+        assert fired == [1]
+        if where == "_uninstall":
+            assert a.exists()
+        assert echo(2).debug_get_from_remote(1) == 2
+        with disco.trace(sess, str(b)):
+            assert a.exists()
+            assert echo(3).debug_get_from_remote(1) == 3
+        for path in (a, b):
+            names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+            assert "testing.echo" in names
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_as_a_large_writes_helper_thread_starts_finishes_the_write():
+    """A frame of 1 MiB or more is written by a helper thread; Ctrl-C landing as that
+    thread started (the standard library's code, run by the protected write) was
+    raised at once: the link's lock was let go while the thread still wrote, the next
+    command's bytes went in between, and worker 1 read garbage (outside check: a wrong
+    value, then the worker died). The standard library's frames are part of the step."""
+    import numpy as np
+
+    from disco_core.channels import base
+    from disco_core.testing.interrupts import interrupt_on_entry
+
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        ref = sess.empty((1 << 19,), "float32")  # 2 MiB
+        arr = np.arange(1 << 19, dtype="float32")
+        in_write = lambda frame: frame.f_back.f_code is base.BatchingLink._write_whole.__code__  # noqa: E731
+        with interrupt_on_entry(threading.Thread.start.__code__, in_write) as fired:
+            with pytest.raises(KeyboardInterrupt):
+                ref.debug_copy_from(1, arr)
+        assert fired == [1]
+        assert echo(1001).debug_get_from_remote(1) == 1001
+        assert np.array_equal(ref.debug_get_from_remote(1), arr)

@@ -295,13 +295,15 @@ class Trace:
             try:
                 if not self.active:
                     return self.path
-                self.active = False
                 try:
                     return self._stop(within)
                 finally:
-                    if self.session._state.get("trace") is self:
-                        self.session._state["trace"] = None
-                    self._release_file()  # only now: another trace may start into the file
+                    # (an interrupt before _stop began leaves the trace running: the
+                    # next trace of the session, or its shutdown, stops it)
+                    if not self.active:
+                        if self.session._state.get("trace") is self:
+                            self.session._state["trace"] = None
+                        self._release_file()  # only now: another trace may start into the file
             finally:
                 lock.release()
         except BaseException:
@@ -311,27 +313,35 @@ class Trace:
             raise
 
     def _stop(self, within: float | None) -> str:
-        """:meth:`stop`'s work, under its lock, once the trace is marked stopped.
+        """:meth:`stop`'s work, under its lock: marks the trace stopped and writes its file.
 
         What was gathered is written even when the gathering is cut short: by a
         worker's death (the live workers are still asked, :meth:`_gather_after_death`)
         or by Ctrl-C (the file is written with what is here, then the
         ``KeyboardInterrupt`` goes on).
         """
-        with _env_lock:
-            _at_exit.discard(self)
-        self._uninstall()
         notes: list[str] = []
         workers: list[dict | None] = [None] * self.session.num_workers
-        self._stopped = None  # the disco.trace_stop call, once sent
-        self._t_end = now()  # the window's end: moved once the workers ran everything
         pending: DiscoError | None = None
         try:
+            # Inside the try: Ctrl-C anywhere from here on still writes the file
+            # (outside check: one in the uninstall below lost it for good)
+            self.active = False
+            self._stopped = None  # the disco.trace_stop call, once sent
+            self._t_end = now()  # the window's end: moved once the workers ran everything
+            with _env_lock:
+                _at_exit.discard(self)
+            self._uninstall()
             if within is not None:
                 self._gather_within(within, notes, workers)
             else:
                 pending = self._gather(notes, workers)
         except KeyboardInterrupt:
+            self.active = False
+            with _env_lock:
+                _at_exit.discard(self)
+            self._uninstall()  # finished, if the interrupt cut it
+            self._t_end = self._t_end or now()
             self.session._abandon_answers()  # what it asked for may still come (ReplyHub)
             notes.append("the stop was interrupted (KeyboardInterrupt): the events of the workers not gathered by then are missing")  # fmt: skip
             if within is None:  # the wait had no bound: one more try, bounded as a shutdown is
