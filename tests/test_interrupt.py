@@ -636,22 +636,21 @@ def test_ctrl_c_as_a_trace_stop_begins_still_writes_the_file(tmp_path, where):
 @pytest.mark.timeout(60)
 def test_ctrl_c_as_a_large_writes_helper_thread_starts_finishes_the_write():
     """A frame of 1 MiB or more is written by a helper thread; Ctrl-C landing as that
-    thread started (the standard library's code, run by the protected write) was
-    raised at once: the link's lock was let go while the thread still wrote, the next
-    command's bytes went in between, and worker 1 read garbage (outside check: a wrong
-    value, then the worker died). The standard library's frames are part of the step."""
+    thread started (in ``Thread.start``, which waits for the thread in Python code)
+    was raised at once: the link's lock was let go while the thread still wrote, the
+    next command's bytes went in between, and worker 1 read garbage (outside check: a
+    wrong value, then the worker died). The thread starts with one C call now, and the
+    interrupt waits for the write."""
     import numpy as np
 
-    from disco_core.channels import base
-    from disco_core.testing.interrupts import interrupt_on_entry
+    from disco_core.testing.interrupts import interrupt_after_c_call
 
     with disco.ProcessSession(2) as sess:
         sess.import_python_module("disco_core.testing.funcs")
         echo = sess.get_global_func("testing.echo")
         ref = sess.empty((1 << 19,), "float32")  # 2 MiB
         arr = np.arange(1 << 19, dtype="float32")
-        in_write = lambda frame: frame.f_back.f_code is base.BatchingLink._write_whole.__code__  # noqa: E731
-        with interrupt_on_entry(threading.Thread.start.__code__, in_write) as fired:
+        with interrupt_after_c_call(lambda f: f is _thread.start_new_thread) as fired:
             with pytest.raises(KeyboardInterrupt):
                 ref.debug_copy_from(1, arr)
         assert fired == [1]

@@ -13,6 +13,7 @@ worker 0.
 
 from __future__ import annotations
 
+import _thread
 import abc
 import collections
 import contextlib
@@ -575,8 +576,17 @@ class BatchingLink(WorkerLink):
             finally:
                 done.set()
 
-        threading.Thread(target=writer, name="disco-frame-writer", daemon=True).start()
         interrupted: BaseException | None = None
+        try:
+            # The bare C call, not Thread.start (Python code that waits for the thread
+            # to run): an interrupt raised there came with the writer running, and the
+            # frame on its way (outside check: the link's lock went while it wrote)
+            _thread.start_new_thread(writer, ())
+        except RuntimeError:  # no thread could start: nothing was written
+            raise
+        except BaseException as exc:  # Ctrl-C, a signal handler's error: after the start
+            interrupted = exc
+            self._warn_finishing(nbytes)
         while True:
             try:
                 done.wait()
@@ -589,15 +599,18 @@ class BatchingLink(WorkerLink):
                     done.wait(max(1.0, 4 * STALL_CHECK))  # the write sees the death
                     raise
                 interrupted = exc
-                logger.warning(
-                    "interrupted while a command (%d bytes) is written to worker(s) %s: "
-                    "finishing it first; interrupt again to give these workers up",
-                    nbytes, list(self.worker_ids),
-                )  # fmt: skip
+                self._warn_finishing(nbytes)
         if failed:
             raise failed[0]
         if interrupted is not None:
             raise interrupted
+
+    def _warn_finishing(self, nbytes: int) -> None:
+        logger.warning(
+            "interrupted while a command (%d bytes) is written to worker(s) %s: "
+            "finishing it first; interrupt again to give these workers up",
+            nbytes, list(self.worker_ids),
+        )  # fmt: skip
 
     def _cut(self, exc: BaseException) -> None:
         """A second interrupt during :meth:`_write_whole`: the workers are given up."""
