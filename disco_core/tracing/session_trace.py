@@ -351,7 +351,13 @@ class Trace:
             self._write(workers, self._t_end, notes, None)
             self.session._abandon_answers()  # the retry's, too
             raise
-        return self._write(workers, self._t_end, notes, pending)
+        try:
+            return self._write(workers, self._t_end, notes, pending)
+        except KeyboardInterrupt:
+            # Ctrl-C while the file was written (outside check: 4-7 of 95 stops lost it
+            # for good): written again, whole, then the interrupt goes on
+            self._write(workers, self._t_end, notes, None)
+            raise
 
     def _gather(self, notes: list[str], workers: list[dict | None]) -> DiscoError | None:
         """The events of every worker, waiting as long as they take (the block ended
