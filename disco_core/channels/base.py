@@ -539,21 +539,26 @@ class BatchingLink(WorkerLink):
         the write blocks gives the workers up."""
         try:
             self._flush_locked()
-            self.writing_since = time.monotonic()
-            try:
-                total = len(head) + sum(memoryview(b).nbytes for b in buffers)
-                if total >= self.WHOLE_BYTES and threading.current_thread() is threading.main_thread():  # fmt: skip
-                    self._write_whole(lambda: self._write_views(head, buffers), total)
-                else:
-                    self._write_views(head, buffers)
-            finally:
-                self.writing_since = None
+            total = len(head) + sum(memoryview(b).nbytes for b in buffers)
+            self._write_timed(lambda: self._write_views(head, buffers), total)
         except KeyboardInterrupt as exc:
             if _interrupts.state.escalated:
                 self._cut(exc)
             raise
         finally:
             _interrupts.deliver()
+
+    def _write_timed(self, write: Callable[[], None], nbytes: int) -> None:
+        """``write()`` of ``nbytes``, its start kept in :attr:`writing_since` (the liveness
+        watch); from the main thread, 1 MiB or more goes through :meth:`_write_whole`."""
+        self.writing_since = time.monotonic()
+        try:
+            if nbytes >= self.WHOLE_BYTES and threading.current_thread() is threading.main_thread():
+                self._write_whole(write, nbytes)
+            else:
+                write()
+        finally:
+            self.writing_since = None
 
     def _write_whole(self, write: Callable[[], None], nbytes: int) -> None:
         """``write()`` (of ``nbytes``) on a helper thread, so that Ctrl-C cannot cut it.
@@ -702,15 +707,8 @@ class BatchingLink(WorkerLink):
                 data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
                 self.outbox.clear()
                 self.outbox_bytes = 0
-                self.writing_since = time.monotonic()
-                try:
-                    # a large value pickled into a command (a long list) is as large a frame
-                    if len(data) >= self.WHOLE_BYTES and threading.current_thread() is threading.main_thread():  # fmt: skip
-                        self._write_whole(lambda: self._write(data), len(data))
-                    else:
-                        self._write(data)
-                finally:
-                    self.writing_since = None
+                # a large value pickled into a command (a long list) is as large a frame
+                self._write_timed(lambda: self._write(data), len(data))
         except KeyboardInterrupt as exc:
             if _interrupts.state.escalated:
                 self._cut(exc)
