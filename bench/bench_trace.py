@@ -14,10 +14,11 @@ For a ProcessSession of 2 workers, measured with and without a trace in turns
   demo's default size, median of 20 steps.
 
 Targets, met only when met in every placement: at most 2 us more per command
-(async/call and rt), at most 10 % more on the demo's step. Tracing off costs
-nothing by construction (the recording functions are put on the session and
-worker instances only while a trace runs; tests/test_trace.py checks that none is
-left), so there is no "off" row to compare with an older build here.
+(async/call and rt), at most 10 % more on the demo's step. Tracing off costs an
+attribute read per command on the controller and on each worker (the recorders
+are put on the session and worker instances only while a trace runs;
+tests/test_trace.py checks that none is left); ``bench_core`` measures the
+untraced control plane.
 
 Run: ``python bench/bench_trace.py [--quick] [--placements unpinned,split]``.
 """

@@ -52,6 +52,7 @@ from .store import ControllerStore
 from .tracing import session_trace
 
 logger = logging.getLogger("disco_core.session")
+_now = time.perf_counter_ns  # the trace's clock (disco_core.tracing.recorder.now)
 
 __all__ = [
     "Session",
@@ -352,11 +353,11 @@ class Session:
     command, one call at a time, while other threads may go on sending.
     """
 
-    #: Traces running on sessions (of any subclass). A trace puts a recording ``_call`` on
-    #: its session; a thread that was already inside the class's ``_call``, waiting for
-    #: the lock, hands its send over to it (else the send would go unnumbered, and every
-    #: later send's number would differ from the workers'). 0: one attribute read a call.
-    _traces_running = 0
+    #: While a trace runs, its recorder of sends (``disco_core.tracing.session_trace``):
+    #: ``_call`` calls it with the function's register and the send's time, under the
+    #: send lock, so a send's place among the records is its place in the command
+    #: stream. None (the class's): untraced, one attribute read a call.
+    _record_send: Callable[[int, int], None] | None = None
 
     def __init__(self, channel: Channel) -> None:
         if not isinstance(channel, Channel):
@@ -530,7 +531,7 @@ class Session:
             else:
                 channel.send(Outgoing(cmd, by_reference=by_reference, shared=shared), workers)
 
-    def _call(self, func: DRef, args: tuple, cls: type = DRef, _traced: bool = False) -> Any:
+    def _call(self, func: DRef, args: tuple, cls: type = DRef) -> Any:
         if self._state["closed"]:
             raise SessionClosedError("this session has been shut down")
         if not isinstance(func, DRef) or func.session is not self:
@@ -550,10 +551,9 @@ class Session:
             self._channel.catch_up()  # outside the lock (see Channel.backlogged)
         # The hot path of every session: _send() inlined.
         with self._lock:
-            if not _traced and self._traces_running and "_call" in self.__dict__:
-                # a trace started while this thread waited for the lock: its _call
-                # numbers this send, as the workers will number the command
-                return self.__dict__["_call"](func, args, cls)
+            # read under the lock: a trace starts (or stops) between two sends
+            record = self._record_send
+            t0 = _now() if record is not None else 0
             free = self._free_regs
             reg = free.pop() if free else self._alloc()
             cmd = (P.CALL_PACKED, reg, func.reg_id, args)
@@ -584,6 +584,8 @@ class Session:
                 raise DiscoTypeError(
                     f"call_packed: the arguments cannot be sent to the workers: {exc}"
                 ) from exc
+            if record is not None:
+                record(func.reg_id, t0)
         return DRef(self, reg) if cls is DRef else _handle(cls, self, reg)
 
     def _recv(self, worker_id: int) -> Any:

@@ -91,15 +91,14 @@ def test_a_trace_numbers_the_sends_of_two_threads_in_the_order_they_went(tmp_pat
     switch interval is 5 ms), so each send here gives the other thread its turn
     right after it went out: without the lock around both, most seqs were swapped."""
     sess = _session("process")
-    cls = type(sess)
-    send = cls._call
+    channel = sess.channel
+    send_shared = channel.send_shared
 
-    def send_then_yield(self, func, args, cls=send.__defaults__[0], _traced=False):
-        ref = send(self, func, args, cls, _traced)
+    def send_then_yield(cmds):
+        send_shared(cmds)
         time.sleep(0)  # the other thread's turn, before this send is recorded
-        return ref
 
-    monkeypatch.setattr(cls, "_call", send_then_yield)
+    monkeypatch.setattr(channel, "send_shared", send_then_yield)
     try:
         sess.init_ccl("shm")
         echo = sess.get_global_func("testing.echo")

@@ -70,12 +70,14 @@ def test_every_worker_records_every_command_in_order_and_collectives_line_up(tmp
 def test_tracing_off_leaves_nothing_on_the_session_and_workers(tmp_path):
     with disco.ThreadedSession(2) as sess:
         with disco.trace(sess, tmp_path / "t.json"):
-            assert "_call" in vars(sess)
-        assert not {"_call", "_sync_worker", "copy_from_worker_0"} & set(vars(sess))
+            assert "_record_send" in vars(sess)
+        assert not {"_record_send", "_sync_worker", "copy_from_worker_0"} & set(vars(sess))
+        assert sess._record_send is None
         workers = [link.worker for link in sess.channel.links]
         assert len(workers) == 2
         for worker in workers:
-            assert "execute" not in vars(worker) and worker.ctx.tracer is None
+            assert not {"execute", "_record_call", "_record_other"} & set(vars(worker))
+            assert worker._record_call is None and worker.ctx.tracer is None
 
 
 def test_clock_offsets_measured_by_round_trips_are_within_their_precision(tmp_path, monkeypatch):
@@ -618,7 +620,7 @@ def test_another_threads_sends_are_numbered_alike_on_both_sides_when_a_trace_sta
         finally:
             stop.set()
             th.join(30)
-        assert type(sess)._traces_running == 0  # untraced sends check nothing more again
+        assert sess._record_send is None  # untraced sends record nothing again
     checked = 0
     for k in range(3):
         events = json.loads((tmp_path / f"t{k}.json").read_text())["traceEvents"]

@@ -804,8 +804,9 @@ class ThreadWorkerLink(WorkerLink):
     def _drain(self) -> None:
         pending, worker = self.pending, self.worker
         while pending and not self.stopped:
-            # worker.execute read for each command: a trace that starts or stops within
-            # the batch swaps it (the rest of the batch then went unnumbered: outside check)
+            # execute reads the trace's recorders for each command: a trace that starts
+            # or stops within the batch swaps them (held for the batch, the rest of it
+            # went unnumbered: outside check)
             if not worker.execute(pending.popleft()):
                 self.stopped = True
 

@@ -206,7 +206,7 @@ class CommandRing(_ClosureRing):
     """A worker's commands, apart from its other events: six fields each.
 
     ``(kind | name << 8, t0, t1, reg or bytes, other commands before it or -1, action)``,
-    written by ``worker_side``'s recording ``execute``; a command's index is its place
+    written by ``worker_side``'s recorders (``Worker.execute`` calls them); a command's index is its place
     in the stream and a call's seq that minus the other commands before it.
     """
 
@@ -227,7 +227,7 @@ class CommandRing(_ClosureRing):
 class SendRing(_ClosureRing):
     """The controller's sends (its ``call_packed`` commands), apart: three fields each.
 
-    ``(name, t0, site)``, written by ``session_trace``'s recording ``_call``; a send's
+    ``(name, t0, site)``, written by ``session_trace``'s send recorder (``Session._call`` calls it); a send's
     seq is its place among them.
     """
 

@@ -144,7 +144,6 @@ class Trace:
         self._lock = threading.RLock()  # re-entrant: it knows its owner (disco_core._locks)
         #: the ``with disco.trace`` block of this trace has ended (its stop may have been cut)
         self.ended = False
-        self._installed = False  # the recording methods are on the session
         self._key = ""  # the file's real path, in _files_in_use while the trace runs
         self._stopped: Any = None  # while stopping: the disco.trace_stop call, once sent
         self._t_end = 0  # while stopping: the window's end
@@ -659,7 +658,7 @@ class Trace:
 
     # ------------------------------------------------------------------ controller hooks
     def _install(self, rec: Recorder) -> None:
-        """Put the recording methods on the session instance."""
+        """Put the send recorder and the recording methods on the session instance."""
         session = self.session
         Session = type(session)  # its class's own methods, under the recording ones
         intern = rec.intern
@@ -667,29 +666,25 @@ class Trace:
         # func register -> its name id, or ~id (< 0) for a collective: the functions the
         # session caches; the others' names come from worker 0's events when the file is
         # written. A register not in the cache is remembered as unknown too (a lookup per
-        # command cost ~0.1 us). The cache grows only through _get_cached_method, which is
-        # wrapped below to forget ``known`` then: a register freed and taken by a newly
-        # cached function is renamed.
+        # command cost ~0.1 us). The cache only grows (``_get_cached_method``): when it
+        # did, ``known`` is forgotten, so a register freed and taken by a newly cached
+        # function is renamed.
         known: dict[int, int] = {}
         unknown = intern("")
         no_site = unknown
+        cached = 0  # the cache's size when ``known`` was filled
 
         def lookup(reg: int) -> int:
+            nonlocal cached
+            if len(cache) != cached:
+                known.clear()
+                cached = len(cache)
             if not known:
                 for name, d in cache.items():
                     i = intern(name)
                     known[d.reg_id] = ~i if name in COLLECTIVE_FUNCTIONS else i
             found = known[reg] = known.get(reg, unknown)
             return found
-
-        cached_method = Session._get_cached_method
-
-        def recording_get_cached_method(name: str) -> Any:
-            size = len(cache)
-            func = cached_method(session, name)
-            if len(cache) != size:
-                known.clear()
-            return func
 
         # A collective's call site: (code's id, instruction) -> site id. The codes are
         # kept alive meanwhile, so an id is not reused (hashing a code object hashes
@@ -709,68 +704,41 @@ class Trace:
             )
             return found
 
-        call = Session._call
         getframe = sys._getframe
         sends = rec.sends = SendRing(rec.capacity)
         ring, step, size, pack = sends.writer()
-        clock = now
         offset = 0  # where the next send goes in the ring
         sends.track(lambda: offset)
         lap = sends.lap
 
-        handle_cls = (call.__defaults__ or (None,))[0]  # _call's own default (DRef)
-        acquire, release, channel = session._lock.acquire, session._lock.release, session._channel
-
-        def recording_call(func: Any, args: tuple, cls: Any = handle_cls) -> Any:
-            # The hot path of a traced session, every step counted: one clock read (a
-            # send is an instant) and a three-field record; its seq is its place in
-            # the ring, and no counter but the write offset is kept.
-            # Under the session's send lock (re-entered by _call): the place in the
-            # ring is the command's seq, so two threads' sends are recorded in the
-            # order they went out.
+        def record_send(func_reg: int, t0: int) -> None:
+            # The hot path of a traced session, every step counted: ``Session._call``
+            # calls this under its send lock, after the send (its time read before),
+            # and a three-field record is written; its seq is its place in the ring,
+            # and no counter but the write offset is kept.
             nonlocal offset
-            if channel.backlogged:  # what _call does first, outside the lock
-                channel.catch_up()
-            if not acquire(False):  # another thread sends: wait (the common case first)
-                acquire()
-                if session.__dict__.get("_call") is not recording_call:
-                    # the trace stopped (and maybe another started) while this thread
-                    # waited: the session's _call now is the one to number it, if any
-                    release()
-                    return session._call(func, args, cls)
-            try:
-                t0 = clock()
-                ref = call(session, func, args, cls, True)
-                name = known.get(func.reg_id)
-                if name is None:
-                    name = lookup(func.reg_id)
-                o = offset
-                if name >= 0:
-                    pack(ring, o, name, t0, no_site)
-                else:
-                    # A collective: where in the user's code it was called, the first
-                    # frame outside the session's modules (told by their globals: one
-                    # identity test a frame), keyed by the code's id and instruction (a
-                    # frame's line number is computed from it each time it is read)
-                    frame: Any = getframe(1)  # 0: this function, 1: Session's caller of _call
-                    while frame is not None and (
-                        frame.f_globals is inner_a or frame.f_globals is inner_b
-                    ):
-                        frame = frame.f_back
-                    site = None if frame is None else sites.get((id(frame.f_code), frame.f_lasti))  # fmt: skip
-                    pack(ring, o, ~name, t0, new_site(frame) if site is None else site)
-                o += step
-                offset = o if o < size else lap()
-            finally:
-                release()
-            return ref
+            name = known.get(func_reg)
+            if name is None or len(cache) != cached:
+                name = lookup(func_reg)
+            o = offset
+            if name >= 0:
+                pack(ring, o, name, t0, no_site)
+            else:
+                # A collective: where in the user's code it was called, the first
+                # frame outside the session's modules (told by their globals: one
+                # identity test a frame), keyed by the code's id and instruction (a
+                # frame's line number is computed from it each time it is read)
+                frame: Any = getframe(2)  # 0: this function, 1: _call, 2: its caller
+                while frame is not None and (
+                    frame.f_globals is inner_a or frame.f_globals is inner_b
+                ):
+                    frame = frame.f_back
+                site = None if frame is None else sites.get((id(frame.f_code), frame.f_lasti))  # fmt: skip
+                pack(ring, o, ~name, t0, new_site(frame) if site is None else site)
+            o += step
+            offset = o if o < size else lap()
 
-        session._call = recording_call
-        owner = _counter_owner(session)
-        with _claim_lock:
-            owner._traces_running += 1
-        self._installed = True
-        session._get_cached_method = recording_get_cached_method
+        session._record_send = record_send
         for method, shown in _SYNC_METHODS.items():
             session.__dict__[method] = self._recording_sync(getattr(Session, method), shown, rec)
 
@@ -809,14 +777,8 @@ class Trace:
         return recording
 
     def _uninstall(self) -> None:
-        if self._installed:
-            self._installed = False
-            owner = _counter_owner(self.session)
-            with _claim_lock:
-                owner._traces_running -= 1
         d = self.session.__dict__
-        d.pop("_call", None)
-        d.pop("_get_cached_method", None)
+        d.pop("_record_send", None)
         for method in _SYNC_METHODS:
             d.pop(method, None)
 
@@ -867,12 +829,6 @@ def _checked_export(value: Any, capacity: int) -> dict[str, Any]:
             except ValueError:
                 raise DiscoValueError("a collective's attributes are malformed") from None
     return {"names": names, "events": events, "dropped": dropped}
-
-
-def _counter_owner(session: Any) -> Any:
-    """The class that holds ``_traces_running`` (Session): one count for all its
-    subclasses (a count set on a subclass would shadow the base class's for good)."""
-    return next(c for c in type(session).__mro__ if "_traces_running" in vars(c))
 
 
 def _file_kind(mode: int) -> str:

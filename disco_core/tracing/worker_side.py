@@ -1,8 +1,9 @@
 """Tracing on a worker: what ``disco.trace_start`` / ``disco.trace_stop`` do there.
 
-Nothing here runs while tracing is off. Starting a trace puts a recording
-``execute`` on the :class:`~disco_core.worker.Worker` instance (the class's own
-``execute`` is untouched, so an untraced worker pays nothing), recording
+Nothing here runs while tracing is off. Starting a trace puts two recorders on
+the :class:`~disco_core.worker.Worker` instance, which its ``execute`` calls
+(``_record_call`` after a ``call_packed``, ``_record_other`` around any other
+command; untraced, they are the class's None: one attribute read a command), recording
 operations on its CCL instance (:mod:`~disco_core.tracing.ccl_hooks`), and a
 :class:`~disco_core.tracing.recorder.Recorder` in ``ctx.tracer``, which the CCL's
 operation wrapper (``disco_core.ccl.base``) looks at once per collective (an
@@ -55,7 +56,7 @@ def start(ctx: Any, capacity: int) -> None:
     hook_ccl(ctx)
     worker = ctx.worker
     if worker is not None:
-        worker.execute = _recording_execute(worker, rec)
+        worker._record_call, worker._record_other = _recorders(worker, rec)
 
 
 def hook_ccl(ctx: Any) -> None:
@@ -70,8 +71,9 @@ def stop(ctx: Any) -> dict[str, Any] | None:
     """Stop recording; return the events (:meth:`Recorder.export`), or None if none ran."""
     rec, ctx.tracer = ctx.tracer, None
     worker = ctx.worker
-    if worker is not None:
-        worker.__dict__.pop("execute", None)  # the class's own again
+    if worker is not None:  # the class's None again
+        worker.__dict__.pop("_record_call", None)
+        worker.__dict__.pop("_record_other", None)
     if rec is None:
         return None
     if rec.hooked is not None:
@@ -81,10 +83,10 @@ def stop(ctx: Any) -> dict[str, Any] | None:
     return out
 
 
-def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
-    """``worker.execute`` that records each command it runs (the recorder's add() inlined:
-    this runs once per command)."""
-    execute = type(worker).execute
+def _recorders(worker: Any, rec: Recorder) -> tuple[Callable[[int, int, int], None], Callable[[tuple], bool]]:  # fmt: skip
+    """``worker._record_call`` and ``worker._record_other``: each records one command
+    (the recorder's add() inlined: this runs once per command)."""
+    execute_other = type(worker)._execute_other
     names: dict[int, str] = worker._names
     intern = rec.intern
     commands = rec.commands = CommandRing(rec.capacity)
@@ -106,29 +108,27 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
         tag = tags[func_reg] = kind | intern(name or f"register {func_reg}") << 8
         return tag
 
-    def recording(cmd: tuple) -> bool:
-        # The hot path of a traced worker, every step counted (two clock reads and
-        # one six-field pack a command): no counter but the write offset; the index
-        # and seq follow from the record's place in the ring.
+    def record_call(func_reg: int, reg: int, t0: int) -> None:
+        # The hot path of a traced worker, every step counted (a clock read and one
+        # six-field pack a command, the start read by ``execute``): no counter but
+        # the write offset; the index and seq follow from the record's place.
+        nonlocal offset
+        t1 = clock()
+        tag = tags.get(func_reg)
+        if tag is None:
+            tag = tag_of(func_reg)
+        o = offset
+        pack(ring, o, tag, t0, t1, reg, others, _CALL_PACKED)
+        o += step
+        offset = o if o < size else lap()
+
+    def record_other(cmd: tuple) -> bool:
         nonlocal offset, others
-        if cmd[0] == _CALL_PACKED:
-            t0 = clock()
-            try:
-                return execute(worker, cmd)
-            finally:
-                t1 = clock()
-                tag = tags.get(cmd[2])
-                if tag is None:
-                    tag = tag_of(cmd[2])
-                o = offset
-                pack(ring, o, tag, t0, t1, cmd[1], others, _CALL_PACKED)
-                o += step
-                offset = o if o < size else lap()
         action = cmd[0]
         if action == _KILL_REG:  # freeing registers rides with most commands: not worth a record
             known = len(names)
             try:
-                return execute(worker, cmd)
+                return execute_other(worker, cmd)
             finally:
                 if len(names) != known:  # a function's register was freed (the worker
                     tags.clear()  # forgot its name): what it holds next is named anew
@@ -137,7 +137,7 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
         others += 1
         t0 = clock()
         try:
-            return execute(worker, cmd)
+            return execute_other(worker, cmd)
         finally:
             t1 = clock()
             if action == P.COPY_FROM_WORKER0 or action == P.COPY_TO_WORKER0:
@@ -154,4 +154,4 @@ def _recording_execute(worker: Any, rec: Recorder) -> Callable[[tuple], bool]:
             o += step
             offset = o if o < size else lap()
 
-    return recording
+    return record_call, record_other

@@ -175,6 +175,7 @@ class _Failed:
 
 _ABSENT = object()
 _CALL_PACKED, _KILL_REG = P.CALL_PACKED, P.KILL_REG  # module globals: the hot path's tests
+_now = time.perf_counter_ns  # the trace's clock (disco_core.tracing.recorder.now)
 
 
 class Worker:
@@ -301,32 +302,52 @@ class Worker:
             self._next = self._source  # type: ignore[assignment]  # set by run()
         return cmd
 
+    #: While a trace runs, its recorders (``disco_core.tracing.worker_side``), put on the
+    #: instance: ``_record_call(func_reg, reg, t0)`` after a ``call_packed`` (its start
+    #: read before it), and ``_record_other(cmd)``, which runs any other command in
+    #: :meth:`_execute_other` and records it. None (the class's): untraced, one
+    #: attribute read a command.
+    _record_call: Callable[[int, int, int], None] | None = None
+    _record_other: Callable[[tuple], bool] | None = None
+
     @_interrupts.barrier  # a command runs interruptibly, whoever called it
     def execute(self, cmd: tuple) -> bool:
         """Execute one command; return False after a shutdown command."""
+        if cmd[0] != _CALL_PACKED:
+            record_other = self._record_other
+            return self._execute_other(cmd) if record_other is None else record_other(cmd)
+        record = self._record_call
+        t0 = _now() if record is not None else 0
+        _, reg, func_reg, args = cmd
+        try:
+            func = self.regs.get(func_reg, _ABSENT)
+            if type(func) is _Failed or func is _ABSENT:
+                func = self.get_reg(func_reg)  # raises, naming the register
+            if args:
+                args = self._resolve(args, getattr(func, "_disco_collective", False))
+            result = func(*args)
+            if reg:
+                self.regs[reg] = result
+        except BaseException as exc:  # noqa: BLE001 - everything is reported
+            name = self._names.get(func_reg, f"register {func_reg}")
+            if reg:
+                root = getattr(exc, "_disco_root", None)  # one cause, however long the chain
+                self.regs[reg] = _Failed(
+                    root or f"call_packed({name}) failed with {type(exc).__name__}: {exc}"
+                )
+            self._report(exc, f"call_packed({name})")
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                if record is not None:
+                    record(func_reg, reg, t0)
+                raise
+        if record is not None:
+            record(func_reg, reg, t0)
+        return True
+
+    def _execute_other(self, cmd: tuple) -> bool:
+        """:meth:`execute` of a command other than ``call_packed``."""
         action = cmd[0]
-        if action == _CALL_PACKED:
-            _, reg, func_reg, args = cmd
-            try:
-                func = self.regs.get(func_reg, _ABSENT)
-                if type(func) is _Failed or func is _ABSENT:
-                    func = self.get_reg(func_reg)  # raises, naming the register
-                if args:
-                    args = self._resolve(args, getattr(func, "_disco_collective", False))
-                result = func(*args)
-                if reg:
-                    self.regs[reg] = result
-            except BaseException as exc:  # noqa: BLE001 - everything is reported
-                name = self._names.get(func_reg, f"register {func_reg}")
-                if reg:
-                    root = getattr(exc, "_disco_root", None)  # one cause, however long the chain
-                    self.regs[reg] = _Failed(
-                        root or f"call_packed({name}) failed with {type(exc).__name__}: {exc}"
-                    )
-                self._report(exc, f"call_packed({name})")
-                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    raise
-        elif action == _KILL_REG:
+        if action == _KILL_REG:
             pop, names = self.regs.pop, self._names
             for reg in cmd[1]:
                 pop(reg, None)
