@@ -1132,11 +1132,20 @@ class LinkChannel(Channel):
     def _kick_now(self) -> None:
         """Let the flusher thread hand everything over at once (it may block; the caller must not)."""
         if self._flusher is None:
-            self._flusher = threading.Thread(
-                target=self._flush_loop, name="disco-flush", daemon=True
-            )
-            self._flusher.start()
+            self._start_flusher()
         self._wake_flusher.put(True)
+
+    @_interrupts.protect()
+    def _start_flusher(self) -> None:
+        """Start the flusher thread, once. Ctrl-C waits for its start: made and not
+        started, it would have held every later batch back for good."""
+        try:
+            if self._flusher is None:
+                flusher = threading.Thread(target=self._flush_loop, name="disco-flush", daemon=True)  # fmt: skip
+                flusher.start()
+                self._flusher = flusher
+        finally:
+            _interrupts.deliver()
 
     def _kick(self) -> None:
         """:meth:`flush`, for the flusher thread: a dead worker is marked, not raised."""
@@ -1159,10 +1168,7 @@ class LinkChannel(Channel):
             self._kick()
             return
         if self._flusher is None:
-            self._flusher = threading.Thread(
-                target=self._flush_loop, name="disco-flush", daemon=True
-            )
-            self._flusher.start()
+            self._start_flusher()
         self._flush_due = True
         self._wake_flusher.put(None)
 

