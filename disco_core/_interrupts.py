@@ -21,7 +21,11 @@ the way in: a protected function only checks :data:`state` as it returns.
 A protected function that may block (a write to a worker's full pipe) is marked so:
 there, a second Ctrl-C raises at once, and the function gives the link up (its
 command stream is cut), so that a worker that never reads cannot make Ctrl-C wait
-for ever.
+for ever. A second one within :data:`MERGE_WINDOW` of the first is the same press.
+
+An interrupt that lands after a protected function's last look for one is raised
+by a watcher thread's SIGINT once the main thread is outside every protected
+function (:func:`_poke`), a millisecond or two later.
 """
 
 from __future__ import annotations
@@ -60,10 +64,11 @@ class _State:
     function that may block (the function cuts what it was writing); ``poked``: the
     next SIGINT is :func:`_poke`'s, not the user's."""
 
-    __slots__ = ("pending", "escalated", "warning", "users", "poked", "poking")
+    __slots__ = ("pending", "escalated", "warning", "users", "poked", "poking", "held_at")
 
     def __init__(self) -> None:
         self.pending = False
+        self.held_at = 0.0  # when the interrupt pending was held back (time.monotonic)
         self.escalated = False
         self.warning = False  # the handler is logging its warning
         self.users = 0  # sessions alive that installed the handler
@@ -178,11 +183,15 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     if state.warning:  # a Ctrl-C while the warning below is logged: merged with the first
         return  # (raised inside logging, it could leave a logging lock taken)
     blocking = _protected_frame(frame)
+    if blocking and state.pending and time.monotonic() - state.held_at < MERGE_WINDOW:
+        return  # the same press (a burst, a key bounce): not yet a second Ctrl-C
     if blocking is None or (blocking and state.pending):
         state.pending = False
         state.escalated = blocking is not None
         raise KeyboardInterrupt
     first = not state.pending
+    if first:
+        state.held_at = time.monotonic()
     state.pending = True
     if not state.poking:
         state.poking = True
@@ -198,6 +207,10 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
             state.warning = False
 
 
+#: Seconds after the first Ctrl-C held back in a step that may block within which a
+#: second one is merged with it, not taken for "give the worker up" (outside check: two
+#: SIGINTs 60-300 us apart ended a process session around writes of a few KiB).
+MERGE_WINDOW = 0.25
 #: Seconds between two looks of :func:`_poke` at the main thread.
 POKE_INTERVAL = 0.001
 

@@ -433,6 +433,41 @@ def test_ctrl_c_while_small_commands_wait_for_room_in_a_full_pipe_finishes_them(
 
 
 @pytest.mark.timeout(60)
+def test_two_ctrl_c_in_a_burst_while_a_write_waits_are_one(caplog):
+    """Two SIGINTs 20 ms apart while small commands wait for room in a busy worker's
+    pipe: the second was taken for "give the worker up" and the session lost that
+    worker (outside check: two SIGINTs 60-300 us apart ended a process session). A
+    second one within ``MERGE_WINDOW`` of the first is the same press now."""
+    import signal
+
+    from disco_core import _interrupts
+
+    main = threading.main_thread().ident
+
+    def burst() -> None:
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(0.02)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    assert _interrupts.MERGE_WINDOW >= 0.1
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
+        sleep(2.0, 1)  # worker 1 busy: its pipe fills
+        blob = bytearray(100 << 10)
+        timer = threading.Timer(0.5, burst)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                for _ in range(1000):
+                    echo(blob)
+        finally:
+            timer.join()
+        assert "finishing that first" in caplog.text
+        assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]
+
+
+@pytest.mark.timeout(60)
 def test_a_second_ctrl_c_inside_the_release_of_a_lock_still_releases_it():
     """The first Ctrl-C right after a lock was taken is caught, and the lock released
     (``release_if_left``); a second one landing in that release left the lock taken,
