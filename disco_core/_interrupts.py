@@ -225,11 +225,22 @@ def _poke() -> None:
         while True:
             while state.pending:
                 time.sleep(POKE_INTERVAL)
+                if not state.pending:
+                    break  # raised meanwhile (the main thread may be ending its session)
                 frame = sys._current_frames().get(_MAIN)
-                if frame is None or signal.getsignal(signal.SIGINT) is not _on_sigint:
-                    state.poking = False
-                    return  # the main thread ended, or a handler of the program's took over
-                if state.pending and not state.poked and not _inside_protected(frame):
+                if frame is None:
+                    state.pending = state.poking = False
+                    return  # the main thread ended
+                if signal.getsignal(signal.SIGINT) is not _on_sigint:
+                    # Python's own handler is back, or the program's took over: the
+                    # interrupt goes to it now, not later as a stale one (re-check),
+                    # unless a poke already went (that one reaches it)
+                    sent = state.poked
+                    state.pending = state.poked = state.poking = False
+                    if not sent:
+                        _thread.interrupt_main()
+                    return
+                if not state.poked and not _inside_protected(frame):
                     state.poked = True
                     signal.pthread_kill(_MAIN, signal.SIGINT)
                 del frame
@@ -265,6 +276,7 @@ def install() -> bool:
                 if current is not signal.default_int_handler:
                     return False
                 signal.signal(signal.SIGINT, _on_sigint)
+                state.poked = False  # a poke another handler took is no business of ours
         except (ValueError, OSError):  # no signals here (an embedded interpreter)
             return False
         state.users += 1

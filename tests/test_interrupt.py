@@ -10,6 +10,7 @@ and every later reply of that worker was the previous call's (outside check: ask
 from __future__ import annotations
 
 import _thread
+import os
 import threading
 import time
 
@@ -793,3 +794,101 @@ def test_ctrl_c_as_the_flusher_thread_starts_still_starts_it():
         assert fired == [1]
         assert channel._flusher is not None and channel._flusher.is_alive()
         assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+def test_ctrl_c_in_worker_0s_own_trace_stop_still_writes_every_track_at_once(tmp_path, kind):
+    """Worker 0 runs its commands on the controller's thread: Ctrl-C there cut its
+    ``disco.trace_stop``, the stop's retry then waited its whole bound (5 s) for an
+    answer to the failed register and noted "no events" for worker 0 although its
+    events were in the file (re-check). Worker 0 is read directly now, its recorder
+    kept until its stop is done, and a failed answer ends the wait for it."""
+    import json
+
+    from disco_core.testing.interrupts import interrupt_on_entry
+    from disco_core.tracing import worker_side
+    from disco_core.tracing.format import worker_tid
+
+    path = tmp_path / "t.json"
+    session = disco.ThreadedSession if kind == "threaded" else disco.ProcessSession
+    with session(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        body_ran: list[int] = []
+        cut = interrupt_on_entry(worker_side.stop.__code__, when=lambda frame: bool(body_ran))
+        with cut as fired:
+            with pytest.raises(KeyboardInterrupt):
+                with disco.trace(sess, str(path)):
+                    assert echo(1).debug_get_from_remote(1) == 1
+                    body_ran.append(1)
+                    t0 = time.monotonic()
+        assert fired == [1]
+        assert time.monotonic() - t0 < 2.0
+        data = json.loads(path.read_text())
+        notes = data["otherData"]["notes"]
+        assert not any("no events" in note for note in notes), notes
+        for w in (0, 1):
+            names = [e.get("name") for e in data["traceEvents"] if e.get("tid") == worker_tid(w)]
+            assert "testing.echo" in names, (w, notes)
+        with pytest.raises(disco.WorkerError, match="trace_stop"):
+            sess._sync_all()  # worker 0's cut command, reported as any cut command is
+        assert echo(2).debug_get_from_remote(1) == 2
+        with disco.trace(sess, str(tmp_path / "next.json")):
+            assert echo(3).debug_get_from_remote(0) == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_held_interrupt_goes_to_the_programs_own_handler_if_it_took_over():
+    """An interrupt held back as a protected step ended, then the program put its own
+    SIGINT handler in place before the watcher signalled it: the interrupt stayed
+    held, and came out of a Disco call long after as a stale KeyboardInterrupt
+    (re-check). It goes to the handler in place now."""
+    import signal
+
+    from disco_core import _interrupts
+
+    @_interrupts.protect()
+    def step_cut_after_its_last_look():
+        _thread.interrupt_main()
+        for _ in range(100):
+            pass
+
+    with disco.ThreadedSession(1) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        calls: list[int] = []
+        step_cut_after_its_last_look()
+        old = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+        try:
+            deadline = time.monotonic() + 5
+            while not calls and time.monotonic() < deadline:
+                time.sleep(0.001)
+        finally:
+            signal.signal(signal.SIGINT, old)
+        assert calls == [signal.SIGINT]
+        time.sleep(0.05)
+        assert echo(1).debug_get_from_remote(0) == 1  # no stale KeyboardInterrupt
+        assert not (_interrupts.state.pending or _interrupts.state.poking)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_shutdown_waits_for_the_workers_to_exit_leaves_no_zombie():
+    """Ctrl-C while ``shutdown()`` waited for a worker process to exit: the process
+    was killed and never waited for, a zombie until the controller exited (outside
+    check: 4 of 150 interrupted shutdowns; the session was closed, so a second
+    ``shutdown()`` did nothing). A thread reaps it now."""
+    import subprocess
+
+    from disco_core.testing.interrupts import interrupt_on_entry
+
+    sess = disco.ProcessSession(2)
+    pid = sess._channel.procs[0].proc.pid
+    with interrupt_on_entry(subprocess.Popen.wait.__code__) as fired:
+        with pytest.raises(KeyboardInterrupt):
+            sess.shutdown()
+    assert fired == [1]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.02)
+    assert not os.path.exists(f"/proc/{pid}"), "the worker process is left (a zombie)"

@@ -631,6 +631,9 @@ def test_another_threads_sends_are_numbered_alike_on_both_sides_when_a_trace_sta
                 for e in events
                 if e.get("cat") == "command" and e["tid"] == worker_tid(w) and e["args"]["seq"] >= 0
             }
+            # every command the workers numbered was sent while the controller recorded
+            # (its sends end with the trace's stop, as the workers' numbering does)
+            assert max(cmds) <= max(sends), (k, w, max(cmds), max(sends))
             for seq in set(sends) & set(cmds):
                 send, cmd = sends[seq], cmds[seq]
                 # a command cannot start before it was sent (clocks: +-100 us here)

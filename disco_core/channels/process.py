@@ -161,6 +161,10 @@ class ProcessWorkerLink(BatchingLink):
         if self.proc.poll() is None:
             self.proc.kill()
 
+    def reap(self) -> None:
+        """Wait for the worker process to end (after :meth:`kill`): no zombie is left."""
+        self.proc.wait()
+
 
 def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
     """Pass the workers' stderr on to ours; their death reasons then end with its tail."""

@@ -331,11 +331,14 @@ class Trace:
             self._t_end = now()  # the window's end: moved once the workers ran everything
             with _env_lock:
                 _at_exit.discard(self)
-            self._uninstall()
+            # The sends are recorded until the stop goes out (_send_stop): the workers
+            # number every command before it, another thread's included
+            self._uninstall(sends=False)
             if within is not None:
                 self._gather_within(within, notes, workers)
             else:
                 pending = self._gather(notes, workers)
+            self._uninstall()  # (if the stop never went out)
         except KeyboardInterrupt:
             self.active = False
             with _env_lock:
@@ -450,6 +453,14 @@ class Trace:
             raise pending
         return self.path
 
+    def _in_process_ids(self) -> set[int]:
+        """The ids of the workers that run in this process."""
+        return {
+            link.worker.ctx.worker_id
+            for link in getattr(self.session.channel, "links", ())
+            if getattr(link, "in_process", False) and getattr(link, "worker", None) is not None
+        }
+
     def _in_process_events(self, workers: list[dict | None], stopped: Any, keep: bool = False) -> None:  # fmt: skip
         """Read the events of the workers in this process straight from them (the
         session cannot ask: a worker died), into ``workers`` (``keep``: not over
@@ -535,8 +546,14 @@ class Trace:
                         self._give_up(w)
                         notes.append(f"worker {w}: no events ({late})")
                     continue
-                except WorkerError:
-                    continue  # an earlier command's failure, reported now
+                except WorkerError as exc:
+                    if after_death:
+                        continue  # the failure of a wait the death cut short
+                    # the answer itself: the register holds the stop's failure (it did
+                    # not wait 5 s more for an answer that would never come: re-check)
+                    waiting.remove(w)
+                    notes.append(f"worker {w}: no events (its stop failed: {str(exc).splitlines()[0]})")  # fmt: skip
+                    continue
                 except WorkerDiedError:
                     if not after_death:
                         raise
@@ -569,18 +586,24 @@ class Trace:
         try:
             try:
                 live = self._answering(range(n), within)
+                skip: set[int] = set()
                 if self._stopped is None:
                     self._t_end = now()  # the window closes when the live workers ran everything
                     self._send_stop()
-                # else: a retry after Ctrl-C cut the gathering. The workers that ran the
-                # first stop would answer a second one with nothing: its register is read
+                else:
+                    # A retry after Ctrl-C cut the gathering. The workers that ran the
+                    # first stop would answer a second one with nothing: its register is
+                    # read. The workers of this process ran it on this thread, where the
+                    # interrupt may have cut it: the caller reads them directly.
+                    skip = self._in_process_ids()
                 live = self._answering(live, within)
                 for w in range(n):
                     if w not in live:
                         notes.append(f"worker {w}: no events (it did not answer within {within:g} s: busy, stopped or gone)")  # fmt: skip
                 late = f"it did not answer within {within:g} s"
                 recv = session._channel.recv
-                self._fetch(live, self._stopped.reg_id, time.monotonic() + within, recv, workers, notes, late)  # fmt: skip
+                ask = [w for w in live if w not in skip]
+                self._fetch(ask, self._stopped.reg_id, time.monotonic() + within, recv, workers, notes, late)  # fmt: skip
             except WorkerDiedError as exc:
                 self._gather_after_death(workers, self._stopped, within, notes, exc)
             except Exception as exc:  # noqa: BLE001 - what can be had is written
@@ -594,9 +617,15 @@ class Trace:
         """Send ``disco.trace_stop`` and keep its register in ``_stopped``: Ctrl-C waits
         for both (a retry must read that register, as a worker that ran the stop has
         nothing more to give; outside check: 59 of 126 interrupted stops noted "no
-        events" for workers that had answered)."""
+        events" for workers that had answered). The sends stop being recorded in the
+        same step, under the send lock: another thread's commands sent before the stop
+        were recorded by the workers and not by the controller (re-check: ~230 a
+        trace under a flood)."""
+        session = self.session
         try:
-            self._stopped = self.session.call_packed("disco.trace_stop")
+            with session._lock:  # the last send recorded is the last before the stop
+                session.__dict__.pop("_record_send", None)
+                self._stopped = session.call_packed("disco.trace_stop")
             return self._stopped
         finally:
             _interrupts.deliver()
@@ -792,9 +821,12 @@ class Trace:
 
         return recording
 
-    def _uninstall(self) -> None:
+    def _uninstall(self, sends: bool = True) -> None:
+        """Take the recording methods off the session; ``sends``: the send recorder too
+        (else :meth:`_send_stop` takes it off, as the stop goes out)."""
         d = self.session.__dict__
-        d.pop("_record_send", None)
+        if sends:
+            d.pop("_record_send", None)
         for method in _SYNC_METHODS:
             d.pop(method, None)
 

@@ -68,8 +68,13 @@ def hook_ccl(ctx: Any) -> None:
 
 
 def stop(ctx: Any) -> dict[str, Any] | None:
-    """Stop recording; return the events (:meth:`Recorder.export`), or None if none ran."""
-    rec, ctx.tracer = ctx.tracer, None
+    """Stop recording; return the events (:meth:`Recorder.export`), or None if none ran.
+
+    The recorder is let go last: a stop cut short (Ctrl-C in worker 0's, which runs on
+    the controller's thread) leaves it in place, and the controller runs the stop
+    again to read it (``session_trace``).
+    """
+    rec = ctx.tracer
     worker = ctx.worker
     if worker is not None:  # the class's None again
         worker.__dict__.pop("_record_call", None)
@@ -80,6 +85,7 @@ def stop(ctx: Any) -> dict[str, Any] | None:
         ccl_hooks.uninstall(*rec.hooked)
     out = rec.export()
     out["worker"] = ctx.worker_id
+    ctx.tracer = None
     return out
 
 
