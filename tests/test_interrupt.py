@@ -892,3 +892,46 @@ def test_ctrl_c_while_shutdown_waits_for_the_workers_to_exit_leaves_no_zombie():
     while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
         time.sleep(0.02)
     assert not os.path.exists(f"/proc/{pid}"), "the worker process is left (a zombie)"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("traced", [False, True])
+def test_ctrl_c_in_worker_0s_collective_fails_its_peers_at_once(tmp_path, monkeypatch, traced):
+    """Worker 0 runs its commands on the controller's thread, so Ctrl-C can cut its
+    allreduce while worker 1 waits in it: worker 1 then waited until the CCL's
+    timeout (300 s by default), and the program's next call with it. The cut
+    operation aborts the shm segment now: worker 1 fails at once, and the next call
+    says why."""
+    import contextlib
+
+    from disco_core.channels import base
+
+    # worker 0's own thread is not woken to run the allreduce: the sync runs it
+    monkeypatch.setattr(base, "FLUSH_DELAY", 30.0)
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm", timeout=30.0)
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        x = sess.empty((4,), "float32")
+        y = sess.empty((4,), "float32")
+        tracing = (
+            disco.trace(sess, str(tmp_path / "t.json")) if traced else contextlib.nullcontext()
+        )
+        with tracing:
+            sess.get_global_func("testing.sleep")(1.0, 1)  # worker 1 comes late
+            sess.allreduce(x, y)
+            cancel = _real_sigint(0.3)  # while worker 0 waits for it in the allreduce
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    sess.sync_worker_0()
+            finally:
+                cancel()
+            t0 = time.monotonic()
+            with pytest.raises(disco.WorkerError) as info:
+                sess._sync_all()
+        assert time.monotonic() - t0 < 10  # not the CCL's timeout (30 s here)
+        assert "cut short (KeyboardInterrupt)" in str(info.value)
+        assert echo(5).debug_get_from_remote(1) == 5  # the session goes on
+        with pytest.raises(disco.WorkerError, match="unusable"):
+            sess.allreduce(x, y)
+            sess._sync_all()

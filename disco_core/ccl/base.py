@@ -133,14 +133,30 @@ def _hands_over_first(op: Callable) -> Callable:
         ctx = self.ctx
         hand_over = getattr(ctx, "hand_over", None)  # a test's stand-in ctx may lack it
         tracer = getattr(ctx, "tracer", None)
-        if tracer is not None:  # a trace is on (disco_core.tracing): record the operation
-            return tracer.collective(self, op, hand_over, args, kwargs)
-        if hand_over is not None:
-            hand_over()
-        return op(self, *args, **kwargs)
+        try:
+            if tracer is not None:  # a trace is on (disco_core.tracing): record the operation
+                return tracer.collective(self, op, hand_over, args, kwargs)
+            if hand_over is not None:
+                hand_over()
+            return op(self, *args, **kwargs)
+        except Exception:
+            raise
+        except BaseException as exc:
+            cut_short(self, op.__name__, exc)
+            raise
 
     waiting_op.__disco_hands_over__ = True  # type: ignore[attr-defined]
     return waiting_op
+
+
+def cut_short(ccl: CCL, op: str, exc: BaseException) -> None:
+    """Tell ``ccl`` that its operation ``op`` was left by ``exc``, which is not an error
+    (Ctrl-C's ``KeyboardInterrupt`` in worker 0, whose commands run on the controller's
+    thread): :meth:`CCL.interrupted`, whose own failure is dropped (``exc`` goes on)."""
+    try:
+        ccl.interrupted(f"{op} on worker {ccl.ctx.worker_id} was cut short ({type(exc).__name__})")
+    except Exception:  # noqa: BLE001, S110 - the interrupt is what the caller must see
+        pass
 
 
 class CCL(abc.ABC):
@@ -257,6 +273,19 @@ class CCL(abc.ABC):
 
         Called when the controller synchronises with the worker (``sync_worker_0``).
         """
+
+    def interrupted(self, reason: str) -> None:
+        """An operation of this worker was left half done by an exception that is not an
+        error (Ctrl-C's ``KeyboardInterrupt`` in worker 0, which runs on the controller's
+        thread): its peers may wait for it until their timeout, and its next operation
+        would meet theirs out of step.
+
+        The default refuses every later operation (:meth:`poison`). A CCL that can make
+        its peers' waits fail at once does that too (``shm`` aborts its segment: every
+        member's wait fails with :class:`~disco_core.errors.CCLError` naming
+        ``reason``).
+        """
+        self.poison(reason)
 
     def poison(self, reason: str) -> None:
         """Refuse every later operation: a member's operation failed beyond repair.

@@ -321,6 +321,12 @@ class ShmCCL(CCL):
                 return
         _futex.wake(addr)
 
+    def interrupted(self, reason: str) -> None:
+        """Abort the segment: the peers waiting for this member fail now, not at their
+        timeout (a Ctrl-C in worker 0's allreduce held worker 1 for 300 s)."""
+        self.broken = self.broken or reason
+        abort_segment(self.map, self.layout, reason)
+
     def _check_abort(self, what: str) -> None:
         if self.i[0]:
             reason = (

@@ -26,7 +26,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..ccl.base import CCL, WAITING_OPS
+from ..ccl.base import CCL, WAITING_OPS, cut_short
 from .recorder import K_COLLECTIVE, Recorder, now
 
 __all__ = ["install", "uninstall"]
@@ -116,6 +116,11 @@ def _make_allreduce(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callab
         try:
             ctx.hand_over()
             return raw(ccl, src, dst, op, in_group)
+        except Exception:
+            raise
+        except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
+            cut_short(ccl, name, exc)
+            raise
         finally:
             t1 = clock()
             n = rec.count
@@ -149,6 +154,11 @@ def _make_two_buffers(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Call
         try:
             ctx.hand_over()
             return raw(ccl, src, dst, in_group)
+        except Exception:
+            raise
+        except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
+            cut_short(ccl, name, exc)
+            raise
         finally:
             t1 = clock()
             n = rec.count
@@ -179,6 +189,11 @@ def _make_point_to_point(ccl: Any, raw: Callable, rec: Recorder, name: str) -> C
         try:
             ctx.hand_over()
             return raw(ccl, buf, peer)
+        except Exception:
+            raise
+        except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
+            cut_short(ccl, name, exc)
+            raise
         finally:
             t1 = clock()
             n = rec.count
@@ -207,6 +222,11 @@ def _make_barrier(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callable
         try:
             ctx.hand_over()
             return raw(ccl, in_group)
+        except Exception:
+            raise
+        except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
+            cut_short(ccl, name, exc)
+            raise
         finally:
             t1 = clock()
             n = rec.count
