@@ -162,7 +162,7 @@ class ProcessWorkerLink(BatchingLink):
             self.proc.kill()
 
     def reap(self) -> None:
-        """Wait for the worker process to end (after :meth:`kill`): no zombie is left."""
+        """Wait for the worker process to end (after ``kill``): no zombie is left."""
         self.proc.wait()
 
 
