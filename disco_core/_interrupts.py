@@ -173,6 +173,14 @@ def _protected_frame(frame: FrameType | None) -> bool | None:
     return found
 
 
+#: Seconds after the first Ctrl-C held back in a step that may block within which a
+#: second one is merged with it, not taken for "give the worker up" (outside check: two
+#: SIGINTs 60-300 us apart ended a process session around writes of a few KiB).
+MERGE_WINDOW = 0.25
+#: Seconds between two looks of :func:`_poke` at the main thread.
+POKE_INTERVAL = 0.001
+
+
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     if state.poked:  # _poke's: the held interrupt, if the main thread left protection
         state.poked = False
@@ -205,14 +213,6 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
             )
         finally:
             state.warning = False
-
-
-#: Seconds after the first Ctrl-C held back in a step that may block within which a
-#: second one is merged with it, not taken for "give the worker up" (outside check: two
-#: SIGINTs 60-300 us apart ended a process session around writes of a few KiB).
-MERGE_WINDOW = 0.25
-#: Seconds between two looks of :func:`_poke` at the main thread.
-POKE_INTERVAL = 0.001
 
 
 def _poke() -> None:

@@ -50,9 +50,9 @@ from .protocol import register_ref_type
 from .settings import shutdown_timeout
 from .store import ControllerStore
 from .tracing import session_trace
+from .tracing.recorder import now as _now  # the trace's clock
 
 logger = logging.getLogger("disco_core.session")
-_now = time.perf_counter_ns  # the trace's clock (disco_core.tracing.recorder.now)
 
 __all__ = [
     "Session",

@@ -139,8 +139,6 @@ def _hands_over_first(op: Callable) -> Callable:
             if hand_over is not None:
                 hand_over()
             return op(self, *args, **kwargs)
-        except Exception:
-            raise
         except BaseException as exc:
             cut_short(self, op.__name__, exc)
             raise
@@ -150,9 +148,12 @@ def _hands_over_first(op: Callable) -> Callable:
 
 
 def cut_short(ccl: CCL, op: str, exc: BaseException) -> None:
-    """Tell ``ccl`` that its operation ``op`` was left by ``exc``, which is not an error
-    (Ctrl-C's ``KeyboardInterrupt`` in worker 0, whose commands run on the controller's
-    thread): :meth:`CCL.interrupted`, whose own failure is dropped (``exc`` goes on)."""
+    """``ccl``'s operation ``op`` was left by ``exc``: if that is not an error (Ctrl-C's
+    ``KeyboardInterrupt`` in worker 0, whose commands run on the controller's thread),
+    tell it (:meth:`CCL.interrupted`, whose own failure is dropped: ``exc`` goes on).
+    An error is the operation's own: nothing to do."""
+    if isinstance(exc, Exception):
+        return
     try:
         ccl.interrupted(f"{op} on worker {ccl.ctx.worker_id} was cut short ({type(exc).__name__})")
     except Exception:  # noqa: BLE001, S110 - the interrupt is what the caller must see

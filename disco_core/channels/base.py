@@ -542,8 +542,7 @@ class BatchingLink(WorkerLink):
             total = len(head) + sum(memoryview(b).nbytes for b in buffers)
             self._write_timed(lambda: self._write_views(head, buffers), total)
         except KeyboardInterrupt as exc:
-            if _interrupts.state.escalated:
-                self._cut(exc)
+            self._cut_if_second(exc)
             raise
         finally:
             _interrupts.deliver()
@@ -616,6 +615,12 @@ class BatchingLink(WorkerLink):
             "finishing it first; interrupt again to give these workers up",
             nbytes, list(self.worker_ids),
         )  # fmt: skip
+
+    def _cut_if_second(self, exc: KeyboardInterrupt) -> None:
+        """:meth:`_cut` if ``exc`` is a second Ctrl-C during a protected write (it was
+        raised at once: what was being written is cut)."""
+        if _interrupts.state.escalated:
+            self._cut(exc)
 
     def _cut(self, exc: BaseException) -> None:
         """A second interrupt during :meth:`_write_whole`: the workers are given up."""
@@ -710,8 +715,7 @@ class BatchingLink(WorkerLink):
                 # a large value pickled into a command (a long list) is as large a frame
                 self._write_timed(lambda: self._write(data), len(data))
         except KeyboardInterrupt as exc:
-            if _interrupts.state.escalated:
-                self._cut(exc)
+            self._cut_if_second(exc)
             raise
         finally:
             _interrupts.deliver()

@@ -116,8 +116,6 @@ def _make_allreduce(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callab
         try:
             ctx.hand_over()
             return raw(ccl, src, dst, op, in_group)
-        except Exception:
-            raise
         except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
             cut_short(ccl, name, exc)
             raise
@@ -154,8 +152,6 @@ def _make_two_buffers(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Call
         try:
             ctx.hand_over()
             return raw(ccl, src, dst, in_group)
-        except Exception:
-            raise
         except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
             cut_short(ccl, name, exc)
             raise
@@ -189,8 +185,6 @@ def _make_point_to_point(ccl: Any, raw: Callable, rec: Recorder, name: str) -> C
         try:
             ctx.hand_over()
             return raw(ccl, buf, peer)
-        except Exception:
-            raise
         except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
             cut_short(ccl, name, exc)
             raise
@@ -222,8 +216,6 @@ def _make_barrier(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callable
         try:
             ctx.hand_over()
             return raw(ccl, in_group)
-        except Exception:
-            raise
         except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
             cut_short(ccl, name, exc)
             raise

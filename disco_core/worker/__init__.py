@@ -175,7 +175,8 @@ class _Failed:
 
 _ABSENT = object()
 _CALL_PACKED, _KILL_REG = P.CALL_PACKED, P.KILL_REG  # module globals: the hot path's tests
-_now = time.perf_counter_ns  # the trace's clock (disco_core.tracing.recorder.now)
+# the trace's clock, disco_core.tracing.recorder.now (a layer above: not imported)
+_now = time.perf_counter_ns
 
 
 class Worker:
