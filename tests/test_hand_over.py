@@ -221,3 +221,45 @@ def test_hand_over_does_nothing_where_nothing_is_held():
     from disco_core.worker import WorkerContext
 
     WorkerContext(1, 2, 1).hand_over()  # a worker process's context: a no-op
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_worker0_run_by_the_controller_does_not_wake_its_own_thread(slow_flusher, n):
+    """A collective that the controller's thread runs for worker 0 (at a sync) hands
+    over: that wakes the other in-process workers, never worker 0's own thread, which
+    would only wait for the lock the controller holds (and take the GIL from it on the
+    way: ~3 thread switches a step of a 1-worker session before)."""
+    with disco.ProcessSession(n) as sess:
+        sess.init_ccl("shm")
+        x = sess.empty((16,), "float32")
+        for w in range(n):
+            x.debug_copy_from(w, np.zeros(16, np.float32))
+        sess._sync_all()
+        link = next(lk for lk in sess.channel.links if type(lk) is base.ThreadWorkerLink)
+        tokens = link.tokens
+        woken_by = []
+
+        class Counted:  # the worker's thread waits in tokens.get() as before
+            get = tokens.get
+
+            def put(self, item):
+                woken_by.append(threading.current_thread().name)
+                tokens.put(item)
+
+        link.tokens = Counted()
+        try:
+            for _ in range(50):
+                # held back, then run on this thread by the sync: the allreduce hands
+                # over with the next command still waiting
+                sess.allreduce(x, x, "sum")
+                sess.allreduce(x, x, "sum")
+                sess.sync_worker_0()
+        finally:
+            link.tokens = tokens
+        assert threading.main_thread().name not in woken_by
+        assert link.runner is None  # nobody runs worker 0's commands between calls
+        # ... while a wait for another worker still wakes it (see the test above)
+        if n == 2:
+            sess.allreduce(x, x, "sum")
+            sess._sync_worker(1)
+            np.testing.assert_array_equal(x.debug_get_from_remote(1), np.zeros(16, np.float32))

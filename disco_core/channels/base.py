@@ -790,6 +790,8 @@ class ThreadWorkerLink(WorkerLink):
         # an RLock for its owner (disco_core._locks), never taken twice by one thread
         self.lock = threading.RLock()
         self.stopped = False
+        #: the thread running this worker's commands now (its ident), None between batches
+        self.runner: int | None = None
         deliver = hub.deliver
 
         def reply(msg: tuple) -> None:
@@ -807,12 +809,16 @@ class ThreadWorkerLink(WorkerLink):
 
     def _drain(self) -> None:
         pending, worker = self.pending, self.worker
-        while pending and not self.stopped:
-            # execute reads the trace's recorders for each command: a trace that starts
-            # or stops within the batch swaps them (held for the batch, the rest of it
-            # went unnumbered: outside check)
-            if not worker.execute(pending.popleft()):
-                self.stopped = True
+        outer, self.runner = self.runner, threading.get_ident()
+        try:
+            while pending and not self.stopped:
+                # execute reads the trace's recorders for each command: a trace that
+                # starts or stops within the batch swaps them (held for the batch, the
+                # rest of it went unnumbered: outside check)
+                if not worker.execute(pending.popleft()):
+                    self.stopped = True
+        finally:
+            self.runner = outer
 
     def _run(self) -> None:
         set_current(self.worker.ctx)
@@ -867,8 +873,16 @@ class ThreadWorkerLink(WorkerLink):
         return bool(self.pending)
 
     def flush(self) -> None:
-        """Wake the worker's thread to run what is pending (if anything is)."""
-        if self.pending:
+        """Wake the worker's thread to run what is pending (if anything is).
+
+        Not when the calling thread is the one running this worker's commands (a
+        collective of worker 0 that the controller's thread runs, handing over): it
+        looks at ``pending`` again after the command under way. Woken, the worker's
+        thread only waited for the lock that thread holds, and took the GIL from it
+        twice on the way (a sync with an allreduce of a 1-worker session: ~3 thread
+        switches a step).
+        """
+        if self.pending and self.runner != threading.get_ident():
             self.tokens.put(None)
 
     def poll(self) -> str | None:
