@@ -242,11 +242,58 @@ def block_timeout(block: Block) -> float:
     return DEFAULT_TIMEOUT
 
 
+#: A block that installs a package (a ``pip install`` outside a comment): it runs in a
+#: throwaway venv (:func:`layered_venv`).
+INSTALLS = re.compile(r"^[^#\n]*\bpip3? install\b", re.M)
+
+
+def layered_venv(tmp: Path) -> Path:
+    """A throwaway venv over this interpreter's: it sees every package installed here
+    (a ``.pth`` that adds this venv's site-packages, with their own ``.pth`` files), and
+    what its ``pip`` installs lands in its own folder. A block's ``pip install`` used to
+    land in the venv under test, for good, while the plugins' suites ran beside the
+    core's in that same venv (``scripts/test.sh``): every later session, in both, then
+    loaded the installed plugin too. Its ``bin`` holds ``python`` and shims for ``pip``
+    and ``pytest`` that run them with its own interpreter."""
+    import site
+
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)  # fmt: skip
+    py = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    outer = [d for d in site.getsitepackages() if os.path.isdir(d)]
+    lines = "".join(f"import site; site.addsitedir({d!r})\n" for d in outer)
+    Path(purelib, "_disco_outer_venv.pth").write_text(lines)
+    for name in ("pip", "pytest"):
+        shim = venv / "bin" / name
+        shim.write_text(f'#!/bin/sh\nexec "{py}" -m {name} "$@"\n')
+        shim.chmod(0o755)
+    return venv
+
+
+def installed_here() -> set[str]:
+    """The names in this interpreter's site-packages folders (what is installed here)."""
+    import site
+
+    return {
+        os.path.join(d, name)
+        for d in site.getsitepackages()
+        if os.path.isdir(d)
+        for name in os.listdir(d)
+    }
+
+
 def run_block(block: Block, modules: list[Block], tmp: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("DISCO_PLUGINS", None)
     env.pop("DISCO_DISABLE_PLUGIN_AUTOLOAD", None)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if block.lang != "python" and INSTALLS.search(block.code):
+        env["PATH"] = str(layered_venv(tmp) / "bin") + os.pathsep + env["PATH"]
+        env.pop("PYTHONHOME", None)
     if modules:
         for m in modules:
             dest = tmp / "modules" / str(m.file_shown)
@@ -295,9 +342,12 @@ def test_readme_example(block: Block, modules: list[Block]) -> None:
         assert body.strip() == text.strip(), f"{block.name} no longer matches {shown}"
         return
     before = untracked()
+    installed = installed_here()
     with tempfile.TemporaryDirectory() as tmp:
         res = run_block(block, modules, Path(tmp))
     assert res.returncode == 0, f"{block.name} exited with {res.returncode}:\n{res.stdout}"
+    changed = sorted(installed ^ installed_here())
+    assert not changed, f"{block.name} changed the venv under test: {changed}"
     expected = expected_from_comments(block.code) if block.lang == "python" else []
     if block.output is not None:
         expected += block.output.splitlines()
@@ -376,3 +426,27 @@ def test_collector_refuses_unknown_directives_and_reasons(tmp_path: Path) -> Non
     readme.write_text("<!-- example: skip (too slow) -->\n```bash\ntrue\n```\n")
     with pytest.raises(AssertionError, match="must start with one of"):
         skip_reason(parse_readme(readme)[0])
+
+
+def test_a_block_that_installs_runs_in_a_venv_of_its_own(tmp_path: Path) -> None:
+    """What a block's ``pip install`` installs lands in a throwaway venv that still sees
+    every package of this one (the venv under test stays as it was: see layered_venv)."""
+    tutorial = next(p.values[0] for p in collect() if "plugin_tutorial" in p.values[0].name)
+    assert INSTALLS.search(tutorial.code)
+    assert not INSTALLS.search("disco trace plot t.json  # needs pip install -e '.[plot]'")
+    venv = layered_venv(tmp_path)
+    probe = (
+        "import sys, sysconfig, numpy, pluggy, disco_core, disco_mpi\n"
+        "print(sys.prefix)\nprint(sysconfig.get_path('purelib'))"
+    )
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr  # this venv's packages, the plugins' too
+    prefix, purelib = out.stdout.split()
+    assert Path(prefix) == venv and Path(purelib).is_relative_to(venv)  # installs go there
+    pip = subprocess.run(
+        [str(venv / "bin" / "pip"), "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert pip.returncode == 0 and "pip" in pip.stdout, pip.stderr
