@@ -263,3 +263,42 @@ def test_worker0_run_by_the_controller_does_not_wake_its_own_thread(slow_flusher
             sess.allreduce(x, x, "sum")
             sess._sync_worker(1)
             np.testing.assert_array_equal(x.debug_get_from_remote(1), np.zeros(16, np.float32))
+
+
+_MARKS: list[str] = []
+
+
+@registry.register_func("test.hand_over.mark", override=True)
+def _mark(tag: str) -> None:
+    _MARKS.append(tag)  # worker 0's, in this process
+
+
+def test_commands_behind_a_collective_cut_by_ctrl_c_still_run(slow_flusher):
+    """Ctrl-C cuts worker 0's allreduce, which the controller's thread runs at a sync:
+    the command queued behind it still runs, with no further call and long before the
+    flusher (30 s here). Its hand-over had not woken worker 0's thread (the drain was
+    to look at the queue again, and the interrupt ended the drain first): the command
+    waited for the flusher, or, with DISCO_FLUSH_DELAY=inf, for an unrelated later
+    call (outside check)."""
+    import _thread
+
+    _MARKS.clear()
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm")
+        sess.import_python_module("disco_core.testing.funcs")
+        x = sess.empty((4,), "float32")
+        sess._sync_all()
+        sess.call_packed("testing.sleep", 1.0, 1)  # worker 1 comes to the allreduce late
+        sess.allreduce(x, x, "sum")
+        sess.call_packed("test.hand_over.mark", "after")
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                sess.sync_worker_0()
+        finally:
+            timer.cancel()
+        deadline = time.monotonic() + 5
+        while "after" not in _MARKS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _MARKS == ["after"]

@@ -819,6 +819,11 @@ class ThreadWorkerLink(WorkerLink):
                     self.stopped = True
         finally:
             self.runner = outer
+            if pending and not self.stopped:
+                # Left by an exception (Ctrl-C in a collective the controller's thread
+                # ran): the commands behind it were not woken for (see flush), so the
+                # worker's thread runs them now, as before (outside check)
+                self.tokens.put(None)
 
     def _run(self) -> None:
         set_current(self.worker.ctx)
@@ -877,7 +882,8 @@ class ThreadWorkerLink(WorkerLink):
 
         Not when the calling thread is the one running this worker's commands (a
         collective of worker 0 that the controller's thread runs, handing over): it
-        looks at ``pending`` again after the command under way. Woken, the worker's
+        looks at ``pending`` again after the command under way, and wakes the
+        worker's thread itself if an exception ends its run first (:meth:`_drain`). Woken, the worker's
         thread only waited for the lock that thread holds, and took the GIL from it
         twice on the way (a sync with an allreduce of a 1-worker session: ~3 thread
         switches a step).
