@@ -28,6 +28,7 @@ import termios
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from threading import get_ident as _get_ident  # one lookup less on every drain
 from typing import Any, cast
 
 from .. import _interrupts, protocol
@@ -809,7 +810,8 @@ class ThreadWorkerLink(WorkerLink):
 
     def _drain(self) -> None:
         pending, worker = self.pending, self.worker
-        outer, self.runner = self.runner, threading.get_ident()
+        outer = self.runner
+        self.runner = _get_ident()
         try:
             while pending and not self.stopped:
                 # execute reads the trace's recorders for each command: a trace that
@@ -888,7 +890,7 @@ class ThreadWorkerLink(WorkerLink):
         twice on the way (a sync with an allreduce of a 1-worker session: ~3 thread
         switches a step).
         """
-        if self.pending and self.runner != threading.get_ident():
+        if self.pending and self.runner != _get_ident():
             self.tokens.put(None)
 
     def poll(self) -> str | None:
