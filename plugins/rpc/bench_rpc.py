@@ -54,7 +54,7 @@ def raw_loopback(
     returns new memory must (on some VMs the first touch of fresh pages costs more
     than the copy itself), made as a download makes its own (no zeros written,
     huge pages asked for: ``unfilled_bytearray``) and only once the sender's first
-    byte has come, so the time includes it; otherwise into one buffer, reused. (The
+    bytes have come, so the time includes it; otherwise into one buffer, reused. (The
     buffer was made before the byte came until 2026-11-27: the next rep's buffer
     was then made while the sender was still reading the last reply, outside the
     time, and the best of the reps was a stream into memory made beforehand, 2.95
@@ -75,11 +75,14 @@ def raw_loopback(
             c = socket.create_connection(("127.0.0.1", port))
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             view = memoryview(bytearray(min(nbytes, 1 << 20) if to_file else nbytes))
+            probe = memoryview(bytearray(1 << 16))
             for _ in range(reps):
-                c.recv(1)  # the sender's "go": its time has started
-                if fresh:
-                    view = memoryview(unfilled_bytearray(nbytes))
                 got = 0
+                if fresh:
+                    # made once the first bytes came (the sender's time has started)
+                    got = c.recv_into(probe)
+                    view = memoryview(unfilled_bytearray(nbytes))
+                    view[:got] = probe[:got]
                 if to_file:
                     with tempfile.TemporaryFile() as f:
                         while got < nbytes:
@@ -100,7 +103,6 @@ def raw_loopback(
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        conn.sendall(b"g")
         conn.sendall(data)
         conn.recv(1)
         best = min(best, time.perf_counter() - t)
