@@ -885,10 +885,10 @@ class ThreadWorkerLink(WorkerLink):
         Not when the calling thread is the one running this worker's commands (a
         collective of worker 0 that the controller's thread runs, handing over): it
         looks at ``pending`` again after the command under way, and wakes the
-        worker's thread itself if an exception ends its run first (``_drain``). Woken, the worker's
-        thread only waited for the lock that thread holds, and took the GIL from it
-        twice on the way (a sync with an allreduce of a 1-worker session: ~3 thread
-        switches a step).
+        worker's thread itself if an exception ends its run first (``_drain``).
+        Woken, the worker's thread only waited for the lock that thread holds, and
+        took the GIL from it twice on the way (a sync with an allreduce of a
+        1-worker session: ~3 thread switches a step).
         """
         if self.pending and self.runner != _get_ident():
             self.tokens.put(None)
