@@ -117,7 +117,7 @@ def parse_readme(path: Path) -> list[Block]:
         end = i + 1
         while end < len(lines) and not FENCE.match(lines[end]):
             end += 1
-        body = "\n".join(ln[len(indent):] for ln in lines[i + 1 : end])
+        body = "\n".join(ln[len(indent) :] for ln in lines[i + 1 : end])
         if "output" in pending and blocks:
             blocks[-1].output = body
         else:
@@ -181,7 +181,9 @@ def untracked() -> set[str] | None:
         return None
     res = subprocess.run(
         ["git", "ls-files", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     return set(res.stdout.splitlines()) if res.returncode == 0 else None
 
@@ -312,8 +314,14 @@ def run_block(block: Block, modules: list[Block], tmp: Path) -> subprocess.Compl
         stdin, text = subprocess.DEVNULL, None
     timeout = block_timeout(block)
     proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdin=stdin, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(text, timeout=timeout)
@@ -407,7 +415,11 @@ def test_collector_reads_directives_modules_and_outputs(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text(SAMPLE)
     gpu, mod, user, toml = parse_readme(readme)
-    assert (gpu.lang, gpu.line, gpu.directives) == ("python", 4, ["skip (needs a GPU: two; really)"])
+    assert (gpu.lang, gpu.line, gpu.directives) == (
+        "python",
+        4,
+        ["skip (needs a GPU: two; really)"],
+    )
     assert skip_reason(gpu) == "needs a GPU: two; really"
     assert mod.file_shown == "sample_mod.py"
     assert (user.directives, user.output) == (["timeout 5"], "42")
