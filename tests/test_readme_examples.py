@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -257,8 +258,6 @@ def layered_venv(tmp: Path) -> Path:
     core's in that same venv (``scripts/test.sh``): every later session, in both, then
     loaded the installed plugin too. Its ``bin`` holds ``python`` and shims for ``pip``
     and ``pytest`` that run them with its own interpreter."""
-    import site
-
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)  # fmt: skip
     py = venv / "bin" / "python"
@@ -266,8 +265,7 @@ def layered_venv(tmp: Path) -> Path:
         [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         check=True, capture_output=True, text=True, timeout=60,
     ).stdout.strip()  # fmt: skip
-    outer = [d for d in site.getsitepackages() if os.path.isdir(d)]
-    lines = "".join(f"import site; site.addsitedir({d!r})\n" for d in outer)
+    lines = "".join(f"import site; site.addsitedir({d!r})\n" for d in site_dirs())
     Path(purelib, "_disco_outer_venv.pth").write_text(lines)
     for name in ("pip", "pytest"):
         shim = venv / "bin" / name
@@ -276,16 +274,14 @@ def layered_venv(tmp: Path) -> Path:
     return venv
 
 
+def site_dirs() -> list[str]:
+    """This interpreter's site-packages folders (those that exist)."""
+    return [d for d in site.getsitepackages() if os.path.isdir(d)]
+
+
 def installed_here() -> set[str]:
     """The names in this interpreter's site-packages folders (what is installed here)."""
-    import site
-
-    return {
-        os.path.join(d, name)
-        for d in site.getsitepackages()
-        if os.path.isdir(d)
-        for name in os.listdir(d)
-    }
+    return {os.path.join(d, name) for d in site_dirs() for name in os.listdir(d)}
 
 
 def run_block(block: Block, modules: list[Block], tmp: Path) -> subprocess.CompletedProcess:

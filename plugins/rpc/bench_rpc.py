@@ -54,11 +54,9 @@ def raw_loopback(
     returns new memory must (on some VMs the first touch of fresh pages costs more
     than the copy itself), made as a download makes its own (no zeros written,
     huge pages asked for: ``unfilled_bytearray``) and only once the sender's first
-    bytes have come, so the time includes it; otherwise into one buffer, reused. (The
-    buffer was made before the byte came until 2026-11-27: the next rep's buffer
-    was then made while the sender was still reading the last reply, outside the
-    time, and the best of the reps was a stream into memory made beforehand, 2.95
-    GB/s where a buffer made in the time gives 2.4-2.7 with both on one CPU.) ``to_file``: the
+    bytes have come, so the time includes it (until 2026-11-27 it was made while the
+    sender still read the last reply, outside the time: the floor then read a stream
+    into memory made beforehand); otherwise into one buffer, reused. ``to_file``: the
     receiver writes what it reads (1 MiB at a time, one reused buffer) into a new
     file in the temporary folder, where an upload lands: the page cache's own cost,
     the floor of an upload.
