@@ -497,7 +497,7 @@ def test_a_second_ctrl_c_inside_the_release_of_a_lock_still_releases_it():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["the step", "its logging"])
-def test_ctrl_c_as_the_session_shuts_down_still_stops_its_workers(where):
+def test_ctrl_c_as_the_session_shuts_down_still_stops_its_workers(where, procs):
     """Ctrl-C right after ``shutdown()`` marked the session closed, before the workers
     were told to stop: a busy worker process outlived the session (outside check). The
     mark and the telling are now one step, and the workers are gone. The standard
@@ -522,31 +522,11 @@ def test_ctrl_c_as_the_session_shuts_down_still_stops_its_workers(where):
             sess.shutdown()
     assert fired == [1]
     sess.shutdown()  # a second call does nothing (the session is closed)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
-            break
-        time.sleep(0.05)
-    else:
-        for p in pids:
+    alive = procs.wait_gone(pids, 20)  # (its own reader raced a reap: read of a pid gone)
+    if alive:
+        for p in alive:
             os.kill(p, signal.SIGKILL)
         raise AssertionError(f"worker process(es) {alive} outlived the session")
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
-    except FileNotFoundError:
-        return False
-    finally:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
 
 def test_sigint_handler_is_pythons_again_after_the_last_session_and_a_programs_own_stays():
