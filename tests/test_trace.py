@@ -676,3 +676,41 @@ def test_commands_in_the_same_batch_as_trace_start_are_numbered(tmp_path, monkey
             if e.get("cat") == "command" and e["tid"] == worker_tid(w) and e["args"]["seq"] >= 0
         )
         assert ran == sends, (w, ran)
+
+
+def test_each_collective_gets_its_own_call_site_whichever_way_it_was_called(tmp_path):
+    """A collective's call site is the user's line, however many session functions lie
+    between it and the send, and from whatever depth of the user's stack: a guard for
+    any shortcut in the walk (one that reused the depth of the last call was tried)."""
+    path = tmp_path / "t.json"
+    lines: list[int] = []
+
+    def here() -> int:
+        return sys._getframe(1).f_lineno
+
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm")
+        x = sess.empty((4,), "float32")
+        sess.allreduce(x, x, "sum")
+        # the session's own handle: a send of it is known as a collective's (has a site)
+        ar = sess._cache["disco.allreduce"]
+
+        def deeper(n: int) -> None:
+            if n:
+                return deeper(n - 1)
+            lines.append(here() + 1)
+            sess.allreduce(x, x, "sum")
+
+        with disco.trace(sess, path):
+            for _ in range(2):
+                lines.append(here() + 1)
+                sess.allreduce(x, x, "sum")  # through Session.allreduce, _collective, call_packed
+                lines.append(here() + 1)
+                sess.call_packed("disco.allreduce", x, "sum", True, x)  # call_packed: shallower
+                lines.append(here() + 1)
+                ar(x, "sum", True, x)  # through DPackedFunc.__call__
+                deeper(3)  # the same session path from a deeper stack
+            sess._sync_all()
+    sends = [e for e in load(path)["traceEvents"] if e.get("cat") == "send"]
+    sites = [e["args"]["site"] for e in sends if e["name"] == "disco.allreduce"]
+    assert sites == [f"test_trace.py:{n}" for n in lines]
