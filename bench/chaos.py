@@ -43,7 +43,9 @@ def _fmt(v) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--iterations", type=int, default=200, help="iterations of each scenario")
     ap.add_argument("--seed", type=int, default=None, help="the seed (default: random)")
     ap.add_argument("-k", dest="select", default="", help="only scenarios whose name has this")
@@ -60,13 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     from chaos_harness import SCENARIOS
 
     names = [n for n in SCENARIOS if args.select in n]
-    print(f"chaos: seed {seed}, {args.iterations} iterations of {len(names)} scenario(s)", flush=True)
+    print(
+        f"chaos: seed {seed}, {args.iterations} iterations of {len(names)} scenario(s)", flush=True
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), *sys.path] if p)
     rows = []
     for name in names:
         deadline = SCENARIOS[name][1]
-        cmd = [sys.executable, __file__, "--one", name, "--iterations", str(args.iterations), "--seed", str(seed)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            name,
+            "--iterations",
+            str(args.iterations),
+            "--seed",
+            str(seed),
+        ]
         if args.verbose:
             cmd.append("-v")
         t0 = time.monotonic()
@@ -99,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['scenario']:<20} " + " ".join(f"{c:>8}" for c in cells)
             + f" {_fmt(r['median_s']):>8} {_fmt(r['max_s']):>8} {r['wall_s']:>8.0f}"
         )  # fmt: skip
-    print(f"seed {seed}: replay with python bench/chaos.py --seed {seed} --iterations {args.iterations}")
+    print(
+        f"seed {seed}: replay with python bench/chaos.py --seed {seed} --iterations {args.iterations}"
+    )
     if args.json:
         args.json.write_text(json.dumps({"seed": seed, "rows": rows}, indent=1))
     bad = any(r["failures"] or r["hangs"] or r["orphans"] or r["leaks"] for r in rows)

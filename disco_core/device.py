@@ -66,7 +66,9 @@ class Device:
                 raise DiscoValueError(f"unknown device type code {device_type}")
             device_type = _NAMES[device_type]
         if not isinstance(device_type, str):
-            raise DiscoTypeError(f"device type must be a str or int, got {type(device_type).__name__}")
+            raise DiscoTypeError(
+                f"device type must be a str or int, got {type(device_type).__name__}"
+            )
         name = _ALIASES.get(device_type.strip().lower(), device_type.strip().lower())
         if name not in _TYPE_CODES:
             raise DiscoValueError(
@@ -139,7 +141,9 @@ def _bfloat16():
     global _BF16
     if _BF16 is None:
         if importlib.util.find_spec("ml_dtypes") is None:
-            raise DiscoTypeError("dtype 'bfloat16' needs the ml_dtypes package: pip install ml_dtypes")
+            raise DiscoTypeError(
+                "dtype 'bfloat16' needs the ml_dtypes package: pip install ml_dtypes"
+            )
         import ml_dtypes
 
         _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -167,7 +171,9 @@ def as_dtype(dtype: Any) -> np.dtype:
         "ml_dtypes"
     )
     if dt.hasobject or dt.kind in "OUSMm" or (dt.kind == "V" and not custom):
-        raise DiscoTypeError(f"dtype {dt} cannot live in a worker array; use a numeric or bool dtype")
+        raise DiscoTypeError(
+            f"dtype {dt} cannot live in a worker array; use a numeric or bool dtype"
+        )
     return dt
 
 
@@ -209,7 +215,9 @@ def empty(shape: Any, dtype: Any, device: Device | None = None) -> Any:
         cp = _cupy()
         with cp.cuda.Device(device.device_id):
             return cp.empty(shape, dtype)
-    raise DiscoValueError(f"cannot allocate arrays on {device}: only cpu, cuda and rocm are supported")
+    raise DiscoValueError(
+        f"cannot allocate arrays on {device}: only cpu, cuda and rocm are supported"
+    )
 
 
 def is_array(value: Any) -> bool:

@@ -40,6 +40,7 @@ install_cpu_torch
 pip_install "apache-tvm[rpc]==0.27.0.post1" ||
   echo "apache-tvm could not be installed: the tests against the real TVM will skip"
 .venv/bin/ruff check . || exit 1
+.venv/bin/ruff format --check . || exit 1
 # the documentation site: every warning (a broken reference, a docstring Sphinx
 # cannot parse, a README marker gone) fails the build
 rm -rf docs/_build && .venv/bin/python -m sphinx -W --keep-going -n -q -b html docs docs/_build/html || exit 1

@@ -49,7 +49,10 @@ def test_included_file_and_markers_exist(page, target, options):
 
 def test_every_readme_marker_pair_is_whole():
     """A start marker has its end, so that an include never runs to the end of a README."""
-    for readme in [DOCS.parent / "README.md", *sorted((DOCS.parent / "plugins").glob("*/README.md"))]:
+    for readme in [
+        DOCS.parent / "README.md",
+        *sorted((DOCS.parent / "plugins").glob("*/README.md")),
+    ]:
         text = readme.read_text()
         starts = re.findall(r"<!-- docs:([\w-]+):start -->", text)
         ends = re.findall(r"<!-- docs:([\w-]+):end -->", text)

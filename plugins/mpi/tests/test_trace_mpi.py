@@ -16,6 +16,8 @@ def test_a_traced_mpi_session_records_every_worker_and_names_the_straggler(tmp_p
         sess.init_ccl("mpi")
         trace_checks.traced_demo(sess, path, late_worker=1, late_s=0.2)
     data = trace_checks.check_trace(path, 4)
-    collectives = [e for e in data["traceEvents"] if e.get("cat") == "collective" and e["ph"] == "X"]
+    collectives = [
+        e for e in data["traceEvents"] if e.get("cat") == "collective" and e["ph"] == "X"
+    ]
     assert {e["name"] for e in collectives} >= {"allreduce", "broadcast", "scatter"}
     trace_checks.check_straggler(path, 1, 0.2)

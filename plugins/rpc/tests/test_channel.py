@@ -160,4 +160,3 @@ def test_stopped_worker_with_a_full_socket_is_unresponsive(servers, monkeypatch)
         t0 = time.monotonic()
         sess.shutdown()
         assert time.monotonic() - t0 < 6
-

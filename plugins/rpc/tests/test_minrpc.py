@@ -456,7 +456,10 @@ def _gone(pid, within=5.0):
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return True
-        except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between open and read
+        except (
+            FileNotFoundError,
+            ProcessLookupError,
+        ):  # reaped before the open, or between open and read
             return True
         time.sleep(0.05)
     return False

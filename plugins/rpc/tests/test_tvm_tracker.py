@@ -233,7 +233,12 @@ def test_dead_clients_and_servers_give_their_slots_back(tracker):
         assert ts.summary()["server_info"][0]["addr"] == ["127.0.0.1", 9124]
         server.close()  # the server died: its slot is not handed out any more
         # (its key stays listed with nothing free, as TVM's tracker lists it)
-        assert _wait(lambda: ts.summary() == {"server_info": [], "queue_info": {"k": {"free": 0, "pending": 0, "total": 0}}})
+        assert _wait(
+            lambda: (
+                ts.summary()
+                == {"server_info": [], "queue_info": {"k": {"free": 0, "pending": 0, "total": 0}}}
+            )
+        )
         client = _conn(tracker)
         base.sendjson(client, [C.REQUEST, "k", "", 1])
         assert _silent(client)
@@ -348,7 +353,9 @@ def test_per_connection_caps(tracker):
         base.sendjson(s, [C.PUT, "many", [9000, "one-too-many"], None])
         assert _closed(s)
         s.close()
-        assert _wait(lambda: ts.summary()["queue_info"]["many"] == {"free": 0, "pending": 0, "total": 0})
+        assert _wait(
+            lambda: ts.summary()["queue_info"]["many"] == {"free": 0, "pending": 0, "total": 0}
+        )
         s = _conn(tracker)
         for _ in range(tvm_tracker.MAX_REQUESTS_PER_LINK + 1):
             base.sendjson(s, [C.REQUEST, "few", "", 1])
@@ -574,7 +581,12 @@ def test_real_tvm_server_and_client(tracker, tmp_path):
         assert _wait(lambda: ts.summary()["queue_info"].get(key, {}).get("free") == 1)
         # the server dies: it leaves the tracker at once
         os.killpg(server.pid, signal.SIGKILL)
-        assert _wait(lambda: ts.summary() == {"server_info": [], "queue_info": {key: {"free": 0, "pending": 0, "total": 0}}})
+        assert _wait(
+            lambda: (
+                ts.summary()
+                == {"server_info": [], "queue_info": {key: {"free": 0, "pending": 0, "total": 0}}}
+            )
+        )
     finally:
         ts.close()
         for proc in (client, server):
