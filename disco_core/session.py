@@ -1180,6 +1180,18 @@ class ThreadedSession(Session):
         )
 
 
+class _Default(str):
+    """A default string told apart (by identity) from the same string passed explicitly."""
+
+    __slots__ = ()
+
+
+#: ``ProcessSession``'s default entrypoint: its signature shows the value, and an
+#: entrypoint given both ways (TVM's older positional form and ``entrypoint=``) is
+#: still told apart from this default.
+_DEFAULT_ENTRYPOINT = _Default("disco_core.worker")
+
+
 class ProcessSession(Session):
     """Worker 0 is a thread of the controller; workers 1..N-1 are child processes.
 
@@ -1202,24 +1214,22 @@ class ProcessSession(Session):
         self,
         num_workers: int,
         num_groups: int | str = 1,
-        entrypoint: str | None = None,
+        entrypoint: str = _DEFAULT_ENTRYPOINT,
     ) -> None:
         if isinstance(num_groups, str):
             # ProcessSession(num_workers, entrypoint): the form of TVM's older documentation.
-            if entrypoint is not None:
+            if entrypoint is not _DEFAULT_ENTRYPOINT:
                 raise DiscoTypeError(
                     "ProcessSession: the entrypoint was given twice (as the second argument "
                     "and as entrypoint=); use ProcessSession(num_workers, num_groups, entrypoint)"
                 )
             entrypoint, num_groups = num_groups, 1
-        if entrypoint is None:
-            entrypoint = "disco_core.worker"
         check_session_shape(num_workers, num_groups)
         if not isinstance(entrypoint, str) or not entrypoint:
             raise DiscoTypeError("entrypoint must be a module name")
         factory = plugins.lookup("channel", "process")
         super().__init__(
-            factory(num_workers=num_workers, num_groups=num_groups, entrypoint=entrypoint)
+            factory(num_workers=num_workers, num_groups=num_groups, entrypoint=str(entrypoint))
         )
 
 

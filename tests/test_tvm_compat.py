@@ -466,3 +466,15 @@ def test_debug_get_from_remote_arrays_have_tvms_numpy_method():
         a, b = sess.get_global_func("compat.pair")(ref, 3).debug_get_from_remote(0)
         assert np.array_equal(a.numpy(), host) and b == 3  # inside a tuple too
         assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+
+
+def test_process_session_signature_is_the_designs():
+    """DESIGN.md: ``ProcessSession(num_workers, num_groups=1, entrypoint="disco_core.worker")``."""
+    import inspect
+
+    params = inspect.signature(disco.ProcessSession).parameters
+    assert [(p.name, p.default) for p in params.values()] == [
+        ("num_workers", inspect.Parameter.empty),
+        ("num_groups", 1),
+        ("entrypoint", "disco_core.worker"),
+    ]
