@@ -55,9 +55,10 @@ def _usage(prog: str) -> str:
 
 
 def _version_text() -> str:
-    from disco_core.commandline import distribution_version
+    from disco_core.spi import commandline
 
-    return f"disco-socket {distribution_version('disco-socket')} (protocol {PROTOCOL_VERSION})"
+    version = commandline.distribution_version("disco-socket")
+    return f"disco-socket {version} (protocol {PROTOCOL_VERSION})"
 
 
 def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
