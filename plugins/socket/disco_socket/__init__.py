@@ -19,10 +19,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from disco_core import SocketSession
+
 from .controller import DEFAULT_TIMEOUT, NodeLink, SocketChannel
 from .wire import PROTOCOL_VERSION
 
 __all__ = [
+    "SocketSession",
     "SocketChannel",
     "NodeLink",
     "PROTOCOL_VERSION",

@@ -1048,3 +1048,11 @@ def test_remote_workers_beat_at_the_controllers_pace(cluster, monkeypatch):
     sess.import_python_module(FUNCS)
     r = sess.call_packed("testing.getenv", "DISCO_LIVENESS_TIMEOUT")
     assert r.debug_get_from_remote(1) == "4.0"  # set by the agent from the welcome ("4" inherited)
+
+
+def test_the_plugin_package_names_the_session_it_brings():
+    """DESIGN.md's layout: ``import disco_socket`` (SocketSession, multi-node)."""
+    import disco_socket
+
+    assert disco_socket.SocketSession is disco.SocketSession
+    assert "SocketSession" in disco_socket.__all__
