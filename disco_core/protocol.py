@@ -37,6 +37,7 @@ __all__ = [
     "encode",
     "decode",
     "decode_untrusted",
+    "untrusted_refusal",
     "isolate",
     "write_frame",
     "read_frame",
@@ -241,6 +242,23 @@ def decode_untrusted(header: bytes | bytearray | memoryview, buffers: Sequence[A
         raise UntrustedValueError(
             f"refused a malformed value from a network peer ({type(exc).__name__}: {exc})"
         ) from None
+
+
+def untrusted_refusal(frame: Frame) -> str | None:
+    """What a network peer's :func:`decode_untrusted` would refuse in ``frame`` (None: nothing).
+
+    For the sender, before a frame leaves for such a peer: a worker that refuses a
+    command cannot go on with its stream (the frames after it may need the register
+    it never filled), so it ends; the mistake must stay the caller's, at the call.
+    """
+    header, buffers = frame
+    try:
+        _AllowListUnpickler(io.BytesIO(header), buffers=buffers).load()
+    except _Refused as exc:
+        return str(exc)  # the global's name: module.qualname
+    except Exception as exc:  # noqa: BLE001 - anything the peer would refuse is said
+        return f"a value the peer could not rebuild ({type(exc).__name__}: {exc})"
+    return None
 
 
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), np.dtype, np.generic, RegRef)

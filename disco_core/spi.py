@@ -69,6 +69,7 @@ from .channels.base import (
     ReplyHub,
     ThreadWorkerLink,
     WorkerLink,
+    check_untrusted,
     liveness_timeout,
 )
 from .channels.process import (
@@ -155,6 +156,7 @@ __all__ = [
     "ReplyHub",
     "ReplyReader",
     "Outgoing",
+    "check_untrusted",
     "worker_env",
     "worker_argv",
     "spawn_worker",

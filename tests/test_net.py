@@ -319,6 +319,41 @@ def test_decode_untrusted_refuses_objects_and_garbage():
     assert "antigravity" not in sys.modules
 
 
+class _Plain:
+    """A user's class, harmless but not data: no network peer rebuilds it."""
+
+
+def test_a_value_a_network_peer_would_refuse_is_refused_before_it_leaves():
+    """``check_untrusted``: a command for a link whose workers decode untrusted is
+    refused (DiscoTypeError, naming the type) when they would refuse it; other links,
+    and commands of plain values, are not looked at."""
+    from disco_core.channels.base import Outgoing, WorkerLink, check_untrusted
+
+    class Remote(WorkerLink):
+        untrusted = True
+
+        def send(self, out):
+            raise AssertionError("a checked command is not sent")
+
+        def close(self, deadline):
+            pass
+
+    class Local(Remote):
+        untrusted = False
+
+    ok = Outgoing(
+        (protocol.CALL_PACKED, 1, 2, (np.arange(3), [1, (2.5, "s")], disco.Device("cpu", 0)))
+    )
+    bad = Outgoing((protocol.CALL_PACKED, 1, 2, ([1, _Plain()],)))
+    assert protocol.untrusted_refusal(ok.frame) is None
+    assert protocol.untrusted_refusal(bad.frame).endswith("_Plain")
+    check_untrusted(ok, [Remote()])
+    check_untrusted(bad, [Local()])  # a pipe to a process this one started: anything pickled
+    with pytest.raises(disco.DiscoTypeError, match=r"cannot send \S*_Plain to a worker over a network link"):  # fmt: skip
+        check_untrusted(bad, [Local(), Remote()])
+    assert protocol.untrusted_refusal(protocol.encode(_Evil())) == "posix.system"
+
+
 def test_small_record_is_checked_before_any_byte_is_handed_over(sealed_pair):
     """A small record is read whole and verified first; what the caller did not take waits."""
     tx, rx, tap, raw = sealed_pair

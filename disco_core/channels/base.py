@@ -37,6 +37,7 @@ from .._locks import owned, release_if_left
 from ..errors import (
     DiscoError,
     DiscoTimeoutError,
+    DiscoTypeError,
     SessionClosedError,
     WorkerDiedError,
     WorkerError,
@@ -60,6 +61,7 @@ __all__ = [
     "LinkChannel",
     "ThreadWorkerLink",
     "ReaderGate",
+    "check_untrusted",
     "liveness_timeout",
     "gather_timeout",
 ]
@@ -125,6 +127,25 @@ class Outgoing:
         if self.by_reference or self.shared:
             return self.cmds
         return tuple([isolate_command(c) for c in self.cmds])
+
+
+def check_untrusted(out: Outgoing, links: Iterable[WorkerLink]) -> None:
+    """Refuse ``out`` for ``links`` when one of them has :attr:`WorkerLink.untrusted`
+    workers that would refuse a value in it (their ``decode_untrusted``).
+
+    Such a worker cannot skip a command it cannot read (what follows may use the
+    register it never filled): it ends, and the session with it. Checked here, before
+    any link gets the command, the mistake is a :class:`DiscoTypeError` at the call.
+    Values that are all plain (``out.shared``) need no check.
+    """
+    if out.shared or not any(link.untrusted for link in links):
+        return
+    why = protocol.untrusted_refusal(out.frame)
+    if why is not None:
+        raise DiscoTypeError(
+            f"cannot send {why} to a worker over a network link: only plain values, NumPy "
+            "arrays, dtypes, devices and the session's handles cross one"
+        )
 
 
 class Channel(abc.ABC):
@@ -454,6 +475,11 @@ class WorkerLink(abc.ABC):
 
     #: True for a worker in the controller's process (:class:`ThreadWorkerLink`).
     in_process: bool = False
+
+    #: True when the workers behind this link rebuild commands with
+    #: :func:`~disco_core.protocol.decode_untrusted` (they came over a socket): the
+    #: channel refuses, at the call, a command holding a value they would refuse.
+    untrusted: bool = False
 
     #: True when the workers behind this link send heartbeats (worker processes do):
     #: the channel then declares them unresponsive after ``DISCO_LIVENESS_TIMEOUT``
@@ -1444,6 +1470,8 @@ class LinkChannel(Channel):
                 targets = (self._link_of[workers[0]],)
             else:
                 targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
+            if not out.shared:
+                check_untrusted(out, targets)
             if any(link.defers for link in targets):
                 # What was sent before goes first, also when another thread (the flusher,
                 # a worker's hand_over) has cut the batch and is still writing it out.

@@ -56,6 +56,7 @@ class RPCWorkerLink(BatchingLink):
     """One worker in an RPC server's session process, behind the session's socket."""
 
     heartbeats = True  # the server's worker host sends them (disco_core.spi.HeartbeatSender)
+    untrusted = True  # the server's worker host rebuilds commands with decode_untrusted
 
     def __init__(self, worker_id: int, sess: Any, host: str) -> None:
         super().__init__()

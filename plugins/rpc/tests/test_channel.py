@@ -160,3 +160,20 @@ def test_stopped_worker_with_a_full_socket_is_unresponsive(servers, monkeypatch)
         t0 = time.monotonic()
         sess.shutdown()
         assert time.monotonic() - t0 < 6
+
+
+class _NotAllowed:
+    """A user's class: nothing a network peer may rebuild."""
+
+
+def test_a_value_the_servers_would_refuse_is_refused_at_the_call(servers):
+    """An RPC server's workers rebuild commands with an allow-list: a command they
+    cannot read ended the worker, so the controller refuses it at the call."""
+    sess = disco.Session.create("rpc", servers=[s.addr for s in servers], token="disco-secret")
+    try:
+        f = sess.get_global_func("disco.worker_id")
+        with pytest.raises(disco.DiscoTypeError, match=r"cannot send .*_NotAllowed.* network link"):
+            sess.call_packed(f, _NotAllowed())
+        assert [f().debug_get_from_remote(w) for w in range(sess.num_workers)] == [0, 1, 2]
+    finally:
+        sess.shutdown()

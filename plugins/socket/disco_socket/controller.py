@@ -53,6 +53,7 @@ from disco_core.spi import (
     ThreadWorkerLink,
     WorkerLink,
     check_bind,
+    check_untrusted,
     decode_untrusted,
     frame_head,
     liveness_timeout,
@@ -165,6 +166,7 @@ class NodeLink(BatchingLink):
     """
 
     hub: ReplyHub  # set before the reader thread starts
+    untrusted = True  # the agent's workers rebuild commands with decode_untrusted
 
     def __init__(
         self,
@@ -1301,6 +1303,8 @@ class SocketChannel(LinkChannel):
                 else:
                     entry[1].append(w)
             targets = list(groups.values())
+        if not out.shared and self.nodes:  # before any link gets it
+            check_untrusted(out, [link for link, _ in targets])
         staged: dict[int, Outgoing] = {}
         if loads:  # every node has the module file before any worker gets the command
             for link, _ in targets:

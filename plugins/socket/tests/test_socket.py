@@ -1056,3 +1056,31 @@ def test_the_plugin_package_names_the_session_it_brings():
 
     assert disco_socket.SocketSession is disco.SocketSession
     assert "SocketSession" in disco_socket.__all__
+
+
+class _NotAllowed:
+    """A user's class: nothing a network peer may rebuild."""
+
+
+def test_a_value_the_nodes_would_refuse_is_refused_at_the_call(make_socket_session):
+    """DESIGN.md: wrong use is an error at the call site, never a worker crash. A node's
+    worker rebuilds commands with an allow-list; one it cannot read ended it (and the
+    session with it: WorkerDiedError at the next sync), so the controller refuses first."""
+    with make_socket_session(4) as sess:  # 2 nodes: workers 2 and 3 are remote
+        f = sess.get_global_func("disco.worker_id")
+        x = sess.empty((2,), "float32")
+        for bad in (
+            _NotAllowed(),
+            [1, (2, _NotAllowed())],
+            np.array([_NotAllowed()], dtype=object),
+        ):
+            with pytest.raises(
+                disco.DiscoTypeError, match=r"cannot send .*_NotAllowed.* network link"
+            ):
+                sess.call_packed(f, bad)
+        with pytest.raises(disco.DiscoTypeError, match="_NotAllowed"):
+            x.debug_copy_from(3, _NotAllowed())
+        # nothing went to any worker: every one is alive and in step
+        assert [f().debug_get_from_remote(w) for w in range(4)] == [0, 1, 2, 3]
+        sess.call_packed("disco.worker_id")  # plain values still go as before
+        sess.sync_worker_0()
