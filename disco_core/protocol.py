@@ -16,6 +16,7 @@ Frame layout on a byte stream (all little endian)::
 from __future__ import annotations
 
 import collections
+import contextvars
 import copyreg
 import enum
 import io
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UntrustedValueError
+from .errors import DiscoValueError, UntrustedValueError
 from .net.framing import FrameReader, read_frame
 from .net.framing import frame_head as _frame_head
 from .net.io import write_all
@@ -106,7 +107,20 @@ _DISPATCH = collections.ChainMap({}, copyreg.dispatch_table)
 FLAG_BATCH = 1
 
 
+#: The session whose command is being encoded (``Outgoing(..., owner=)``): a handle of
+#: another one, nested in an argument, is refused. Where it was let through, its
+#: register number read whatever this session held under it (outside check).
+SENDER: contextvars.ContextVar[Any] = contextvars.ContextVar("disco_sender", default=None)
+
+
+def _check_owner(obj: Any) -> None:
+    owner = SENDER.get()
+    if owner is not None and getattr(obj, "session", owner) is not owner:
+        raise DiscoValueError(f"{obj!r}, inside an argument, belongs to another session")
+
+
 def _reduce_ref(obj: Any):
+    _check_owner(obj)
     return (RegRef, (obj.reg_id,))
 
 
@@ -296,6 +310,7 @@ def isolate(value: Any) -> Any:
     if t is list:
         return [isolate(v) for v in value]
     if t in _REF_TYPES:
+        _check_owner(value)
         return value  # handles are resolved by the worker, like RegRef
     if t is np.ndarray:
         return value.copy()

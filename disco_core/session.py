@@ -524,12 +524,18 @@ class Session:
                 # The kill rides in the same frame as the command: one write, not two.
                 channel.send(
                     Outgoing(
-                        (P.KILL_REG, tuple(ids)), cmd, by_reference=by_reference, shared=shared
+                        (P.KILL_REG, tuple(ids)),
+                        cmd,
+                        by_reference=by_reference,
+                        shared=shared,
+                        owner=self,
                     )
                 )
                 self._free_regs.extend(ids)
             else:
-                channel.send(Outgoing(cmd, by_reference=by_reference, shared=shared), workers)
+                channel.send(
+                    Outgoing(cmd, by_reference=by_reference, shared=shared, owner=self), workers
+                )
 
     def _call(self, func: DRef, args: tuple, cls: type = DRef) -> Any:
         if self._state["closed"]:
@@ -570,7 +576,7 @@ class Session:
                 if shared:
                     self._channel.send_shared(cmds)
                 else:
-                    self._channel.send(Outgoing(*cmds))
+                    self._channel.send(Outgoing(*cmds, owner=self))
                 free.extend(ids)
             except BaseException as exc:
                 free.append(reg)  # (if the call went out, the next owner's result lands after)
@@ -741,6 +747,9 @@ class Session:
         self._check_open()
         if not isinstance(name, str):
             raise DiscoTypeError(f"get_global_func: name must be a str, got {type(name).__name__}")
+        # A str subclass is sent as a plain str: the command goes as immutable (unchecked),
+        # and a network peer would refuse the subclass, ending its worker (outside check)
+        name = str.__str__(name)
         with self._lock:
             reg = self._alloc()
         # Sent outside the lock (the register is this call's alone until it returns):

@@ -478,3 +478,23 @@ def test_process_session_signature_is_the_designs():
         ("num_groups", 1),
         ("entrypoint", "disco_core.worker"),
     ]
+
+
+@pytest.mark.parametrize("make", [disco.ThreadedSession, disco.ProcessSession])
+def test_a_handle_of_another_session_inside_an_argument_is_refused(make):
+    """Top-level handles of another session were refused already; one inside a list, a
+    tuple or a dict went as its register number and read whatever this session held
+    under it (outside check). Handles of the session itself still resolve there."""
+    with disco.ThreadedSession(1) as other, make(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        theirs = other.call_packed("disco.worker_id")
+        mine = sess.call_packed("disco.worker_id")
+        for bad in ([theirs], {"k": (1, theirs)}, (2, [theirs])):
+            with pytest.raises(disco.DiscoValueError, match="inside an argument, belongs to another session"):  # fmt: skip
+                sess.call_packed("testing.echo", bad)
+        x = sess.empty((1,), "float32")
+        with pytest.raises(disco.DiscoValueError, match="belongs to another session"):
+            x.debug_copy_from(1, [theirs])
+        out = sess.call_packed("testing.echo", [mine, (mine, 7)])
+        assert out.debug_get_from_remote(1) == [1, (1, 7)]
+        assert out.debug_get_from_remote(0) == [0, (0, 7)]

@@ -103,12 +103,17 @@ class Outgoing:
         together with the commands that follow (:meth:`LinkChannel.send`).
     """
 
-    __slots__ = ("cmds", "by_reference", "shared", "_frame")
+    __slots__ = ("cmds", "by_reference", "shared", "owner", "_frame")
 
-    def __init__(self, *cmds: tuple, by_reference: bool = False, shared: bool = False) -> None:
+    def __init__(
+        self, *cmds: tuple, by_reference: bool = False, shared: bool = False, owner: Any = None
+    ) -> None:
         self.cmds = cmds
         self.by_reference = by_reference
         self.shared = shared
+        #: The session sending the commands: a handle of another one nested in a value
+        #: is refused as they are encoded (``protocol.SENDER``). None: not checked.
+        self.owner = owner
         self._frame: Frame | None = None
 
     @property
@@ -119,14 +124,22 @@ class Outgoing:
     def frame(self) -> Frame:
         """The serialised command(s) (pickle header + out-of-band buffers), one frame."""
         if self._frame is None:
-            self._frame = encode(self.cmds if len(self.cmds) > 1 else self.cmds[0])
+            token = protocol.SENDER.set(self.owner)
+            try:
+                self._frame = encode(self.cmds if len(self.cmds) > 1 else self.cmds[0])
+            finally:
+                protocol.SENDER.reset(token)
         return self._frame
 
     def local(self) -> tuple:
         """The commands for an in-process worker: its own copy of every mutable value."""
         if self.by_reference or self.shared:
             return self.cmds
-        return tuple([isolate_command(c) for c in self.cmds])
+        token = protocol.SENDER.set(self.owner)
+        try:
+            return tuple([isolate_command(c) for c in self.cmds])
+        finally:
+            protocol.SENDER.reset(token)
 
 
 def check_untrusted(out: Outgoing, links: Iterable[WorkerLink]) -> None:

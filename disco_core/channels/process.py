@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..commandline import level_for_workers
-from ..errors import WorkerDiedError
+from ..errors import UntrustedValueError, WorkerDiedError
 from ..net.io import grow_pipe
 from ..net.spawn import spawn_worker, worker_argv
 from ..protocol import FrameReader, decode
@@ -211,6 +211,17 @@ class ReplyReader(threading.Thread):
     def on_message(self, link: Any, msg: tuple) -> None:
         """A hook for each reply before it is delivered (nothing by default)."""
 
+    def refused(self, worker_id: int, exc: UntrustedValueError) -> tuple:
+        """The message to deliver in place of a whole frame :attr:`decode` refused.
+
+        By default the refusal ends the link (a pipe from a process this one started
+        that does not decode is broken). A reader whose frames crossed a socket
+        answers the waiting call with the refusal instead: the frame was whole, so
+        the stream is still in step, and the value was the worker's reply (what a
+        function returned), which must not end the session.
+        """
+        raise exc
+
     def link_ended(self, link: Any, fd: int, exc: BaseException) -> None:
         """The link ended (end of file, an error, a refused frame): mark its workers dead."""
         link.reader.close()
@@ -245,7 +256,10 @@ class ReplyReader(threading.Thread):
         try:
             while True:  # every frame already buffered, not just the first
                 header, buffers, _ = reader.read()
-                msg = load(header, buffers)
+                try:
+                    msg = load(header, buffers)
+                except UntrustedValueError as exc:
+                    msg = self.refused(wid, exc)
                 self.on_message(link, msg)
                 deliver(wid, msg)
                 if not reader.has_buffered():

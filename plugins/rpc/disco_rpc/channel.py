@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from disco_core import DiscoError, WorkerDiedError
+from disco_core import DiscoError, UntrustedValueError, WorkerDiedError, WorkerError
 from disco_core.spi import (
     BatchingLink,
     LinkChannel,
@@ -134,6 +134,19 @@ class _ReplyReader(ReplyReader):
     def on_message(self, link: RPCWorkerLink, msg: tuple) -> None:
         if msg[0] == "ready":
             link.pid = msg[1]
+
+    def refused(self, worker_id: int, exc: UntrustedValueError) -> tuple:
+        # A whole frame this process does not rebuild (a remote function's result that
+        # is not plain data): the waiting call fails, the session goes on (as the
+        # socket channel's replies do)
+        return (
+            "fail",
+            WorkerError(
+                worker_id,
+                type(exc).__name__,
+                f"the worker's reply was refused by the controller: {exc}",
+            ),
+        )
 
     def link_ended(self, link: RPCWorkerLink, fd: int, exc: BaseException) -> None:
         link.eof.set()

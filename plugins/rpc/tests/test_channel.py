@@ -177,3 +177,34 @@ def test_a_value_the_servers_would_refuse_is_refused_at_the_call(servers):
         assert [f().debug_get_from_remote(w) for w in range(sess.num_workers)] == [0, 1, 2]
     finally:
         sess.shutdown()
+
+
+def test_a_reply_the_controller_refuses_fails_the_call_not_the_session(servers):
+    """A remote value outside the allow-list (a function, here) fetched back: the
+    frame is whole, so the call fails with a WorkerError and the session goes on (it
+    ended the link before, and the session with it)."""
+    sess = disco.Session.create("rpc", servers=[s.addr for s in servers], token="disco-secret")
+    try:
+        f = sess.get_global_func("disco.worker_id")
+        with pytest.raises(disco.WorkerError, match="refused by the controller") as info:
+            f.debug_get_from_remote(2)
+        assert info.value.worker_id == 2
+        assert [f().debug_get_from_remote(w) for w in range(sess.num_workers)] == [0, 1, 2]
+    finally:
+        sess.shutdown()
+
+
+class _Name(str):
+    """A user's str subclass."""
+
+
+def test_a_str_subclass_for_a_function_name_goes_as_a_plain_str(servers):
+    """get_global_func sends the name as an immutable value (unchecked): a str subclass
+    would reach the servers' workers, which refuse it and end."""
+    sess = disco.Session.create("rpc", servers=[s.addr for s in servers], token="disco-secret")
+    try:
+        f = sess.get_global_func(_Name("disco.worker_id"))
+        assert [f().debug_get_from_remote(w) for w in range(sess.num_workers)] == [0, 1, 2]
+        assert sess.call_packed(_Name("disco.world_size")).debug_get_from_remote(2) == 3
+    finally:
+        sess.shutdown()
