@@ -151,9 +151,14 @@ def _bfloat16():
 
 
 def as_dtype(dtype: Any) -> np.dtype:
-    """Parse a dtype (``"float32"``, ``np.float16``, ``"bfloat16"``), with a clear error."""
+    """Parse a dtype (``"float32"``, ``np.float16``, ``"bfloat16"``), with a clear error.
+
+    A dtype of the other byte order is given in this machine's (a worker's array is).
+    """
     if isinstance(dtype, np.dtype):
-        return dtype
+        if dtype.isnative and dtype.kind in "biufc?":  # the common case: nothing to check
+            return dtype
+        return _checked(dtype.newbyteorder("=") if not dtype.isnative else dtype)
     if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
         return _bfloat16()
     if dtype is None:
@@ -167,6 +172,11 @@ def as_dtype(dtype: Any) -> np.dtype:
         raise DiscoTypeError(
             f"unknown dtype {dtype!r}; use a NumPy dtype name such as 'float32' or 'int64'"
         ) from None
+    return _checked(dt.newbyteorder("=") if not dt.isnative else dt)
+
+
+def _checked(dt: np.dtype) -> np.dtype:
+    """``dt`` if a worker array may hold it, else a :class:`DiscoTypeError`."""
     custom = type(dt.type).__module__.startswith("ml_dtypes") or dt.type.__module__.startswith(
         "ml_dtypes"
     )

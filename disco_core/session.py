@@ -768,6 +768,11 @@ class Session:
         commands.
         """
         self._check_open()
+        if not isinstance(module_name, str) or not module_name:
+            raise DiscoTypeError(
+                f"import_python_module: module_name must be a module's name (a str), got {module_name!r}"
+            )
+        module_name = str.__str__(module_name)  # a plain str crosses to every worker
         self._sync_worker(0)
         try:
             importlib.import_module(module_name)
@@ -853,6 +858,8 @@ class Session:
         Returns once worker 0 holds the data, so the host array may change afterwards.
         """
         host = as_array(host_array)
+        if isinstance(host, np.ndarray) and not host.dtype.isnative:
+            host = host.astype(host.dtype.newbyteorder("="))  # a worker's array is native
         if remote_array is None:
             remote_array = self.empty(host.shape, host.dtype, worker0_only=True)
         elif not isinstance(remote_array, DRef):
@@ -927,8 +934,18 @@ class Session:
         if self._state["ccl"] is not None:
             raise CCLError(f"a CCL ({self._state['ccl']!r}) is already initialised on this session")
         cls = plugins.lookup("ccl", ccl)
+        for d in device_ids:
+            if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+                raise DiscoTypeError(f"init_ccl: device ids must be ints, got {d!r}")
         ids = tuple(int(d) for d in device_ids)
-        rendezvous = cls.rendezvous(self._channel, ids, **options)
+        try:
+            rendezvous = cls.rendezvous(self._channel, ids, **options)
+        except DiscoError:
+            raise
+        except TypeError as exc:  # an option of the wrong type, as the CCL reads it
+            raise DiscoTypeError(f"init_ccl({ccl!r}, options {sorted(options)}): {exc}") from exc
+        except ValueError as exc:
+            raise DiscoValueError(f"init_ccl({ccl!r}, options {sorted(options)}): {exc}") from exc
         self._state["rendezvous"] = rendezvous
         self._channel.on_worker_death(
             lambda ids_, reason: rendezvous.abort(f"worker(s) {ids_} died: {reason}")
@@ -1140,7 +1157,14 @@ class Session:
         w = self._check_worker(worker_id)
         if not isinstance(value, np.ndarray) and hasattr(value, "__dlpack__"):
             value = np.array(as_array(value), copy=True)
-        self._send((P.DEBUG_SET_REGISTER, ref.reg_id, w, value), [w])
+        try:
+            self._send((P.DEBUG_SET_REGISTER, ref.reg_id, w, value), [w])
+        except (DiscoError, OSError):
+            raise
+        except Exception as exc:  # a value that cannot be sent (as call_packed says it)
+            raise DiscoTypeError(
+                f"debug_copy_from: the value cannot be sent to worker {w}: {exc}"
+            ) from exc
         self._recv(w)
 
     def shutdown(self) -> None:

@@ -130,3 +130,43 @@ def test_dlpack_arrays_are_viewed_without_copy():
     assert dev.to_host(5) == 5
     with pytest.raises(TypeError):
         dev.as_array(object())
+
+
+def test_a_dtype_object_is_checked_as_a_name_is_and_given_in_native_order():
+    """``np.dtype`` objects skipped the check (the error came from every worker, later),
+    and a big-endian one made a native array that its own data could not be copied to."""
+    for bad in (np.dtype(object), np.dtype([("a", "f4")]), np.dtype("U3"), np.dtype("S2")):
+        with pytest.raises(disco.DiscoTypeError, match="cannot live in a worker array"):
+            dev.as_dtype(bad)
+    assert dev.as_dtype(np.dtype(">f4")) == np.dtype("float32")
+    assert dev.as_dtype(">i8").isnative
+    assert dev.as_dtype(np.dtype("float16")) is np.dtype("float16")
+
+
+def test_odd_host_values_are_clear_errors_at_the_call_or_work():
+    """Outside check: each of these raised a raw error, or an error from the workers, or
+    refused a legitimate big-endian array."""
+    with disco.ProcessSession(2) as sess:
+        with pytest.raises(disco.DiscoTypeError, match="device ids must be ints, got 'a'"):
+            sess.init_ccl("shm", "a")
+        with pytest.raises(
+            disco.DiscoValueError, match=r"init_ccl\('shm', options \['timeout'\]\)"
+        ):
+            sess.init_ccl("shm", timeout="abc")
+        with pytest.raises(disco.DiscoTypeError, match=r"init_ccl\('shm'"):
+            sess.init_ccl("shm", timeout=lambda: 1)
+        sess.init_ccl("shm")
+        with pytest.raises(disco.DiscoTypeError, match="module_name must be"):
+            sess.import_python_module(3)
+        with pytest.raises(disco.DiscoTypeError, match="cannot live in a worker array"):
+            sess.empty((2,), np.dtype(object))
+        with pytest.raises(disco.DiscoTypeError, match="cannot live in a worker array"):
+            sess.broadcast(np.array(["a", "b"]))
+        with pytest.raises(disco.DiscoTypeError, match="debug_copy_from: the value cannot be sent"):
+            sess.empty((2,), "float32").debug_copy_from(1, lambda: 0)
+        big = np.arange(4, dtype=">f4")
+        assert sess.broadcast(big).debug_get_from_remote(1).tolist() == [0, 1, 2, 3]
+        assert sess.scatter(np.arange(4, dtype=">i8").reshape(2, 2)).debug_get_from_remote(1).tolist() == [2, 3]  # fmt: skip
+        assert sess.copy_to_worker_0(big).debug_get_from_remote(0).tolist() == [0, 1, 2, 3]
+        f = sess.get_global_func("disco.worker_id")
+        assert [f().debug_get_from_remote(w) for w in range(2)] == [0, 1]
