@@ -107,9 +107,9 @@ _DISPATCH = collections.ChainMap({}, copyreg.dispatch_table)
 FLAG_BATCH = 1
 
 
-#: The session whose command is being encoded (``Outgoing(..., owner=)``): a handle of
-#: another one, nested in an argument, is refused. Where it was let through, its
-#: register number read whatever this session held under it (outside check).
+#: The session whose command is being encoded (``Outgoing(..., owner=)``). A handle of
+#: another session nested in an argument is refused; let through, its register number
+#: read whatever this session held under it (outside check).
 SENDER: contextvars.ContextVar[Any] = contextvars.ContextVar("disco_sender", default=None)
 
 

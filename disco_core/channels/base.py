@@ -111,8 +111,8 @@ class Outgoing:
         self.cmds = cmds
         self.by_reference = by_reference
         self.shared = shared
-        #: The session sending the commands: a handle of another one nested in a value
-        #: is refused as they are encoded (``protocol.SENDER``). None: not checked.
+        #: The session sending the commands. A handle of another session nested in a
+        #: value is refused as they are encoded (``protocol.SENDER``); None checks nothing.
         self.owner = owner
         self._frame: Frame | None = None
 
