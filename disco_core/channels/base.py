@@ -1129,6 +1129,7 @@ class LinkChannel(Channel):
         self._direct: list[WorkerLink] = []  # the others: they get every command at once
         self._pendings: list[collections.deque] = []  # the in-process workers' queues
         self._direct_others: list[WorkerLink] = []  # direct links not in this process
+        self._untrusted = False  # some link's workers decode untrusted (set with the links)
         # A subclass with its own send() (it looks at every command) gets every one there.
         self._fast_shared = type(self).send is LinkChannel.send
         # Until a session attaches its store (a channel that wraps this one may not pass
@@ -1336,6 +1337,9 @@ class LinkChannel(Channel):
         self._direct = [link for link in self.links if not link.defers]
         self._pendings = [link.pending for link in self._direct if type(link) is ThreadWorkerLink]
         self._direct_others = [link for link in self._direct if type(link) is not ThreadWorkerLink]
+        # links whose workers decode untrusted: a command with a value other than plain
+        # ones is checked before it goes (check_untrusted), only when there are some
+        self._untrusted = any(link.untrusted for link in links)
         for link in self.links:
             if isinstance(link, ThreadWorkerLink):
                 link.worker.ctx.hand_over = self.hand_over
@@ -1483,7 +1487,7 @@ class LinkChannel(Channel):
                 targets = (self._link_of[workers[0]],)
             else:
                 targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
-            if not out.shared:
+            if self._untrusted and not out.shared:
                 check_untrusted(out, targets)
             if any(link.defers for link in targets):
                 # What was sent before goes first, also when another thread (the flusher,
