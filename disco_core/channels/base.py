@@ -124,11 +124,16 @@ class Outgoing:
     def frame(self) -> Frame:
         """The serialised command(s) (pickle header + out-of-band buffers), one frame."""
         if self._frame is None:
-            token = protocol.SENDER.set(self.owner)
-            try:
-                self._frame = encode(self.cmds if len(self.cmds) > 1 else self.cmds[0])
-            finally:
-                protocol.SENDER.reset(token)
+            cmds = self.cmds if len(self.cmds) > 1 else self.cmds[0]
+            if self.shared or self.owner is None:
+                # the hot path (batches of plain commands): no handle nested in a value
+                self._frame = encode(cmds)
+            else:
+                token = protocol.SENDER.set(self.owner)
+                try:
+                    self._frame = encode(cmds)
+                finally:
+                    protocol.SENDER.reset(token)
         return self._frame
 
     def local(self) -> tuple:
