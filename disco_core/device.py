@@ -187,14 +187,40 @@ def _checked(dt: np.dtype) -> np.dtype:
     return dt
 
 
-def as_shape(shape: Any) -> tuple[int, ...]:
-    """Parse a shape (an int or a sequence of ints >= 0), with a clear error."""
+def _max_dims() -> int:
+    """The most dimensions a NumPy array may have (64 from NumPy 2, 32 before)."""
+    try:
+        np.empty((0,) * 64)
+    except ValueError:
+        return 32
+    return 64
+
+
+# The most dimensions a shape may have (NumPy's own limit).
+_MAX_DIMS = _max_dims()
+
+
+def as_shape(shape: Any, dtype: Any = None) -> tuple[int, ...]:
+    """Parse a shape (an int or a sequence of ints >= 0), with a clear error.
+
+    Parameters
+    ----------
+    shape : int or sequence of int
+        The shape.
+    dtype : numpy.dtype, optional
+        When given, the shape is also checked to be one an array of this dtype can
+        have: its size in bytes (zero-length axes aside, as NumPy counts) must fit a
+        pointer-sized integer. A shape that cannot exist is refused here rather than
+        by every worker later.
+    """
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
     try:
         dims = tuple(shape)
     except TypeError:
         raise DiscoTypeError(f"shape must be a tuple of ints, got {shape!r}") from None
+    if len(dims) > _MAX_DIMS:
+        raise DiscoValueError(f"shape has {len(dims)} dimensions; an array has at most {_MAX_DIMS}")
     out = []
     for d in dims:
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
@@ -202,7 +228,20 @@ def as_shape(shape: Any) -> tuple[int, ...]:
         if d < 0:
             raise DiscoValueError(f"shape dimensions must be >= 0, got {shape!r}")
         out.append(int(d))
+    if dtype is not None:
+        nbytes = np.dtype(dtype).itemsize
+        for d in out:
+            nbytes *= max(d, 1)
+        if nbytes > _MAX_BYTES:
+            raise DiscoValueError(
+                f"shape {tuple(out)} of {np.dtype(dtype).name} is too large for any array "
+                f"({nbytes:.3g} bytes; the most is {_MAX_BYTES:.3g})"
+            )
     return tuple(out)
+
+
+# An array's size in bytes is a pointer-sized signed integer.
+_MAX_BYTES = int(np.iinfo(np.intp).max)
 
 
 def _cupy():
@@ -217,7 +256,8 @@ def _cupy():
 
 def empty(shape: Any, dtype: Any, device: Device | None = None) -> Any:
     """Allocate an uninitialised array on ``device`` (NumPy on cpu, CuPy on GPUs)."""
-    shape, dtype = as_shape(shape), as_dtype(dtype)
+    dtype = as_dtype(dtype)
+    shape = as_shape(shape, dtype)
     device = as_device(device)
     if device is None or device.device_type == "cpu":
         return np.empty(shape, dtype)

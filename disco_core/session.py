@@ -772,6 +772,11 @@ class Session:
             raise DiscoTypeError(
                 f"import_python_module: module_name must be a module's name (a str), got {module_name!r}"
             )
+        if module_name.startswith("."):
+            raise DiscoValueError(
+                f"import_python_module: {module_name!r} is a relative name; give the module's "
+                "full name (the workers import it from no package)"
+            )
         module_name = str.__str__(module_name)  # a plain str crosses to every worker
         self._sync_worker(0)
         try:
@@ -889,8 +894,8 @@ class Session:
         worker0_only : bool
             Allocate only on worker 0 (``in_group=False``) or on each group's first worker.
         """
-        shape = as_shape(shape)
         dt = as_dtype(dtype)
+        shape = as_shape(shape, dt)
         dev = as_device(device)
         func = self._get_cached_method("disco.empty")
         return self._call(func, (shape, dt.name, dev, bool(worker0_only), bool(in_group)))
@@ -903,7 +908,16 @@ class Session:
         The loader is chosen by the file's suffix (``.py`` in the core, ``.pt2`` with torch).
         """
         self._check_open()
-        path = os.path.abspath(os.fspath(path))
+        if not isinstance(path, (str, os.PathLike)):
+            raise DiscoTypeError(
+                f"load_vm_module: path must be a file's path (str or os.PathLike), got {type(path).__name__}"
+            )
+        try:
+            path = os.path.abspath(os.fspath(path))
+        except TypeError as exc:  # a PathLike whose __fspath__ gives no str or bytes
+            raise DiscoTypeError(f"load_vm_module: path {path!r} is no file path: {exc}") from None
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
         suffix = os.path.splitext(path)[1]
         if not suffix:
             raise DiscoValueError(

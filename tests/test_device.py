@@ -170,3 +170,27 @@ def test_odd_host_values_are_clear_errors_at_the_call_or_work():
         assert sess.copy_to_worker_0(big).debug_get_from_remote(0).tolist() == [0, 1, 2, 3]
         f = sess.get_global_func("disco.worker_id")
         assert [f().debug_get_from_remote(w) for w in range(2)] == [0, 1]
+
+
+def test_a_shape_no_array_can_have_is_refused_at_the_call():
+    """A shape whose array cannot exist (too many bytes, too many dimensions) failed on
+    every worker, at the next sync; a relative module name and a path of the wrong type
+    raised raw errors."""
+    with pytest.raises(disco.DiscoValueError, match="too large for any array"):
+        dev.as_shape((2**70,), np.dtype("float32"))
+    with pytest.raises(disco.DiscoValueError, match="too large for any array"):
+        dev.as_shape((0, 2**62, 4), np.dtype("float32"))  # NumPy counts past a zero too
+    with pytest.raises(disco.DiscoValueError, match="at most"):
+        dev.as_shape((1,) * 65)
+    assert dev.as_shape((0, 2**40), np.dtype("float32")) == (0, 2**40)
+    assert dev.as_shape((3, 4), np.dtype("float64")) == (3, 4)
+    with disco.ProcessSession(2) as sess:
+        for shape in ((2**70,), (2**40, 2**40)):
+            with pytest.raises(disco.DiscoValueError, match="too large for any array"):
+                sess.empty(shape, "float32")
+        with pytest.raises(disco.DiscoValueError, match="relative name"):
+            sess.import_python_module(".foo")
+        with pytest.raises(disco.DiscoTypeError, match="path must be a file's path"):
+            sess.load_vm_module(3)
+        f = sess.get_global_func("disco.worker_id")  # the session goes on
+        assert [f().debug_get_from_remote(w) for w in range(2)] == [0, 1]

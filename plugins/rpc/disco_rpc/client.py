@@ -1135,8 +1135,9 @@ def tensor(arr: Any, device: RemoteDevice) -> RemoteTensor:
 def empty(shape: Any, dtype: Any = "float32", device: RemoteDevice | None = None) -> RemoteTensor:
     """An uninitialised array on a remote device."""
     dev = _remote_dev(device)
+    dt = as_dtype(dtype)
     return dev._rpc_sess._request(
-        OP_EMPTY, as_shape(shape), as_dtype(dtype), Device(dev.device_type, dev.device_id)
+        OP_EMPTY, as_shape(shape, dt), dt, Device(dev.device_type, dev.device_id)
     )
 
 

@@ -270,6 +270,10 @@ def test_empty_and_returned_arrays(sess):
     np.testing.assert_array_equal(np.asarray(r), np.arange(6))
     with pytest.raises(TypeError, match="remote device"):
         rpc.empty((2,), "float32", device=disco.Device("cpu", 0))
+    # refused here, before a request: no array can have that many bytes
+    with pytest.raises(disco.DiscoValueError, match="too large for any array"):
+        rpc.empty((2**40, 2**40), "float32", device=dev)
+    assert rpc.empty((3,), "float32", device=dev).shape == (3,)  # the session goes on
 
 
 def test_devices(sess):
