@@ -302,3 +302,30 @@ def test_commands_behind_a_collective_cut_by_ctrl_c_still_run(slow_flusher):
         while "after" not in _MARKS and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _MARKS == ["after"]
+
+
+def test_a_sync_with_a_worker_process_does_not_wake_the_flusher():
+    """The sync's own command is written by the wait that follows it: waking the
+    flusher thread for it cost two wake-ups of this process a sync (~9 us of 68 us on
+    one CPU). Commands sent without a wait still wake it (or nothing would send them)."""
+    with disco.ProcessSession(2) as sess:
+        f = sess.get_global_func("disco.worker_id")
+        sess._sync_all()
+        channel = sess.channel
+        marked = []
+        real = channel._mark_dirty
+        channel._mark_dirty = lambda: (marked.append(1), real())[1]
+        try:
+            channel._flush_due = False  # as after the flusher's last round
+            for _ in range(20):
+                sess._sync_worker(1)
+            assert marked == []
+            r = f()  # no wait follows: the flusher must send it
+            assert marked == [1]
+        finally:
+            del channel._mark_dirty
+        deadline = time.monotonic() + 10
+        while channel._batch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not channel._batch  # the flusher sent it, nobody synced
+        assert r.debug_get_from_remote(1) == 1
