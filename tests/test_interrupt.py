@@ -55,8 +55,8 @@ def _interrupt_after_sending(channel, action, worker):
     to ``worker`` went out: Ctrl-C between a command's send and its wait."""
     real = channel.send
 
-    def send_then_interrupt(out, workers=None, **kw):
-        real(out, workers, **kw)
+    def send_then_interrupt(out, workers=None):
+        real(out, workers)
         cmd = out.cmds[-1]
         # (DEBUG_GET_FROM_REMOTE, reg, worker) or (SYNC_WORKER, worker), not a fence
         if cmd[0] == action and cmd[-1] == worker and len(cmd) == 2 + (action != P.SYNC_WORKER):  # fmt: skip
