@@ -235,7 +235,7 @@ def as_shape(shape: Any, dtype: Any = None) -> tuple[int, ...]:
         if nbytes > _MAX_BYTES:
             raise DiscoValueError(
                 f"shape {tuple(out)} of {np.dtype(dtype).name} is too large for any array "
-                f"({nbytes:.3g} bytes; the most is {_MAX_BYTES:.3g})"
+                f"({nbytes:,} bytes; the most is {_MAX_BYTES:,})"
             )
     return tuple(out)
 

@@ -772,8 +772,8 @@ class Session:
             raise DiscoTypeError(
                 f"import_python_module: module_name must be a module's name (a str), got {module_name!r}"
             )
-        if module_name.startswith("."):
-            raise DiscoValueError(
+        if module_name.startswith("."):  # a TypeError, as importlib's own for it
+            raise DiscoTypeError(
                 f"import_python_module: {module_name!r} is a relative name; give the module's "
                 "full name (the workers import it from no package)"
             )
@@ -908,9 +908,9 @@ class Session:
         The loader is chosen by the file's suffix (``.py`` in the core, ``.pt2`` with torch).
         """
         self._check_open()
-        if not isinstance(path, (str, os.PathLike)):
+        if not isinstance(path, (str, bytes, os.PathLike)):
             raise DiscoTypeError(
-                f"load_vm_module: path must be a file's path (str or os.PathLike), got {type(path).__name__}"
+                f"load_vm_module: path must be a file's path (str, bytes or os.PathLike), got {type(path).__name__}"
             )
         try:
             path = os.path.abspath(os.fspath(path))

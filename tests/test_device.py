@@ -188,9 +188,11 @@ def test_a_shape_no_array_can_have_is_refused_at_the_call():
         for shape in ((2**70,), (2**40, 2**40)):
             with pytest.raises(disco.DiscoValueError, match="too large for any array"):
                 sess.empty(shape, "float32")
-        with pytest.raises(disco.DiscoValueError, match="relative name"):
+        with pytest.raises(disco.DiscoTypeError, match="relative name"):
             sess.import_python_module(".foo")
         with pytest.raises(disco.DiscoTypeError, match="path must be a file's path"):
             sess.load_vm_module(3)
+        with pytest.raises(disco.DiscoFileNotFoundError, match="no such file"):
+            sess.load_vm_module(b"/nonexistent/m.py")  # bytes are a path, as os.fspath says
         f = sess.get_global_func("disco.worker_id")  # the session goes on
         assert [f().debug_get_from_remote(w) for w in range(2)] == [0, 1]

@@ -337,3 +337,44 @@ def test_a_sync_with_a_worker_process_does_not_wake_the_flusher():
             time.sleep(0.01)
         assert not channel._batch  # the flusher sent it, nobody synced
         assert r.debug_get_from_remote(1) == 1
+
+
+def test_a_sync_cut_short_before_its_wait_still_sends_its_command(monkeypatch):
+    """Ctrl-C between the sync's send and its wait (which would have flushed): the
+    command held back goes out with the flusher, as any other does (outside check)."""
+    with disco.ProcessSession(2) as sess:
+        sess._sync_all()
+        time.sleep(0.1)  # the flusher is idle
+        link = sess.channel._link_of[1]
+        real = base.LinkChannel.recv
+        calls = []
+
+        def interrupted(self, worker_id, timeout=None):
+            if not calls:
+                calls.append(worker_id)
+                raise KeyboardInterrupt
+            return real(self, worker_id, timeout)
+
+        monkeypatch.setattr(base.LinkChannel, "recv", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            sess._sync_worker(1)
+        monkeypatch.setattr(base.LinkChannel, "recv", real)
+        deadline = time.monotonic() + 10
+        while link.outbox and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls == [1] and not link.outbox  # written, with no other send or sync
+        f = sess.get_global_func("disco.worker_id")
+        assert int(f().debug_get_from_remote(1)) == 1  # its answer is not taken for this
+
+
+def test_an_endless_flush_delay_keeps_the_flusher_alive(monkeypatch):
+    """DISCO_FLUSH_DELAY=inf (or past time.sleep's limit) made the flusher's sleep raise
+    and end its thread (outside check); it now waits an hour between kicks at most."""
+    monkeypatch.setattr(base, "FLUSH_DELAY", float("inf"))
+    with disco.ProcessSession(2) as sess:
+        f = sess.get_global_func("disco.worker_id")
+        r = f()  # wakes the flusher, which then sleeps
+        time.sleep(0.2)
+        flusher = sess.channel._flusher
+        assert flusher is not None and flusher.is_alive()
+        assert int(r.debug_get_from_remote(1)) == 1  # a wait still hands it over

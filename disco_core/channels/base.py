@@ -1207,7 +1207,9 @@ class LinkChannel(Channel):
             if self._stopping:
                 return
             if not now:
-                time.sleep(min(FLUSH_DELAY, threading.TIMEOUT_MAX))  # inf would raise
+                # inf, or anything past time.sleep's own limit, would raise and end
+                # this thread: an hour is as good as never between two kicks
+                time.sleep(min(FLUSH_DELAY, 3600.0))
                 self._flush_due = False
             self._kick()
 
@@ -1581,7 +1583,14 @@ class LinkChannel(Channel):
                 self.send(Outgoing((protocol.SYNC_WORKER, worker_id), shared=True), [worker_id])
             finally:
                 _flush_follows.on = False
-            self.recv(worker_id)
+            try:
+                self.recv(worker_id)
+            except BaseException:
+                # (Ctrl-C, a death) perhaps before the wait flushed: the flusher sends
+                # what is held back, as it would have without the flag
+                if not self._flush_due:
+                    self._mark_dirty()
+                raise
             return
         # A worker of this process syncs right here: no command, no reply to queue.
         hub = self.hub
