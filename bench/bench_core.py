@@ -143,6 +143,19 @@ def round_trip_samples(sess: Any, func: Any, reps: int) -> list[float]:
     return times
 
 
+def worker1_samples(sess: Any, func: Any, reps: int, call: bool) -> list[float]:
+    """Wall times of ``reps`` syncs with worker 1 (a worker process): ``_sync_worker(1)``,
+    after a ``call_packed`` when ``call`` (TVM's private method of the same name)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if call:
+            func()
+        sess._sync_worker(1)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def async_sample(sess: Any, func: Any, calls: int) -> float:
     """Seconds per call of ``calls`` async call_packed (results dropped) + one sync."""
     t0 = time.perf_counter()
@@ -328,6 +341,18 @@ def measure_placement(
                         "round_trip_s": rt[name],
                         "async_per_call_s": per_call[name],
                     }
+                if kind == "process" and n == 2:
+                    for call in (True, False):
+                        key = "call_sync1_s" if call else "sync1_s"
+                        warm = lambda r, c=call: worker1_samples(r[1], r[2], 50, c)  # noqa: E731
+                        interleaved(runs, warm, 1)
+                        got = interleaved(
+                            runs,
+                            lambda r, c=call: worker1_samples(r[1], r[2], rt_reps // 10, c),
+                            10,
+                        )
+                        for name in runs:
+                            ctl[(kind, n, name)][key] = got[name]
                 if n == 2:
                     for name, v in bench_copies(runs, copy_sizes, quick).items():
                         copies[(kind, name)] = v
@@ -445,6 +470,35 @@ def run(quick: bool = False, tvm: bool = True, only: list[str] | None = None) ->
             "calls/s",
             "async/call TVM",
             "async ratio",
+        ],
+        rows,
+    )
+
+    rows = []
+    for name, r in per.items():
+        o = r["ctl"][("process", 2, "ours")]
+        t = r["ctl"].get(("process", 2, "TVM"))
+        rows.append(
+            [
+                f"{name:8s} process  n=2",
+                fmt_time(o["call_sync1_s"]),
+                fmt_time(t and t["call_sync1_s"]),
+                fmt_num(ratio(o["call_sync1_s"], t and t["call_sync1_s"])),
+                fmt_time(o["sync1_s"]),
+                fmt_time(t and t["sync1_s"]),
+                fmt_num(ratio(o["sync1_s"], t and t["sync1_s"])),
+            ]
+        )
+    print_table(
+        "sync with a worker process (medians; no target: worker 0's round trip is the row above)",
+        [
+            "placement session",
+            "call+sync(1) ours",
+            "TVM",
+            "ratio",
+            "sync(1) ours",
+            "TVM",
+            "ratio",
         ],
         rows,
     )

@@ -39,6 +39,7 @@ from ..protocol import (
     write_frame,
 )
 from ..store import NoStore, RemoteStore, Store
+from ._poll_first import reader_of, spin_seconds
 
 __all__ = [
     "WorkerContext",
@@ -746,7 +747,7 @@ def main(argv: list[str] | None = None) -> None:
 
     send = HeartbeatSender(send)
     worker = Worker(args.worker_id, args.num_workers, args.num_groups, send)
-    reader = FrameReader(args.cmd_fd)
+    reader = FrameReader(args.cmd_fd, read=reader_of(args.cmd_fd, spin_seconds()))
     send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
     send(("ready", os.getpid()))
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
