@@ -64,13 +64,13 @@ class _State:
     function that may block (the function cuts what it was writing); ``poked``: the
     next SIGINT is :func:`_poke`'s, not the user's."""
 
-    __slots__ = ("pending", "escalated", "warning", "users", "poked", "poking", "held_at")
+    __slots__ = ("pending", "escalated", "warn_at", "users", "poked", "poking", "held_at")
 
     def __init__(self) -> None:
         self.pending = False
         self.held_at = 0.0  # when the interrupt pending was held back (time.monotonic)
         self.escalated = False
-        self.warning = False  # the handler is logging its warning
+        self.warn_at = 0.0  # when the watcher says a write holds the interrupt back (0: not)
         self.users = 0  # sessions alive that installed the handler
         self.poked = False
         self.poking = False  # a _poke thread watches the main thread
@@ -179,6 +179,9 @@ def _protected_frame(frame: FrameType | None) -> bool | None:
 MERGE_WINDOW = 0.25
 #: Seconds between two looks of :func:`_poke` at the main thread.
 POKE_INTERVAL = 0.001
+#: Seconds a write to a worker may hold a Ctrl-C back before the watcher warns that it
+#: does (and that a second Ctrl-C gives the worker up); below :data:`MERGE_WINDOW`.
+WARN_AFTER = 0.1
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -188,8 +191,6 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
             state.pending = False
             raise KeyboardInterrupt
         return
-    if state.warning:  # a Ctrl-C while the warning below is logged: merged with the first
-        return  # (raised inside logging, it could leave a logging lock taken)
     blocking = _protected_frame(frame)
     if blocking and state.pending and time.monotonic() - state.held_at < MERGE_WINDOW:
         return  # the same press (a burst, a key bounce): not yet a second Ctrl-C
@@ -200,19 +201,16 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     first = not state.pending
     if first:
         state.held_at = time.monotonic()
+    if first:
+        # A write that holds it back is told by the watcher thread, and only if it
+        # still waits then: most writes end within microseconds (an outside check saw
+        # the warning for 10 % of a Ctrl-C storm's presses), and logging here could be
+        # cut by a second Ctrl-C
+        state.warn_at = state.held_at + WARN_AFTER if blocking else 0.0
     state.pending = True
     if not state.poking:
         state.poking = True
         _thread.start_new_thread(_poke, ())  # one C call: no Python frame in the way
-    if first and blocking:
-        state.warning = True
-        try:
-            logger.warning(
-                "interrupted while commands are written to a worker: finishing that first; "
-                "interrupt again to give the worker up"
-            )
-        finally:
-            state.warning = False
 
 
 def _poke() -> None:
@@ -243,7 +241,15 @@ def _poke() -> None:
                 if not state.poked and not _inside_protected(frame):
                     state.poked = True
                     signal.pthread_kill(_MAIN, signal.SIGINT)
+                elif state.warn_at and time.monotonic() >= state.warn_at:
+                    state.warn_at = 0.0
+                    if state.pending and _protected_frame(frame):  # still in a write
+                        logger.warning(
+                            "interrupted while commands are written to a worker: finishing "
+                            "that first; interrupt again to give the worker up"
+                        )
                 del frame
+            state.warn_at = 0.0
             state.poking = False
             if not state.pending:
                 return
