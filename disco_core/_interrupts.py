@@ -201,7 +201,6 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     first = not state.pending
     if first:
         state.held_at = time.monotonic()
-    if first:
         # A write that holds it back is told by the watcher thread, and only if it
         # still waits then: most writes end within microseconds (an outside check saw
         # the warning for 10 % of a Ctrl-C storm's presses), and logging here could be
