@@ -31,6 +31,7 @@ function (:func:`_poke`), a millisecond or two later.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import os
 import signal
@@ -38,11 +39,12 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 __all__ = [
+    "sigint_blocked",
     "protect",
     "barrier",
     "deliver",
@@ -64,13 +66,12 @@ class _State:
     function that may block (the function cuts what it was writing); ``poked``: the
     next SIGINT is :func:`_poke`'s, not the user's."""
 
-    __slots__ = ("pending", "escalated", "warn_at", "users", "poked", "poking", "held_at")
+    __slots__ = ("pending", "escalated", "users", "poked", "poking", "held_at")
 
     def __init__(self) -> None:
         self.pending = False
         self.held_at = 0.0  # when the interrupt pending was held back (time.monotonic)
         self.escalated = False
-        self.warn_at = 0.0  # when the watcher says a write holds the interrupt back (0: not)
         self.users = 0  # sessions alive that installed the handler
         self.poked = False
         self.poking = False  # a _poke thread watches the main thread
@@ -106,6 +107,30 @@ def protect(blocking: bool = False) -> Callable[[F], F]:
         return func
 
     return mark
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """Inside: SIGINT is blocked for the main thread at the system's level, and a Ctrl-C
+    pressed meanwhile arrives (from Python's handler or Disco's) as the block ends.
+
+    For steps that start processes and threads before any session, and so before
+    :func:`protect` can hold anything back (a session's constructor): cut between a
+    worker's start and its registration, the worker was never stopped. Threads and
+    processes started inside inherit the block (a worker process ignores SIGINT
+    anyway; the controller's own threads never handle it). Elsewhere than the main
+    thread, or without ``pthread_sigmask``, it does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def barrier(func: F) -> F:
@@ -180,8 +205,9 @@ MERGE_WINDOW = 0.25
 #: Seconds between two looks of :func:`_poke` at the main thread.
 POKE_INTERVAL = 0.001
 #: Seconds a write to a worker may hold a Ctrl-C back before the watcher warns that it
-#: does (and that a second Ctrl-C gives the worker up); below :data:`MERGE_WINDOW`.
-WARN_AFTER = 0.1
+#: does, and that a second Ctrl-C gives the worker up: :data:`MERGE_WINDOW`, so that any
+#: press after the warning does (an earlier one is merged with the first).
+WARN_AFTER = MERGE_WINDOW
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -201,11 +227,10 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     first = not state.pending
     if first:
         state.held_at = time.monotonic()
-        # A write that holds it back is told by the watcher thread, and only if it
-        # still waits then: most writes end within microseconds (an outside check saw
-        # the warning for 10 % of a Ctrl-C storm's presses), and logging here could be
-        # cut by a second Ctrl-C
-        state.warn_at = state.held_at + WARN_AFTER if blocking else 0.0
+    # A write that holds it back is told by the watcher thread (_poke), once the write
+    # has waited WARN_AFTER: most writes end within microseconds (an outside check saw
+    # a warning said here for 10 % of a Ctrl-C storm's presses), and logging here could
+    # be cut by a second Ctrl-C
     state.pending = True
     if not state.poking:
         state.poking = True
@@ -220,6 +245,8 @@ def _poke() -> None:
     waited for the next Disco call; a real signal also ends a blocking call there."""
     try:
         while True:
+            writing_since = 0.0  # when the main thread was first seen in a write (0: not)
+            warned = False
             while state.pending:
                 time.sleep(POKE_INTERVAL)
                 if not state.pending:
@@ -240,15 +267,21 @@ def _poke() -> None:
                 if not state.poked and not _inside_protected(frame):
                     state.poked = True
                     signal.pthread_kill(_MAIN, signal.SIGINT)
-                elif state.warn_at and time.monotonic() >= state.warn_at:
-                    state.warn_at = 0.0
-                    if state.pending and _protected_frame(frame):  # still in a write
-                        logger.warning(
-                            "interrupted while commands are written to a worker: finishing "
-                            "that first; interrupt again to give the worker up"
-                        )
+                elif not warned:
+                    # The held interrupt waits for a write (a step that may block): say
+                    # so once it has waited WARN_AFTER, whenever that write began
+                    if _protected_frame(frame):
+                        now = time.monotonic()
+                        writing_since = writing_since or now
+                        if now - writing_since >= WARN_AFTER and state.pending:
+                            warned = True
+                            logger.warning(
+                                "interrupted while commands are written to a worker: "
+                                "finishing that first; interrupt again to give the worker up"
+                            )
+                    else:
+                        writing_since = 0.0
                 del frame
-            state.warn_at = 0.0
             state.poking = False
             if not state.pending:
                 return

@@ -409,9 +409,10 @@ def test_ctrl_c_while_small_commands_wait_for_room_in_a_full_pipe_finishes_them(
     the worker never answered again (outside check, finding 3). Now the write ends
     first (with a warning, from the watcher thread once the write has held the
     interrupt for ``WARN_AFTER``), then the interrupt goes on, and the session carries
-    on. A second Ctrl-C as that warning is logged is merged with the first (it comes
-    within ``MERGE_WINDOW``); raised inside the logging, as when the handler logged
-    on the main thread, it cut the batch without giving the worker up (a hang)."""
+    on. A second Ctrl-C as that warning is logged (``WARN_AFTER`` after the first: no
+    longer merged with it) gives the worker up; raised inside the logging, as when the
+    handler logged on the main thread, it cut the batch without giving the worker up (a
+    hang)."""
     import signal
 
     from disco_core import _interrupts
@@ -441,7 +442,11 @@ def test_ctrl_c_while_small_commands_wait_for_room_in_a_full_pipe_finishes_them(
             cancel()
         assert "finishing that first" in caplog.text
         assert fired == ([1] if second else [])
-        assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]
+        if second:  # as the warning said: that worker is given up, nothing hangs
+            with pytest.raises(disco.WorkerDiedError, match="second interrupt"):
+                echo(8).debug_get_from_remote(1)
+        else:
+            assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]
 
 
 @pytest.mark.timeout(60)
@@ -450,6 +455,7 @@ def test_a_ctrl_c_in_a_write_that_does_not_wait_gives_no_warning(caplog):
     worker up) came for any interrupt in a write step, also one of a few bytes into an
     empty pipe (outside check: about 10 % of the presses of a Ctrl-C storm). It comes
     only once the write has held the interrupt for ``WARN_AFTER`` now."""
+    from disco_core import _interrupts
     from disco_core.channels.base import BatchingLink
     from disco_core.testing.interrupts import interrupt_on_entry
 
@@ -461,7 +467,7 @@ def test_a_ctrl_c_in_a_write_that_does_not_wait_gives_no_warning(caplog):
                 for _ in range(100):
                     f().debug_get_from_remote(1)
         assert fired == [1]
-        time.sleep(0.3)  # past WARN_AFTER: a warning would have come by now
+        time.sleep(_interrupts.WARN_AFTER + 0.2)  # a warning would have come by now
         assert "finishing that first" not in caplog.text
         assert [int(f().debug_get_from_remote(w)) for w in (0, 1)] == [0, 1]
 
@@ -978,3 +984,53 @@ def test_ctrl_c_as_a_hand_over_takes_a_links_lock_leaves_it_free(monkeypatch):
         assert fired == [1]
         assert not owned(link.lock)
         assert echo(2).debug_get_from_remote(1) == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["link", "tee"])
+def test_ctrl_c_as_a_process_session_starts_its_workers_leaves_none_running(where):
+    """A real SIGINT as the constructor had started a worker process but not yet
+    registered its link (``link``), or as the stderr tee took the workers' pipes
+    (``tee``), left worker processes running: the first was never in the clean-up's
+    list, the second made it close a pipe twice and stop before the later workers
+    (outside check). Ctrl-C now waits for the end of those steps (a few ms)."""
+    import signal
+    import sys
+
+    from disco_core import _procfs
+    from disco_core.channels.process import ProcessWorkerLink
+    from disco_core.protocol import FrameReader
+
+    # link: as a worker's link makes its frame reader; tee: as the stderr tee's thread,
+    # which owns the workers' stderr pipes from then on, has started (its start waits)
+    code = FrameReader.__init__.__code__ if where == "link" else threading.Event.wait.__code__
+    main = threading.main_thread().ident
+    fired = []
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is code and not fired:
+            up = frame.f_back
+            if (
+                up.f_code is ProcessWorkerLink.__init__.__code__
+                if where == "link"
+                else up.f_code is threading.Thread.start.__code__
+                and up.f_locals["self"].name == "disco-worker-stderr"
+            ):
+                fired.append(1)
+                signal.pthread_kill(main, signal.SIGINT)  # a real one, as Ctrl-C sends
+        return None
+
+    before = _procfs.children_of(os.getpid())
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            disco.ProcessSession(3)
+    finally:
+        sys.settrace(None)
+    assert fired == [1]
+    deadline = time.monotonic() + 10
+    while _procfs.children_of(os.getpid()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _procfs.children_of(os.getpid()) - before  # every worker stopped
+    with disco.ProcessSession(2) as sess:  # and the next session starts as usual
+        assert int(sess.get_global_func("disco.worker_id")().debug_get_from_remote(1)) == 1

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from .. import _interrupts
 from ..commandline import level_for_workers
 from ..errors import UntrustedValueError, WorkerDiedError
 from ..net.io import grow_pipe
@@ -168,9 +169,11 @@ class ProcessWorkerLink(BatchingLink):
 
 def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
     """Pass the workers' stderr on to ours; their death reasons then end with its tail."""
-    tee = StderrTee([link.err_r for link in links])  # type: ignore[misc]  # all still open
+    fds = [link.err_r for link in links]
+    for link in links:
+        link.err_r = None  # the tee's from now on: a clean-up must not close it too
+    tee = StderrTee(fds)  # type: ignore[arg-type]  # all still open
     for i, link in enumerate(links):
-        link.err_r = None  # the tee's now
         link.stderr_tail = functools.partial(tee.tail, i)
     return tee
 
@@ -284,17 +287,22 @@ class ProcessChannel(LinkChannel):
         procs: list[ProcessWorkerLink] = []
         self.stderr: StderrTee | None = None
         try:
-            for w in range(1, num_workers):
-                procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
-            self.stderr = tee_stderr(procs)
-            self.reader = ReplyReader(procs, self.hub)
-            self.gates.append(self.reader.gate)
-            self.reader.start()
-            self.procs = procs
-            link0 = ThreadWorkerLink(0, num_workers, num_groups, self.hub)
-            # Worker 0 imports the children's entrypoint for a global function it lacks.
-            link0.worker.ctx.extra["entrypoint"] = entrypoint
-            self._set_links([link0, *procs])
+            # Ctrl-C waits for the end of these steps (a few ms a worker): cut between a
+            # worker's start and its place in procs, or as the stderr tee took the
+            # pipes, the clean-up below missed a worker process or failed on a pipe
+            # closed twice, leaving the later workers running (outside check)
+            with _interrupts.sigint_blocked():
+                for w in range(1, num_workers):
+                    procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
+                self.stderr = tee_stderr(procs)
+                self.reader = ReplyReader(procs, self.hub)
+                self.gates.append(self.reader.gate)
+                self.reader.start()
+                self.procs = procs
+                link0 = ThreadWorkerLink(0, num_workers, num_groups, self.hub)
+                # Worker 0 imports the children's entrypoint for a global function it lacks.
+                link0.worker.ctx.extra["entrypoint"] = entrypoint
+                self._set_links([link0, *procs])
             self.wait_ready(range(1, num_workers), time.monotonic() + start_timeout())
             logger.info(
                 "started %d worker process(es) running %s: pids %s",
@@ -302,9 +310,12 @@ class ProcessChannel(LinkChannel):
             )  # fmt: skip
         except BaseException:
             self.hub.closing = True
-            for link in procs:
-                link.kill()
-                link.close(time.monotonic() + 1)
+            for link in procs:  # each one, whatever the others do
+                try:
+                    link.kill()
+                    link.close(time.monotonic() + 1)
+                except Exception:  # noqa: BLE001 - the error being raised is the one to see
+                    logger.debug("clean-up of worker %d failed", link.worker_ids[0], exc_info=True)
             raise
 
     def close(self, timeout: float = 5.0) -> None:
