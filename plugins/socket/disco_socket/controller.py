@@ -56,6 +56,7 @@ from disco_core.spi import (
     check_untrusted,
     decode_untrusted,
     frame_head,
+    interrupts,
     liveness_timeout,
     new_nonce,
     resolve_token,
@@ -956,12 +957,16 @@ class SocketChannel(LinkChannel):
             self.address = (host, port)
         env = worker_env()
         nw, ng = self.num_workers, self.num_groups
-        for w in range(1, self.per_node):
-            self.procs.append(ProcessWorkerLink(w, nw, ng, self.entrypoint, env))
-        self.stderr = tee_stderr(self.procs)
-        self.reader = ReplyReader(self.procs, self.hub)
-        self.gates.append(self.reader.gate)
-        self.reader.start()
+        # Ctrl-C waits for the end of these steps (a few ms a worker), as in the core's
+        # ProcessChannel: cut between a worker's start and its place in procs, the
+        # clean-up (_abort) missed that worker process
+        with interrupts.sigint_blocked():
+            for w in range(1, self.per_node):
+                self.procs.append(ProcessWorkerLink(w, nw, ng, self.entrypoint, env))
+            self.stderr = tee_stderr(self.procs)
+            self.reader = ReplyReader(self.procs, self.hub)
+            self.gates.append(self.reader.gate)
+            self.reader.start()
         if self._listener is not None:
             log.info(
                 "disco-socket: waiting for %d node(s) on %s:%d (run %s on each)",
@@ -1278,12 +1283,13 @@ class SocketChannel(LinkChannel):
                 self.nodes.append(self._joined.get_nowait())
             except queue.Empty:
                 break
-        for link in self.nodes:
-            link.kill()
-            link.close(time.monotonic() + 1)
-        for proc in self.procs:
-            proc.kill()
-            proc.close(time.monotonic() + 1)
+        links: list[NodeLink | ProcessWorkerLink] = [*self.nodes, *self.procs]
+        for link in links:  # each one, whatever the others do
+            try:
+                link.kill()
+                link.close(time.monotonic() + 1)
+            except Exception:  # noqa: BLE001 - the error being raised is the one to see
+                log.debug("clean-up of %r failed", link, exc_info=True)
 
     # ------------------------------------------------------------------ commands
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:

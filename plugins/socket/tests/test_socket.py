@@ -1084,3 +1084,38 @@ def test_a_value_the_nodes_would_refuse_is_refused_at_the_call(make_socket_sessi
         assert [f().debug_get_from_remote(w) for w in range(4)] == [0, 1, 2, 3]
         sess.call_packed("disco.worker_id")  # plain values still go as before
         sess.sync_worker_0()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_as_the_local_workers_start_leaves_none_running():
+    """A real SIGINT after a local worker process started but before its link was in
+    the channel's list left that worker running while the controller lived (as in the
+    core's ProcessChannel; outside check there). The start-up steps hold it now."""
+    from disco_core.spi import FrameReader, ProcessWorkerLink
+
+    main = threading.main_thread().ident
+    fired = []
+
+    def tracer(frame, event, arg):
+        if (
+            event == "call"
+            and frame.f_code is FrameReader.__init__.__code__
+            and frame.f_back.f_code is ProcessWorkerLink.__init__.__code__
+            and not fired
+        ):
+            fired.append(1)
+            signal.pthread_kill(main, signal.SIGINT)  # a real one, as Ctrl-C sends
+        return None
+
+    before = set(children_of(os.getpid()))
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            disco.SocketSession(1, 3, host=HOST, port=0, timeout=30)
+    finally:
+        sys.settrace(None)
+    assert fired == [1]
+    deadline = time.monotonic() + 10
+    while set(children_of(os.getpid())) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(children_of(os.getpid())) - before
