@@ -1119,3 +1119,17 @@ def test_ctrl_c_as_the_local_workers_start_leaves_none_running():
     while set(children_of(os.getpid())) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not set(children_of(os.getpid())) - before
+
+
+@pytest.mark.timeout(60)
+def test_syncs_with_each_worker_of_a_socket_session():
+    """``LinkChannel.sync`` is inherited by the socket channel, whose ``send`` is its own:
+    a change of the sync's call to ``send`` (a keyword the override lacked) made every
+    sync with a worker process raise TypeError (caught only by mypy)."""
+    with disco.SocketSession(1, 3, host=HOST, port=0, timeout=30) as sess:
+        f = sess.get_global_func("disco.worker_id")
+        r = f()
+        for w in range(3):
+            sess._sync_worker(w)
+        sess._sync_all()
+        assert [int(r.debug_get_from_remote(w)) for w in range(3)] == [0, 1, 2]
