@@ -308,6 +308,12 @@ def bench_leak(sess: Any, func: Any, calls: int) -> dict:
     }
 
 
+def versus(ours: dict, tvm: dict | None, key: str) -> list[str]:
+    """Table cells for ``key``: ours, TVM's (``-`` without TVM) and their ratio."""
+    t = tvm and tvm[key]
+    return [fmt_time(ours[key]), fmt_time(t), fmt_num(ratio(ours[key], t))]
+
+
 # ---------------------------------------------------------------------------- driver
 KINDS = ("threaded", "process")
 SIZES = (2, 4)
@@ -342,10 +348,8 @@ def measure_placement(
                         "async_per_call_s": per_call[name],
                     }
                 if kind == "process" and n == 2:
-                    for call in (True, False):
-                        key = "call_sync1_s" if call else "sync1_s"
-                        warm = lambda r, c=call: worker1_samples(r[1], r[2], 50, c)  # noqa: E731
-                        interleaved(runs, warm, 1)
+                    for call, key in ((True, "call_sync1_s"), (False, "sync1_s")):
+                        interleaved(runs, lambda r, c=call: worker1_samples(r[1], r[2], 50, c), 1)
                         got = interleaved(
                             runs,
                             lambda r, c=call: worker1_samples(r[1], r[2], rt_reps // 10, c),
@@ -447,16 +451,15 @@ def run(quick: bool = False, tvm: bool = True, only: list[str] | None = None) ->
             for n in SIZES:
                 o = ctl[(kind, n, "ours")]
                 t = ctl.get((kind, n, "TVM"))
+                ours, tvm, ratio_ = versus(o, t, "async_per_call_s")
                 rows.append(
                     [
                         f"{name:8s} {kind:8s} n={n}",
-                        fmt_time(o["round_trip_s"]),
-                        fmt_time(t and t["round_trip_s"]),
-                        fmt_num(ratio(o["round_trip_s"], t and t["round_trip_s"])),
-                        fmt_time(o["async_per_call_s"]),
+                        *versus(o, t, "round_trip_s"),
+                        ours,
                         f"{1 / o['async_per_call_s'] / 1e3:.0f}k",
-                        fmt_time(t and t["async_per_call_s"]),
-                        fmt_num(ratio(o["async_per_call_s"], t and t["async_per_call_s"])),
+                        tvm,
+                        ratio_,
                     ]
                 )
     print_table(
@@ -479,15 +482,7 @@ def run(quick: bool = False, tvm: bool = True, only: list[str] | None = None) ->
         o = r["ctl"][("process", 2, "ours")]
         t = r["ctl"].get(("process", 2, "TVM"))
         rows.append(
-            [
-                f"{name:8s} process  n=2",
-                fmt_time(o["call_sync1_s"]),
-                fmt_time(t and t["call_sync1_s"]),
-                fmt_num(ratio(o["call_sync1_s"], t and t["call_sync1_s"])),
-                fmt_time(o["sync1_s"]),
-                fmt_time(t and t["sync1_s"]),
-                fmt_num(ratio(o["sync1_s"], t and t["sync1_s"])),
-            ]
+            [f"{name:8s} process  n=2", *versus(o, t, "call_sync1_s"), *versus(o, t, "sync1_s")]
         )
     print_table(
         "sync with a worker process (medians; no target: worker 0's round trip is the row above)",

@@ -158,7 +158,7 @@ def as_dtype(dtype: Any) -> np.dtype:
     if isinstance(dtype, np.dtype):
         if dtype.isnative and dtype.kind in "biufc?":  # the common case: nothing to check
             return dtype
-        return _checked(dtype.newbyteorder("=") if not dtype.isnative else dtype)
+        return _native_checked(dtype)
     if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
         return _bfloat16()
     if dtype is None:
@@ -172,11 +172,14 @@ def as_dtype(dtype: Any) -> np.dtype:
         raise DiscoTypeError(
             f"unknown dtype {dtype!r}; use a NumPy dtype name such as 'float32' or 'int64'"
         ) from None
-    return _checked(dt.newbyteorder("=") if not dt.isnative else dt)
+    return _native_checked(dt)
 
 
-def _checked(dt: np.dtype) -> np.dtype:
-    """``dt`` if a worker array may hold it, else a :class:`DiscoTypeError`."""
+def _native_checked(dt: np.dtype) -> np.dtype:
+    """``dt`` in this machine's byte order if a worker array may hold it, else a
+    :class:`DiscoTypeError`."""
+    if not dt.isnative:
+        dt = dt.newbyteorder("=")
     custom = type(dt.type).__module__.startswith("ml_dtypes") or dt.type.__module__.startswith(
         "ml_dtypes"
     )

@@ -12,6 +12,7 @@ Channels
     (replies from many workers), :class:`Outgoing`, worker processes
     (:func:`worker_env`, :func:`worker_argv`, :func:`exit_reason`,
     :func:`stop_worker`, :func:`start_timeout`, :func:`tee_stderr`,
+    :func:`start_worker_processes`,
     :class:`StderrTee`) and the worker loop itself (:class:`Worker`,
     :func:`command_stream`, :class:`HeartbeatSender`).
 Commands on the wire
@@ -77,6 +78,7 @@ from .channels.process import (
     ReplyReader,
     exit_reason,
     start_timeout,
+    start_worker_processes,
     stop_worker,
     tee_stderr,
     worker_env,
@@ -166,6 +168,7 @@ __all__ = [
     "liveness_timeout",
     "env_seconds",
     "tee_stderr",
+    "start_worker_processes",
     "StderrTee",
     "Worker",
     "HeartbeatSender",

@@ -37,6 +37,7 @@ __all__ = [
     "ProcessWorkerLink",
     "start_timeout",
     "tee_stderr",
+    "start_worker_processes",
     "exit_reason",
     "stop_worker",
 ]
@@ -178,6 +179,34 @@ def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
     return tee
 
 
+def start_worker_processes(
+    hub: ReplyHub,
+    worker_ids: range,
+    num_workers: int,
+    num_groups: int,
+    entrypoint: str,
+    env: dict,
+    procs: list[ProcessWorkerLink],
+) -> tuple[StderrTee, ReplyReader]:
+    """Start a worker process for each of ``worker_ids``, then their stderr tee and their
+    reply reader (started); returns ``(tee, reader)``.
+
+    Each link is appended to ``procs`` as its process starts, so that the caller's
+    clean-up finds every process started. Ctrl-C waits for the end of these steps (a
+    few ms a worker, with SIGINT blocked at the system's level): cut between a
+    worker's start and its place in ``procs``, or as the tee took the pipes, the
+    clean-up missed a worker process or closed a pipe twice and stopped before the
+    later workers (outside check).
+    """
+    with _interrupts.sigint_blocked():
+        for w in worker_ids:
+            procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
+        tee = tee_stderr(procs)
+        reader = ReplyReader(procs, hub)
+        reader.start()
+    return tee, reader
+
+
 class ReplyReader(threading.Thread):
     """Drains the replies of every worker link into the hub; a link's end means its worker is gone.
 
@@ -287,22 +316,15 @@ class ProcessChannel(LinkChannel):
         procs: list[ProcessWorkerLink] = []
         self.stderr: StderrTee | None = None
         try:
-            # Ctrl-C waits for the end of these steps (a few ms a worker): cut between a
-            # worker's start and its place in procs, or as the stderr tee took the
-            # pipes, the clean-up below missed a worker process or failed on a pipe
-            # closed twice, leaving the later workers running (outside check)
-            with _interrupts.sigint_blocked():
-                for w in range(1, num_workers):
-                    procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
-                self.stderr = tee_stderr(procs)
-                self.reader = ReplyReader(procs, self.hub)
-                self.gates.append(self.reader.gate)
-                self.reader.start()
-                self.procs = procs
-                link0 = ThreadWorkerLink(0, num_workers, num_groups, self.hub)
-                # Worker 0 imports the children's entrypoint for a global function it lacks.
-                link0.worker.ctx.extra["entrypoint"] = entrypoint
-                self._set_links([link0, *procs])
+            self.stderr, self.reader = start_worker_processes(
+                self.hub, range(1, num_workers), num_workers, num_groups, entrypoint, env, procs
+            )
+            self.gates.append(self.reader.gate)
+            self.procs = procs
+            link0 = ThreadWorkerLink(0, num_workers, num_groups, self.hub)
+            # Worker 0 imports the children's entrypoint for a global function it lacks.
+            link0.worker.ctx.extra["entrypoint"] = entrypoint
+            self._set_links([link0, *procs])
             self.wait_ready(range(1, num_workers), time.monotonic() + start_timeout())
             logger.info(
                 "started %d worker process(es) running %s: pids %s",

@@ -56,12 +56,11 @@ from disco_core.spi import (
     check_untrusted,
     decode_untrusted,
     frame_head,
-    interrupts,
     liveness_timeout,
     new_nonce,
     resolve_token,
     start_timeout,
-    tee_stderr,
+    start_worker_processes,
     worker_env,
 )
 from disco_core.spi import accept as _accept
@@ -957,16 +956,11 @@ class SocketChannel(LinkChannel):
             self.address = (host, port)
         env = worker_env()
         nw, ng = self.num_workers, self.num_groups
-        # Ctrl-C waits for the end of these steps (a few ms a worker), as in the core's
-        # ProcessChannel: cut between a worker's start and its place in procs, the
-        # clean-up (_abort) missed that worker process
-        with interrupts.sigint_blocked():
-            for w in range(1, self.per_node):
-                self.procs.append(ProcessWorkerLink(w, nw, ng, self.entrypoint, env))
-            self.stderr = tee_stderr(self.procs)
-            self.reader = ReplyReader(self.procs, self.hub)
-            self.gates.append(self.reader.gate)
-            self.reader.start()
+        # each local link is in self.procs as its process starts: _abort finds them all
+        self.stderr, self.reader = start_worker_processes(
+            self.hub, range(1, self.per_node), nw, ng, self.entrypoint, env, self.procs
+        )
+        self.gates.append(self.reader.gate)
         if self._listener is not None:
             log.info(
                 "disco-socket: waiting for %d node(s) on %s:%d (run %s on each)",
