@@ -85,7 +85,7 @@ from .channels.process import (
 )
 from .channels.stderr_tee import StderrTee
 from .commandline import HelpFormatter, add_common_options, configure_logging, level_from_args
-from .device import Device, as_device, as_dtype, as_shape, empty, to_host
+from .device import Device, as_device, as_dtype, as_shape, dtype_name, empty, to_host
 from .loaders import load_py
 from .net import accept
 from .net.accept import AcceptLoop, Drain, PendingConnection, Slots, SocketHandshake, StepMachine
@@ -241,6 +241,7 @@ __all__ = [
     "as_device",
     "as_dtype",
     "as_shape",
+    "dtype_name",
     "to_host",
     "empty",
     "lookup",

@@ -86,6 +86,20 @@ def test_as_dtype():
             dev.as_dtype(bad)
 
 
+def test_dtype_name_is_numpy_s_name_cached_per_dtype():
+    dtypes = [np.dtype(t) for t in ("float32", ">f4", "int8", "bool", "complex128", "V8")]
+    dtypes.append(np.dtype([("a", "<i4"), ("b", ">f8")]))
+    if importlib.util.find_spec("ml_dtypes") is not None:
+        dtypes.append(dev.as_dtype("bfloat16"))
+    for _ in range(2):  # the second round comes from the cache
+        assert [dev.dtype_name(d) for d in dtypes] == [d.name for d in dtypes]
+    assert dev.dtype_name(np.dtype(">f4")) == "float32"
+    # the cache is bounded: structured dtypes can be made without end
+    for k in range(dev._MAX_DTYPE_NAMES + 10):
+        assert dev.dtype_name(np.dtype([(f"f{k}", "u1")])).startswith("void")
+    assert len(dev._DTYPE_NAMES) <= dev._MAX_DTYPE_NAMES
+
+
 def test_bfloat16():
     if importlib.util.find_spec("ml_dtypes") is None:
         with pytest.raises(TypeError, match="ml_dtypes"):

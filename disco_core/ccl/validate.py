@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..device import dtype_name
 from ..errors import CCLError
 from ..worker import MissingValue
 
@@ -82,11 +83,11 @@ def _array_info(x: Any, name: str) -> tuple[tuple | None, str]:
                 shape, dtype, nbytes = tuple(x.shape), np.dtype(x.dtype), x.nbytes
             except Exception:
                 return None, f"{name}: cannot read the array's shape and dtype"
-            return (dtype.name, shape, nbytes), ""
+            return (dtype_name(dtype), shape, nbytes), ""
         return None, f"{name} must be an array, got {type(x).__name__}"
     if x.ndim > MAX_NDIM:
         return None, f"{name} has {x.ndim} dimensions; collectives support at most {MAX_NDIM}"
-    return (x.dtype.name, tuple(x.shape), x.nbytes), ""
+    return (dtype_name(x.dtype), tuple(x.shape), x.nbytes), ""
 
 
 def describe(op: str, src: Any, dst: Any, extra: int = 0, error: str = "") -> Desc:
