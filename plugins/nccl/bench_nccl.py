@@ -5,6 +5,9 @@ beside CuPy's own copy bandwidth (the physical reference), printed side by side.
 
 NCCL runs one rank per GPU: on a one-GPU machine the collectives run with 1 rank
 (their cost is NCCL's launch plus a device copy) and the copy numbers are the point.
+A second table gives the time a small allreduce costs the controller (calls queued,
+one sync at the end), with and without the argument check, beside CuPy's own NCCL
+call in this process (one rank only: more ranks need a process each).
 """
 
 from __future__ import annotations
@@ -99,6 +102,56 @@ def main() -> None:
                 print(
                     f"{name:<22}{nbytes >> 20:>6}{dt * 1e3:>10.3f}{alg:>8.2f}{alg * factor:>8.2f}{'':>10}"
                 )
+    small_allreduce_table(n)
+
+
+def _small_allreduce_us(n: int, validate: bool, count: int, calls: int) -> float:
+    with disco.ProcessSession(n) as sess:
+        sess.init_ccl("nccl", *range(n), validate=validate)
+        x = sess.empty((count,), "float32")
+        y = sess.empty((count,), "float32")
+        for _ in range(200):
+            sess.allreduce(x, y)
+        sess.sync_worker_0()
+        t = time.perf_counter()
+        for _ in range(calls):
+            sess.allreduce(x, y)
+        sess.sync_worker_0()
+        return (time.perf_counter() - t) / calls * 1e6
+
+
+def _cupy_small_allreduce_us(count: int, calls: int) -> float:
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    a = cp.ones(count, cp.float32)
+    b = cp.empty_like(a)
+    stream = cp.cuda.get_current_stream()
+
+    def run(k: int) -> None:
+        for _ in range(k):
+            comm.allReduce(a.data.ptr, b.data.ptr, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)  # fmt: skip
+
+    run(200)
+    stream.synchronize()
+    t = time.perf_counter()
+    run(calls)
+    stream.synchronize()
+    us = (time.perf_counter() - t) / calls * 1e6
+    comm.destroy()
+    return us
+
+
+def small_allreduce_table(n: int, calls: int = 2000) -> None:
+    count = 1024  # 4 KiB of float32
+    print(f"\nallreduce of 4 KiB, {calls} calls queued then one sync: us per call")
+    print(f"{'what':<44}{'us':>8}")
+    for validate in (True, False):
+        us = _small_allreduce_us(n, validate, count, calls)
+        print(f"{f'disco ProcessSession({n}), validate={validate}':<44}{us:>8.1f}")
+    if n == 1:
+        print(f"{'CuPy NCCL call, 1 rank, this process':<44}{_cupy_small_allreduce_us(count, calls):>8.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
