@@ -34,7 +34,7 @@ from disco_core import (
     DiscoValueError,
     IntegrityError,
 )
-from disco_core.spi import Device, as_device, as_dtype, as_shape, registry, to_host
+from disco_core.spi import Device, as_device, as_dtype, as_shape, dtype_name, registry, to_host
 from disco_core.spi import empty as dev_empty
 
 from . import wire
@@ -437,7 +437,7 @@ class SessionHandler:
         dev = Device("cpu", 0)
         if not isinstance(arr, np.ndarray):  # CuPy
             dev = Device("cuda", int(arr.device.id))
-        return (tuple(int(d) for d in arr.shape), arr.dtype.name, dev)
+        return (tuple(int(d) for d in arr.shape), dtype_name(arr.dtype), dev)
 
     def resolve(self, ref: HandleRef) -> Any:
         try:
@@ -700,7 +700,9 @@ class SessionHandler:
                 import cupy
 
                 return dev.device_id < cupy.cuda.runtime.getDeviceCount()
-            except Exception:
+            except Exception as exc:
+                if any(e in str(exc) for e in _GPU_INIT_ERRORS):
+                    raise  # the GPUs exist but this process cannot use them: say why
                 return False
         return False
 
@@ -776,6 +778,16 @@ _REPORTED_AS = {
 }
 
 
+# What CUDA (CuPy) and ROCm say in a process forked after its parent initialised them.
+_GPU_INIT_ERRORS = ("cudaErrorInitializationError", "hipErrorInitializationError")
+GPU_AFTER_FORK_HINT = (
+    "; a session process of rpc.Server is forked from the server's process, and CUDA "
+    "cannot be used in a process forked after its parent initialised CUDA (any CuPy call, "
+    "or torch.cuda.is_available(), before rpc.Server(...) was made): create the server "
+    "before the first CUDA call, or run it as a process of its own (disco-rpc server)"
+)
+
+
 def error_value(exc: BaseException) -> tuple:
     """``(type name, message, traceback)`` of ``exc``, as an ERROR frame carries it."""
     t = type(exc)
@@ -783,7 +795,10 @@ def error_value(exc: BaseException) -> tuple:
     if name is None:
         name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
     tb = "".join(traceback.format_exception(t, exc, exc.__traceback__))
-    return (name, str(exc), tb)
+    text = str(exc)
+    if any(e in text for e in _GPU_INIT_ERRORS):
+        text += GPU_AFTER_FORK_HINT
+    return (name, text, tb)
 
 
 _SENT = object()  # the reply was sent already (a file stream)

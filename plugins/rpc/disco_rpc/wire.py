@@ -53,6 +53,7 @@ from disco_core.spi import (
     SSLTransport,
     as_dtype,
     as_views,
+    dtype_name,
     interrupts,
     new_pipe,
     splice_exact,
@@ -260,7 +261,7 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
             _enc(ref, out, bufs, export, depth)
         elif isinstance(v, np.ndarray):
             view = _array_view(v)
-            name = v.dtype.name.encode()
+            name = dtype_name(v.dtype).encode()
             out += _TI.pack(T_ARRAY, len(bufs))
             out.append(len(name))
             out += name

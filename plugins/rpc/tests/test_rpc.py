@@ -45,6 +45,12 @@ def _raise(msg):
     raise KeyError(msg)
 
 
+@disco.register_func("rpctest.cuda_init_error", override=True)
+def _cuda_init_error():
+    # what CuPy raises in a process forked after its parent initialised CUDA
+    raise RuntimeError("cudaErrorInitializationError: initialization error")
+
+
 @disco.register_func("rpctest.sleep", override=True)
 def _sleep(t):
     time.sleep(t)
@@ -87,6 +93,9 @@ POPEN_SERVER = textwrap.dedent(
     def _raise(msg):
         raise KeyError(msg)
     disco.register_func("rpctest.raise", _raise)
+    def _cuda_init_error():
+        raise RuntimeError("cudaErrorInitializationError: initialization error")
+    disco.register_func("rpctest.cuda_init_error", _cuda_init_error)
     disco.register_func("rpctest.pid", os.getpid)
     disco.register_func("rpctest.die", os._exit)
     disco.register_func("rpctest.types", lambda d, t: (type(d).__name__, str(d), str(t)))
@@ -204,6 +213,16 @@ def test_remote_exception(sess):
     assert "boom" in str(err) and "KeyError" in str(err)
     assert "Traceback" in err.remote_traceback and "_raise" in err.remote_traceback
     assert sess.get_function("rpctest.add")(1, 1) == 2  # still usable
+
+
+def test_a_gpu_unusable_after_fork_names_the_cause(sess):
+    """Seen on an H200: a Server made after a CUDA call forks sessions that cannot use
+    CUDA, and CuPy says only "initialization error"; the reply says why and what to do."""
+    with pytest.raises(
+        rpc.RPCError, match="initialization error; a session process of rpc.Server is forked"
+    ) as info:
+        sess.get_function("rpctest.cuda_init_error")()
+    assert "disco-rpc server" in str(info.value) and "torch.cuda.is_available()" in str(info.value)
 
 
 def test_missing_function(sess):
