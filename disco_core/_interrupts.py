@@ -49,6 +49,7 @@ __all__ = [
     "barrier",
     "deliver",
     "deliver_later",
+    "raised_by_signal_handler",
     "install",
     "uninstall",
     "installed",
@@ -150,6 +151,43 @@ def deliver() -> None:
             return
         state.pending = False
         raise KeyboardInterrupt
+
+
+def _code_of(handler: Any) -> CodeType | None:
+    """The code object a signal handler runs first (None for the built-in ones)."""
+    for _ in range(8):  # functools.partial of a bound method of ...
+        code = getattr(handler, "__code__", None)
+        if code is not None:
+            return code
+        inner = getattr(handler, "__func__", None) or getattr(handler, "func", None)
+        if inner is None:
+            if not callable(handler):  # SIG_DFL, SIG_IGN, None
+                return None
+            return getattr(type(handler).__call__, "__code__", None)  # an object's __call__
+        handler = inner
+    return None
+
+
+def raised_by_signal_handler(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside one of the program's Python signal handlers
+    (``SIGALRM`` raising ``TimeoutError``, say): its traceback runs through one.
+
+    Disco's own Ctrl-C handler does not count (it raises only where nothing is cut).
+    """
+    codes = set()
+    for sig in signal.valid_signals():
+        try:
+            code = _code_of(signal.getsignal(sig))
+        except (OSError, ValueError):
+            continue
+        if code is not None and code is not _on_sigint.__code__:
+            codes.add(code)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def deliver_later() -> None:

@@ -587,6 +587,8 @@ class Session:
                     released.extendleft(reversed(ids))
                 if isinstance(exc, (DiscoError, OSError)) or not isinstance(exc, Exception):
                     raise
+                if _interrupts.raised_by_signal_handler(exc):
+                    raise  # the program's own (SIGALRM's TimeoutError), not the arguments'
                 raise DiscoTypeError(
                     f"call_packed: the arguments cannot be sent to the workers: {exc}"
                 ) from exc

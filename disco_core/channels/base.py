@@ -531,6 +531,18 @@ class WorkerLink(abc.ABC):
         """Wait until ``deadline`` (``time.monotonic()``) for the workers to stop; kill them then."""
 
 
+def write_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write's own failure (the other end is gone), rather than an
+    exception a signal handler of the program raised in the middle of the write.
+
+    The system's errors carry an errno; ``TimeoutError("...")`` raised by a ``SIGALRM``
+    handler is an ``OSError`` too, without one, and was taken for a dead worker.
+    """
+    if isinstance(exc, (DiscoError, EOFError)):
+        return True
+    return isinstance(exc, OSError) and exc.errno is not None
+
+
 class BatchingLink(WorkerLink):
     """A link to workers in other processes, whose small commands leave in batches.
 
@@ -575,6 +587,8 @@ class BatchingLink(WorkerLink):
                     if self.outbox_bytes >= self.OUTBOX_BYTES and not self.hold:
                         self._flush_locked()
         except OSError as exc:
+            if not write_failed(exc):
+                raise  # the program's own (a signal handler's TimeoutError)
             raise self._gone(exc) from None
 
     @_interrupts.protect(blocking=True)
@@ -582,12 +596,21 @@ class BatchingLink(WorkerLink):
         """Write what the outbox holds, then a frame with out-of-band buffers, whole:
         Ctrl-C waits for the end (half a frame hung the worker), and a second one while
         the write blocks gives the workers up."""
+        writing = False
         try:
             self._flush_locked()
             total = len(head) + sum(memoryview(b).nbytes for b in buffers)
+            writing = True
             self._write_timed(lambda: self._write_views(head, buffers), total)
+            writing = False
         except KeyboardInterrupt as exc:
             self._cut_if_second(exc)
+            if writing:
+                self._cut_by_foreign(exc)
+            raise
+        except BaseException as exc:
+            if writing:
+                self._cut_by_foreign(exc)
             raise
         finally:
             _interrupts.deliver()
@@ -652,6 +675,7 @@ class BatchingLink(WorkerLink):
         if failed:
             raise failed[0]
         if interrupted is not None:
+            self._finished_despite = interrupted  # the frame is whole: nothing to cut
             raise interrupted
 
     def _warn_finishing(self, nbytes: int) -> None:
@@ -666,6 +690,31 @@ class BatchingLink(WorkerLink):
         raised at once: what was being written is cut)."""
         if _interrupts.state.escalated:
             self._cut(exc)
+
+    #: An exception that :meth:`_write_whole` raised after the frame was written whole.
+    _finished_despite: BaseException | None = None
+
+    def _cut_by_foreign(self, exc: BaseException) -> None:
+        """An exception cut a write between two of its steps: give the workers up.
+
+        A signal handler of the program (``SIGALRM`` raising ``TimeoutError``, a handler
+        of its own for ``SIGINT``) raises in the main thread wherever it runs; inside a
+        write, part of a frame, or a batch taken from the outbox, may never reach the
+        worker. Neither the program's exception nor a failure of the write itself (the
+        worker is gone: reported as such) is hidden: the workers are marked dead with
+        this reason, so that the next call says what happened instead of hanging on a
+        half frame or reading results of commands that never ran.
+        """
+        if exc is self._finished_despite or write_failed(exc):
+            return
+        hub = self.hub
+        if hub is None or any(w in hub.dead for w in self.worker_ids):
+            return
+        hub.mark_dead(
+            self.worker_ids,
+            f"{type(exc).__name__}({str(exc)[:80]!r}) was raised in the middle of a write to "
+            "it (by a signal handler of the program?): its command stream was cut",
+        )
 
     def _cut(self, exc: BaseException) -> None:
         """A second interrupt during :meth:`_write_whole`: the workers are given up."""
@@ -704,6 +753,8 @@ class BatchingLink(WorkerLink):
             with self.lock:
                 self._flush_locked()
         except OSError as exc:
+            if not write_failed(exc):
+                raise  # the program's own (a signal handler's TimeoutError)
             raise self._gone(exc) from None
 
     def room(self) -> int | None:
@@ -740,6 +791,8 @@ class BatchingLink(WorkerLink):
                 self._flush_locked()
                 return True
             except OSError as exc:
+                if not write_failed(exc):
+                    raise  # the program's own (a signal handler's TimeoutError)
                 raise self._gone(exc) from None
             finally:
                 lock.release()
@@ -752,15 +805,24 @@ class BatchingLink(WorkerLink):
         # Ctrl-C waits for the write's end (disco_core._interrupts): half a batch in
         # the pipe hung the worker, and a batch taken from the outbox and not written
         # was lost. A second Ctrl-C while the write blocks gives the workers up.
+        writing = False
         try:
             if self.outbox:
                 data = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
+                writing = True  # from here, the batch is only in ``data``
                 self.outbox.clear()
                 self.outbox_bytes = 0
                 # a large value pickled into a command (a long list) is as large a frame
                 self._write_timed(lambda: self._write(data), len(data))
+                writing = False
         except KeyboardInterrupt as exc:
             self._cut_if_second(exc)
+            if writing:
+                self._cut_by_foreign(exc)
+            raise
+        except BaseException as exc:
+            if writing:
+                self._cut_by_foreign(exc)
             raise
         finally:
             _interrupts.deliver()
@@ -1122,6 +1184,23 @@ class LinkChannel(Channel):
     and hands nothing over: it costs no system call and no thread switch.
     """
 
+    def _cut_for(self, exc: BaseException) -> None:
+        """Give every worker up if ``exc`` came from a signal handler of the program.
+
+        Called as ``exc`` leaves one of this channel's steps that Ctrl-C waits for:
+        a handler's exception is not held back, and cut there a command may have
+        reached some workers and not others; later calls would read diverging
+        registers without a word.
+        """
+        if self.hub.dead or not _interrupts.raised_by_signal_handler(exc):
+            return  # the step's own error says what happened; or a link's cut said it
+        self.hub.mark_dead(
+            range(self.num_workers),
+            f"{type(exc).__name__}({str(exc)[:80]!r}), raised by a signal handler of the "
+            "program, cut the hand-over of commands to the workers: they may no longer "
+            "agree on what ran",
+        )
+
     def __init__(self, num_workers: int, num_groups: int) -> None:
         self.num_workers = num_workers
         self.num_groups = num_groups
@@ -1337,15 +1416,22 @@ class LinkChannel(Channel):
         # Ctrl-C waits for its end (disco_core._interrupts): cut between the links, a
         # batch went to some workers and not to others, and a later call failed there
         # or read an older value (a lost batch held a register's release and its reuse)
+        queueing = False
         try:
             batch = self._batch
             n = len(batch)
             if n:
                 out = Outgoing(*batch[:n], shared=True)
                 out.frame  # noqa: B018 - encoded before the batch lets go of the commands
+                queueing = True
                 del batch[:n]  # a sender's extend meanwhile went after these n
                 for link in self._deferring:
                     link.send(out)
+                queueing = False
+        except BaseException as exc:
+            if queueing:
+                self._cut_for(exc)
+            raise
         finally:
             _interrupts.deliver()
 
@@ -1471,11 +1557,13 @@ class LinkChannel(Channel):
     def send_shared(self, cmds: tuple[tuple, ...]) -> None:
         # Ctrl-C waits for the end (disco_core._interrupts): cut between two workers'
         # queues, a command went to some workers and not to the others
+        queueing = False
         try:
             if not self._fast_shared:
                 return self.send(Outgoing(*cmds, shared=True))
             # No encoding, no write, no wake-up now: the batch leaves as one frame.
             batch = self._batch
+            queueing = True
             if self._deferring:
                 batch += cmds
             for pending in self._pendings:
@@ -1486,10 +1574,15 @@ class LinkChannel(Channel):
                 out = Outgoing(*cmds, shared=True)
                 for link in self._direct_others:
                     link.send(out)
+            queueing = False
             if len(batch) >= BATCH_COMMANDS:
                 self.flush()
             elif not self._flush_due:
                 self._mark_dirty()
+        except BaseException as exc:
+            if queueing:
+                self._cut_for(exc)
+            raise
         finally:
             if _held.pending:  # (the hot path: one attribute read)
                 _interrupts.deliver()
@@ -1498,6 +1591,7 @@ class LinkChannel(Channel):
     def send(self, out: Outgoing, workers: Sequence[int] | None = None) -> None:
         # Ctrl-C waits for the end, as in send_shared (a write that blocks is protected
         # on its own, where a second Ctrl-C gives the workers up)
+        queueing = False
         try:
             if workers is None:
                 if out.shared:
@@ -1514,16 +1608,24 @@ class LinkChannel(Channel):
                 # a worker's hand_over) has cut the batch and is still writing it out.
                 with self._seal_lock:
                     self._seal_locked()
+                    queueing = True
                     for link in targets:
                         link.send(out)
+                    queueing = False
             else:
+                queueing = True
                 for link in targets:
                     link.send(out)
+                queueing = False
             for link in targets:
                 if type(link) is ThreadWorkerLink and len(link.pending) > PENDING_COMMANDS:
                     self.backlogged = True
             if not self._flush_due:
                 self._mark_dirty()
+        except BaseException as exc:
+            if queueing and len(targets) > 1:
+                self._cut_for(exc)
+            raise
         finally:
             if _held.pending:
                 _interrupts.deliver()
