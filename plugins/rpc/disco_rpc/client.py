@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from disco_core.spi import (
     to_host,
     unfilled_bytearray,
 )
+from disco_core.spi import interrupts as _interrupts
 
 from . import handler, protocol, wire
 from .auth import open_conn
@@ -364,6 +365,11 @@ class RPCSession:
         self._lock = threading.RLock()
         self._frees: list[int] = []
         self._closed = False
+        self._closed_why = ""  # what closed the session, when not close() or the server
+        #: operations whose replies are still to come and to be dropped: the calls that
+        #: an exception (Ctrl-C, a signal handler's) ended while they waited for them
+        self._owed: list[int] = []
+        self._ping_sent = False  # the ping that ends the drop of those replies
         self._label = label
         self._timeout = float(session_timeout or 0)
         self._server_timeout = 0.0
@@ -421,10 +427,13 @@ class RPCSession:
         reads the stream a REPLY announces and returns the result.
         """
         if self._closed:
-            raise RPCError(f"the RPC session {self._label} is closed")
+            why = f": {self._closed_why}" if self._closed_why else ""
+            raise RPCError(f"the RPC session {self._label} is closed{why}")
         with self._lock:
             self._arm_deadline(op)
             conn = self._conn
+            if self._owed:
+                self._drop_owed(conn)
             frees, self._frees = self._frees, []
             try:
                 meta, bufs = wire.encode((tuple(frees), args), self._export)
@@ -434,19 +443,29 @@ class RPCSession:
                 raise
             t0 = time.perf_counter() if self._logging else 0.0
             local_error = None
+            waiting = False  # for the reply
+            taken = conn.frames_read
             try:
                 with self._send_lock:  # no heartbeat inside a frame or a file stream
                     self._sends += 1
                     conn.send_encoded(REQUEST, op, meta, bufs)
                     if send_stream is not None:
                         local_error = send_stream(conn)
+                waiting = True
                 kind, _op, value = conn.recv(on_handle=self._wrap)
+                waiting = False
                 if kind == REPLY and recv_stream is not None:
                     value = recv_stream(conn, value)
             except StreamAbortedError as exc:  # the server's file failed; still in sync
                 raise RPCError(f"the server could not send the whole file: {exc}") from None
             except (ProtocolError, EOFError, OSError) as exc:
-                self._fail(op, exc)
+                if not _interrupts.raised_by_signal_handler(exc):
+                    self._fail(op, exc)
+                self._interrupted(op, exc, self._after(conn, waiting, taken, recv_stream))
+                raise
+            except BaseException as exc:  # Ctrl-C, a signal handler's exception
+                self._interrupted(op, exc, self._after(conn, waiting, taken, recv_stream))
+                raise
             if self._logging:
                 logger.info(
                     "%s %s: %.1f us", self._label, OP_NAMES.get(op, op),
@@ -459,6 +478,97 @@ class RPCSession:
         if kind != REPLY:
             self._fail(op, ProtocolError(f"unexpected frame kind {kind}"))
         return value
+
+    @staticmethod
+    def _after(conn: wire.Conn, waiting: bool, taken: int, recv_stream: Any) -> str:
+        """Where an exception left a call: ``"owed"`` (its reply is still to come, none
+        of it read), ``"taken"`` (the reply was read whole: nothing is left over),
+        ``"request"`` or ``"reply"`` (cut in the middle of one)."""
+        if conn.frames_read != taken:
+            return "taken" if recv_stream is None else "reply"  # a file would follow it
+        if not waiting:
+            return "request"
+        return "owed" if not conn.in_frame and recv_stream is None else "reply"
+
+    def _interrupted(self, op: int, exc: BaseException, where: str) -> None:
+        """An exception of the program's (Ctrl-C, a signal handler's) ended a call.
+
+        ``where`` (:meth:`_after`): ``"owed"``, the reply is read and dropped before
+        the next call's, so every later call still gets its own answer; ``"taken"``,
+        nothing is left to read. A request or a reply cut in the middle (or a download
+        whose file would follow) leaves the connection out of step for good: the
+        session is closed, and says why.
+        """
+        if where == "owed":
+            self._owed.append(op)
+            return
+        if where == "taken":
+            return
+        what = OP_NAMES.get(op, str(op))
+        self._closed_why = (
+            f"{type(exc).__name__}({str(exc)[:80]!r}) cut the {where} of a {what} call in the "
+            "middle, and the connection could not be kept in step; connect again"
+        )
+        self._shutdown_transport()
+
+    def _drop_owed(self, conn: wire.Conn) -> None:
+        """Read and drop the replies of the calls interrupted while they waited.
+
+        A ping goes first, and its reply ends the drop: an interruption right after a
+        read returned (its bytes taken, their count lost before Python stored it) can
+        lose a reply, and waiting for that one would never end. Replies that do not
+        come in the order asked for close the session, saying why; none is ever taken
+        for another call's.
+        """
+        if not self._ping_sent:
+            meta, bufs = wire.encode(((), ()), None)
+            try:
+                with self._send_lock:
+                    self._sends += 1
+                    conn.send_encoded(REQUEST, OP_PING, meta, bufs)
+            except (EOFError, OSError) as exc:
+                if not _interrupts.raised_by_signal_handler(exc):
+                    self._fail(OP_PING, exc)
+                self._interrupted(OP_PING, exc, "request")
+                raise
+            except BaseException as exc:
+                self._interrupted(OP_PING, exc, "request")
+                raise
+            self._ping_sent = True
+        while True:
+            op = self._owed[0] if self._owed else OP_PING
+            taken = conn.frames_read
+            try:
+                kind, got, _value = conn.recv(on_handle=self._wrap)
+            except ProtocolError as exc:  # desync: a reply lost in part
+                self._out_of_step(f"{type(exc).__name__}: {exc}")
+            except BaseException as exc:
+                if isinstance(exc, (EOFError, OSError)) and not _interrupts.raised_by_signal_handler(exc):  # fmt: skip
+                    self._fail(op, exc)
+                if conn.frames_read != taken:  # the reply due was read whole (and dropped)
+                    if self._owed:
+                        self._owed.pop(0)
+                    else:
+                        self._ping_sent = False
+                elif conn.in_frame:
+                    self._interrupted(op, exc, "reply")
+                raise  # (else still due: read by the next call)
+            if kind not in (REPLY, ERROR) or got != op:
+                self._out_of_step(
+                    f"a {OP_NAMES.get(got, got)} reply (frame kind {kind}) came where the "
+                    f"reply of the {OP_NAMES.get(op, op)} was due"
+                )
+            if not self._owed:
+                self._ping_sent = False
+                return
+            self._owed.pop(0)
+
+    def _out_of_step(self, what: str) -> NoReturn:
+        self._closed_why = (
+            f"after an interrupted call the connection was out of step ({what}); connect again"
+        )
+        self._shutdown_transport()
+        raise RPCError(f"the RPC session {self._label} is closed: {self._closed_why}")
 
     def _arm_deadline(self, op: int) -> None:
         if not self._timeout:
@@ -889,6 +999,8 @@ class LocalSession(RPCSession):
                     result = h.ops[op](*sargs)
                 return self._to_client(result)
             except Exception as exc:
+                if _interrupts.raised_by_signal_handler(exc):
+                    raise  # the program's own, as in any local call (SIGALRM's TimeoutError)
                 raise _remote_error(handler.error_value(exc)) from None
 
     def _upload(self, target: str, source: Any, size: int, progress: Progress | None) -> None:
@@ -904,6 +1016,8 @@ class LocalSession(RPCSession):
             try:
                 self._handler.write_upload(self._handler.upload_target(target), fill)
             except Exception as exc:
+                if _interrupts.raised_by_signal_handler(exc):
+                    raise  # the program's own, as in any local call (SIGALRM's TimeoutError)
                 raise _remote_error(handler.error_value(exc)) from None
 
     def _fetch(self, op: int, path: str, target: str | None, progress: Progress | None) -> Any:
@@ -914,6 +1028,8 @@ class LocalSession(RPCSession):
             try:
                 src = h.op_download(path) if op == OP_DOWNLOAD else h.op_link(path)
             except Exception as exc:
+                if _interrupts.raised_by_signal_handler(exc):
+                    raise  # the program's own, as in any local call (SIGALRM's TimeoutError)
                 raise _remote_error(handler.error_value(exc)) from None
         with src.file:
             if target is None:

@@ -669,6 +669,12 @@ class Conn:
         self.end = 0
         self._pipe: tuple[int, int] | None = None
         self._hash_buf: memoryview | None = None  # sealed bytes spliced to a file, read back
+        #: True from a frame's head until :meth:`recv` returns it: an exception that
+        #: leaves ``recv`` meanwhile (a signal handler's) left part of the frame unread
+        self.in_frame = False
+        #: frames :meth:`recv` has taken whole (counted before it returns: a caller
+        #: interrupted as the call returns can still tell that the frame was taken)
+        self.frames_read = 0
 
     # -- raw reads ------------------------------------------------------------
     def _recv(self, view) -> int:
@@ -788,6 +794,7 @@ class Conn:
         kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
         while kind == HEARTBEAT and not (meta_len or nbuf):  # "still here": nothing to do
             kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
+        self.in_frame = True  # (read_exact keeps a head read in part for the next call)
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
             raise FrameTooLargeError(
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
@@ -813,6 +820,8 @@ class Conn:
         for _idx, view in fills:
             self.read_into(view)
         self.settle()
+        self.in_frame = False
+        self.frames_read += 1
         return kind, op, (_freeze(value) if has_bytes else value)
 
     # -- file streams ---------------------------------------------------------

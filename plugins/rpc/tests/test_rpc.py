@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -93,6 +95,7 @@ POPEN_SERVER = textwrap.dedent(
     def _raise(msg):
         raise KeyError(msg)
     disco.register_func("rpctest.raise", _raise)
+    disco.register_func("rpctest.sleep", lambda t: time.sleep(t))
     def _cuda_init_error():
         raise RuntimeError("cudaErrorInitializationError: initialization error")
     disco.register_func("rpctest.cuda_init_error", _cuda_init_error)
@@ -914,3 +917,90 @@ def test_client_and_server_pinned_to_one_cpu_do_not_poll(server):
     if len(before) > 1:
         with rpc.connect("127.0.0.1", server.port) as s:
             assert s._conn.t.spin > 0
+
+
+# --------------------------------------------------------------------------- interrupted calls
+class Boom(Exception):
+    pass
+
+
+@pytest.fixture
+def alarm_handler():
+    """SIGALRM's handler raises ``box[0]``; restored after the test."""
+    box: list[BaseException] = [Boom("alarm")]
+
+    def handler(signum, frame):
+        raise box[0]
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        yield box
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["ctrl-c", "handler", "timeout"])
+def test_a_call_interrupted_while_it_waits_leaves_no_answer_for_the_next(sess, how, alarm_handler):
+    """Ctrl-C (a real SIGINT), or a signal handler's exception, while a remote call waits
+    for its reply, then carrying on: each later call gets its own answer. The reply of the
+    interrupted call arrived later and was taken for the next call's ("got first" for
+    "second", and so on), and a TimeoutError was reported as a lost connection."""
+    echo, sleep = sess.get_function("rpctest.echo"), sess.get_function("rpctest.sleep")
+    expected: type[BaseException] = KeyboardInterrupt
+    if how == "ctrl-c":
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+    else:
+        if how == "timeout":
+            alarm_handler[0] = TimeoutError("the program's own timeout")
+        expected = type(alarm_handler[0])
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+    with pytest.raises(expected) as info:
+        sleep(1.0)
+    if how == "timeout":
+        assert not isinstance(info.value, rpc.RPCError)
+    for k in range(5):
+        assert echo(k) == (k,)
+    assert sess.get_function("rpctest.add")(2, 3) == 5
+
+
+@pytest.mark.timeout(120)
+def test_a_call_cut_anywhere_gives_its_answer_or_a_closed_session_never_another_s(
+    server, alarm_handler
+):
+    """A signal handler's exception at random points of calls with large arguments and
+    results: a request or a reply cut in the middle closes the session, saying so; every
+    answer a call returns is its own (before: later calls returned earlier calls' answers)."""
+    payload = np.arange(200_000, dtype=np.float64)
+    outcomes = set()
+    for trial in range(30):
+        s = rpc.connect("127.0.0.1", server.port)
+        echo = s.get_function("rpctest.echo")
+        try:
+            for k in range(40):
+                try:
+                    try:
+                        signal.setitimer(signal.ITIMER_REAL, 0.0002 * (1 + (trial + k) % 13))
+                        if k % 2:
+                            x = rpc.tensor(payload + k, s.cpu())
+                            assert np.array_equal(x.numpy(), payload + k)
+                        else:
+                            assert echo(k) == (k,)
+                    finally:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                    outcomes.add("answered")
+                except Boom:
+                    outcomes.add("interrupted")
+                except rpc.RPCError as exc:
+                    # cut in the middle of a request or reply; or a reply lost as a read
+                    # returned (CPython runs the handler before the count is stored): the
+                    # ping after the interrupted call's reply found it missing
+                    text = str(exc)
+                    assert "is closed: " in text and ("kept in step" in text or "out of step" in text), exc  # fmt: skip
+                    outcomes.add("closed")
+                    break
+        finally:
+            s.close()
+    assert {"answered", "interrupted"} <= outcomes, outcomes
