@@ -705,7 +705,10 @@ class BatchingLink(WorkerLink):
         this reason, so that the next call says what happened instead of hanging on a
         half frame or reading results of commands that never ran.
         """
-        if exc is self._finished_despite or write_failed(exc):
+        if exc is self._finished_despite:
+            self._finished_despite = None  # (its traceback holds frames)
+            return
+        if write_failed(exc):
             return
         hub = self.hub
         if hub is None or any(w in hub.dead for w in self.worker_ids):
