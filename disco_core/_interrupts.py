@@ -50,6 +50,7 @@ __all__ = [
     "deliver",
     "deliver_later",
     "raised_by_signal_handler",
+    "cut_by_program",
     "install",
     "uninstall",
     "installed",
@@ -168,11 +169,27 @@ def _code_of(handler: Any) -> CodeType | None:
     return None
 
 
+def cut_by_program(exc: BaseException) -> bool:
+    """Whether ``exc``, leaving one of Disco's own steps (which call no code of the
+    program), came from the program: its traceback runs through a signal handler of
+    the program or through any code that is neither Disco's nor the standard
+    library's (a handler that removed itself before it raised, as one-shot timeouts
+    do, or what it called). A built-in handler (``signal.default_int_handler``)
+    leaves no frame: callers look at ``KeyboardInterrupt`` themselves.
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        if not _ours_or_stdlib(tb.tb_frame):
+            return True
+        tb = tb.tb_next
+    return raised_by_signal_handler(exc)
+
+
 def raised_by_signal_handler(exc: BaseException) -> bool:
     """Whether ``exc`` was raised inside one of the program's Python signal handlers
-    (``SIGALRM`` raising ``TimeoutError``, say): its traceback runs through one.
-
-    Disco's own Ctrl-C handler does not count (it raises only where nothing is cut).
+    now in place (``SIGALRM`` raising ``TimeoutError``, say): its traceback runs
+    through one. Disco's own Ctrl-C handler does not count (it raises only where
+    nothing is cut).
     """
     codes = set()
     for sig in signal.valid_signals():

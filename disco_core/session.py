@@ -587,7 +587,7 @@ class Session:
                     released.extendleft(reversed(ids))
                 if isinstance(exc, (DiscoError, OSError)) or not isinstance(exc, Exception):
                     raise
-                if _interrupts.raised_by_signal_handler(exc):
+                if _interrupts.cut_by_program(exc):
                     raise  # the program's own (SIGALRM's TimeoutError), not the arguments'
                 raise DiscoTypeError(
                     f"call_packed: the arguments cannot be sent to the workers: {exc}"
@@ -651,6 +651,25 @@ class Session:
         ``first`` is raised ahead of the others (the cause, not what it caused);
         ``owed`` lists workers whose reply to an earlier sync is still unread.
         """
+        try:
+            self._gather_all(errors, first, owed)
+        except (DiscoError, WorkerError):
+            raise
+        except BaseException:
+            # Interrupted (Ctrl-C, a signal handler's exception) while it gathered: the
+            # errors it holds go back to the channel, and the next synchronising call
+            # reports them. Dropped here, a command that failed on one worker (itself
+            # interrupted on the controller's thread) was never reported, and the
+            # workers disagreed without a word (outside check).
+            hub = getattr(self._channel, "hub", None)
+            if hub is not None:
+                hub.errors.extendleft(reversed(errors))
+            raise
+
+    def _gather_all(
+        self, errors: list[WorkerError], first: WorkerError | None, owed: Sequence[int]
+    ) -> None:
+        """:meth:`_gather`'s work."""
         channel = self._channel
         limit = gather_timeout()
         deadline = time.monotonic() + limit
@@ -673,7 +692,8 @@ class Session:
         except WorkerDiedError as exc:
             raise exc from _merged(_by_worker(errors))
         channel.settle()
-        errors = _by_worker(errors + channel.take_errors())
+        errors.extend(channel.take_errors())  # (in place: an interruption puts them all back)
+        errors[:] = _by_worker(errors)
         if laggards:
             many = len(laggards) > 1
             reason = (

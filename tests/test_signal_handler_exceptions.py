@@ -7,7 +7,7 @@ handler's exception is not. It used to be taken for a dead worker (``TimeoutErro
 an ``OSError``: "worker 1 died: worker 1 command pipe broke (alarm)"), to be reported
 as bad arguments ("the arguments cannot be sent to the workers: alarm"), or, cut
 between two workers' queues, to leave the workers disagreeing on what ran, silently
-(an outside check read 375, 375 and 374 from one counter). Now the program gets its
+(a check read 375, 375 and 374 from one counter). Now the program gets its
 own exception, and where a step was cut the workers are given up with that reason.
 """
 
@@ -16,12 +16,14 @@ from __future__ import annotations
 import fcntl
 import functools
 import signal
+import sys
 
 import numpy as np
 import pytest
 
 import disco_core as disco
 from disco_core import _interrupts
+from disco_core.spi import as_dtype
 
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
@@ -46,7 +48,7 @@ def alarm_raises():
         signal.signal(signal.SIGALRM, old)
 
 
-def test_raised_by_signal_handler_knows_the_handler_s_frames(alarm_raises):
+def test_the_handler_s_frames_tell_its_exceptions_apart(alarm_raises):
     class Handler:
         def __call__(self, signum, frame):
             raise Boom("object")
@@ -67,16 +69,25 @@ def test_raised_by_signal_handler_knows_the_handler_s_frames(alarm_raises):
         with pytest.raises(Boom) as info:
             signal.raise_signal(signal.SIGALRM)
         assert _interrupts.raised_by_signal_handler(info.value), handler
-    signal.signal(signal.SIGALRM, function)
+
+    # One-shot timeouts remove their handler before they raise: the handler's frame,
+    # code of the program inside one of Disco's steps, still tells
+    def one_shot(signum, frame):
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        raise Boom("once")
+
+    signal.signal(signal.SIGALRM, one_shot)
     with pytest.raises(Boom) as info:
-        function(0, None)  # the same code, not run as a handler: still its frame
-    assert _interrupts.raised_by_signal_handler(info.value)
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    assert not _interrupts.raised_by_signal_handler(info.value)  # no longer a handler
-    try:
-        raise TimeoutError("plain")
-    except TimeoutError as exc:
-        assert not _interrupts.raised_by_signal_handler(exc)
+        signal.raise_signal(signal.SIGALRM)
+    assert not _interrupts.raised_by_signal_handler(info.value)  # no longer in place
+    inside = info.value.with_traceback(info.value.__traceback__.tb_next)
+    assert _interrupts.cut_by_program(inside)  # as one of Disco's steps sees it
+    # Disco's own error, as a step that caught it sees it (its traceback starts there)
+    with pytest.raises(TypeError) as info:
+        as_dtype("not a dtype")
+    own = info.value.with_traceback(info.value.__traceback__.tb_next)
+    assert not _interrupts.cut_by_program(own)
+    assert not _interrupts.raised_by_signal_handler(own)
 
 
 @pytest.mark.timeout(60)
@@ -116,8 +127,14 @@ class _RaisingQueue:
 
 
 @pytest.mark.timeout(60)
-def test_an_exception_between_two_workers_queues_gives_the_workers_up(alarm_raises):
+@pytest.mark.parametrize("handler", ["own", "built-in"])
+def test_an_exception_between_two_workers_queues_gives_the_workers_up(alarm_raises, handler):
+    """Also Python's built-in SIGINT handler put on SIGALRM: it leaves no frame, and its
+    KeyboardInterrupt is one Disco's own Ctrl-C handler never raises inside that step."""
     alarm_raises[0] = Boom("alarm")
+    if handler == "built-in":
+        signal.signal(signal.SIGALRM, signal.default_int_handler)
+    expected = Boom if handler == "own" else KeyboardInterrupt
     with disco.ThreadedSession(3) as sess:
         sess.import_python_module("disco_core.testing.funcs")
         echo = sess.get_global_func("testing.echo")
@@ -126,11 +143,11 @@ def test_an_exception_between_two_workers_queues_gives_the_workers_up(alarm_rais
         real = channel._pendings[1]
         channel._pendings[1] = _RaisingQueue(real)
         try:
-            with pytest.raises(Boom):
+            with pytest.raises(expected):
                 echo(2)  # worker 0 has the command, workers 1 and 2 do not
         finally:
             channel._pendings[1] = real
-        with pytest.raises(disco.WorkerDiedError, match="raised by a signal handler of the program, cut the hand-over"):  # fmt: skip
+        with pytest.raises(disco.WorkerDiedError, match=r"(Boom\('alarm'\)|KeyboardInterrupt\(''\)), raised by a signal handler of the program, cut the hand-over"):  # fmt: skip
             echo(3).debug_get_from_remote(0)
 
 
@@ -146,3 +163,39 @@ def test_an_exception_handled_before_a_call_does_not_cut_it(alarm_raises):
         except TimeoutError:
             for k in range(50):
                 assert echo(k).debug_get_from_remote(1) == k
+
+
+@pytest.mark.timeout(60)
+def test_errors_being_gathered_when_an_interrupt_comes_are_reported_by_the_next_sync(monkeypatch):
+    """A worker's failure, taken off the channel by the gathering of errors that a
+    synchronising call does, was dropped when Ctrl-C (or a handler's exception) came
+    during that gathering: the failed command was never reported (outside check)."""
+    with disco.ThreadedSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        fail = sess.get_global_func("testing.raise_on")
+        fail(1, "ValueError", "boom")  # fails on worker 1 only
+        channel = sess._channel
+        real, calls = channel.recv, []
+
+        def recv_interrupted_once(*args, **kwargs):
+            if _in_gather() and not calls:
+                calls.append(1)
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(channel, "recv", recv_interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            sess._sync_worker(1)
+        monkeypatch.setattr(channel, "recv", real)
+        assert calls == [1]
+        with pytest.raises(disco.WorkerError, match="boom"):
+            sess._sync_worker(1)
+
+
+def _in_gather() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_gather_all":
+            return True
+        frame = frame.f_back
+    return False

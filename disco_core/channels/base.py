@@ -675,7 +675,7 @@ class BatchingLink(WorkerLink):
         if failed:
             raise failed[0]
         if interrupted is not None:
-            self._finished_despite = interrupted  # the frame is whole: nothing to cut
+            interrupted._disco_whole = True  # type: ignore[attr-defined]  # the frame is whole: nothing cut
             raise interrupted
 
     def _warn_finishing(self, nbytes: int) -> None:
@@ -691,9 +691,6 @@ class BatchingLink(WorkerLink):
         if _interrupts.state.escalated:
             self._cut(exc)
 
-    #: An exception that :meth:`_write_whole` raised after the frame was written whole.
-    _finished_despite: BaseException | None = None
-
     def _cut_by_foreign(self, exc: BaseException) -> None:
         """An exception cut a write between two of its steps: give the workers up.
 
@@ -705,11 +702,8 @@ class BatchingLink(WorkerLink):
         this reason, so that the next call says what happened instead of hanging on a
         half frame or reading results of commands that never ran.
         """
-        if exc is self._finished_despite:
-            self._finished_despite = None  # (its traceback holds frames)
-            return
-        if write_failed(exc):
-            return
+        if getattr(exc, "_disco_whole", False) or write_failed(exc):
+            return  # (raised after the frame was written whole: see _write_whole)
         hub = self.hub
         if hub is None or any(w in hub.dead for w in self.worker_ids):
             return
@@ -926,7 +920,7 @@ class ThreadWorkerLink(WorkerLink):
                 # execute reads the trace's recorders for each command: a trace that
                 # starts or stops within the batch swaps them (held for the batch, the
                 # rest of it went unnumbered: outside check)
-                if not worker.execute(pending.popleft()):
+                if not worker.execute(pending[0], pending):  # (popped inside: see execute)
                     self.stopped = True
         finally:
             self.runner = outer
@@ -1195,8 +1189,12 @@ class LinkChannel(Channel):
         reached some workers and not others; later calls would read diverging
         registers without a word.
         """
-        if self.hub.dead or not _interrupts.raised_by_signal_handler(exc):
-            return  # the step's own error says what happened; or a link's cut said it
+        if self.hub.dead:
+            return  # a link's cut said it already
+        # KeyboardInterrupt: Disco's Ctrl-C handler never raises inside these steps, so
+        # it came from another handler (signal.default_int_handler leaves no frame)
+        if not isinstance(exc, KeyboardInterrupt) and not _interrupts.cut_by_program(exc):  # fmt: skip
+            return  # the step's own error says what happened
         self.hub.mark_dead(
             range(self.num_workers),
             f"{type(exc).__name__}({str(exc)[:80]!r}), raised by a signal handler of the "
@@ -1420,6 +1418,7 @@ class LinkChannel(Channel):
         # batch went to some workers and not to others, and a later call failed there
         # or read an older value (a lost batch held a register's release and its reuse)
         queueing = False
+        current: WorkerLink | None = None
         try:
             batch = self._batch
             n = len(batch)
@@ -1429,10 +1428,12 @@ class LinkChannel(Channel):
                 queueing = True
                 del batch[:n]  # a sender's extend meanwhile went after these n
                 for link in self._deferring:
+                    current = link
                     link.send(out)
                 queueing = False
         except BaseException as exc:
-            if queueing:
+            # (an interrupt that the last link's write finished despite cut nothing)
+            if queueing and not (current is self._deferring[-1] and getattr(exc, "_disco_whole", False)):  # fmt: skip
                 self._cut_for(exc)
             raise
         finally:
@@ -1595,6 +1596,7 @@ class LinkChannel(Channel):
         # Ctrl-C waits for the end, as in send_shared (a write that blocks is protected
         # on its own, where a second Ctrl-C gives the workers up)
         queueing = False
+        current: WorkerLink | None = None
         try:
             if workers is None:
                 if out.shared:
@@ -1613,11 +1615,13 @@ class LinkChannel(Channel):
                     self._seal_locked()
                     queueing = True
                     for link in targets:
+                        current = link
                         link.send(out)
                     queueing = False
             else:
                 queueing = True
                 for link in targets:
+                    current = link
                     link.send(out)
                 queueing = False
             for link in targets:
@@ -1626,7 +1630,8 @@ class LinkChannel(Channel):
             if not self._flush_due:
                 self._mark_dirty()
         except BaseException as exc:
-            if queueing and len(targets) > 1:
+            # (an interrupt that the last link's write finished despite cut nothing)
+            if queueing and len(targets) > 1 and not (current is targets[-1] and getattr(exc, "_disco_whole", False)):  # fmt: skip
                 self._cut_for(exc)
             raise
         finally:

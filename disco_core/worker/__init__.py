@@ -313,15 +313,25 @@ class Worker:
     _record_other: Callable[[tuple], bool] | None = None
 
     @_interrupts.barrier  # a command runs interruptibly, whoever called it
-    def execute(self, cmd: tuple) -> bool:
-        """Execute one command; return False after a shutdown command."""
+    def execute(self, cmd: tuple, queue: Any = None) -> bool:
+        """Execute one command; return False after a shutdown command.
+
+        ``queue``: the deque that ``cmd`` heads (a worker of the controller's process),
+        popped here, inside the step that reports a failed call: an exception raised
+        between a pop and that step (Ctrl-C, a signal handler's, on the controller's
+        thread) lost the call without a word, and the workers disagreed.
+        """
         if cmd[0] != _CALL_PACKED:
+            if queue is not None:
+                queue.popleft()  # (a lost sync is answered by the next fence; see protocol)
             record_other = self._record_other
             return self._execute_other(cmd) if record_other is None else record_other(cmd)
         record = self._record_call
         t0 = _now() if record is not None else 0
         _, reg, func_reg, args = cmd
         try:
+            if queue is not None:
+                queue.popleft()
             func = self.regs.get(func_reg, _ABSENT)
             if type(func) is _Failed or func is _ABSENT:
                 func = self.get_reg(func_reg)  # raises, naming the register
