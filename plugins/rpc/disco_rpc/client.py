@@ -15,7 +15,14 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from disco_core import DiscoFileNotFoundError, DiscoPermissionError, DiscoTypeError, DiscoValueError
+from disco_core import (
+    DiscoFileNotFoundError,
+    DiscoPermissionError,
+    DiscoTypeError,
+    DiscoValueError,
+    FrameLimitError,
+    IntegrityError,
+)
 from disco_core.spi import (
     Device,
     as_dtype,
@@ -366,10 +373,10 @@ class RPCSession:
         self._frees: list[int] = []
         self._closed = False
         self._closed_why = ""  # what closed the session, when not close() or the server
-        #: operations whose replies are still to come and to be dropped: the calls that
-        #: an exception (Ctrl-C, a signal handler's) ended while they waited for them
-        self._owed: list[int] = []
-        self._ping_sent = False  # the ping that ends the drop of those replies
+        #: False from a request's start until its reply is read whole: a call that an
+        #: exception (Ctrl-C, a signal handler's) ended in between may have left a reply
+        #: to come, and the next call first puts the connection back in step (_resync)
+        self._in_step = True
         self._label = label
         self._timeout = float(session_timeout or 0)
         self._server_timeout = 0.0
@@ -432,8 +439,8 @@ class RPCSession:
         with self._lock:
             self._arm_deadline(op)
             conn = self._conn
-            if self._owed:
-                self._drop_owed(conn)
+            if not self._in_step:
+                self._resync(conn)
             frees, self._frees = self._frees, []
             try:
                 meta, bufs = wire.encode((tuple(frees), args), self._export)
@@ -444,7 +451,7 @@ class RPCSession:
             t0 = time.perf_counter() if self._logging else 0.0
             local_error = None
             waiting = False  # for the reply
-            taken = conn.frames_read
+            self._in_step = False  # until the reply is read whole (set last, below)
             try:
                 with self._send_lock:  # no heartbeat inside a frame or a file stream
                     self._sends += 1
@@ -457,15 +464,21 @@ class RPCSession:
                 if kind == REPLY and recv_stream is not None:
                     value = recv_stream(conn, value)
             except StreamAbortedError as exc:  # the server's file failed; still in sync
+                self._in_step = True
                 raise RPCError(f"the server could not send the whole file: {exc}") from None
             except (ProtocolError, EOFError, OSError) as exc:
-                if not _interrupts.raised_by_signal_handler(exc):
+                if not _interrupts.cut_by_program(exc):
                     self._fail(op, exc)
-                self._interrupted(op, exc, self._after(conn, waiting, taken, recv_stream))
+                self._interrupted(op, exc, waiting, recv_stream is not None)
                 raise
             except BaseException as exc:  # Ctrl-C, a signal handler's exception
-                self._interrupted(op, exc, self._after(conn, waiting, taken, recv_stream))
+                self._interrupted(op, exc, waiting, recv_stream is not None)
                 raise
+            if _op != op:  # (a reply of its own op always comes: _resync saw to that)
+                self._out_of_step(
+                    f"the reply to a {OP_NAMES.get(op, op)} came as a {OP_NAMES.get(_op, _op)} one"
+                )
+            self._in_step = True
             if self._logging:
                 logger.info(
                     "%s %s: %.1f us", self._label, OP_NAMES.get(op, op),
@@ -479,89 +492,63 @@ class RPCSession:
             self._fail(op, ProtocolError(f"unexpected frame kind {kind}"))
         return value
 
-    @staticmethod
-    def _after(conn: wire.Conn, waiting: bool, taken: int, recv_stream: Any) -> str:
-        """Where an exception left a call: ``"owed"`` (its reply is still to come, none
-        of it read), ``"taken"`` (the reply was read whole: nothing is left over),
-        ``"request"`` or ``"reply"`` (cut in the middle of one)."""
-        if conn.frames_read != taken:
-            return "taken" if recv_stream is None else "reply"  # a file would follow it
-        if not waiting:
-            return "request"
-        return "owed" if not conn.in_frame and recv_stream is None else "reply"
-
-    def _interrupted(self, op: int, exc: BaseException, where: str) -> None:
+    def _interrupted(self, op: int, exc: BaseException, waiting: bool, stream: bool) -> None:
         """An exception of the program's (Ctrl-C, a signal handler's) ended a call.
 
-        ``where`` (:meth:`_after`): ``"owed"``, the reply is read and dropped before
-        the next call's, so every later call still gets its own answer; ``"taken"``,
-        nothing is left to read. A request or a reply cut in the middle (or a download
-        whose file would follow) leaves the connection out of step for good: the
+        While the call waited for its reply, with none of it read, the connection can be
+        put back in step: the next call does it first (:meth:`_resync`), so every later
+        call still gets its own answer. A request or a reply cut in the middle (or a
+        download, whose file follows its reply) leaves it out of step for good: the
         session is closed, and says why.
         """
-        if where == "owed":
-            self._owed.append(op)
+        if waiting and not stream and not self._conn.in_frame:
             return
-        if where == "taken":
-            return
-        what = OP_NAMES.get(op, str(op))
+        where = "reply" if waiting else "request"
         self._closed_why = (
-            f"{type(exc).__name__}({str(exc)[:80]!r}) cut the {where} of a {what} call in the "
-            "middle, and the connection could not be kept in step; connect again"
+            f"{type(exc).__name__}({str(exc)[:80]!r}) cut the {where} of an RPC "
+            f"{OP_NAMES.get(op, op)} in the middle, and the connection could not be kept in "
+            "step; connect again"
         )
         self._shutdown_transport()
 
-    def _drop_owed(self, conn: wire.Conn) -> None:
-        """Read and drop the replies of the calls interrupted while they waited.
+    def _resync(self, conn: wire.Conn) -> None:
+        """Drop what an interrupted call left to come: send a ping with a fresh random
+        token, and read and drop every frame up to its answer.
 
-        A ping goes first, and its reply ends the drop: an interruption right after a
-        read returned (its bytes taken, their count lost before Python stored it) can
-        lose a reply, and waiting for that one would never end. Replies that do not
-        come in the order asked for close the session, saying why; none is ever taken
-        for another call's.
+        Whatever was or was not read before (a reply read whole as the interruption
+        came, or its bytes taken by a read whose count was lost: Python runs a signal
+        handler before it stores a call's result), the token's answer is the last
+        frame owed, so nothing is waited for that may never come and no earlier
+        reply is taken for a later call's. Interrupted itself, it starts over with a
+        new token at the next call.
         """
-        if not self._ping_sent:
-            meta, bufs = wire.encode(((), ()), None)
-            try:
-                with self._send_lock:
-                    self._sends += 1
-                    conn.send_encoded(REQUEST, OP_PING, meta, bufs)
-            except (EOFError, OSError) as exc:
-                if not _interrupts.raised_by_signal_handler(exc):
-                    self._fail(OP_PING, exc)
-                self._interrupted(OP_PING, exc, "request")
-                raise
-            except BaseException as exc:
-                self._interrupted(OP_PING, exc, "request")
-                raise
-            self._ping_sent = True
+        token = os.urandom(16)
+        meta, bufs = wire.encode(((), (token,)), None)
+        try:
+            with self._send_lock:
+                self._sends += 1
+                conn.send_encoded(REQUEST, OP_PING, meta, bufs)
+        except BaseException as exc:
+            if isinstance(exc, (EOFError, OSError)) and not _interrupts.cut_by_program(exc):  # fmt: skip
+                self._fail(OP_PING, exc)
+            self._interrupted(OP_PING, exc, False, False)
+            raise
         while True:
-            op = self._owed[0] if self._owed else OP_PING
-            taken = conn.frames_read
             try:
-                kind, got, _value = conn.recv(on_handle=self._wrap)
-            except ProtocolError as exc:  # desync: a reply lost in part
+                kind, got, value = conn.recv(on_handle=self._wrap)
+            except (ProtocolError, IntegrityError, FrameLimitError) as exc:  # a reply cut
                 self._out_of_step(f"{type(exc).__name__}: {exc}")
             except BaseException as exc:
-                if isinstance(exc, (EOFError, OSError)) and not _interrupts.raised_by_signal_handler(exc):  # fmt: skip
-                    self._fail(op, exc)
-                if conn.frames_read != taken:  # the reply due was read whole (and dropped)
-                    if self._owed:
-                        self._owed.pop(0)
-                    else:
-                        self._ping_sent = False
-                elif conn.in_frame:
-                    self._interrupted(op, exc, "reply")
-                raise  # (else still due: read by the next call)
-            if kind not in (REPLY, ERROR) or got != op:
-                self._out_of_step(
-                    f"a {OP_NAMES.get(got, got)} reply (frame kind {kind}) came where the "
-                    f"reply of the {OP_NAMES.get(op, op)} was due"
-                )
-            if not self._owed:
-                self._ping_sent = False
+                if isinstance(exc, (EOFError, OSError)) and not _interrupts.cut_by_program(exc):  # fmt: skip
+                    self._fail(OP_PING, exc)
+                if conn.in_frame:
+                    self._interrupted(OP_PING, exc, True, True)
+                raise  # (else the next call starts over, with a new token)
+            if kind not in (REPLY, ERROR):
+                self._out_of_step(f"a frame of kind {kind} among the replies")
+            if kind == REPLY and got == OP_PING and isinstance(value, (bytes, bytearray, memoryview)) and bytes(value) == token:  # fmt: skip
+                self._in_step = True
                 return
-            self._owed.pop(0)
 
     def _out_of_step(self, what: str) -> NoReturn:
         self._closed_why = (
@@ -604,10 +591,12 @@ class RPCSession:
                 f"its liveness_timeout of {liveness:g} s, took this client for frozen and ended "
                 "the session"
             )
-        raise RPCError(
+        text = (
             f"lost the connection to the RPC server {self._label} during {what}: "
             f"{type(exc).__name__}: {exc} ({why})"
-        ) from exc
+        )
+        self._closed_why = text  # what the later calls say too
+        raise RPCError(text) from exc
 
     def _shutdown_transport(self) -> None:
         self._closed = True

@@ -403,7 +403,7 @@ class SessionHandler:
             OP_DEV_EXIST: self.op_dev_exist,
             OP_LINK: self.op_link,
             OP_SYSTEM_LIB: self.op_system_lib,
-            OP_PING: lambda: None,
+            OP_PING: _pong,
             OP_FREE: lambda *ids: None,
             OP_TIME_EVAL: self.op_time_eval,
             OP_UPLOAD_CHECK: self.op_upload_check,
@@ -786,6 +786,12 @@ GPU_AFTER_FORK_HINT = (
     "or torch.cuda.is_available(), before rpc.Server(...) was made): create the server "
     "before the first CUDA call, or run it as a process of its own (disco-rpc server)"
 )
+
+
+def _pong(*args: Any) -> Any:
+    """``OP_PING``'s answer: its argument, if any (a client putting the connection back
+    in step after an interrupted call waits for its own token's answer)."""
+    return args[0] if args else None
 
 
 def error_value(exc: BaseException) -> tuple:

@@ -498,7 +498,9 @@ class Session:
             else:
                 os.remove(full)
             return None
-        if op in (proto.OP_PING, proto.OP_FREE, proto.OP_DEV_SYNC):
+        if op == proto.OP_PING:  # its argument back: a client's token (see the client's _resync)
+            return args[0] if args else None
+        if op in (proto.OP_FREE, proto.OP_DEV_SYNC):
             return None
         if op == proto.OP_DEV_EXIST:
             return args[0].code == 1

@@ -672,9 +672,6 @@ class Conn:
         #: True from a frame's head until :meth:`recv` returns it: an exception that
         #: leaves ``recv`` meanwhile (a signal handler's) left part of the frame unread
         self.in_frame = False
-        #: frames :meth:`recv` has taken whole (counted before it returns: a caller
-        #: interrupted as the call returns can still tell that the frame was taken)
-        self.frames_read = 0
 
     # -- raw reads ------------------------------------------------------------
     def _recv(self, view) -> int:
@@ -821,7 +818,6 @@ class Conn:
             self.read_into(view)
         self.settle()
         self.in_frame = False
-        self.frames_read += 1
         return kind, op, (_freeze(value) if has_bytes else value)
 
     # -- file streams ---------------------------------------------------------
