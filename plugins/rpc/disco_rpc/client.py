@@ -437,6 +437,9 @@ class RPCSession:
             why = f": {self._closed_why}" if self._closed_why else ""
             raise RPCError(f"the RPC session {self._label} is closed{why}")
         with self._lock:
+            if self._closed:  # again: closed by another thread's call while this one waited
+                why = f": {self._closed_why}" if self._closed_why else ""
+                raise RPCError(f"the RPC session {self._label} is closed{why}")
             self._arm_deadline(op)
             conn = self._conn
             if not self._in_step:

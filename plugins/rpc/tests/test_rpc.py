@@ -17,6 +17,7 @@ import pytest
 
 import disco_core as disco
 import disco_rpc as rpc
+from disco_rpc import protocol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1004,3 +1005,31 @@ def test_a_call_cut_anywhere_gives_its_answer_or_a_closed_session_never_another_
         finally:
             s.close()
     assert {"answered", "interrupted"} <= outcomes, outcomes
+
+
+@pytest.mark.timeout(60)
+def test_a_call_waiting_for_the_session_when_another_call_closes_it_says_why(server):
+    """A thread's call waited for the session's lock while the main thread's call was cut
+    in the middle (the session closed); it then used the closed connection, raised a
+    raw OSError or "lost the connection ... the server process died", and put that
+    wrong reason in place of the real one for every later call (outside check)."""
+    s = rpc.connect("127.0.0.1", server.port)
+    echo = s.get_function("rpctest.echo")
+    got: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            echo(1)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            got.append(exc)
+
+    with s._lock:  # as a call in progress holds it
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.2)  # the thread now waits for the lock
+        s._interrupted(protocol.OP_CALL, TimeoutError("alarm"), False, False)  # a cut request
+    t.join(10)
+    assert len(got) == 1 and isinstance(got[0], rpc.RPCError), got
+    assert "is closed: TimeoutError('alarm') cut the request" in str(got[0])
+    with pytest.raises(rpc.RPCError, match="is closed: TimeoutError"):
+        echo(2)
