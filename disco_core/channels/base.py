@@ -603,14 +603,8 @@ class BatchingLink(WorkerLink):
             writing = True
             self._write_timed(lambda: self._write_views(head, buffers), total)
             writing = False
-        except KeyboardInterrupt as exc:
-            self._cut_if_second(exc)
-            if writing:
-                self._cut_by_foreign(exc)
-            raise
         except BaseException as exc:
-            if writing:
-                self._cut_by_foreign(exc)
+            self._write_ended_by(exc, writing)
             raise
         finally:
             _interrupts.deliver()
@@ -684,6 +678,17 @@ class BatchingLink(WorkerLink):
             "finishing it first; interrupt again to give these workers up",
             nbytes, list(self.worker_ids),
         )  # fmt: skip
+
+    def _write_ended_by(self, exc: BaseException, writing: bool) -> None:
+        """A protected write step raised ``exc``; ``writing``: in the middle of the bytes.
+
+        A second Ctrl-C gives the workers up (:meth:`_cut_if_second`), and so does any
+        other exception that cut the bytes in the middle (:meth:`_cut_by_foreign`).
+        """
+        if isinstance(exc, KeyboardInterrupt):
+            self._cut_if_second(exc)
+        if writing:
+            self._cut_by_foreign(exc)
 
     def _cut_if_second(self, exc: KeyboardInterrupt) -> None:
         """:meth:`_cut` if ``exc`` is a second Ctrl-C during a protected write (it was
@@ -812,14 +817,8 @@ class BatchingLink(WorkerLink):
                 # a large value pickled into a command (a long list) is as large a frame
                 self._write_timed(lambda: self._write(data), len(data))
                 writing = False
-        except KeyboardInterrupt as exc:
-            self._cut_if_second(exc)
-            if writing:
-                self._cut_by_foreign(exc)
-            raise
         except BaseException as exc:
-            if writing:
-                self._cut_by_foreign(exc)
+            self._write_ended_by(exc, writing)
             raise
         finally:
             _interrupts.deliver()
