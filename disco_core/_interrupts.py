@@ -187,9 +187,11 @@ def cut_by_program(exc: BaseException) -> bool:
 
 def raised_by_signal_handler(exc: BaseException) -> bool:
     """Whether ``exc`` was raised inside one of the program's Python signal handlers
-    now in place (``SIGALRM`` raising ``TimeoutError``, say): its traceback runs
-    through one. Disco's own Ctrl-C handler does not count (it raises only where
-    nothing is cut).
+    (``SIGALRM`` raising ``TimeoutError``, say): its traceback runs through a handler
+    now in place, or through a function run as a signal handler that is no longer in
+    place (a one-shot timeout's handler puts the old one back before it raises; see
+    :func:`_runs_as_handler`). Disco's own Ctrl-C handler does not count (it raises
+    only where nothing is cut).
     """
     codes = set()
     for sig in signal.valid_signals():
@@ -200,11 +202,35 @@ def raised_by_signal_handler(exc: BaseException) -> bool:
         if code is not None and code is not _on_sigint.__code__:
             codes.add(code)
     tb = exc.__traceback__
+    caller: FrameType | None = None
     while tb is not None:
-        if tb.tb_frame.f_code in codes:
+        frame = tb.tb_frame
+        if frame.f_code in codes or (caller is not None and _runs_as_handler(frame, caller)):
             return True
+        caller = frame
         tb = tb.tb_next
     return False
+
+
+def _runs_as_handler(frame: FrameType, caller: FrameType) -> bool:
+    """Whether ``frame`` is a signal handler's run: Python calls a handler with the
+    signal's number and the frame it interrupted (``caller``, the traceback's entry
+    before), as its last two positional arguments; an ordinary call hardly ever
+    passes its caller's own frame."""
+    code = frame.f_code
+    count = code.co_argcount
+    if count < 2 or code is _on_sigint.__code__:
+        return False
+    try:
+        values = frame.f_locals
+        signum = values.get(code.co_varnames[count - 2])
+        interrupted = values.get(code.co_varnames[count - 1])
+    except Exception:  # noqa: BLE001 - an odd frame: not a handler we can tell
+        return False
+    return interrupted is caller and isinstance(signum, int) and signum in _SIGNALS
+
+
+_SIGNALS = frozenset(int(sig) for sig in signal.valid_signals())
 
 
 def deliver_later() -> None:

@@ -17,6 +17,8 @@ import fcntl
 import functools
 import signal
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -70,18 +72,25 @@ def test_the_handler_s_frames_tell_its_exceptions_apart(alarm_raises):
             signal.raise_signal(signal.SIGALRM)
         assert _interrupts.raised_by_signal_handler(info.value), handler
 
-    # One-shot timeouts remove their handler before they raise: the handler's frame,
-    # code of the program inside one of Disco's steps, still tells
     def one_shot(signum, frame):
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         raise Boom("once")
 
+    # One-shot timeouts remove their handler before they raise: no longer in place, the
+    # handler is still told by its call (the signal's number and the frame it cut)
     signal.signal(signal.SIGALRM, one_shot)
     with pytest.raises(Boom) as info:
         signal.raise_signal(signal.SIGALRM)
-    assert not _interrupts.raised_by_signal_handler(info.value)  # no longer in place
+    assert _interrupts.raised_by_signal_handler(info.value)
     inside = info.value.with_traceback(info.value.__traceback__.tb_next)
     assert _interrupts.cut_by_program(inside)  # as one of Disco's steps sees it
+
+    def looks_like_one(signum, frame):  # a handler's arguments, but not the caller's frame
+        raise Boom("no")
+
+    with pytest.raises(Boom) as info:
+        looks_like_one(signal.SIGALRM, sys._getframe(1))
+    assert not _interrupts.raised_by_signal_handler(info.value)
     # Disco's own error, as a step that caught it sees it (its traceback starts there)
     with pytest.raises(TypeError) as info:
         as_dtype("not a dtype")
@@ -199,3 +208,171 @@ def _in_gather() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("handler", ["in place", "one-shot"])
+def test_a_handler_s_exception_in_worker_0_s_collective_fails_its_peers_at_once(alarm_raises, monkeypatch, handler):  # fmt: skip
+    """Worker 0 runs its commands on the controller's thread, where a ``SIGALRM``
+    timeout can cut its allreduce while worker 1 waits in it. Only Ctrl-C used to abort
+    the shm segment: a handler's exception was taken for the allreduce's own error, so
+    worker 1 waited until the CCL's timeout (300 s by default; outside check), and the
+    program got a ``WorkerError`` where it set a timeout. Now the program gets its own
+    exception, and worker 1 fails at once, saying why."""
+    from disco_core.channels import base
+
+    if handler == "one-shot":
+
+        def one_shot(signum, frame):
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)
+            raise TimeoutError("the program's own timeout")
+
+        signal.signal(signal.SIGALRM, one_shot)
+    # worker 0's own thread is not woken to run the allreduce: the sync runs it
+    monkeypatch.setattr(base, "FLUSH_DELAY", 30.0)
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm", timeout=30.0)
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        x, y = sess.empty((4,), "float32"), sess.empty((4,), "float32")
+        sess.get_global_func("testing.sleep")(1.0, 1)  # worker 1 comes late
+        sess.allreduce(x, y)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # while worker 0 waits in the allreduce
+        with pytest.raises(TimeoutError, match="the program's own timeout") as info:
+            sess.sync_worker_0()
+        assert not isinstance(info.value, disco.DiscoError)
+        t0 = time.monotonic()
+        with pytest.raises(disco.WorkerError) as failed:
+            sess._sync_all()
+        assert time.monotonic() - t0 < 10  # not the CCL's timeout (30 s here)
+        assert "cut short (TimeoutError)" in str(failed.value)
+        assert echo(5).debug_get_from_remote(1) == 5  # the session goes on
+        with pytest.raises(disco.WorkerError, match="unusable"):
+            sess.allreduce(x, y)
+            sess._sync_all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_handler_s_exception_in_worker_0_s_function_is_the_program_s(alarm_raises, monkeypatch, kind):  # fmt: skip
+    """A function worker 0 runs on the controller's thread, cut by the program's timeout:
+    the program gets that timeout, not a ``WorkerError`` naming it; the call's register
+    says it failed, and the next calls work."""
+    from disco_core.channels import base
+
+    monkeypatch.setattr(base, "FLUSH_DELAY", 30.0)  # the sync runs worker 0's commands
+    sess_type = disco.ThreadedSession if kind == "thread" else disco.ProcessSession
+    with sess_type(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
+        result = sleep(2.0, 0)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="the program's own timeout"):
+            sess.sync_worker_0()
+        assert time.monotonic() - t0 < 1.5
+        with pytest.raises(disco.WorkerError, match="TimeoutError"):
+            result.debug_get_from_remote(0)
+        assert echo(7).debug_get_from_remote(0) == 7
+
+
+class _SignalRightAfterReentry:
+    """A link's lock whose re-entered acquire (the hand-over's write of what fits, under
+    the lock it already took) gets a real SIGALRM right after it returns, once: the
+    handler's exception lands between the acquire and the ``try`` that releases it."""
+
+    def __init__(self, lock):
+        self.lock, self.armed = lock, True
+
+    def acquire(self, *args, **kwargs):
+        got = self.lock.acquire(*args, **kwargs)
+        # (a with block's acquire takes no timeout: that one is inside the seal, whose
+        # cut gives the workers up)
+        if got and self.armed and "timeout" in kwargs and self.lock._recursion_count() == 2:
+            self.armed = False
+            signal.raise_signal(signal.SIGALRM)
+        return got
+
+    def release(self):
+        self.lock.release()
+
+    def _is_owned(self):
+        return self.lock._is_owned()
+
+    def _recursion_count(self):
+        return self.lock._recursion_count()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(
+    not hasattr(threading.RLock(), "_recursion_count"),
+    reason="Python 3.10's RLock cannot tell how many times it is held",
+)
+def test_a_handler_s_exception_in_the_hand_over_leaves_no_lock_taken(alarm_raises, monkeypatch):
+    """Worker 0's collective, run on the controller's thread, first hands the held-back
+    commands over, under the links' locks. A handler's exception right after a
+    re-entered acquire there left the lock taken once more than released: the flusher
+    thread and the next send waited for each other for good (outside check: one
+    SIGALRM storm run in about 150)."""
+    from disco_core.channels import base
+
+    alarm_raises[0] = Boom("alarm")
+    monkeypatch.setattr(base, "FLUSH_DELAY", 30.0)  # the sync runs worker 0's commands
+    with disco.ProcessSession(3) as sess:
+        sess.init_ccl("shm", timeout=30.0)
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        x, y = sess.empty((4,), "float32"), sess.empty((4,), "float32")
+        link = sess._channel._link_of[2]
+        trap = _SignalRightAfterReentry(link.lock)
+        link.lock = trap
+        try:
+            sess.allreduce(x, y)  # held back: worker 0's run of it hands it over
+            with pytest.raises(Boom):
+                sess.sync_worker_0()
+            assert not trap.armed
+            assert not trap.lock._is_owned()
+        finally:
+            link.lock = trap.lock
+        with pytest.raises(disco.WorkerError):  # the allreduce was cut on worker 0
+            sess._sync_all()
+        assert [echo(v).debug_get_from_remote(w) for v, w in ((7, 0), (8, 1), (9, 2))] == [7, 8, 9]
+        got = []
+        other = threading.Thread(target=lambda: got.append(echo(5).debug_get_from_remote(2)))
+        other.start()
+        other.join(20)
+        assert got == [5]
+
+
+@pytest.mark.skipif(
+    not hasattr(threading.RLock(), "_recursion_count"),
+    reason="Python 3.10's RLock cannot tell how many times it is held",
+)
+def test_a_re_entered_lock_left_taken_is_released_down_to_its_count_before():
+    """``release_if_left`` and ``release_to`` count: an RLock held before the step and
+    re-entered by it is released once, never below what the step's caller holds."""
+    from disco_core import _locks
+
+    lock = threading.RLock()
+    with lock:
+        before = _locks.owned(lock)
+        assert before == 1
+        lock.acquire()  # the step's acquire; its try never began
+        _locks.release_if_left(lock, before)
+        assert _locks.owned(lock) == 1
+        _locks.release_if_left(lock, before)  # nothing left over: nothing released
+        assert _locks.owned(lock) == 1
+        other = threading.RLock()
+        lock.acquire()
+        other.acquire()
+        other.acquire()
+        _locks.release_to([(other, 0), (lock, before)])
+        assert (_locks.owned(other), _locks.owned(lock)) == (0, 1)
+    assert _locks.owned(lock) == 0

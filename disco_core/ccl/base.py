@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from .. import _interrupts
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..channels.base import Channel
     from ..worker import WorkerContext
@@ -148,11 +150,13 @@ def _hands_over_first(op: Callable) -> Callable:
 
 
 def cut_short(ccl: CCL, op: str, exc: BaseException) -> None:
-    """``ccl``'s operation ``op`` was left by ``exc``: if that is not an error (Ctrl-C's
-    ``KeyboardInterrupt`` in worker 0, whose commands run on the controller's thread),
-    tell it (:meth:`CCL.interrupted`, whose own failure is dropped: ``exc`` goes on).
-    An error is the operation's own: nothing to do."""
-    if isinstance(exc, Exception):
+    """``ccl``'s operation ``op`` was left by ``exc``: if that is not the operation's
+    own error but an interrupt (Ctrl-C's ``KeyboardInterrupt``, or a signal handler's
+    exception such as a ``SIGALRM`` timeout's, in worker 0, whose commands run on the
+    controller's thread), tell it (:meth:`CCL.interrupted`, whose own failure is
+    dropped: ``exc`` goes on). An error is the operation's own: every member met it,
+    or its peers fail in their turn; nothing to do."""
+    if isinstance(exc, Exception) and not _interrupts.raised_by_signal_handler(exc):
         return
     try:
         ccl.interrupted(f"{op} on worker {ccl.ctx.worker_id} was cut short ({type(exc).__name__})")
@@ -276,10 +280,10 @@ class CCL(abc.ABC):
         """
 
     def interrupted(self, reason: str) -> None:
-        """An operation of this worker was left half done by an exception that is not an
-        error (Ctrl-C's ``KeyboardInterrupt`` in worker 0, which runs on the controller's
-        thread): its peers may wait for it until their timeout, and its next operation
-        would meet theirs out of step.
+        """An operation of this worker was left half done by an exception that is not its
+        error (Ctrl-C's ``KeyboardInterrupt``, or a signal handler's exception, in worker
+        0, which runs on the controller's thread): its peers may wait for it until their
+        timeout, and its next operation would meet theirs out of step.
 
         The default refuses every later operation (:meth:`poison`). A CCL that can make
         its peers' waits fail at once does that too (``shm`` aborts its segment: every

@@ -323,7 +323,8 @@ class ShmCCL(CCL):
 
     def interrupted(self, reason: str) -> None:
         """Abort the segment: the peers waiting for this member fail now, not at their
-        timeout (a Ctrl-C in worker 0's allreduce held worker 1 for 300 s)."""
+        timeout (a Ctrl-C, or a signal handler's exception, in worker 0's allreduce held
+        worker 1 for 300 s)."""
         self.broken = self.broken or reason
         abort_segment(self.map, self.layout, reason)
 

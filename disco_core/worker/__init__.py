@@ -348,7 +348,7 @@ class Worker:
                     root or f"call_packed({name}) failed with {type(exc).__name__}: {exc}"
                 )
             self._report(exc, f"call_packed({name})")
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or self._interrupts_controller(exc):
                 if record is not None:
                     record(func_reg, reg, t0)
                 raise
@@ -479,7 +479,7 @@ class Worker:
             value = op()
         except BaseException as exc:
             self.send(("fail", self._error(exc)))
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception) or self._interrupts_controller(exc):
                 raise
             return
         try:
@@ -488,6 +488,13 @@ class Worker:
             self.send(("fail", self._error(exc, "sending the reply")))
             if not isinstance(exc, Exception):
                 raise
+
+    def _interrupts_controller(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the program's signal handler's, raised while this worker ran
+        on the controller's thread (a worker of the controller's process never runs
+        :meth:`run`): the program's own exception, which goes on. In a worker process it
+        is the command's failure (its function's own timeout, say)."""
+        return not self._thread and _interrupts.raised_by_signal_handler(exc)
 
     def _error(self, exc: BaseException, where: str = "", tb: bool = True) -> WorkerError:
         typ = type(exc)
