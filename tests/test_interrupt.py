@@ -259,6 +259,9 @@ class _InterruptedRightAfterAcquire:
     def _is_owned(self):
         return self.lock._is_owned()
 
+    def _recursion_count(self):
+        return self.lock._recursion_count()
+
     def __enter__(self):
         self.acquire()
         return self

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from .. import _interrupts, protocol
 from .._interrupts import state as _held
-from .._locks import owned, release_if_left
+from .._locks import owned, release_if_left, release_to
 from ..errors import (
     DiscoError,
     DiscoTimeoutError,
@@ -957,6 +957,7 @@ class ThreadWorkerLink(WorkerLink):
         if not self.pending and not sync:
             return
         lock = self.lock
+        owned_before = owned(lock)
         try:
             while not lock.acquire(timeout=0.2):
                 poll()  # the worker thread is busy; meanwhile notice dead peers
@@ -971,7 +972,9 @@ class ThreadWorkerLink(WorkerLink):
             finally:
                 lock.release()
         except BaseException:
-            release_if_left(lock)  # Ctrl-C right after the acquire (disco_core._locks)
+            release_if_left(
+                lock, owned_before
+            )  # Ctrl-C right after the acquire (disco_core._locks)
             raise
 
     def send(self, out: Outgoing) -> None:
@@ -1098,6 +1101,7 @@ class ReaderGate:
         Runs after every synchronising call, so it is kept to a lock and a poll.
         """
         lock = self.lock
+        owned_before = owned(lock)
         try:
             if not lock.acquire(False):
                 return False  # the reader is delivering
@@ -1111,11 +1115,14 @@ class ReaderGate:
             finally:
                 lock.release()
         except BaseException:
-            release_if_left(lock)  # Ctrl-C right after the acquire (disco_core._locks)
+            release_if_left(
+                lock, owned_before
+            )  # Ctrl-C right after the acquire (disco_core._locks)
             raise
 
     def settled(self, deadline: float) -> bool:
         """Wait until nothing is left undelivered, or until ``deadline``; True when settled."""
+        owned_before = owned(self.lock)
         while True:
             try:
                 if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -1125,7 +1132,7 @@ class ReaderGate:
                 finally:
                     self.lock.release()
             except BaseException:
-                release_if_left(self.lock)  # Ctrl-C right after the acquire
+                release_if_left(self.lock, owned_before)  # Ctrl-C right after the acquire
                 raise
             if not ready:
                 return True
@@ -1219,7 +1226,8 @@ class LinkChannel(Channel):
         #: list: senders only extend it (atomic under the GIL), sealers cut from its
         #: front under ``_seal_lock``, so no sender ever takes a lock for it.
         self._batch: list[tuple] = []
-        self._seal_lock = threading.Lock()
+        # an RLock for its owner (disco_core._locks), never taken twice by one thread
+        self._seal_lock = threading.RLock()
         self._deferring: list[BatchingLink] = []  # links that take the batch
         self._direct: list[WorkerLink] = []  # the others: they get every command at once
         self._pendings: list[collections.deque] = []  # the in-process workers' queues
@@ -1378,16 +1386,18 @@ class LinkChannel(Channel):
         deferring = self._deferring
         if not self._batch and not any(link.buffered for link in deferring):
             return
-        held = []
+        # Seal lock, then every link's lock (the order _seal takes them): a thread
+        # stuck writing holds one, and then the flusher takes over.
+        locks: list[Any] = [self._seal_lock, *[link.lock for link in deferring]]
+        counts = [owned(lock) for lock in locks]
+        if counts[0]:  # this thread is sealing already: never re-entered
+            self._kick_now()
+            return
         try:
-            # Seal lock, then every link's lock (the order _seal takes them): a thread
-            # stuck writing holds one, and then the flusher takes over.
-            locks: tuple[Any, ...] = (self._seal_lock, *[link.lock for link in deferring])
             for lock in locks:
                 if not lock.acquire(timeout=0.002):
                     self._kick_now()
                     return
-                held.append(lock)
             for link in deferring:
                 link.hold = True
             try:
@@ -1400,8 +1410,12 @@ class LinkChannel(Channel):
                     self._kick_now()
                     return
         finally:
-            for lock in reversed(held):
-                lock.release()
+            # Down to what this thread held before, whatever was taken: a program's
+            # signal handler (Ctrl-C waits: hand_over is protected) raising between an
+            # acquire and any note of it left that lock taken, and the flusher and the
+            # next send waited for each other for good (outside check: SIGALRM storms
+            # on worker 0's collectives)
+            release_to(list(zip(reversed(locks), reversed(counts))))
 
     def _seal(self) -> None:
         """Hand the batch of shared commands to every deferring link (encoded once)."""

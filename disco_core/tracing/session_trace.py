@@ -580,9 +580,16 @@ class Trace:
         session = self.session
         n = session.num_workers
         lock = session._sync_lock
-        if not lock.acquire(timeout=max(0.0, within)):
-            notes.append(f"no worker's events: another thread's synchronising call held the session for {within:g} s")  # fmt: skip
-            return
+        owned_before = owned(lock)
+        try:
+            if not lock.acquire(timeout=max(0.0, within)):
+                notes.append(f"no worker's events: another thread's synchronising call held the session for {within:g} s")  # fmt: skip
+                return
+        except BaseException:
+            # a signal handler's exception right after the acquire left the session's
+            # lock taken, and its next synchronising call waited for ever
+            release_if_left(lock, owned_before)
+            raise
         try:
             try:
                 live = self._answering(range(n), within)
