@@ -463,9 +463,9 @@ class RPCSession:
                         local_error = send_stream(conn)
                 waiting = True
                 kind, _op, value = conn.recv(on_handle=self._wrap)
-                waiting = False
                 if kind == REPLY and recv_stream is not None:
                     value = recv_stream(conn, value)
+                waiting = False
             except StreamAbortedError as exc:  # the server's file failed; still in sync
                 self._in_step = True
                 raise RPCError(f"the server could not send the whole file: {exc}") from None
@@ -498,13 +498,13 @@ class RPCSession:
     def _interrupted(self, op: int, exc: BaseException, waiting: bool, stream: bool) -> None:
         """An exception of the program's (Ctrl-C, a signal handler's) ended a call.
 
-        While the call waited for its reply, with none of it read, the connection can be
-        put back in step: the next call does it first (:meth:`_resync`), so every later
-        call still gets its own answer. A request or a reply cut in the middle (or a
-        download, whose file follows its reply) leaves it out of step for good: the
+        While the call waited for its reply or read it, the connection can be put back
+        in step: the next call does it first (:meth:`_resync`), so every later call
+        still gets its own answer. A request cut in the middle leaves the server's
+        side out of step for good, and a download's file stream is not waited out: the
         session is closed, and says why.
         """
-        if waiting and not stream and not self._conn.in_frame:
+        if waiting and not stream:
             return
         where = "reply" if waiting else "request"
         self._closed_why = (
@@ -516,17 +516,23 @@ class RPCSession:
 
     def _resync(self, conn: wire.Conn) -> None:
         """Drop what an interrupted call left to come: send a ping with a fresh random
-        token, and read and drop every frame up to its answer.
+        token, and drop every byte up to its answer.
 
         Whatever was or was not read before (a reply read whole as the interruption
-        came, or its bytes taken by a read whose count was lost: Python runs a signal
-        handler before it stores a call's result), the token's answer is the last
-        frame owed, so nothing is waited for that may never come and no earlier
-        reply is taken for a later call's. Interrupted itself, it starts over with a
-        new token at the next call.
+        came, one cut in the middle, or bytes taken by a read whose count was lost:
+        Python runs a signal handler as a C call returns, before its result is
+        stored), the token's answer ends what is owed, so nothing is waited for that
+        may never come and no earlier reply is taken for a later call's. The bytes are
+        searched for that answer, not read as frames: a stream that goes on from the
+        middle of a frame could read as a plausible head and wait for good (outside
+        check, with a crafted payload). Handles in the replies dropped are not freed
+        until the session ends. Interrupted itself, it starts over with a new token at
+        the next call.
         """
         token = os.urandom(16)
         meta, bufs = wire.encode(((), (token,)), None)
+        answer, _ = wire.encode(token, None)  # the server's echo, byte for byte (no buffers)
+        marker = bytes(protocol.FRAME_HEAD.pack(REPLY, OP_PING, 0, len(answer), 0)) + bytes(answer)
         try:
             with self._send_lock:
                 self._sends += 1
@@ -536,22 +542,17 @@ class RPCSession:
                 self._fail(OP_PING, exc)
             self._interrupted(OP_PING, exc, False, False)
             raise
-        while True:
-            try:
-                kind, got, value = conn.recv(on_handle=self._wrap)
-            except (ProtocolError, IntegrityError, FrameLimitError) as exc:  # a reply cut
-                self._out_of_step(f"{type(exc).__name__}: {exc}")
-            except BaseException as exc:
-                if isinstance(exc, (EOFError, OSError)) and not _interrupts.cut_by_program(exc):  # fmt: skip
-                    self._fail(OP_PING, exc)
-                if conn.in_frame:
-                    self._interrupted(OP_PING, exc, True, True)
-                raise  # (else the next call starts over, with a new token)
-            if kind not in (REPLY, ERROR):
-                self._out_of_step(f"a frame of kind {kind} among the replies")
-            if kind == REPLY and got == OP_PING and isinstance(value, (bytes, bytearray, memoryview)) and bytes(value) == token:  # fmt: skip
-                self._in_step = True
-                return
+        try:
+            conn.drop_through(marker)
+        except (IntegrityError, FrameLimitError) as exc:
+            # a sealed link's records out of step (a lost count inside the record layer,
+            # say): nothing that follows can be trusted
+            self._out_of_step(f"{type(exc).__name__}: {exc}")
+        except (EOFError, OSError) as exc:
+            if not _interrupts.cut_by_program(exc):
+                self._fail(OP_PING, exc)
+            raise  # (cut by the program: the next call starts over, with a new token)
+        self._in_step = True
 
     def _out_of_step(self, what: str) -> NoReturn:
         self._closed_why = (

@@ -720,6 +720,32 @@ class Conn:
     def buffered(self) -> int:
         return self.end - self.start
 
+    def drop_through(self, marker: bytes) -> None:
+        """Read and drop every byte up to the end of the next ``marker`` in the stream.
+
+        For a client putting its connection back in step after an interrupted call
+        (``marker``: the exact frame its fresh ping's answer is). Bytes are searched,
+        not parsed as frames: the interruption may have lost the count of a read (Python
+        runs a signal handler as a C call returns, before its result is stored), so
+        the stream may go on from the middle of a frame, whose bytes could read as a
+        plausible head and wait for a frame that never comes.
+        """
+        keep = len(marker) - 1  # a marker's head may end the bytes searched so far
+        self.in_frame = False
+        while True:
+            at = self.buf.find(marker, self.start, self.end)
+            if at >= 0:
+                self.start = at + len(marker)
+                self.settle()
+                return
+            tail = max(self.start, self.end - keep)
+            self.buf[: self.end - tail] = self.buf[tail : self.end]
+            self.start, self.end = 0, self.end - tail
+            if self.end == len(self.buf):  # (a buffer grown by settle(), full of a tail)
+                self.buf.extend(bytes(self._BUF))
+                self.view = memoryview(self.buf)
+            self.end += self._recv(self.view[self.end :])
+
     def take_buffered(self) -> bytes:
         """The bytes read past the last frame, handed over (a relay or another reader owns them now).
 

@@ -1007,6 +1007,108 @@ def test_a_call_cut_anywhere_gives_its_answer_or_a_closed_session_never_another_
     assert {"answered", "interrupted"} <= outcomes, outcomes
 
 
+def _lose_a_read_count(conn_module, after_bytes: int):
+    """Emulate a signal whose handler raises as a frame head's read returns, before the
+    read's count is stored (CPython runs handlers at the check that follows a C call):
+    a tracer raises ``TimeoutError`` at the line after ``k = recv(...)`` in
+    ``Conn.read_exact``, once a read took ``after_bytes`` or more. Returns (tracer,
+    what it saw)."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(conn_module.Conn.read_exact)
+    at = first + next(i for i, line in enumerate(lines) if "k = recv(" in line) + 1
+    seen: dict = {"armed": True}
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == at and seen["armed"]:
+            if frame.f_locals.get("k", 0) >= after_bytes:
+                seen["armed"] = False
+                seen["k"] = frame.f_locals["k"]
+                raise TimeoutError("a signal, as the read returned")
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code is conn_module.Conn.read_exact.__code__ else None
+
+    return tracer, seen
+
+
+@pytest.mark.timeout(60)
+def test_a_read_whose_count_was_lost_does_not_hang_the_next_call(server):
+    """A read of a reply's head can take part of its payload too; a signal landing as it
+    returns loses those bytes, and the stream goes on from inside the payload. The next
+    call's resync read that as frames: payload bytes that look like a reply's head (here
+    crafted: one declaring 1 GiB of header) made it wait for good (outside check). The
+    resync now searches the bytes for its token's answer."""
+    from disco_rpc import wire
+
+    s = rpc.connect("127.0.0.1", server.port, session_timeout=30)
+    try:
+        echo = s.get_function("rpctest.echo")
+        meta, bufs = wire.encode((bytes(4_000_000),), None)
+        prefix = protocol.FRAME_HEAD.size + 8 * len(bufs) + len(meta)  # before the payload
+        payload = bytearray(4_000_000)
+        # where the stream goes on after a lost full-buffer read (64 KiB): a REPLY head
+        at = wire.Conn._BUF - prefix
+        payload[at : at + 12] = protocol.FRAME_HEAD.pack(protocol.REPLY, 9, 0, 1 << 30, 0)
+        payload = bytes(payload)
+        tracer, seen = _lose_a_read_count(wire, wire.Conn._BUF)
+        for _ in range(20):  # until a head's read takes a full buffer
+            sys.settrace(tracer)
+            try:
+                echo(payload)
+            except TimeoutError:
+                break
+            finally:
+                sys.settrace(None)
+        assert seen.get("k") == wire.Conn._BUF, seen
+        assert echo(b"next") == (b"next",)
+        for k in range(3):
+            assert echo(k) == (k,)
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["head", "payload"])
+def test_a_reply_cut_in_the_middle_keeps_the_session(server, where):
+    """A signal handler's exception while a large reply is read (its head's read, or
+    the payload's, lost or cut): the session used to close ("cut the reply ... in the
+    middle"); the next call now drops the rest, and every later call gets its own answer."""
+    from disco_rpc import wire
+
+    s = rpc.connect("127.0.0.1", server.port)
+    try:
+        echo = s.get_function("rpctest.echo")
+        payload = bytes(range(256)) * 16_000  # 4 MB, by value (an array comes back as a handle)
+        if where == "head":
+            tracer, seen = _lose_a_read_count(wire, 1)
+        else:
+            seen = {"armed": True}
+
+            def local(frame, event, arg):
+                if event == "line" and seen["armed"]:
+                    seen["armed"] = False
+                    raise TimeoutError("a signal, in the payload's read")
+                return local
+
+            def tracer(frame, event, arg):
+                return local if frame.f_code is wire.Conn.read_into.__code__ else None
+
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(TimeoutError):
+                echo(payload)
+        finally:
+            sys.settrace(None)
+        assert not seen["armed"]
+        for k in range(3):
+            assert echo(k) == (k,)
+        assert echo(payload) == (payload,)
+    finally:
+        s.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_call_waiting_for_the_session_when_another_call_closes_it_says_why(server):
     """A thread's call waited for the session's lock while the main thread's call was cut
