@@ -215,21 +215,32 @@ def raised_by_signal_handler(exc: BaseException) -> bool:
 def _runs_as_handler(frame: FrameType, caller: FrameType) -> bool:
     """Whether ``frame`` is a signal handler's run: Python calls a handler with the
     signal's number and the frame it interrupted (``caller``, the traceback's entry
-    before), as its last two positional arguments; an ordinary call hardly ever
-    passes its caller's own frame."""
+    before), two positional arguments side by side (after a bound method's ``self`` or
+    a partial's own, before any defaulted ones, or in ``*args``); an ordinary call
+    hardly ever passes its caller's own frame. A handler that deleted or rebound them is
+    not told."""
     code = frame.f_code
-    count = code.co_argcount
-    if count < 2 or code is _on_sigint.__code__:
+    if code is _on_sigint.__code__:
         return False
+    count = code.co_argcount
     try:
         values = frame.f_locals
-        signum = values.get(code.co_varnames[count - 2])
-        interrupted = values.get(code.co_varnames[count - 1])
+        args = [values.get(name) for name in code.co_varnames[:count]]
+        if code.co_flags & _CO_VARARGS:
+            extra = values.get(code.co_varnames[count + code.co_kwonlyargcount])
+            if type(extra) is tuple:
+                args.extend(extra)
     except Exception:  # noqa: BLE001 - an odd frame: not a handler we can tell
         return False
-    return interrupted is caller and isinstance(signum, int) and signum in _SIGNALS
+    for k in range(1, len(args)):
+        if args[k] is caller:
+            signum = args[k - 1]
+            if isinstance(signum, int) and signum in _SIGNALS:
+                return True
+    return False
 
 
+_CO_VARARGS = 0x04  # inspect.CO_VARARGS (inspect itself is slow to import)
 _SIGNALS = frozenset(int(sig) for sig in signal.valid_signals())
 
 

@@ -233,7 +233,12 @@ class ControllerStore(Store):
         self._reply = reply
         self._data: dict[str, bytes] = {}
         self._bytes = 0  # the values' total size (MAX_TOTAL_BYTES)
-        self._cond = threading.Condition(threading.Lock())
+        # Taken with ``with self._lock`` (a C lock's own __enter__), never ``with
+        # self._cond``: Condition.__enter__ is Python code, where a signal handler's
+        # exception raised as the acquire returned left the lock taken for good (outside
+        # check: a shutdown hung on it in a SIGALRM storm)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._aborted: str | None = None
         self._aborts = 0  # how many aborts so far: a wait that spans one fails, reset or not
         self._last_reason = ""
@@ -251,13 +256,13 @@ class ControllerStore(Store):
     # ------------------------------------------------------------------ the API
     def set(self, key: str, value: bytes) -> None:
         key, value = _check_key(key), _check_value(value)
-        with self._cond:
+        with self._lock:
             self._raise_if_aborted()
             self._set_locked(key, value)
 
     def add(self, key: str, amount: int = 1) -> int:
         key, amount = _check_key(key), _check_amount(amount)
-        with self._cond:
+        with self._lock:
             self._raise_if_aborted()
             return self._add_locked(key, amount)
 
@@ -284,7 +289,7 @@ class ControllerStore(Store):
 
         ``final``: :meth:`reset` does not undo it (a channel that carries no store).
         """
-        with self._cond:
+        with self._lock:
             self._final = self._final or final
             if self._aborted is None:
                 self._aborted = self._last_reason = str(reason)
@@ -296,7 +301,7 @@ class ControllerStore(Store):
 
     def reset(self) -> None:
         """Forget every key and an abort, for a new try (``init_ccl`` after a failure)."""
-        with self._cond:
+        with self._lock:
             if self._closed or self._final:
                 return
             self._data.clear()
@@ -306,7 +311,7 @@ class ControllerStore(Store):
     def close(self, reason: str = "the session is shutting down") -> None:
         """Abort with ``reason``, forget every key, and stop the answering thread."""
         self.abort(reason)
-        with self._cond:
+        with self._lock:
             self._data.clear()
             self._bytes = 0
             self._closed = True
@@ -332,7 +337,7 @@ class ControllerStore(Store):
                 logger.warning("rendezvous store: dropped a malformed message from worker %d", worker_id)  # fmt: skip
                 return
             _, _, op, key, arg = msg
-            with self._cond:
+            with self._lock:
                 self._start_locked()
                 try:
                     self._serve_locked(worker_id, seq, op, key, arg)
@@ -382,8 +387,8 @@ class ControllerStore(Store):
 
     def _wait_local(self, keys: tuple[str, ...], timeout: float, before_wait: Callable[[], None] | None) -> bytes | None:  # fmt: skip
         """Wait until every key is set; the first key's value (read under the same lock)."""
-        cond, data = self._cond, self._data
-        with cond:
+        cond, lock, data = self._cond, self._lock, self._data
+        with lock:
             self._raise_if_aborted()
             if all(k in data for k in keys):
                 return data[keys[0]] if keys else None
@@ -391,7 +396,7 @@ class ControllerStore(Store):
         if before_wait is not None:
             before_wait()  # the peers' commands go out before this worker blocks
         deadline = time.monotonic() + timeout
-        with cond:
+        with lock:
             while True:
                 if self._aborts != aborts:  # aborted while waiting (and maybe reset since)
                     raise DiscoError(f"rendezvous store aborted: {self._last_reason}")
@@ -455,9 +460,9 @@ class ControllerStore(Store):
 
     def _serve(self) -> None:
         """The answering thread: sends the outbox, and the timeouts when they fall due."""
-        cond = self._cond
+        cond, lock = self._cond, self._lock
         while True:
-            with cond:
+            with lock:
                 while True:
                     self._expire_locked()
                     if self._outbox:

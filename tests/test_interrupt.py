@@ -113,7 +113,7 @@ def test_a_command_that_could_not_be_sent_is_not_waited_for():
         assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")  # (SIGALRM is the test's own)
 @pytest.mark.parametrize("kind", ["process", "threaded"])
 def test_ctrl_c_while_worker_0_builds_its_answer_still_leaves_one_answer(kind):
     """Worker 0 runs its commands on the waiting thread: Ctrl-C in the middle of its

@@ -9,6 +9,9 @@ as bad arguments ("the arguments cannot be sent to the workers: alarm"), or, cut
 between two workers' queues, to leave the workers disagreeing on what ran, silently
 (a check read 375, 375 and 374 from one counter). Now the program gets its
 own exception, and where a step was cut the workers are given up with that reason.
+
+The timeouts here run on pytest-timeout's thread: its default method is SIGALRM,
+which these tests take for their own handlers.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def test_the_handler_s_frames_tell_its_exceptions_apart(alarm_raises):
     assert not _interrupts.raised_by_signal_handler(own)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 def test_a_timeout_error_in_a_write_is_the_program_s_and_gives_the_worker_up(alarm_raises):
     with disco.ProcessSession(2) as sess:
         sess.import_python_module("disco_core.testing.funcs")
@@ -135,7 +138,7 @@ class _RaisingQueue:
         return len(self.inner)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("handler", ["own", "built-in"])
 def test_an_exception_between_two_workers_queues_gives_the_workers_up(alarm_raises, handler):
     """Also Python's built-in SIGINT handler put on SIGALRM: it leaves no frame, and its
@@ -160,7 +163,7 @@ def test_an_exception_between_two_workers_queues_gives_the_workers_up(alarm_rais
             echo(3).debug_get_from_remote(0)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 def test_an_exception_handled_before_a_call_does_not_cut_it(alarm_raises):
     """A call made in the program's ``except`` clause for its own timeout still works:
     only an exception passing through Disco's step cuts it."""
@@ -174,7 +177,7 @@ def test_an_exception_handled_before_a_call_does_not_cut_it(alarm_raises):
                 assert echo(k).debug_get_from_remote(1) == k
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 def test_errors_being_gathered_when_an_interrupt_comes_are_reported_by_the_next_sync(monkeypatch):
     """A worker's failure, taken off the channel by the gathering of errors that a
     synchronising call does, was dropped when Ctrl-C (or a handler's exception) came
@@ -210,7 +213,7 @@ def _in_gather() -> bool:
     return False
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("handler", ["in place", "one-shot"])
 def test_a_handler_s_exception_in_worker_0_s_collective_fails_its_peers_at_once(alarm_raises, monkeypatch, handler):  # fmt: skip
     """Worker 0 runs its commands on the controller's thread, where a ``SIGALRM``
@@ -252,7 +255,7 @@ def test_a_handler_s_exception_in_worker_0_s_collective_fails_its_peers_at_once(
             sess._sync_all()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_a_handler_s_exception_in_worker_0_s_function_is_the_program_s(alarm_raises, monkeypatch, kind):  # fmt: skip
     """A function worker 0 runs on the controller's thread, cut by the program's timeout:
@@ -310,7 +313,7 @@ class _SignalRightAfterReentry:
         self.release()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.skipif(
     not hasattr(threading.RLock(), "_recursion_count"),
     reason="Python 3.10's RLock cannot tell how many times it is held",
@@ -376,3 +379,84 @@ def test_a_re_entered_lock_left_taken_is_released_down_to_its_count_before():
         _locks.release_to([(other, 0), (lock, before)])
         assert (_locks.owned(other), _locks.owned(lock)) == (0, 1)
     assert _locks.owned(lock) == 0
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_a_handler_s_exception_as_worker_0_answers_a_fence_is_the_program_s(alarm_raises, monkeypatch):  # fmt: skip
+    """The next call after an interrupted one is fenced: worker 0, on the controller's
+    thread, answers the fence with its token. A handler's exception landing as that
+    answer went was taken for the answer's own failure: the fence was answered with a
+    failure, and the controller waited for its token for ever (outside check). Now the
+    program gets its exception, and the calls after it work."""
+    from disco_core.channels import base
+
+    alarm_raises[0] = Boom("alarm")
+    monkeypatch.setattr(base, "FLUSH_DELAY", 30.0)  # the sync runs worker 0's commands
+    armed = [False]
+    deliver = base.ReplyHub.deliver
+
+    def deliver_with_a_signal(self, worker_id, msg):
+        if armed[0] and worker_id == 0 and msg[0] == "reply" and type(msg[1]) is bytes:
+            armed[0] = False  # a fence's token
+            signal.raise_signal(signal.SIGALRM)
+        return deliver(self, worker_id, msg)
+
+    monkeypatch.setattr(base.ReplyHub, "deliver", deliver_with_a_signal)
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
+        sleep(1.0, 0)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Boom):
+            sess.sync_worker_0()  # interrupted: worker 0's next answered command is fenced
+        armed[0] = True
+        with pytest.raises(Boom):
+            echo(7).debug_get_from_remote(0)
+        assert not armed[0]
+        with pytest.raises(disco.WorkerError, match=r"Boom: alarm \(in call_packed\(testing.sleep"):
+            sess._sync_all()  # the cut sleep is reported, as after Ctrl-C
+        assert [echo(v).debug_get_from_remote(w) for v, w in ((8, 0), (9, 1), (10, 0))] == [
+            8,
+            9,
+            10,
+        ]
+
+
+@pytest.mark.timeout(60, method="thread")
+@pytest.mark.parametrize("handler", ["own", "built-in"])
+def test_an_interrupt_before_worker_0_s_collective_reaches_its_operation_fails_its_peers_at_once(alarm_raises, monkeypatch, handler):  # fmt: skip
+    """Cut as worker 0 looked up a collective's arguments on the controller's thread,
+    before its operation began: the CCL was not told, and its peers waited for the
+    CCL's timeout (15 s of 15 here; outside check). Ctrl-C (the built-in handler) too."""
+    from disco_core import worker as worker_module
+    from disco_core.channels import base
+
+    alarm_raises[0] = Boom("alarm")
+    if handler == "built-in":
+        signal.signal(signal.SIGALRM, signal.default_int_handler)
+    expected = Boom if handler == "own" else KeyboardInterrupt
+    monkeypatch.setattr(base, "FLUSH_DELAY", 30.0)  # the sync runs worker 0's commands
+    resolve = worker_module.Worker._resolve
+    armed = [False]
+
+    def resolve_with_a_signal(self, args, collective):
+        if armed[0] and collective and self.ctx.worker_id == 0:
+            armed[0] = False
+            signal.raise_signal(signal.SIGALRM)
+        return resolve(self, args, collective)
+
+    monkeypatch.setattr(worker_module.Worker, "_resolve", resolve_with_a_signal)
+    with disco.ProcessSession(3) as sess:
+        sess.init_ccl("shm", timeout=30.0)
+        x, y = sess.empty((4,), "float32"), sess.empty((4,), "float32")
+        sess.allreduce(x, y)
+        sess._sync_all()
+        armed[0] = True
+        sess.allreduce(x, y)
+        with pytest.raises(expected):
+            sess.sync_worker_0()
+        assert not armed[0]
+        t0 = time.monotonic()
+        with pytest.raises(disco.WorkerError, match="cut short"):
+            sess._sync_all()
+        assert time.monotonic() - t0 < 10  # not the CCL's timeout (30 s here)

@@ -33,6 +33,7 @@ from typing import Any, cast
 
 from .. import _interrupts, protocol
 from .._interrupts import state as _held
+from .._locks import counts as lock_counts
 from .._locks import owned, release_if_left, release_to
 from ..errors import (
     DiscoError,
@@ -631,7 +632,13 @@ class BatchingLink(WorkerLink):
         second one gives the link's workers up (the session ends for them, as for
         workers that died): their command stream is cut.
         """
-        done = threading.Event()
+        # Waited for with a bare C lock, not an Event: Event.wait and Event.set take a
+        # Condition's lock in Python code, where a signal handler's exception raised as
+        # the acquire returned left it taken, and the next wait and the writer's set
+        # waited for each other for good
+        done = _thread.allocate_lock()
+        done.acquire()
+        finished: list[bool] = []  # set before done is released: it tells, whatever cut a wait
         failed: list[BaseException] = []
 
         def writer() -> None:
@@ -640,7 +647,8 @@ class BatchingLink(WorkerLink):
             except BaseException as exc:  # raised on the caller's thread below
                 failed.append(exc)
             finally:
-                done.set()
+                finished.append(True)
+                done.release()
 
         interrupted: BaseException | None = None
         try:
@@ -653,16 +661,18 @@ class BatchingLink(WorkerLink):
         except BaseException as exc:  # Ctrl-C, a signal handler's error: after the start
             interrupted = exc
             self._warn_finishing(nbytes)
-        while True:
+        while not finished:
             try:
-                done.wait()
-                break
+                done.acquire()  # (returns once the writer released it: finished is set)
             except BaseException as exc:  # Ctrl-C, a signal handler's error
+                if finished:
+                    interrupted = interrupted or exc  # the write is whole: nothing cut
+                    break
                 # (a first Ctrl-C may have been held back by a protected caller, which
                 # warned: this one is then the second)
                 if interrupted is not None or (isinstance(exc, KeyboardInterrupt) and _interrupts.state.escalated):  # fmt: skip
                     self._cut(exc)
-                    done.wait(max(1.0, 4 * STALL_CHECK))  # the write sees the death
+                    done.acquire(timeout=max(1.0, 4 * STALL_CHECK))  # the write sees the death
                     raise
                 interrupted = exc
                 self._warn_finishing(nbytes)
@@ -1389,15 +1399,19 @@ class LinkChannel(Channel):
         # Seal lock, then every link's lock (the order _seal takes them): a thread
         # stuck writing holds one, and then the flusher takes over.
         locks: list[Any] = [self._seal_lock, *[link.lock for link in deferring]]
-        counts = [owned(lock) for lock in locks]
-        if counts[0]:  # this thread is sealing already: never re-entered
+        before = lock_counts(locks)
+        if before[0]:  # this thread is sealing already: never re-entered
             self._kick_now()
             return
+        held = []
+        done = False
         try:
             for lock in locks:
                 if not lock.acquire(timeout=0.002):
+                    done = True
                     self._kick_now()
                     return
+                held.append(lock)
             for link in deferring:
                 link.hold = True
             try:
@@ -1407,15 +1421,25 @@ class LinkChannel(Channel):
                     link.hold = False
             for link in deferring:
                 if link.buffered and not link.flush_if_room():
+                    done = True
                     self._kick_now()
                     return
+            done = True
         finally:
-            # Down to what this thread held before, whatever was taken: a program's
-            # signal handler (Ctrl-C waits: hand_over is protected) raising between an
-            # acquire and any note of it left that lock taken, and the flusher and the
-            # next send waited for each other for good (outside check: SIGALRM storms
-            # on worker 0's collectives)
-            release_to(list(zip(reversed(locks), reversed(counts))))
+            # Cut by an exception (a program's signal handler: Ctrl-C waits, hand_over
+            # is protected), down to what this thread held before: one raised between
+            # an acquire and its note in ``held``, or between two releases, left a lock
+            # taken, and the flusher and the next send waited for each other for good
+            # (outside check: SIGALRM storms on worker 0's collectives)
+            try:
+                if done:
+                    for lock in reversed(held):
+                        lock.release()
+                else:
+                    release_to(list(zip(reversed(locks), reversed(before))))
+            except BaseException:
+                release_to(list(zip(reversed(locks), reversed(before))))
+                raise
 
     def _seal(self) -> None:
         """Hand the batch of shared commands to every deferring link (encoded once)."""

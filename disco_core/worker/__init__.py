@@ -349,12 +349,28 @@ class Worker:
                 )
             self._report(exc, f"call_packed({name})")
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) or self._interrupts_controller(exc):
+                self._cut_collective(func_reg, name, exc)
                 if record is not None:
                     record(func_reg, reg, t0)
                 raise
         if record is not None:
             record(func_reg, reg, t0)
         return True
+
+    def _cut_collective(self, func_reg: int, name: str, exc: BaseException) -> None:
+        """An interrupt ended a call of the collective function in ``func_reg`` here,
+        maybe before it reached its operation (as its arguments were looked up): tell
+        the CCL, as an operation cut in the middle does (``CCL.interrupted``), or the
+        peers waited in it for their timeout (outside check: 15 s of 15). Cut as the
+        operation returned, the CCL is given up all the same: whether the peers met it
+        cannot be told."""
+        ccl = self.ctx.ccl
+        if ccl is None or not getattr(self.regs.get(func_reg), "_disco_collective", False):
+            return
+        try:
+            ccl.interrupted(f"{name} on worker {self.ctx.worker_id} was cut short ({type(exc).__name__})")  # fmt: skip
+        except Exception:  # noqa: BLE001, S110 - the interrupt is what the caller must see
+            pass
 
     def _execute_other(self, cmd: tuple) -> bool:
         """:meth:`execute` of a command other than ``call_packed``."""
@@ -486,7 +502,11 @@ class Worker:
             self.send(("reply", value))
         except BaseException as exc:  # e.g. a value that cannot be pickled
             self.send(("fail", self._error(exc, "sending the reply")))
-            if not isinstance(exc, Exception):
+            # An interrupt goes on, also a handler's: taken for the reply's own failure,
+            # a fence's token was answered by a failure, and the controller, waiting
+            # for that token, waited for ever (outside check). Going on, it is seen by
+            # the wait, which drops this command's answers (a new fence), whatever went.
+            if not isinstance(exc, Exception) or self._interrupts_controller(exc):
                 raise
 
     def _interrupts_controller(self, exc: BaseException) -> bool:

@@ -542,8 +542,9 @@ class RPCSession:
                 self._fail(OP_PING, exc)
             self._interrupted(OP_PING, exc, False, False)
             raise
+        deadline = self._start + self._timeout + 0.5 if self._timeout else None
         try:
-            conn.drop_through(marker)
+            conn.drop_through(marker, conn.max + (1 << 20), deadline)
         except (IntegrityError, FrameLimitError) as exc:
             # a sealed link's records out of step (a lost count inside the record layer,
             # say): nothing that follows can be trusted

@@ -37,12 +37,13 @@ import os
 import select
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from disco_core import DiscoTypeError, DiscoValueError
+from disco_core import DiscoTypeError, DiscoValueError, FrameLimitError
 from disco_core.spi import (
     CAN_SPLICE,
     Device,
@@ -720,7 +721,7 @@ class Conn:
     def buffered(self) -> int:
         return self.end - self.start
 
-    def drop_through(self, marker: bytes) -> None:
+    def drop_through(self, marker: bytes, limit: int, deadline: float | None = None) -> None:
         """Read and drop every byte up to the end of the next ``marker`` in the stream.
 
         For a client putting its connection back in step after an interrupted call
@@ -729,9 +730,15 @@ class Conn:
         runs a signal handler as a C call returns, before its result is stored), so
         the stream may go on from the middle of a frame, whose bytes could read as a
         plausible head and wait for a frame that never comes.
+
+        ``limit``: the bytes that may come before it (what the interrupted call left to
+        come is one frame at most), then :class:`FrameLimitError`; ``deadline``
+        (``time.monotonic()``), then :class:`TimeoutError`: a peer that sends bytes
+        without end never ends a read's own timeout.
         """
         keep = len(marker) - 1  # a marker's head may end the bytes searched so far
         self.in_frame = False
+        dropped = 0
         while True:
             at = self.buf.find(marker, self.start, self.end)
             if at >= 0:
@@ -739,6 +746,13 @@ class Conn:
                 self.settle()
                 return
             tail = max(self.start, self.end - keep)
+            dropped += tail - self.start
+            if dropped > limit:
+                raise FrameLimitError(
+                    f"{dropped} bytes came before the answer awaited, over the {limit} that may"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the answer awaited did not come in time")
             self.buf[: self.end - tail] = self.buf[tail : self.end]
             self.start, self.end = 0, self.end - tail
             if self.end == len(self.buf):  # (a buffer grown by settle(), full of a tail)

@@ -927,7 +927,8 @@ class Boom(Exception):
 
 @pytest.fixture
 def alarm_handler():
-    """SIGALRM's handler raises ``box[0]``; restored after the test."""
+    """SIGALRM's handler raises ``box[0]``; restored after the test (whose timeout must then
+    run on pytest-timeout's thread: its default method is SIGALRM)."""
     box: list[BaseException] = [Boom("alarm")]
 
     def handler(signum, frame):
@@ -941,7 +942,7 @@ def alarm_handler():
         signal.signal(signal.SIGALRM, old)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("how", ["ctrl-c", "handler", "timeout"])
 def test_a_call_interrupted_while_it_waits_leaves_no_answer_for_the_next(sess, how, alarm_handler):
     """Ctrl-C (a real SIGINT), or a signal handler's exception, while a remote call waits
@@ -967,7 +968,7 @@ def test_a_call_interrupted_while_it_waits_leaves_no_answer_for_the_next(sess, h
     assert sess.get_function("rpctest.add")(2, 3) == 5
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_a_call_cut_anywhere_gives_its_answer_or_a_closed_session_never_another_s(
     server, alarm_handler
 ):
@@ -1107,6 +1108,57 @@ def test_a_reply_cut_in_the_middle_keeps_the_session(server, where):
         assert echo(payload) == (payload,)
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_resync_s_search_is_bounded_by_its_bytes_and_its_deadline():
+    """A peer (or a relay on an unsealed link) that answers the resync's ping with bytes
+    without end: the search gives up after the bytes one frame may take, or at the
+    session's deadline, never reading for good; memory stays one buffer. Bytes before
+    the answer are dropped, those after it are the next frame's."""
+    import socket
+
+    from disco_core import FrameLimitError
+    from disco_rpc import wire
+
+    marker = b"the answer awaited: " + os.urandom(16)
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def garbage() -> None:
+        junk = os.urandom(1 << 16)
+        try:
+            while not stop.is_set():
+                b.sendall(junk)
+        except OSError:
+            pass
+
+    feeder = threading.Thread(target=garbage, daemon=True)
+    feeder.start()
+    try:
+        conn = wire.Conn(wire.SocketTransport(a))
+        with pytest.raises(FrameLimitError, match="over the 4194304 that may"):
+            conn.drop_through(marker, 4 << 20)
+        assert len(conn.buf) <= 2 * wire.Conn._BUF
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            conn.drop_through(marker, 1 << 50, time.monotonic() + 0.3)
+        assert time.monotonic() - t0 < 5
+    finally:
+        stop.set()
+        a.close()
+        b.close()
+        feeder.join(5)
+    a, b = socket.socketpair()
+    try:
+        b.sendall(b"x" * 100_000 + marker[:7])
+        b.sendall(marker[7:] + b"next")  # the answer split across two reads
+        conn = wire.Conn(wire.SocketTransport(a))
+        conn.drop_through(marker, 1 << 20)
+        assert bytes(conn.read_exact(4)) == b"next"
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.timeout(60)

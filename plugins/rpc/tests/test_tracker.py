@@ -432,6 +432,7 @@ def test_time_evaluator_ctypes(plain_server, tmp_path):
 
 
 # --------------------------------------------------------------------------- audit findings
+@pytest.mark.timeout(120, method="thread")  # (SIGALRM is the test's own)
 def test_interrupted_request_is_cancelled(tracker):
     """Ctrl-C while waiting in request(): the connection resyncs, the request is gone (issue 8, b)."""
     srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tracker.addr, key="k")
