@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from disco_core import DiscoTypeError, DiscoValueError, FrameLimitError
+from disco_core import DiscoTimeoutError, DiscoTypeError, DiscoValueError, FrameLimitError
 from disco_core.spi import (
     CAN_SPLICE,
     Device,
@@ -733,7 +733,7 @@ class Conn:
 
         ``limit``: the bytes that may come before it (what the interrupted call left to
         come is one frame at most), then :class:`FrameLimitError`; ``deadline``
-        (``time.monotonic()``), then :class:`TimeoutError`: a peer that sends bytes
+        (``time.monotonic()``), then :class:`DiscoTimeoutError`: a peer that sends bytes
         without end never ends a read's own timeout.
         """
         keep = len(marker) - 1  # a marker's head may end the bytes searched so far
@@ -752,7 +752,7 @@ class Conn:
                     f"{dropped} bytes came before the answer awaited, over the {limit} that may"
                 )
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError("the answer awaited did not come in time")
+                raise DiscoTimeoutError("the answer awaited did not come in time")
             self.buf[: self.end - tail] = self.buf[tail : self.end]
             self.start, self.end = 0, self.end - tail
             if self.end == len(self.buf):  # (a buffer grown by settle(), full of a tail)
