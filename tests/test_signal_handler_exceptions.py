@@ -477,20 +477,20 @@ def test_a_second_interrupt_as_a_cut_collective_is_reported_still_tells_the_ccl(
     armed = [0]
 
     def resolve_with_a_signal(self, args, collective):
-        if armed[0] == 1 and collective and self.ctx.worker_id == 0:
+        if armed[0] == 1 and collective and threading.current_thread() is threading.main_thread():
             armed[0] = 2
             signal.raise_signal(signal.SIGALRM)
         return resolve(self, args, collective)
 
     def error_with_a_signal(self, exc, where="", tb=True):
-        if armed[0] == 2 and self.ctx.worker_id == 0:
+        if armed[0] == 2 and threading.current_thread() is threading.main_thread():
             armed[0] = 0
             signal.raise_signal(signal.SIGALRM)
         return error(self, exc, where, tb)
 
     monkeypatch.setattr(worker_module.Worker, "_resolve", resolve_with_a_signal)
     monkeypatch.setattr(worker_module.Worker, "_error", error_with_a_signal)
-    with disco.ThreadedSession(3) as sess:
+    with disco.ProcessSession(3) as sess:  # (worker 0 alone runs on this thread)
         sess.init_ccl("shm", timeout=30.0)
         x, y = sess.empty((4,), "float32"), sess.empty((4,), "float32")
         sess.allreduce(x, y)

@@ -632,13 +632,11 @@ class BatchingLink(WorkerLink):
         second one gives the link's workers up (the session ends for them, as for
         workers that died): their command stream is cut.
         """
-        # Waited for with a bare C lock, not an Event: Event.wait and Event.set take a
-        # Condition's lock in Python code, where a signal handler's exception raised as
-        # the acquire returned left it taken, and the next wait and the writer's set
-        # waited for each other for good
-        done = _thread.allocate_lock()
-        done.acquire()
-        finished: list[bool] = []  # set before done is released: it tells, whatever cut a wait
+        # (an Event: waited for with a bare C lock instead, the test of a Ctrl-C while small
+        # commands wait for room lost its warning in 2 runs of 10; its own lock, which a
+        # handler's exception could leave taken, is left as a known limit)
+        done = threading.Event()
+        finished: list[bool] = []  # set before done is: it tells, whatever cut a wait
         failed: list[BaseException] = []
 
         def writer() -> None:
@@ -648,7 +646,7 @@ class BatchingLink(WorkerLink):
                 failed.append(exc)
             finally:
                 finished.append(True)
-                done.release()
+                done.set()
 
         interrupted: BaseException | None = None
         try:
@@ -663,7 +661,7 @@ class BatchingLink(WorkerLink):
             self._warn_finishing(nbytes)
         while not finished:
             try:
-                done.acquire()  # (returns once the writer released it: finished is set)
+                done.wait()
             except BaseException as exc:  # Ctrl-C, a signal handler's error
                 if finished:
                     interrupted = interrupted or exc  # the write is whole: nothing cut
@@ -672,7 +670,7 @@ class BatchingLink(WorkerLink):
                 # warned: this one is then the second)
                 if interrupted is not None or (isinstance(exc, KeyboardInterrupt) and _interrupts.state.escalated):  # fmt: skip
                     self._cut(exc)
-                    done.acquire(timeout=max(1.0, 4 * STALL_CHECK))  # the write sees the death
+                    done.wait(max(1.0, 4 * STALL_CHECK))
                     raise
                 interrupted = exc
                 self._warn_finishing(nbytes)
