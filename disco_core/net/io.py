@@ -54,6 +54,9 @@ CAN_SPLICE = hasattr(os, "splice")
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+#: Frames up to this size go out with one ``sendall``: they fit a socket's buffer, so a
+#: timeout means the same as for ``send_all``'s resumed writes (each write's own wait).
+_SMALL = 1 << 16
 _perf = time.perf_counter
 _yield = getattr(os, "sched_yield", lambda: None)
 
@@ -346,7 +349,10 @@ class SocketTransport:
         return self.sock.fileno()
 
     def send_parts(self, parts: list) -> None:
-        send_all(self.sock.sendmsg, parts)
+        if len(parts) == 1 and type(parts[0]) is bytes and len(parts[0]) <= _SMALL:
+            self.sock.sendall(parts[0])  # a small frame: no views to make, one system call
+        else:
+            send_all(self.sock.sendmsg, parts)
 
     def sendfile(self, file: Any, size: int) -> int:
         """Send ``size`` bytes from the file's position (``socket.sendfile`` starts at ``offset``)."""

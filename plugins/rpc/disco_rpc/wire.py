@@ -147,6 +147,8 @@ def close_inherited() -> None:
 
 
 _HEAD = FRAME_HEAD
+_HEAD_SIZE = _HEAD.size
+_HEAD_FROM = _HEAD.unpack_from
 _Q = struct.Struct("<Q")
 _I = struct.Struct("<I")
 _TQ = struct.Struct("<Bq")
@@ -156,6 +158,7 @@ _TI = struct.Struct("<BI")
 _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_EMPTY_TUPLE = _TI.pack(T_TUPLE, 0)
 #: A sealed record's bytes besides its payload (length and tag).
 _SEALED_OVERHEAD = 8 + 16
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -217,11 +220,13 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
             raise DiscoValueError("value nested too deeply for RPC")
         out += _TI.pack(T_TUPLE if t is tuple else T_LIST, len(v))
         for x in v:
-            tx = type(x)  # plain ints and None inline: most arguments and results
+            tx = type(x)  # plain ints, None and () inline: most arguments and results
             if tx is int and _INT64_MIN <= x <= _INT64_MAX:
                 out += _TQ.pack(T_INT, x)
             elif x is None:
                 out.append(T_NONE)
+            elif tx is tuple and not x:  # (a request's frees, mostly)
+                out += _EMPTY_TUPLE
             else:
                 _enc(x, out, bufs, export, depth + 1)
     elif v is None:
@@ -243,7 +248,10 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
         out += b
     elif t is HandleRef:
         out += _BBQ.pack(T_HANDLE, v.kind, v.hid)
-        _enc(v.info, out, bufs, export, depth + 1)
+        if v.info is None:  # a client's handles carry no description
+            out.append(T_NONE)
+        else:
+            _enc(v.info, out, bufs, export, depth + 1)
     elif t in (bytes, bytearray, memoryview):
         m = memoryview(v).cast("B") if t is memoryview else v
         if len(m) < INLINE_BYTES:
@@ -259,7 +267,11 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
         # session's objects, a server turns a client object it holds into its own handle
         ref = export(v) if export is not None else getattr(v, "_rpc_ref", None)
         if ref is not None:
-            _enc(ref, out, bufs, export, depth)
+            out += _BBQ.pack(T_HANDLE, ref.kind, ref.hid)
+            if ref.info is None:
+                out.append(T_NONE)
+            else:
+                _enc(ref.info, out, bufs, export, depth + 1)
         elif isinstance(v, np.ndarray):
             view = _array_view(v)
             name = dtype_name(v.dtype).encode()
@@ -336,14 +348,17 @@ _II_from = struct.Struct("<II").unpack_from
 _BQ_from = struct.Struct("<BQ").unpack_from
 
 
+_NONE_USED: list = []  # (never written: a buffer index into no buffers is refused first)
+
+
 class _Reads:
     """What a decode collects beside the value: the out-of-band buffers it refers to."""
 
     __slots__ = ("lens", "used", "on_handle", "fills", "has_bytes")
 
-    def __init__(self, lens: list, on_handle: Any) -> None:
+    def __init__(self, lens: Any, on_handle: Any) -> None:
         self.lens = lens
-        self.used = [False] * len(lens)
+        self.used = [False] * len(lens) if lens else _NONE_USED
         self.on_handle = on_handle
         self.fills: list = []  # (index, writable memoryview)
         self.has_bytes = False
@@ -385,13 +400,21 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
             raise ProtocolError("container longer than its frame")
         items = []
         for _ in range(n):
-            t = meta[p]  # plain ints and None inline: most arguments and results
+            t = meta[p]  # plain ints, None, () and bare handles inline: most of a call
             if t == T_INT:
                 items.append(_q_from(meta, p + 1)[0])
                 p += 9
             elif t == T_NONE:
                 items.append(None)
                 p += 1
+            elif t == T_TUPLE and not _I_from(meta, p + 1)[0]:
+                items.append(())
+                p += 5
+            elif t == T_HANDLE and meta[p + 10] == T_NONE:  # a client's handle (no info)
+                kind, hid = _BQ_from(meta, p + 1)
+                ref = HandleRef(kind, hid)
+                items.append(r.on_handle(ref) if r.on_handle is not None else ref)
+                p += 11
             else:
                 v, p = _value(meta, p, depth + 1, r)
                 items.append(v)
@@ -487,7 +510,7 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
     """
     if type(meta) is not bytes:
         meta = bytes(meta)
-    r = _Reads(list(lens), on_handle)
+    r = _Reads(lens, on_handle)
     try:
         value, end = _value(meta, 0, 0, r)
     except ProtocolError:
@@ -498,10 +521,15 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
         raise ProtocolError(f"malformed value: {exc}") from None
     if end != len(meta):
         raise ProtocolError("trailing bytes after the value")
-    if not all(r.used):
-        raise ProtocolError("frame has buffers no value refers to")
-    r.fills.sort(key=lambda f: f[0])
+    if lens:
+        if not all(r.used):
+            raise ProtocolError("frame has buffers no value refers to")
+        r.fills.sort(key=_first)
     return value, r.fills, r.has_bytes
+
+
+def _first(fill: tuple) -> int:
+    return fill[0]
 
 
 # --------------------------------------------------------------------------- splicing
@@ -691,11 +719,19 @@ class Conn:
             out = unfilled_bytearray(n)  # filled whole, or dropped with the error
             self.read_into(memoryview(out))
             return out
+        self._fill(n)
+        self.start = n
+        return self.buf[:n]
+
+    def _fill(self, n: int) -> None:
+        """Have at least ``n`` (at most the buffer's size) bytes buffered, from ``buf[0]``."""
         if self.start == self.end and len(self.buf) > self._BUF:  # grown by settle()
             self.buf = bytearray(self._BUF)
             self.view = memoryview(self.buf)
             self.start = self.end = 0
-        if self.start:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.start:
             self.buf[: self.end - self.start] = self.buf[self.start : self.end]
             self.end -= self.start
             self.start = 0
@@ -705,8 +741,6 @@ class Conn:
             if not k:
                 raise EOFError("the peer closed the connection")
             self.end += k
-        self.start = n
-        return self.buf[:n]
 
     def read_into(self, view: memoryview) -> None:
         """Fill ``view`` (bytes), first from the read buffer, then straight from the transport."""
@@ -807,7 +841,7 @@ class Conn:
         """Raise :class:`MessageTooLargeError` if the peer would refuse this frame."""
         if self.peer_max is None:
             return
-        size = frame_size(meta, bufs)
+        size = frame_size(meta, bufs) if bufs else len(meta)
         if size > self.peer_max:
             raise MessageTooLargeError(
                 f"the message is {size} bytes, over the peer's limit of {self.peer_max} bytes "
@@ -815,6 +849,9 @@ class Conn:
             )
 
     def send_encoded(self, kind: int, op: int, meta, bufs: list, flags: int = 0) -> None:
+        if not bufs:  # a small frame: one buffer, one system call
+            self.t.send_parts([_HEAD.pack(kind, op, flags, len(meta), 0) + meta])
+            return
         head = bytearray(_HEAD.pack(kind, op, flags, len(meta), len(bufs)))
         for b in bufs:
             head += _Q.pack(_buffer_size(b))
@@ -828,10 +865,14 @@ class Conn:
         dropped), :class:`ProtocolError` (the frame was consumed: the connection is
         still in sync) or ``EOFError``.
         """
-        kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
-        while kind == HEARTBEAT and not (meta_len or nbuf):  # "still here": nothing to do
-            kind, op, _flags, meta_len, nbuf = _HEAD.unpack(self.read_exact(_HEAD.size))
-        self.in_frame = True  # (read_exact keeps a head read in part for the next call)
+        while True:  # the head, read in place (a head read in part stays for the next call)
+            if self.end - self.start < _HEAD_SIZE:
+                self._fill(_HEAD_SIZE)
+            kind, op, _flags, meta_len, nbuf = _HEAD_FROM(self.buf, self.start)
+            self.start += _HEAD_SIZE
+            if kind != HEARTBEAT or meta_len or nbuf:
+                break  # (a heartbeat, "still here", is skipped)
+        self.in_frame = True
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
             raise FrameTooLargeError(
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
@@ -847,7 +888,12 @@ class Conn:
             self._skip(total)
             self.settle()
             raise ProtocolError("a file chunk where no file transfer was going on")
-        meta = self.read_exact(meta_len)  # decode() makes it bytes
+        s = self.start
+        if self.end - s >= meta_len:  # a small frame came whole with its head: one copy
+            meta = bytes(self.view[s : s + meta_len])
+            self.start = s + meta_len
+        else:
+            meta = self.read_exact(meta_len)  # decode() makes it bytes
         try:
             value, fills, has_bytes = decode(meta, lens, on_handle)
         except BaseException:

@@ -1012,11 +1012,11 @@ def _lose_a_read_count(conn_module, after_bytes: int):
     """Emulate a signal whose handler raises as a frame head's read returns, before the
     read's count is stored (CPython runs handlers at the check that follows a C call):
     a tracer raises ``TimeoutError`` at the line after ``k = recv(...)`` in
-    ``Conn.read_exact``, once a read took ``after_bytes`` or more. Returns (tracer,
+    ``Conn._fill`` (where a frame head's reads are), once a read took ``after_bytes`` or more. Returns (tracer,
     what it saw)."""
     import inspect
 
-    lines, first = inspect.getsourcelines(conn_module.Conn.read_exact)
+    lines, first = inspect.getsourcelines(conn_module.Conn._fill)
     at = first + next(i for i, line in enumerate(lines) if "k = recv(" in line) + 1
     seen: dict = {"armed": True}
 
@@ -1029,7 +1029,7 @@ def _lose_a_read_count(conn_module, after_bytes: int):
         return local
 
     def tracer(frame, event, arg):
-        return local if frame.f_code is conn_module.Conn.read_exact.__code__ else None
+        return local if frame.f_code is conn_module.Conn._fill.__code__ else None
 
     return tracer, seen
 

@@ -41,6 +41,14 @@ _scalars = (
     | st.sampled_from(["float32", "int8", "uint64", "complex128"]).map(
         lambda d: np.arange(5, dtype=d).reshape(5, 1)
     )
+    | st.just(())  # inline in a container (a request's frees)
+    # remote objects: a client's carry no info (decoded inline in a container)
+    | st.builds(
+        wire.HandleRef,
+        st.sampled_from([wire.HandleRef.FUNC, wire.HandleRef.MODULE, wire.HandleRef.TENSOR]),
+        st.integers(0, 2**64 - 1),
+        st.none() | st.text(max_size=5),
+    )
 )
 _values = st.recursive(
     _scalars,
@@ -73,6 +81,8 @@ def _same(a, b) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, wire.HandleRef):
+        return (a.kind, a.hid, a.info) == (b.kind, b.hid, b.info)
     if isinstance(a, float):
         return a == b and math.copysign(1, a) == math.copysign(1, b)
     return a == b
@@ -110,6 +120,27 @@ def test_handles_are_resolved_by_the_callback():
     value, _, _ = wire.decode(meta, (), lambda r: seen.append((r.kind, r.hid, r.info)) or "obj")
     assert value == ((), ("obj", (1, None)))
     assert seen == [(wire.HandleRef.FUNC, 7, "f")]
+
+
+def test_a_call_request_decodes_as_sent():
+    """A call's request, ``(frees, (function, args))``, takes the decoder's inline steps
+    (an empty tuple, a handle without info, ints): the callback still sees each handle,
+    and every strict prefix is still refused."""
+    fn = wire.HandleRef(wire.HandleRef.FUNC, 3)
+    for frees in ((), (5, 6)):
+        meta = bytes(wire.encode((frees, (fn, (1, (), None, fn))))[0])
+        seen: list = []
+
+        def resolve(r, seen=seen):
+            seen.append((r.kind, r.hid, r.info))
+            return "f"
+
+        value, _, _ = wire.decode(meta, (), resolve)
+        assert value == (frees, ("f", (1, (), None, "f")))
+        assert seen == [(wire.HandleRef.FUNC, 3, None)] * 2
+        for cut in range(len(meta)):
+            with pytest.raises(ProtocolError):
+                wire.decode(meta[:cut], (), lambda r: "f")
 
 
 def test_nesting_is_bounded_both_ways():
