@@ -512,7 +512,15 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
         meta = bytes(meta)
     r = _Reads(lens, on_handle)
     try:
-        value, end = _value(meta, 0, 0, r)
+        if meta.startswith(_CALL_HEAD) and meta[25] == T_NONE:
+            # a call's request with nothing to free, ``((), (function, args))``: the
+            # same value as the general path's, two of its steps fewer
+            kind, hid = _BQ_from(meta, 16)
+            ref = HandleRef(kind, hid)
+            args, end = _value(meta, 26, 2, r)
+            value = ((), (on_handle(ref) if on_handle is not None else ref, args))
+        else:
+            value, end = _value(meta, 0, 0, r)
     except ProtocolError:
         raise
     except (IndexError, struct.error):
@@ -526,6 +534,10 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
             raise ProtocolError("frame has buffers no value refers to")
         r.fills.sort(key=_first)
     return value, r.fills, r.has_bytes
+
+
+#: How a call's request with no frees begins: ``(``, ``()``, ``(``, a handle's tag.
+_CALL_HEAD = _TI.pack(T_TUPLE, 2) + _EMPTY_TUPLE + _TI.pack(T_TUPLE, 2) + bytes([T_HANDLE])
 
 
 def _first(fill: tuple) -> int:
