@@ -446,7 +446,10 @@ class RPCSession:
                 self._resync(conn)
             frees, self._frees = self._frees, []
             try:
-                meta, bufs = wire.encode((tuple(frees), args), self._export)
+                if op == OP_CALL and not frees:  # (the round trip of every remote call)
+                    meta, bufs = wire.encode_call(args[0], args[1], self._export)
+                else:
+                    meta, bufs = wire.encode((tuple(frees), args), self._export)
                 conn.check_size(meta, bufs)  # nothing sent yet: the session stays usable
             except BaseException:
                 self._frees[:0] = frees

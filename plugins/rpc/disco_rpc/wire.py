@@ -110,6 +110,7 @@ __all__ = [
     "HandleRef",
     "FileSource",
     "encode",
+    "encode_call",
     "decode",
     "Conn",
     "SocketTransport",
@@ -159,6 +160,9 @@ _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _EMPTY_TUPLE = _TI.pack(T_TUPLE, 0)
+#: How a call's request with no frees begins: ``(``, ``()``, ``(``, then a handle's tag.
+_CALL_PREFIX = _TI.pack(T_TUPLE, 2) + _EMPTY_TUPLE + _TI.pack(T_TUPLE, 2)
+_CALL_HEAD = _CALL_PREFIX + bytes([T_HANDLE])
 #: A sealed record's bytes besides its payload (length and tag).
 _SEALED_OVERHEAD = 8 + 16
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -210,6 +214,23 @@ def encode(value: Any, export: Callable[[Any], HandleRef | None] | None = None) 
     out = bytearray()
     bufs: list = []
     _enc(value, out, bufs, export, 0)
+    return out, bufs
+
+
+def encode_call(fn: Any, args: tuple, export: Callable[[Any], HandleRef | None] | None = None) -> tuple:  # fmt: skip
+    """``encode(((), (fn, args)), export)``: a call's request with nothing to free.
+
+    The same bytes, made without the general path's first steps where ``fn`` is a
+    remote object whose handle carries no description (a client's).
+    """
+    ref = export(fn) if export is not None else getattr(fn, "_rpc_ref", None)
+    if ref is None or ref.info is not None:
+        return encode(((), (fn, args)), export)
+    out = bytearray(_CALL_PREFIX)
+    out += _BBQ.pack(T_HANDLE, ref.kind, ref.hid)
+    out.append(T_NONE)
+    bufs: list = []
+    _enc(args, out, bufs, export, 2)
     return out, bufs
 
 
@@ -534,10 +555,6 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
             raise ProtocolError("frame has buffers no value refers to")
         r.fills.sort(key=_first)
     return value, r.fills, r.has_bytes
-
-
-#: How a call's request with no frees begins: ``(``, ``()``, ``(``, a handle's tag.
-_CALL_HEAD = _TI.pack(T_TUPLE, 2) + _EMPTY_TUPLE + _TI.pack(T_TUPLE, 2) + bytes([T_HANDLE])
 
 
 def _first(fill: tuple) -> int:

@@ -198,6 +198,25 @@ def _skeleton(v):
     return (type(v).__name__, v)
 
 
+class _Remote:
+    """A client's remote object: travels as its handle."""
+
+    def __init__(self, ref):
+        self._rpc_ref = ref
+
+
+@SEEDED
+@given(_values, st.integers(0, 2**64 - 1), st.none() | st.text(max_size=5))
+def test_a_call_is_encoded_as_the_general_path_encodes_it(args, hid, info):
+    fn = _Remote(wire.HandleRef(wire.HandleRef.FUNC, hid, info))
+    for call_args in ((args,), (args, fn), ()):
+        want_meta, want_bufs = wire.encode(((), (fn, call_args)))
+        meta, bufs = wire.encode_call(fn, call_args)
+        assert bytes(meta) == bytes(want_meta)
+        assert [bytes(b) for b in bufs] == [bytes(b) for b in want_bufs]
+    assert bytes(wire.encode_call(7, (1,))[0]) == bytes(wire.encode(((), (7, (1,))))[0])
+
+
 def test_nesting_is_bounded_both_ways():
     deep: object = 1
     for _ in range(MAX_DEPTH + 2):
