@@ -54,8 +54,10 @@ CAN_SPLICE = hasattr(os, "splice")
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
-#: Frames up to this size go out with one ``sendall``: they fit a socket's buffer, so a
-#: timeout means the same as for ``send_all``'s resumed writes (each write's own wait).
+#: Frames up to this size go out with one ``sendall``. Its timeout bounds the whole
+#: frame, not each write as ``send_all``'s does: the same where the frame fits the
+#: socket's buffer and goes in one write, as a frame this small does unless the peer
+#: stopped reading.
 _SMALL = 1 << 16
 _perf = time.perf_counter
 _yield = getattr(os, "sched_yield", lambda: None)

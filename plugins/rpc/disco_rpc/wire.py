@@ -531,6 +531,8 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
     """
     if type(meta) is not bytes:
         meta = bytes(meta)
+    if type(lens) is not tuple:
+        lens = tuple(lens)
     r = _Reads(lens, on_handle)
     try:
         if meta.startswith(_CALL_HEAD) and meta[25] == T_NONE:

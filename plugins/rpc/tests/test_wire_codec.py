@@ -113,6 +113,16 @@ def test_random_bytes_decode_or_raise_a_protocol_error(data):
         pass  # the only exception a peer's bytes may cause
 
 
+def test_buffer_lengths_may_be_any_sequence_or_iterable():
+    meta, bufs = wire.encode((np.arange(3, dtype="int8"), bytes(wire.INLINE_BYTES)))
+    lens = [wire._buffer_size(b) for b in bufs]
+    for given_lens in (lens, tuple(lens), iter(lens), np.array(lens)):
+        value, fills, _ = wire.decode(bytes(meta), given_lens)
+        assert [i for i, _ in fills] == [0, 1]
+    with pytest.raises(ProtocolError):
+        wire.decode(bytes(meta), iter(lens[:1]))
+
+
 def test_handles_are_resolved_by_the_callback():
     ref = wire.HandleRef(wire.HandleRef.FUNC, 7, "f")
     meta = bytes(wire.encode(((), (ref, (1, None))))[0])
