@@ -729,9 +729,6 @@ class Conn:
         self.end = 0
         self._pipe: tuple[int, int] | None = None
         self._hash_buf: memoryview | None = None  # sealed bytes spliced to a file, read back
-        #: True from a frame's head until :meth:`recv` returns it: an exception that
-        #: leaves ``recv`` meanwhile (a signal handler's) left part of the frame unread
-        self.in_frame = False
 
     # -- raw reads ------------------------------------------------------------
     def _recv(self, view) -> int:
@@ -802,7 +799,6 @@ class Conn:
         without end never ends a read's own timeout.
         """
         keep = len(marker) - 1  # a marker's head may end the bytes searched so far
-        self.in_frame = False
         dropped = 0
         while True:
             at = self.buf.find(marker, self.start, self.end)
@@ -903,7 +899,6 @@ class Conn:
             self.start += _HEAD_SIZE
             if kind != HEARTBEAT or meta_len or nbuf:
                 break  # (a heartbeat, "still here", is skipped)
-        self.in_frame = True
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
             raise FrameTooLargeError(
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
@@ -934,7 +929,6 @@ class Conn:
         for _idx, view in fills:
             self.read_into(view)
         self.settle()
-        self.in_frame = False
         return kind, op, (_freeze(value) if has_bytes else value)
 
     # -- file streams ---------------------------------------------------------
