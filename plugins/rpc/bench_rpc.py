@@ -46,7 +46,12 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
 
 
 def raw_loopback(
-    nbytes: int, reps: int, place: Placement, fresh: bool = False, to_file: bool = False
+    nbytes: int,
+    reps: int,
+    place: Placement,
+    fresh: bool = False,
+    to_file: bool = False,
+    from_file: bool = False,
 ) -> float:
     """GB/s of one ``sendall`` of ``nbytes`` to another process over 127.0.0.1 (best of reps).
 
@@ -59,7 +64,9 @@ def raw_loopback(
     into memory made beforehand); otherwise into one buffer, reused. ``to_file``: the
     receiver writes what it reads (1 MiB at a time, one reused buffer) into a new
     file in the temporary folder, where an upload lands: the page cache's own cost,
-    the floor of an upload.
+    the floor of an upload. ``from_file``: the sender ``sendfile``s from a file in the
+    page cache, as a server sending a download does (with ``fresh``: a download's own
+    floor, from the server's file into the client's new memory).
     """
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
@@ -98,12 +105,25 @@ def raw_loopback(
     conn, _ = lst.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     data = np.random.bytes(nbytes)
+    source = None
+    if from_file:
+        source = tempfile.TemporaryFile()
+        source.write(data)
+        source.flush()
+        os.pread(source.fileno(), nbytes, 0)  # (in the page cache, as a file just uploaded)
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        conn.sendall(data)
+        if source is None:
+            conn.sendall(data)
+        else:
+            sent = 0
+            while sent < nbytes:
+                sent += os.sendfile(conn.fileno(), source.fileno(), sent, nbytes - sent)
         conn.recv(1)
         best = min(best, time.perf_counter() - t)
+    if source is not None:
+        source.close()
     conn.close()
     lst.close()
     os.waitpid(pid, 0)
@@ -282,18 +302,28 @@ def main() -> int:
             load = os.getloadavg()[0]
             raw = raw_loopback(nbytes, a.reps, place)
             raw_fresh = raw_loopback(nbytes, a.reps, place, fresh=True)
+            raw_file_fresh = raw_loopback(nbytes, a.reps, place, fresh=True, from_file=True)
             raw_file = raw_loopback(nbytes, a.reps, place, to_file=True)
             ours = bench_disco(nbytes, a.calls, a.reps, place, a.token)
         # TVM's child pins itself the same way (it starts from every CPU)
         tvm = None if a.no_tvm else bench_tvm(nbytes, a.calls, a.reps, place)
         results[place.name] = dict(
-            raw=raw, raw_fresh=raw_fresh, raw_file=raw_file, ours=ours, tvm=tvm, floor=fl, load=load
+            raw=raw,
+            raw_fresh=raw_fresh,
+            raw_file_fresh=raw_file_fresh,
+            raw_file=raw_file,
+            ours=ours,
+            tvm=tvm,
+            floor=fl,
+            load=load,
         )
         print(
             f"\n== {place.describe()}: load {load:.2f}; floor: socket ping-pong "
             f"{fl['socket_rt_s'] * 1e6:.1f} us, memcpy {fl['memcpy_GBps']:.1f} GB/s; "
             f"raw loopback TCP stream {raw:.2f} GB/s, into fresh memory {raw_fresh:.2f} GB/s "
-            f"(download/fresh stream: {ours['download_GBps'] / raw_fresh:.2f}), into a file "
+            f"(download/fresh stream: {ours['download_GBps'] / raw_fresh:.2f}), sendfile from a "
+            f"file into fresh memory {raw_file_fresh:.2f} GB/s (download/that stream: "
+            f"{ours['download_GBps'] / raw_file_fresh:.2f}), into a file "
             f"{raw_file:.2f} GB/s (upload/file stream: {ours['upload_GBps'] / raw_file:.2f})"
         )
         print(f"{'':28s} {'disco-rpc':>10s} {'tvm.rpc':>10s} {'ours/TVM':>9s} {'ours/stream':>11s}")
