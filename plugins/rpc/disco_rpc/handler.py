@@ -89,6 +89,7 @@ __all__ = [
     "confine",
     "open_confined",
     "open_dir_in",
+    "receive_in_place",
     "serve_conn",
     "error_value",
     "OP_NAMES",
@@ -671,6 +672,8 @@ class SessionHandler:
         return to_host(tensor)
 
     def op_tensor_set(self, tensor: Any, arr: np.ndarray) -> None:
+        if arr is tensor:  # received in place (:func:`receive_in_place`)
+            return
         if tuple(arr.shape) != tuple(tensor.shape) or arr.dtype != tensor.dtype:
             if arr.size != tensor.size or arr.dtype != tensor.dtype:
                 raise DiscoValueError(
@@ -829,7 +832,7 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             gate.acquire()  # type: ignore[union-attr]  # released only where there is a gate
             held = True
         try:
-            _kind, op, payload = conn.recv(on_handle=resolve)
+            _kind, op, payload = conn.recv(on_handle=resolve, direct=receive_in_place)
         except EOFError:
             return
         except IntegrityError as exc:
@@ -873,6 +876,32 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             return
         if not _send_result(conn, handler, op, result):
             return
+
+
+def receive_in_place(op: int, value: Any, fills: list) -> tuple[Any, list]:
+    """Where a request's buffers go (``Conn.recv``'s ``direct``): a ``copyfrom``'s array
+    straight into the tensor it overwrites, when that tensor is a writable contiguous
+    NumPy array of the same dtype and size; no array of its own, and no copy after.
+
+    A request whose bytes do not all come leaves the tensor written in part; the
+    session then ends (its objects with it), so no later call sees it.
+    """
+    if op != OP_TENSOR_SET or len(fills) != 1:
+        return value, fills
+    try:
+        frees, (tensor, arr) = value
+    except (TypeError, ValueError):
+        return value, fills
+    if (
+        type(tensor) is np.ndarray
+        and type(arr) is np.ndarray
+        and tensor.dtype == arr.dtype
+        and tensor.size == arr.size
+        and tensor.flags.c_contiguous
+        and tensor.flags.writeable
+    ):
+        return (frees, (tensor, tensor)), [(fills[0][0], tensor.reshape(-1).view(np.uint8).data)]
+    return value, fills
 
 
 def _dispatch(conn: wire.Conn, handler: SessionHandler, op: int, payload: Any) -> Any:

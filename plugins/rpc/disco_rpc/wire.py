@@ -885,8 +885,13 @@ class Conn:
         head += meta
         self.t.send_parts([head, *bufs])
 
-    def recv(self, on_handle=None):
+    def recv(self, on_handle=None, direct=None):
         """Read one frame; return ``(kind, op, value)``.
+
+        ``direct(op, value, fills)``, optional, is asked where the frame's buffers go
+        before they are read (``fills``: ``(index, writable view)`` pairs) and returns
+        ``(value, fills)``: a server receives a ``copyfrom``'s array straight into the
+        tensor it overwrites.
 
         Raises :class:`DesyncError` (:class:`FrameTooLargeError`: the connection must then be
         dropped), :class:`ProtocolError` (the frame was consumed: the connection is
@@ -922,6 +927,8 @@ class Conn:
             meta = self.read_exact(meta_len)  # decode() makes it bytes
         try:
             value, fills, has_bytes = decode(meta, lens, on_handle)
+            if direct is not None and fills:
+                value, fills = direct(op, value, fills)
         except BaseException:
             self._skip(sum(lens))
             self.settle()
