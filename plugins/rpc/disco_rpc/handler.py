@@ -825,6 +825,8 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
     becomes a Disco worker.
     """
     resolve = handler.resolve
+    # a sealed link's bytes are checked when the frame ends: none may reach a tensor first
+    direct = None if isinstance(conn.t, wire.SealedTransport) else receive_in_place
     gate = live.gate if live is not None else None
     held = True
     while True:
@@ -832,7 +834,7 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             gate.acquire()  # type: ignore[union-attr]  # released only where there is a gate
             held = True
         try:
-            _kind, op, payload = conn.recv(on_handle=resolve, direct=receive_in_place)
+            _kind, op, payload = conn.recv(on_handle=resolve, direct=direct)
         except EOFError:
             return
         except IntegrityError as exc:
@@ -883,8 +885,11 @@ def receive_in_place(op: int, value: Any, fills: list) -> tuple[Any, list]:
     straight into the tensor it overwrites, when that tensor is a writable contiguous
     NumPy array of the same dtype and size; no array of its own, and no copy after.
 
-    A request whose bytes do not all come leaves the tensor written in part; the
-    session then ends (its objects with it), so no later call sees it.
+    Only on a link without a seal: a sealed frame's bytes are verified when it ends,
+    and a relay's changed bytes must never reach an object. A request whose bytes do
+    not all come (the client died or cut it) leaves the tensor written in part and
+    ends the session; an object that outlives the session (one that a registered
+    function returns to the sessions of a ``no_fork`` server) keeps what came.
     """
     if op != OP_TENSOR_SET or len(fills) != 1:
         return value, fills

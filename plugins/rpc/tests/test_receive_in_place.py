@@ -103,6 +103,46 @@ def test_a_read_only_tensor_is_refused_and_left_as_it_was(served):
     assert kind == ERROR and not tensor.any()
 
 
+def test_a_sealed_copyfrom_changed_on_the_way_never_reaches_the_tensor(tmp_path):
+    """On a sealed link a frame's bytes are verified when it ends: a relay that changes
+    a byte of the payload makes the server drop the session, and the tensor keeps what
+    it held (received in place, it got the changed bytes before the check)."""
+    from disco_core.net.security import Handshake
+
+    c, s = Handshake(b"t", "client", b"x"), Handshake(b"t", "server", b"x")
+    c.bind(b"h", b"r")
+    s.bind(b"h", b"r")
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def send_parts(self, parts) -> None:
+            for p in parts:
+                self.data += memoryview(p).cast("B")
+
+    sent = Recorder()
+    client = wire.Conn(wire.SealedLink(sent, c.keys()))
+    a, b = socket.socketpair()
+    server = wire.Conn(SocketTransport(b))
+    server.t = wire.SealedLink(server.t, s.keys())
+    handler = SessionHandler(str(tmp_path / "work"))
+    tensor = np.zeros(1 << 18, dtype=np.float64)  # 2 MiB: records of 1 MiB pieces
+    client.send(REQUEST, OP_TENSOR_SET, ((), (_Ref(handler.export(tensor).hid), np.ones(1 << 18))))
+    sent.data[len(sent.data) // 2] ^= 1  # a relay's change, inside the payload
+    loop = threading.Thread(target=serve_conn, args=(server, handler), daemon=True)
+    loop.start()
+    try:
+        a.sendall(sent.data)
+        loop.join(10)
+        assert not loop.is_alive()  # the session was dropped
+        assert not tensor.any()
+    finally:
+        a.close()
+        b.close()
+        handler.close()
+
+
 def test_only_a_copyfrom_is_received_in_place():
     arr, tensor = np.empty(4), np.zeros(4)
     fills = [(0, arr.view(np.uint8).data)]
