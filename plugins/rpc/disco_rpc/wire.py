@@ -163,6 +163,8 @@ _EMPTY_TUPLE = _TI.pack(T_TUPLE, 0)
 #: How a call's request with no frees begins: ``(``, ``()``, ``(``, then a handle's tag.
 _CALL_PREFIX = _TI.pack(T_TUPLE, 2) + _EMPTY_TUPLE + _TI.pack(T_TUPLE, 2)
 _CALL_HEAD = _CALL_PREFIX + bytes([T_HANDLE])
+_CALL_HID_AT = len(_CALL_HEAD)  # the handle's kind and id (9 bytes), then its info's tag
+_CALL_ARGS_AT = _CALL_HID_AT + 10
 #: A sealed record's bytes besides its payload (length and tag).
 _SEALED_OVERHEAD = 8 + 16
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -288,11 +290,7 @@ def _enc(v: Any, out: bytearray, bufs: list, export, depth: int) -> None:
         # session's objects, a server turns a client object it holds into its own handle
         ref = export(v) if export is not None else getattr(v, "_rpc_ref", None)
         if ref is not None:
-            out += _BBQ.pack(T_HANDLE, ref.kind, ref.hid)
-            if ref.info is None:
-                out.append(T_NONE)
-            else:
-                _enc(ref.info, out, bufs, export, depth + 1)
+            _enc(ref, out, bufs, export, depth)
         elif isinstance(v, np.ndarray):
             view = _array_view(v)
             name = dtype_name(v.dtype).encode()
@@ -369,9 +367,6 @@ _II_from = struct.Struct("<II").unpack_from
 _BQ_from = struct.Struct("<BQ").unpack_from
 
 
-_NONE_USED: list = []  # (never written: a buffer index into no buffers is refused first)
-
-
 class _Reads:
     """What a decode collects beside the value: the out-of-band buffers it refers to."""
 
@@ -379,7 +374,7 @@ class _Reads:
 
     def __init__(self, lens: Any, on_handle: Any) -> None:
         self.lens = lens
-        self.used = [False] * len(lens) if lens else _NONE_USED
+        self.used: Any = [False] * len(lens) if lens else ()  # (no buffer: indexes refused first)
         self.on_handle = on_handle
         self.fills: list = []  # (index, writable memoryview)
         self.has_bytes = False
@@ -535,12 +530,12 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
         lens = tuple(lens)
     r = _Reads(lens, on_handle)
     try:
-        if meta.startswith(_CALL_HEAD) and meta[25] == T_NONE:
+        if meta.startswith(_CALL_HEAD) and meta[_CALL_ARGS_AT - 1] == T_NONE:
             # a call's request with nothing to free, ``((), (function, args))``: the
             # same value as the general path's, two of its steps fewer
-            kind, hid = _BQ_from(meta, 16)
+            kind, hid = _BQ_from(meta, _CALL_HID_AT)
             ref = HandleRef(kind, hid)
-            args, end = _value(meta, 26, 2, r)
+            args, end = _value(meta, _CALL_ARGS_AT, 2, r)
             value = ((), (on_handle(ref) if on_handle is not None else ref, args))
         else:
             value, end = _value(meta, 0, 0, r)
