@@ -31,7 +31,7 @@ from ._interrupts import state as _pending
 from ._locks import owned, release_if_left
 from .ccl.base import REDUCE_OPS
 from .channels.base import ANSWERED, Channel, Outgoing, gather_timeout
-from .device import Device, as_array, as_device, as_dtype, as_shape
+from .device import Device, as_array, as_device, as_dtype, as_shape, is_array
 from .errors import (
     CCLError,
     DiscoError,
@@ -440,6 +440,8 @@ class Session:
         return session
 
     def __enter__(self) -> Session:
+        if self._state["closed"]:  # as a closed file's: the calls inside would all fail
+            raise SessionClosedError("this session has been shut down")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -1075,6 +1077,36 @@ class Session:
         self._collective_ready(name)
         self.call_packed(self._get_cached_method(f"disco.{name}"), *args)
 
+    def _check_buffers(self, name: str, target: str, dst: Any, source: str = "", src: Any = None) -> None:  # fmt: skip
+        """Refuse, at the call, buffers a collective cannot use (before its CCL is asked for).
+
+        The target ``dst`` must be a register of this session: a host array would be
+        sent to every worker by value, written there and dropped, and the caller's array
+        left as it was, silently. The source ``src`` (none when ``source`` is empty) may
+        also be a host array, sent by value to every worker as any ``call_packed``
+        argument; anything else (a list, a number) failed only on the workers, at the
+        next sync.
+        """
+        if type(dst) is DRef and dst.session is self and (not source or (type(src) is DRef and src.session is self)):  # fmt: skip
+            return  # the usual call: two registers of this session
+        for param, value, kind in ((target, dst, "DRef"), (source, src, "DRef or an array")):
+            if not param:
+                continue
+            if isinstance(value, DRef):
+                if value.session is not self:
+                    raise DiscoValueError(f"{name}: {param} {value!r} belongs to another session")
+            elif kind == "DRef" or not is_array(value):
+                hint = (
+                    " (a host array as the target would be written on the workers and "
+                    "dropped: pass a register, e.g. from session.empty(), and read it "
+                    "with copy_from_worker_0)"
+                    if kind == "DRef" and is_array(value)
+                    else ""
+                )
+                raise DiscoTypeError(
+                    f"{name}: {param} must be a {kind} of this session, got {type(value).__name__}{hint}"
+                )
+
     def _host_to_roots(self, name: str, host: np.ndarray, in_group: bool) -> DRef:
         """``host`` on worker 0 (``in_group=False``) or on every group's first worker.
 
@@ -1105,6 +1137,8 @@ class Session:
         """
         host = as_array(src)
         in_group = bool(in_group)
+        if dst is not None:
+            self._check_buffers("broadcast", "dst", dst)
         self._collective_ready("broadcast")
         if dst is None:
             dst = self.empty(host.shape, host.dtype)
@@ -1134,6 +1168,7 @@ class Session:
 
     def broadcast_from_worker0(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
         """Broadcast ``src`` of worker 0 (of each group's first worker if ``in_group``) into ``dst``."""
+        self._check_buffers("broadcast_from_worker0", "dst", dst, "src", src)
         self._collective("broadcast_from_worker0", src, bool(in_group), dst)
         return dst
 
@@ -1154,6 +1189,8 @@ class Session:
         """
         host = as_array(src)
         in_group = bool(in_group)
+        if dst is not None:
+            self._check_buffers("scatter", "dst", dst)
         size = self.num_workers // self.num_groups if in_group else self.num_workers
         if host.ndim == 0 or host.shape[0] != size:
             what = (
@@ -1172,10 +1209,12 @@ class Session:
 
     def scatter_from_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
         """Split ``from_array`` of worker 0 (each group root) evenly into every worker's ``to_array``."""
+        self._check_buffers("scatter_from_worker0", "to_array", to_array, "from_array", from_array)
         self._collective("scatter_from_worker0", from_array, bool(in_group), to_array)
 
     def gather_to_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
         """Concatenate every worker's ``from_array`` into ``to_array`` of worker 0 (each group root)."""
+        self._check_buffers("gather_to_worker0", "to_array", to_array, "from_array", from_array)
         self._collective("gather_to_worker0", from_array, bool(in_group), to_array)
 
     def allreduce(self, src: DRef, dst: DRef, op: str = "sum", in_group: bool = True) -> DRef:
@@ -1187,11 +1226,13 @@ class Session:
             raise DiscoValueError(
                 f"allreduce: unsupported op {op!r}; expected one of {', '.join(REDUCE_OPS)}"
             )
+        self._check_buffers("allreduce", "dst", dst, "src", src)
         self._collective("allreduce", src, op, bool(in_group), dst)
         return dst
 
     def allgather(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
         """Concatenate every worker's ``src`` along the first axis into ``dst`` on all of them."""
+        self._check_buffers("allgather", "dst", dst, "src", src)
         self._collective("allgather", src, bool(in_group), dst)
         return dst
 

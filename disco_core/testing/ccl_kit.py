@@ -1210,7 +1210,8 @@ class CCLContract:
     def test_gather_root_without_dst(self, session):
         sess = session()
         src = sess.call_packed("ccl_kit.input", (3,), "float32", 1)
-        sess.gather_to_worker0(src, None, in_group=False)
+        # the worker function itself: Session.gather_to_worker0 refuses None at the call
+        sess.call_packed(sess.get_global_func("disco.gather_to_worker0"), src, False, None)
         self.expect_ccl_error(sess, range(self.num_workers), r"dst|root")
         self.assert_usable(sess)
 
