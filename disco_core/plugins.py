@@ -93,11 +93,16 @@ def install_command(distribution: str) -> str:
     folder = "." if distribution == CORE_DISTRIBUTION else f"./plugins/{distribution[6:]}"
     extra = _EXTRAS.get(distribution, "")
     target = f"'{folder}{extra}'" if extra else folder
+    # a distribution of this repository it depends on: pip cannot fetch it by itself
+    target = " ".join([*_INSTALLED_WITH.get(distribution, ()), target])
     return f"pip install {target} from a clone of the Disco repository (not yet on PyPI)"
 
 
 #: The extra a GPU plugin needs for its library (CuPy for the CUDA or ROCm version).
 _EXTRAS = {"disco-nccl": "[cuda12]", "disco-rccl": "[rocm7]"}
+#: The folders installed beside a distribution that depends on them (disco-rccl runs
+#: on disco-nccl's code; alone, pip looks for disco-nccl on PyPI and fails).
+_INSTALLED_WITH = {"disco-rccl": ("./plugins/nccl",)}
 
 
 class DiscoPluginWarning(UserWarning):

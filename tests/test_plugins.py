@@ -89,7 +89,7 @@ def test_not_found_names_the_distribution_and_lists_installed():
     assert out.returncode == 0, out.stderr
     # not yet on PyPI: the folder of a clone (with the extra a GPU plugin needs)
     wanted = {"mpi": "./plugins/mpi", "socket": "./plugins/socket",
-              "nccl": "'./plugins/nccl[cuda12]'", "rccl": "'./plugins/rccl[rocm7]'"}  # fmt: skip
+              "nccl": "'./plugins/nccl[cuda12]'", "rccl": "./plugins/nccl './plugins/rccl[rocm7]'"}  # fmt: skip
     for name, target in wanted.items():
         assert f"pip install {target} from a clone" in out.stdout
         assert f"pip install disco-{name}" not in out.stdout

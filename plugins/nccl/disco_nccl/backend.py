@@ -19,7 +19,7 @@ __all__ = ["load", "device_count", "can_split", "communicator", "uid_bytes", "IN
 INSTALL_HINT = {
     "nccl": "pip install './plugins/nccl[cuda12]' from a clone of the Disco repository "
     "(not yet on PyPI; the extra brings CuPy for CUDA 12: cupy-cuda12x)",
-    "rccl": "pip install './plugins/rccl[rocm7]' from a clone of the Disco repository "
+    "rccl": "pip install ./plugins/nccl './plugins/rccl[rocm7]' from a clone of the Disco repository "
     "(not yet on PyPI; the extra brings CuPy for ROCm 7: cupy-rocm-7-0; [rocm5] for ROCm 5)",
 }
 # ncclCommSplit arrived in NCCL 2.18.1 (CuPy >= 13 binds it as NcclCommunicator.commSplit).

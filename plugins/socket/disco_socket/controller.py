@@ -842,7 +842,9 @@ class SocketChannel(LinkChannel):
         Seconds to wait for every node to join (default 60); then ``TimeoutError``.
     on_listen : callable, optional
         ``on_listen(host, port)`` is called once the controller listens (to start
-        the agents, e.g. with :func:`disco_socket.start_local_agents`).
+        the agents, e.g. with :func:`disco_socket.start_local_agents`). It runs on
+        this thread before any node is admitted: it must return at once (start the
+        agents, do not wait for them), or their handshakes time out.
     entrypoint : str
         The worker module every node starts (``python -m <entrypoint>``).
     ship_modules : bool
