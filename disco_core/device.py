@@ -302,8 +302,11 @@ def is_array(value: Any) -> bool:
     return isinstance(value, np.ndarray) or hasattr(value, "__dlpack__")
 
 
-def as_array(value: Any) -> Any:
-    """View ``value`` as a NumPy (host) or CuPy (GPU) array without copying where possible."""
+def as_array(value: Any, what: str = "") -> Any:
+    """View ``value`` as a NumPy (host) or CuPy (GPU) array without copying where possible.
+
+    ``what`` names the argument in the error (``"copy_to_worker_0: host_array"``).
+    """
     if isinstance(value, np.ndarray):
         return value
     mod = type(value).__module__.split(".")[0]
@@ -323,7 +326,8 @@ def as_array(value: Any) -> Any:
     if hasattr(value, "__array__"):
         return np.asarray(value)
     raise DiscoTypeError(
-        f"expected an array (NumPy, CuPy or anything with __dlpack__), got {type(value).__name__}"
+        f"{what + ': ' if what else ''}expected an array (NumPy, CuPy or anything with "
+        f"__dlpack__), got {type(value).__name__}"
     )
 
 

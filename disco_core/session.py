@@ -871,7 +871,7 @@ class Session:
             raise DiscoTypeError(
                 f"copy_from_worker_0: remote_array must be a DRef, got {type(remote_array).__name__}"
             )
-        host = as_array(host_array)
+        host = as_array(host_array, "copy_from_worker_0: host_array")
         if not isinstance(host, np.ndarray):
             raise DiscoTypeError("copy_from_worker_0: host_array must be a host (NumPy) array")
         if not host.flags.writeable:
@@ -886,7 +886,7 @@ class Session:
 
         Returns once worker 0 holds the data, so the host array may change afterwards.
         """
-        host = as_array(host_array)
+        host = as_array(host_array, "copy_to_worker_0: host_array")
         if isinstance(host, np.ndarray) and not host.dtype.isnative:
             host = host.astype(host.dtype.newbyteorder("="))  # a worker's array is native
         if remote_array is None:
@@ -1135,7 +1135,7 @@ class Session:
             first worker, and every group receives the same data. False: one broadcast
             from worker 0 across all workers. Both end with ``src`` on every worker.
         """
-        host = as_array(src)
+        host = as_array(src, "broadcast: src")
         in_group = bool(in_group)
         if dst is not None:
             self._check_buffers("broadcast", "dst", dst)
@@ -1187,7 +1187,7 @@ class Session:
         in_group : bool
             Scatter within each group (from its first worker) or across all workers.
         """
-        host = as_array(src)
+        host = as_array(src, "scatter: src")
         in_group = bool(in_group)
         if dst is not None:
             self._check_buffers("scatter", "dst", dst)

@@ -95,3 +95,19 @@ def test_entering_a_closed_session_is_refused():
         with s:
             pass
     s.shutdown()  # a second shutdown still does nothing
+
+
+def test_a_host_argument_that_is_no_array_names_the_call_and_the_parameter(sess):
+    """They said only "expected an array ..., got DRef" (e.g. copy_to_worker_0's
+    arguments swapped), not which call or which argument."""
+    ref = sess.empty((4,), "float32")
+    cases = [
+        (lambda: sess.copy_to_worker_0(ref, np.zeros(4, "float32")), "copy_to_worker_0: host_array"),
+        (lambda: sess.copy_from_worker_0([0.0] * 4, ref), "copy_from_worker_0: host_array"),
+        (lambda: sess.broadcast([1.0, 2.0]), "broadcast: src"),
+        (lambda: sess.scatter([[1.0], [2.0]]), "scatter: src"),
+    ]  # fmt: skip
+    for call, named in cases:
+        with pytest.raises(disco.DiscoTypeError, match=rf"^{named}: expected an array"):
+            call()
+    sess.sync_worker_0()
