@@ -679,6 +679,7 @@ class TrackerSession:
         deadline = None if timeout is None else time.monotonic() + timeout
         quiet = ALIVE_EVERY if op == T_REQUEST else REPLY_TIMEOUT
         since, pinged = time.monotonic(), False
+        silent_since = since  # when the tracker last said anything (its ping's answers too)
         while True:
             until = since + quiet if deadline is None else min(since + quiet, deadline)
             if not _frame_ready(conn, until - time.monotonic()):
@@ -689,11 +690,18 @@ class TrackerSession:
                     continue
                 if op == T_REQUEST and not pinged:  # a long wait: is the tracker still there?
                     conn.send(REQUEST, T_PING, None)
+                    silent_since = since
                     since, pinged, quiet = now, True, REPLY_TIMEOUT
                     continue
+                what = (
+                    f"{now - silent_since:.0f} s (nothing for {ALIVE_EVERY:g} s, then no answer "
+                    f"to a ping for {REPLY_TIMEOUT:g} s)"
+                    if pinged
+                    else f"{quiet:g} s"
+                )
                 raise RPCError(
                     f"the tracker at {self._addr[0]}:{self._addr[1]} did not answer for "
-                    f"{quiet:g} s (stopped, overloaded or cut off); gave up waiting"
+                    f"{what} (stopped, overloaded or cut off); gave up waiting"
                 )
             conn.t.settimeout(REPLY_TIMEOUT)  # a frame that began must end
             try:
