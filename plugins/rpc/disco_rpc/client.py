@@ -7,7 +7,6 @@ import operator
 import os
 import secrets
 import select
-import socket
 import threading
 import time
 import weakref
@@ -35,7 +34,7 @@ from disco_core.spi import (
 )
 from disco_core.spi import interrupts as _interrupts
 
-from . import handler, protocol, service, wire
+from . import handler, protocol, wire
 from .auth import open_conn
 from .errors import (
     ProtocolError,
@@ -398,14 +397,6 @@ class RPCSession:
         self._beat_seen = -1
         self._beat_every = 0.0  # seconds between heartbeats; 0: none
         self._beat_mutex = threading.Lock()  # a heartbeat being written, or the end of them
-        # the server's side of liveness: while a call is under way (_busy) a server that
-        # promised heartbeats (INIT's call_beats) is watched by the heartbeat thread
-        self._busy = False
-        self._quiet_bound = 0.0  # seconds of silence that end the session; 0: not watched
-        self._watch: tuple[int, float, int, float] | None = (
-            None  # (sends, since, acked, acked_since)
-        )
-        self._silent_why = ""  # what the watch found, for the error the call raises
 
     # -- plumbing ---------------------------------------------------------------
     def _wrap(self, ref: HandleRef) -> Any:
@@ -452,11 +443,7 @@ class RPCSession:
             self._arm_deadline(op)
             conn = self._conn
             if not self._in_step:
-                self._busy = True  # its ping's answer is waited for as a call's reply
-                try:
-                    self._resync(conn)
-                finally:
-                    self._busy = False
+                self._resync(conn)
             frees, self._frees = self._frees, []
             try:
                 if op == OP_CALL and not frees:  # (the round trip of every remote call)
@@ -471,7 +458,6 @@ class RPCSession:
             local_error = None
             waiting = False  # for the reply
             self._in_step = False  # until the reply is read whole (set last, below)
-            self._busy = True  # (watched: see _watch_server)
             try:
                 with self._send_lock:  # no heartbeat inside a frame or a file stream
                     self._sends += 1
@@ -483,19 +469,15 @@ class RPCSession:
                 if kind == REPLY and recv_stream is not None:
                     value = recv_stream(conn, value)
                 waiting = False
-                self._busy = False
-            except StreamAbortedError as exc:
-                self._busy = False  # the server's file failed; still in sync
+            except StreamAbortedError as exc:  # the server's file failed; still in sync
                 self._in_step = True
                 raise RPCError(f"the server could not send the whole file: {exc}") from None
             except (ProtocolError, EOFError, OSError) as exc:
-                self._busy = False
                 if not _interrupts.cut_by_program(exc):
                     self._fail(op, exc)
                 self._interrupted(op, exc, waiting, recv_stream is not None)
                 raise
             except BaseException as exc:  # Ctrl-C, a signal handler's exception
-                self._busy = False
                 self._interrupted(op, exc, waiting, recv_stream is not None)
                 raise
             if _op != op:  # (a reply of its own op always comes: _resync saw to that)
@@ -608,13 +590,6 @@ class RPCSession:
                 f"limit of {self._server_timeout:g} s (Server(session_timeout=...)), and the server "
                 f"ended it (during {what})"
             ) from None
-        if self._silent_why:
-            text = (
-                f"the RPC server {self._label} {self._silent_why}, during {what} (its "
-                f"liveness_timeout: {self._quiet_bound:g} s); the session is closed, connect again"
-            )
-            self._closed_why = text
-            raise RPCError(text) from exc
         why = "the server process died or dropped the session"
         stalled = _HEARTBEATS.stalled(max(5.0, liveness)) if liveness else 0.0
         if liveness and stalled > liveness / 2:  # with the beats' spacing: silent > liveness
@@ -645,21 +620,13 @@ class RPCSession:
         limit = self._conn.max if self._conn is not None else None
         beats = self._beats()
         where = placement()
-        # heartbeats from the server while a call runs: on TCP, where they can be watched
-        want = beats != BEATS_NONE and service.can_watch(self._conn)
-        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit, beats, where, want) or {}  # fmt: skip
+        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit, beats, where) or {}  # fmt: skip
         if self._conn is not None and self.info.get("max_message_bytes"):
             self._conn.peer_max = int(self.info["max_message_bytes"])
         if self._conn is not None and not may_poll_beside(self.info.get("placement")):
             wire.stop_polling(self._conn)
         self._server_timeout = float(self.info.get("server_timeout") or 0)
         liveness = float(self.info.get("liveness_timeout") or 0)
-        call_beats = self.info.get("call_beats")
-        if not isinstance(call_beats, (int, float)) or isinstance(call_beats, bool):
-            call_beats = 0.0  # none promised (an older or foreign server), or malformed
-        if want and liveness > 0 and 0 < call_beats <= liveness:
-            # at least 4 beats' room: a loaded server's checks slip
-            self._quiet_bound = max(liveness, 4.0 * call_beats)
         if beats and liveness > 0:
             self._beat_every = liveness / 4
             _HEARTBEATS.add(self)
@@ -702,57 +669,6 @@ class RPCSession:
             pass  # a broken connection: the next request reports it
         finally:
             lock.release()
-
-    def _watch_server(self) -> None:
-        """End a call's session if its server sent nothing, or took none of what this side
-        sent, for ``_quiet_bound`` seconds (the heartbeat thread, at each look).
-
-        A server that promised call beats sends one at every check of its watchdog while
-        a call runs, so silence means it is frozen (stopped), or its host or network is
-        gone: without this a call waited for good (for ``session_timeout``, if any). The
-        kernel's ``TCP_INFO`` says when data last arrived, and whether what was sent is
-        being taken; bytes that arrived and are not read yet (this process was slow) are
-        no silence. The session's socket is shut down: the call raises :class:`RPCError`.
-        """
-        bound = self._quiet_bound
-        if not bound or not self._busy or self._closed:
-            self._watch = None
-            return
-        now = time.monotonic()
-        sends = self._sends
-        try:
-            sock = self._conn.t.sock
-            _state, idle, acked = service.tcp_state(sock)
-            unsent = service.unsent_bytes(sock) if acked >= 0 else 0
-            poll = select.poll()
-            poll.register(sock.fileno(), select.POLLIN)
-            # bytes here, unread (in the kernel, or in TLS's own buffer)
-            waiting = bool(poll.poll(0)) or bool(getattr(sock, "pending", lambda: 0)())
-        except (OSError, ValueError, AttributeError):
-            return
-        watch = self._watch
-        if watch is None or watch[0] != sends:  # a new call: its own clock
-            self._watch = (sends, now, acked, now)
-            return
-        _, since, last_acked, acked_since = watch
-        if acked != last_acked or not unsent:
-            acked_since = now  # what this side sent is being taken (or all was)
-        self._watch = (sends, since, acked, acked_since)
-        if waiting or _HEARTBEATS.stalled(bound) > bound / 4:
-            return  # a reply waits to be read, or this process could not look on time
-        why = ""
-        if now - since > bound and idle > bound:
-            why = f"sent nothing for {idle:.1f} s while a request was under way (frozen, or its host or network is gone)"  # fmt: skip
-        elif unsent and now - acked_since > bound:
-            why = f"took none of what this client sent for {now - acked_since:.1f} s (frozen, or its host or network is gone)"  # fmt: skip
-        if not why or not self._busy or self._sends != sends:
-            return
-        self._silent_why = why
-        logger.warning("ending the RPC session %s: the server %s", self._label, why)
-        try:
-            sock.shutdown(socket.SHUT_RDWR)  # the call's blocked read or write ends at once
-        except OSError:
-            pass
 
     def _stop_heartbeats(self) -> None:
         """No heartbeat from now on (one being written is finished first)."""
@@ -1238,7 +1154,6 @@ class _Heartbeats:
             for sess in live:
                 try:
                     sess._heartbeat()
-                    sess._watch_server()
                 except Exception:  # one session's trouble must not stop the others' beats
                     logger.debug("heartbeat on %s failed", sess._label, exc_info=True)
             del live, sess

@@ -822,18 +822,12 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
     start of each request to the start of its work, and through an upload. While
     the gate is free (a request runs or its reply is being sent) the watchdog may
     take it and read ``conn`` itself. ``live.worker()`` is called when the session
-    becomes a Disco worker. ``live.begin_call()`` and ``live.end_call()`` bracket the
-    work of a request that reads and sends nothing on ``conn`` meanwhile (not the file
-    streams, nor the one that makes this session a Disco worker): in between, the
-    watchdog may send the client heartbeats.
+    becomes a Disco worker.
     """
     resolve = handler.resolve
     # a sealed link's bytes are checked when the frame ends: none may reach a tensor first
     direct = None if isinstance(conn.t, wire.SealedTransport) else receive_in_place
     gate = live.gate if live is not None else None
-    beats = live is not None and live.call_beats
-    send_lock = live.send_lock if beats else None
-    quiet = (*_STREAM_OPS, OP_DISCO_WORKER)  # ops that use conn while they run
     held = True
     while True:
         if not held:
@@ -858,16 +852,8 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
         if gate is not None and op != OP_UPLOAD:
             gate.release()  # not reading conn until the next request
             held = False
-        calling = beats and op not in quiet
         try:
-            if calling:
-                live.calling = True  # (live.begin_call(), inlined: every request)
-            try:
-                result = _dispatch(conn, handler, op, payload)
-            finally:
-                if calling:
-                    with send_lock:  # type: ignore[union-attr]  # (live.end_call(): none is under way as the reply starts)
-                        live.calling = False
+            result = _dispatch(conn, handler, op, payload)
         except DesyncError as exc:
             _try_send_error(conn, op, exc)
             return

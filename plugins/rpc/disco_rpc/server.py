@@ -247,13 +247,10 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
     """Read the INIT request; return ``(timeout, inner conn or None, log relay)``.
 
     ``timeout`` is ``False`` when the session must end at once. INIT carries
-    ``(session_timeout, constructor, client max_message_bytes, heartbeats, placement,
-    call beats)`` (the later ones optional); the reply tells the client this server's
-    limits (``max_message_bytes``, ``server_timeout``) and its ``placement``: two
-    processes pinned to one CPU do not poll for each other's frames. A client that
-    asks for call beats (``True``) gets heartbeats while its calls run, every
-    ``call_beats`` seconds of the reply, from the server that runs its session (this
-    one, or the inner one of a chained session).
+    ``(session_timeout, constructor, client max_message_bytes, heartbeats, placement)``
+    (the later ones optional); the reply tells the client this server's limits
+    (``max_message_bytes``, ``server_timeout``) and its ``placement``: two processes
+    pinned to one CPU do not poll for each other's frames.
     """
     try:
         _kind, op, payload = conn.recv()
@@ -265,7 +262,6 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             conn.peer_max = int(init[2])
         beats = int(init[3]) if len(init) > 3 and init[3] in (BEATS_IDLE, BEATS_ALWAYS) else 0
         conn.peer_beats = beats  # read by _start_liveness
-        want_beats = len(init) > 5 and init[5] is True
         if len(init) > 4 and not may_poll_beside(init[4]):
             wire.stop_polling(conn)
         timeout = _min_positive(session_timeout, cfg.session_timeout)
@@ -278,9 +274,7 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             "server_timeout": float(cfg.session_timeout or 0),
         }
         if ctor:
-            inner, info, log_relay = _construct(
-                ctor, timeout, cfg, conn.peer_max, beats, want_beats
-            )
+            inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max, beats)
             child = getattr(inner, "child", None)  # rpc.PopenSession's: ends with the session
             if child is not None:
                 handler.on_close.append(lambda: child.close(grace=0))
@@ -289,11 +283,6 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
         lt = _min_positive(own, info.get("liveness_timeout"))
         if lt:
             info["liveness_timeout"] = lt  # the client sends heartbeats well within it
-        if inner is None:  # served here: this process beats (a chained one's are the inner's)
-            conn.call_beats = bool(want_beats and own)  # read by _start_liveness
-            info.pop("call_beats", None)
-            if conn.call_beats:
-                info["call_beats"] = min(1.0, own / 4)  # the watchdog's check
         conn.send(REPLY, OP_INIT, info)
         return timeout, inner, log_relay
     except (EOFError, OSError) as exc:
@@ -341,9 +330,8 @@ def connect_args(args: list) -> tuple:
 
 
 def _construct(
-    ctor: list, timeout: float, cfg: ServerConfig, client_max: int | None, beats: int = 0,
-    want_beats: bool = False,
-):  # fmt: skip
+    ctor: list, timeout: float, cfg: ServerConfig, client_max: int | None, beats: int = 0
+):
     """Build the session ``ctor`` names; return ``(inner conn or None, info, log relay)``."""
     name, args = ctor[0], list(ctor[1:])
     if name in ("rpc.LocalSession", "LocalSession"):
@@ -361,8 +349,7 @@ def _construct(
         max_message_bytes=cfg.max_message_bytes, peer="inner RPC server",
     )  # fmt: skip
     # the client's heartbeats pass through the relay: the inner server may count on them
-    # and the inner server's call beats pass back to the client
-    inner.send(wire.REQUEST, OP_INIT, ((), (timeout, rest, client_max, beats, None, want_beats)))
+    inner.send(wire.REQUEST, OP_INIT, ((), (timeout, rest, client_max, beats)))
     kind, _op, info = inner.recv()
     if kind != REPLY:
         exc_type, msg, _tb = info
@@ -450,7 +437,7 @@ def _start_liveness(conn: wire.Conn, addr: Any, cfg: ServerConfig, handler: Sess
             handler.close()
             os._exit(0)
 
-    live = Liveness(conn, addr, cfg.liveness_timeout, getattr(conn, "peer_beats", 0), end, relay, call_beats=getattr(conn, "call_beats", False))  # fmt: skip
+    live = Liveness(conn, addr, cfg.liveness_timeout, getattr(conn, "peer_beats", 0), end, relay)
     live.thread.start()
     return live
 
@@ -718,9 +705,8 @@ class _Listener:
 
         Its own watchdog cannot run while it is stopped, so nothing else would end it:
         it kept this server out of its tracker's pool for good after its client had given
-        up (outside check). Its client's call, if any, ended already: a client waiting
-        for a call hears nothing from a stopped server for one bound, and says so (the
-        kill's reset, sooner, would read as a lost connection).
+        up (outside check). Not done for the sessions a proxy hands over
+        (``serve_via_proxy``): see the README's Liveness.
         """
         bound = 2 * self.cfg.liveness_timeout
         now = time.monotonic()

@@ -66,8 +66,6 @@ __all__ = [
     "MIN_LIVENESS_TIMEOUT",
     "resolve_liveness_timeout",
     "can_watch",
-    "tcp_state",
-    "unsent_bytes",
     "is_stopped",
     "Liveness",
     "Registration",
@@ -339,7 +337,7 @@ def can_watch(conn: wire.Conn) -> bool:
     return _TCP_INFO is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)  # fmt: skip
 
 
-def tcp_state(sock: socket.socket) -> tuple[int, float, int]:
+def _tcp_state(sock: socket.socket) -> tuple[int, float, int]:
     """``(tcpi_state, seconds since data last arrived, bytes the peer acknowledged)`` from
     the kernel (``TCP_INFO``; the last is -1 where the kernel does not tell)."""
     info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 136)  # type: ignore[arg-type]  # known here
@@ -360,7 +358,7 @@ def is_stopped(pid: int) -> bool:
         return False
 
 
-def unsent_bytes(sock: socket.socket) -> int:
+def _unsent(sock: socket.socket) -> int:
     """Bytes written and not yet acknowledged by the peer."""
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
 
@@ -395,16 +393,9 @@ class Liveness:
     While a call runs, the heartbeats pile up unread; past :data:`_DRAIN_BYTES`
     it drops them itself (taking the gate), so the socket's receive queue never
     fills, whatever the call's length.
-
-    The other way round, with ``call_beats`` (the client asked for them in INIT):
-    while a request's work runs (:meth:`begin_call` to :meth:`end_call`, no reply
-    being sent), it sends the client a heartbeat frame at every check, so a client
-    waiting for a long call's reply can tell a live server from a frozen one, or one
-    whose host or network is gone (``RPCSession`` ends the session after
-    ``timeout`` seconds with nothing from the server).
     """
 
-    def __init__(self, conn: wire.Conn, addr: Any, timeout: float, beats: int, on_dead: Any, relay: bool, call_beats: bool = False) -> None:  # fmt: skip
+    def __init__(self, conn: wire.Conn, addr: Any, timeout: float, beats: int, on_dead: Any, relay: bool) -> None:  # fmt: skip
         self.conn = conn
         self.sock = conn.t.sock
         self.addr = addr
@@ -416,12 +407,6 @@ class Liveness:
         self.gate = threading.Lock()
         self.gate.acquire()  # by the serving thread (this constructor's caller)
         self.worker_mode = False
-        self.call_beats = call_beats
-        #: True while a request's work runs and no reply is being sent: heartbeats may go
-        self.calling = False
-        #: taken by a heartbeat being sent, and by :meth:`end_call` (so none is under way
-        #: when the reply starts)
-        self.send_lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="disco-rpc-liveness", daemon=True)
 
@@ -432,29 +417,6 @@ class Liveness:
     def stop(self) -> None:
         self._stop.set()
 
-    def begin_call(self) -> None:
-        """A request's work starts (no frame is read or sent on ``conn`` until :meth:`end_call`)."""
-        self.calling = True
-
-    def end_call(self) -> None:
-        """Its work ended: no heartbeat from now on (one being sent is finished first)."""
-        with self.send_lock:
-            self.calling = False
-
-    def _beat(self) -> None:
-        """One heartbeat to the client, if a call runs and the socket has room for it."""
-        if not self.send_lock.acquire(blocking=False):
-            return
-        try:
-            poll = select.poll()  # (not select(): descriptors past 1023)
-            poll.register(self.sock.fileno(), select.POLLOUT)
-            if self.calling and poll.poll(0):
-                self.conn.send_heartbeat()  # 12 bytes (a record when sealed): never blocks here
-        except (OSError, ValueError):
-            pass  # the connection broke: the session's own reads and writes see it
-        finally:
-            self.send_lock.release()
-
     def _run(self) -> None:
         tick = min(1.0, self.timeout / 4)
         in_call_at = time.monotonic()
@@ -462,8 +424,8 @@ class Liveness:
         last_acked = -1
         while not self._stop.wait(tick):
             try:
-                state, idle, acked = tcp_state(self.sock)
-                unsent = unsent_bytes(self.sock) if acked >= 0 else 0
+                state, idle, acked = _tcp_state(self.sock)
+                unsent = _unsent(self.sock) if acked >= 0 else 0
             except OSError:
                 return  # closed here: the session is ending
             now = time.monotonic()
@@ -473,8 +435,6 @@ class Liveness:
             else:
                 waiting_since = None
             last_acked = acked
-            if self.call_beats and self.calling:
-                self._beat()
             if state in (_TCP_CLOSE_WAIT, _TCP_CLOSE):
                 closed_at = closed_at if closed_at is not None else now
                 if not self.worker_mode or now - closed_at >= self.timeout:

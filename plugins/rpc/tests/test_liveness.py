@@ -512,3 +512,36 @@ def test_heartbeat_frames_on_the_wire():
     finally:
         a.close()
         b.close()
+
+
+def test_a_stopped_session_process_is_ended_and_its_server_pooled_again(tracker):
+    """Found by an outside chaos check: a session process stopped for good (SIGSTOP) kept
+    its server out of the tracker's pool for good, and a client in a call with it waited
+    for good without session_timeout (its own watchdog cannot run while it is stopped).
+    The server's listener now kills it after twice the bound: the call gets an RPCError."""
+    srv = rpc.Server(port=10200, port_end=10300, tracker_addr=("127.0.0.1", tracker.port), key="k", liveness_timeout=BOUND)  # fmt: skip
+    pid = None
+    try:
+        ts = rpc.connect_tracker("127.0.0.1", tracker.port)
+        assert _wait(lambda: _free(ts) >= 1, 20), "the server never registered"
+        s = ts.request("k")
+        pid = s.get_function("live.pid")()
+        timer = threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(rpc.RPCError, match="lost the connection"):
+            s.get_function("live.sleep")(60)
+        took = time.monotonic() - t0
+        assert 2 * BOUND <= took < 2 * BOUND + 6, f"the call ended after {took:.1f} s"
+        assert _wait(lambda: _gone(pid), 5), "the stopped session process was left"
+        assert _wait(lambda: _free(ts) >= 1, 10), "the server did not come back to the pool"
+        with ts.request("k") as s2:  # and it serves again
+            assert s2.get_function("live.sleep")(0) == 0
+    finally:
+        if pid is not None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        srv.terminate()
