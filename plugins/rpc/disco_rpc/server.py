@@ -527,6 +527,47 @@ class _ThreadSession:
             self.handler.close()
 
 
+class _StoppedSessions:
+    """Kills a session process stopped (``SIGSTOP``) for longer than twice the liveness
+    bound (``liveness_timeout``; 0: never).
+
+    Its own watchdog cannot run while it is stopped, so nothing else would end it: it
+    kept its server out of the tracker's pool for good after its client had given up,
+    and a client in a call with it waited for good without ``session_timeout`` (outside
+    check). Looked at once a second at most, by the loop that reaps the sessions.
+    """
+
+    def __init__(self, liveness_timeout: float) -> None:
+        self.bound = 2 * float(liveness_timeout or 0)
+        self.since: dict[int, float] = {}  # pid -> when it was first seen stopped
+        self.looked = 0.0
+
+    def forget(self, pid: int) -> None:
+        self.since.pop(pid, None)
+
+    def check(self, pids: Any) -> None:
+        now = time.monotonic()
+        if not self.bound or now - self.looked < 1.0:
+            return
+        self.looked = now
+        for pid in list(pids):
+            if not is_stopped(pid):
+                self.since.pop(pid, None)
+                continue
+            if now - self.since.setdefault(pid, now) > self.bound:
+                logger.warning(
+                    "killing session process %d: stopped (SIGSTOP) for over %g s, twice the "
+                    "liveness timeout", pid, self.bound,
+                )  # fmt: skip
+                try:
+                    os.killpg(pid, signal.SIGKILL)  # (a session process leads its own group)
+                except (ProcessLookupError, PermissionError):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+
 class _Listener:
     """The server process's loop: handshakes, session processes, the tracker link.
 
@@ -546,9 +587,7 @@ class _Listener:
         self.ended: list[int] = []  # thread sessions that ended (ids), under ended_lock
         self.ended_lock = threading.Lock()
         self.wake_r, self.wake_w = os.pipe()
-        #: session processes seen stopped (pid -> since when), and when they were last looked at
-        self.stopped: dict[int, float] = {}
-        self.looked = 0.0
+        self.stopped = _StoppedSessions(cfg.liveness_timeout)
         if self.reg is not None:
             self.reg.busy = self.busy_ticket
 
@@ -699,40 +738,8 @@ class _Listener:
             if ts is not None and ts.ticket and self.reg is not None:
                 self.reg.report(T_END, ts.ticket)
 
-    def _end_stopped_sessions(self) -> None:
-        """Kill a session process stopped (``SIGSTOP``) for longer than twice the liveness
-        bound.
-
-        Its own watchdog cannot run while it is stopped, so nothing else would end it:
-        it kept this server out of its tracker's pool for good after its client had given
-        up (outside check). Not done for the sessions a proxy hands over
-        (``serve_via_proxy``): see the README's Liveness.
-        """
-        bound = 2 * self.cfg.liveness_timeout
-        now = time.monotonic()
-        if not bound or now - self.looked < 1.0:
-            return
-        self.looked = now
-        for pid in list(self.children):
-            if not is_stopped(pid):
-                self.stopped.pop(pid, None)
-                continue
-            since = self.stopped.setdefault(pid, now)
-            if now - since > bound:
-                logger.warning(
-                    "killing session process %d: stopped (SIGSTOP) for over %g s, twice the "
-                    "liveness timeout", pid, bound,
-                )  # fmt: skip
-                try:
-                    os.killpg(pid, signal.SIGKILL)  # (a session process leads its own group)
-                except (ProcessLookupError, PermissionError):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-
     def _reap(self) -> None:
-        self._end_stopped_sessions()
+        self.stopped.check(self.children)
         for pid in list(self.children):
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
@@ -741,7 +748,7 @@ class _Listener:
             if not done:
                 continue
             ticket, pidfd = self.children.pop(pid)
-            self.stopped.pop(pid, None)
+            self.stopped.forget(pid)
             if pidfd is not None:
                 os.close(pidfd)
             if ticket and self.reg is not None:
@@ -1111,6 +1118,7 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
     key_check = _proxy_key_check(scfg)
     pending: list[_Handshake] = []
     session: tuple[int, int | None] | None = None  # (pid, pidfd) of the session process
+    stopped = _StoppedSessions(cfg.liveness_timeout)
     backoff, next_try = 0.05, 0.0
     where = ("proxy", host, port)
 
@@ -1156,7 +1164,10 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
                     ready = set()
             if watch_fd is not None and watch_fd in ready:
                 return
+            if session is not None:
+                stopped.check([session[0]])
             if session is not None and _session_ended(session):
+                stopped.forget(session[0])
                 session = None
             if idle is not None and idle.t.fileno() in ready:
                 sock, idle = _take_pairing(idle), None

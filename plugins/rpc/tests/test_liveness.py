@@ -545,3 +545,32 @@ def test_a_stopped_session_process_is_ended_and_its_server_pooled_again(tracker)
                 except ProcessLookupError:
                     pass
         srv.terminate()
+
+
+def test_a_stopped_session_process_behind_a_proxy_is_ended_too():
+    """The same for a server that takes its sessions through a proxy (its own loop, not
+    the listener's: found when the fix above was checked from outside)."""
+    px = rpc.Proxy(port=10350, port_end=10400, wait=5.0)
+    srv = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="nat", token="t", liveness_timeout=BOUND)  # fmt: skip
+    pid = None
+    try:
+        s = rpc.connect("127.0.0.1", px.port, key="nat", token="t")
+        pid = s.get_function("live.pid")()
+        timer = threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(rpc.RPCError, match="lost the connection"):
+            s.get_function("live.sleep")(60)
+        assert time.monotonic() - t0 < 2 * BOUND + 6
+        assert _wait(lambda: _gone(pid), 5), "the stopped session process was left"
+        with rpc.connect("127.0.0.1", px.port, key="nat", token="t") as s2:  # served again
+            assert s2.get_function("live.sleep")(0) == 0
+    finally:
+        if pid is not None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        srv.terminate()
+        px.terminate()
