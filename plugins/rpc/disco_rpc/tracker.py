@@ -679,7 +679,7 @@ class TrackerSession:
         deadline = None if timeout is None else time.monotonic() + timeout
         quiet = ALIVE_EVERY if op == T_REQUEST else REPLY_TIMEOUT
         since, pinged = time.monotonic(), False
-        silent_since = since  # when the tracker last said anything (its ping's answers too)
+        silent_since = since  # when the tracker last said anything, once a ping is out
         while True:
             until = since + quiet if deadline is None else min(since + quiet, deadline)
             if not _frame_ready(conn, until - time.monotonic()):

@@ -514,6 +514,24 @@ def test_heartbeat_frames_on_the_wire():
         b.close()
 
 
+def _stopped_in_a_call(s, pid: int) -> float:
+    """Stop the session process ``pid`` 0.3 s into a long call of ``s``; the seconds until
+    the call raised that the connection was lost."""
+    threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP)).start()
+    t0 = time.monotonic()
+    with pytest.raises(rpc.RPCError, match="lost the connection"):
+        s.get_function("live.sleep")(60)
+    return time.monotonic() - t0
+
+
+def _thaw_and_kill(pid: int) -> None:
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_stopped_session_process_is_ended_and_its_server_pooled_again(tracker):
     """Found by an outside chaos check: a session process stopped for good (SIGSTOP) kept
     its server out of the tracker's pool for good, and a client in a call with it waited
@@ -526,12 +544,7 @@ def test_a_stopped_session_process_is_ended_and_its_server_pooled_again(tracker)
         assert _wait(lambda: _free(ts) >= 1, 20), "the server never registered"
         s = ts.request("k")
         pid = s.get_function("live.pid")()
-        timer = threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP))
-        timer.start()
-        t0 = time.monotonic()
-        with pytest.raises(rpc.RPCError, match="lost the connection"):
-            s.get_function("live.sleep")(60)
-        took = time.monotonic() - t0
+        took = _stopped_in_a_call(s, pid)
         assert 2 * BOUND <= took < 2 * BOUND + 6, f"the call ended after {took:.1f} s"
         assert _wait(lambda: _gone(pid), 5), "the stopped session process was left"
         assert _wait(lambda: _free(ts) >= 1, 10), "the server did not come back to the pool"
@@ -539,11 +552,7 @@ def test_a_stopped_session_process_is_ended_and_its_server_pooled_again(tracker)
             assert s2.get_function("live.sleep")(0) == 0
     finally:
         if pid is not None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            _thaw_and_kill(pid)
         srv.terminate()
 
 
@@ -556,21 +565,12 @@ def test_a_stopped_session_process_behind_a_proxy_is_ended_too():
     try:
         s = rpc.connect("127.0.0.1", px.port, key="nat", token="t")
         pid = s.get_function("live.pid")()
-        timer = threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP))
-        timer.start()
-        t0 = time.monotonic()
-        with pytest.raises(rpc.RPCError, match="lost the connection"):
-            s.get_function("live.sleep")(60)
-        assert time.monotonic() - t0 < 2 * BOUND + 6
+        assert _stopped_in_a_call(s, pid) < 2 * BOUND + 6
         assert _wait(lambda: _gone(pid), 5), "the stopped session process was left"
         with rpc.connect("127.0.0.1", px.port, key="nat", token="t") as s2:  # served again
             assert s2.get_function("live.sleep")(0) == 0
     finally:
         if pid is not None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            _thaw_and_kill(pid)
         srv.terminate()
         px.terminate()
