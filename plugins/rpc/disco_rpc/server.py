@@ -23,7 +23,6 @@ import signal
 import socket
 import ssl
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from .protocol import (
     T_START,
     TICKET_SEP,
 )
+from .scratch import owned_scratch_dir, release
 from .service import (
     DEFAULT_LIVENESS_TIMEOUT,
     LIVENESS_ENV,
@@ -98,6 +98,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("disco_rpc.server")
+
+#: A server's scratch folder in the temporary directory (removed by the next server
+#: started, if its own process and its maker were killed: see ``scratch``).
+TEMP_PREFIX = "disco-rpc-server-"
 
 #: Seconds a client has to complete the handshake.
 HANDSHAKE_TIMEOUT = 10.0
@@ -773,8 +777,9 @@ class _Listener:
 def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int | None = None) -> None:  # fmt: skip
     """Accept clients on ``listen_sock`` until SIGTERM/SIGINT or ``watch_fd`` closes."""
     signal.signal(signal.SIGTERM, exit_on_term)
+    lock = None
     if not cfg.temp_root:
-        cfg.temp_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
+        cfg.temp_root, lock = owned_scratch_dir(TEMP_PREFIX)
     if cfg.work_dir:
         os.makedirs(cfg.work_dir, exist_ok=True)
     listen_sock.setblocking(True)
@@ -784,6 +789,7 @@ def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int |
     finally:
         listener.close()
         shutil.rmtree(cfg.temp_root, ignore_errors=True)
+        release(lock)
 
 
 def _stop_children(children: set[int]) -> None:
@@ -921,6 +927,8 @@ class Server(ServiceProcess):
     """
 
     _kind = "Server"
+    _temp_root: str | None = None
+    _temp_lock: int | None = None  # holds the scratch folder's lock (see scratch)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9091, port_end: int = 9199, is_proxy: bool = False, tracker_addr: Any = None, key: str = "", load_library: Any = None, custom_addr: str | None = None, silent: bool = False, no_fork: bool = False, server_init_callback: Any = None, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, work_dir: str | None = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_bind: bool = False, tracker_token: Any = None, tracker_ssl_context: Any = None, proxy_token: Any = None, proxy_ssl_context: Any = None, liveness_timeout: float | None = None, session_timeout: float | None = None) -> None:  # fmt: skip
         self.host = host
@@ -985,7 +993,9 @@ class Server(ServiceProcess):
     def _start(self, cfg: ServerConfig, load_library: Any, init_callback: Any, proxy_args: _ProxyArgs | None) -> None:  # fmt: skip
         """Fork the server process; return once it reported ready (or raise its error)."""
         # made here, so that terminate() removes it even if the server process was killed
-        cfg.temp_root = self._temp_root = tempfile.mkdtemp(prefix="disco-rpc-server-")
+        # (and the next server removes it if this process was killed too)
+        self._temp_root, self._temp_lock = owned_scratch_dir(TEMP_PREFIX)
+        cfg.temp_root = self._temp_root
         ready_r, ready_w = os.pipe()
 
         def serve(watch_fd: int) -> None:
@@ -1015,7 +1025,10 @@ class Server(ServiceProcess):
             raise
 
     def _cleanup(self) -> None:
-        shutil.rmtree(self._temp_root, ignore_errors=True)
+        if self._temp_root is not None:
+            shutil.rmtree(self._temp_root, ignore_errors=True)
+        release(self._temp_lock)
+        self._temp_lock = None
 
 
 def _first_proxy_link(proxy_args: _ProxyArgs, strict: bool = True) -> tuple:

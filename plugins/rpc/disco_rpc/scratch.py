@@ -1,0 +1,108 @@
+"""Scratch folders that a later run removes when the process that made them was killed.
+
+A server removes its scratch folder (uploads, session work folders) when it stops;
+a server killed with ``SIGKILL`` cannot, and its folder stayed in the temporary
+directory for good (outside check). Each folder made here holds an ``flock`` on a
+lock file inside it for as long as its maker, or a process forked from it, lives;
+the kernel drops the lock when the last of them dies, however it dies. The next
+folder of the same kind that is made first removes every folder of that kind whose
+lock is free. A lock, not a process id: a process id may be reused, or belong to
+another PID namespace that shares the temporary directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import tempfile
+
+__all__ = ["LOCK_NAME", "owned_scratch_dir", "release", "sweep_abandoned"]
+
+logger = logging.getLogger("disco_rpc")
+
+#: The lock file inside each folder; a folder without one (made by an older version,
+#: or still being made) is never removed by :func:`sweep_abandoned`.
+LOCK_NAME = ".disco-owner.lock"
+
+
+def owned_scratch_dir(prefix: str, dir: str | None = None) -> tuple[str, int]:
+    """Make a private folder (``tempfile.mkdtemp``) that holds its owner's lock.
+
+    Folders of the same ``prefix`` in ``dir`` (the temporary directory by default)
+    whose owners are gone are removed first.
+
+    Parameters
+    ----------
+    prefix : str
+        The start of the folder's name, as for ``tempfile.mkdtemp``.
+    dir : str, optional
+        Where to make it.
+
+    Returns
+    -------
+    path, lock_fd : tuple of str and int
+        The folder, and the descriptor that holds its lock: keep it open for as long
+        as the folder is in use (processes forked meanwhile share it), then
+        :func:`release` it.
+    """
+    sweep_abandoned(prefix, dir)
+    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+    # locked under a temporary name, then renamed: a sweep never sees the lock file
+    # of a folder still being made unlocked
+    fd, tmp = tempfile.mkstemp(prefix=".lock-", dir=path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, os.path.join(path, LOCK_NAME))
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path, fd
+
+
+def release(lock_fd: int | None) -> None:
+    """Close a lock descriptor of :func:`owned_scratch_dir` (None: nothing)."""
+    if lock_fd is not None:
+        try:
+            os.close(lock_fd)
+        except OSError:
+            pass
+
+
+def sweep_abandoned(prefix: str, dir: str | None = None) -> list[str]:
+    """Remove the folders of ``prefix`` in ``dir`` whose owners are gone; return them.
+
+    Only folders of this user, that are not symbolic links and hold an unlocked
+    :data:`LOCK_NAME`, are removed (``shutil.rmtree`` does not follow links). Errors
+    are logged, never raised: a sweep must not keep a server from starting.
+    """
+    root = dir if dir is not None else tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                continue
+            fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone, not ours, or no lock file (an older version's, or being made)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its owner lives
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            logger.info("removed %s: the process that made it is gone", path)
+        finally:
+            os.close(fd)
+    return removed

@@ -1,0 +1,101 @@
+"""A server's scratch folder does not outlive a server killed with SIGKILL for good."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import disco_rpc as rpc
+from disco_rpc import scratch
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFIX = "disco-rpc-server-"
+
+
+def _folders(root) -> set[str]:
+    return {n for n in os.listdir(root) if n.startswith(PREFIX)}
+
+
+def _wait_for_folders(root, count: int, but: set[str] = frozenset()) -> set[str]:
+    deadline = time.monotonic() + 10
+    while len(_folders(root) - but) < count and time.monotonic() < deadline:
+        time.sleep(0.02)  # (the server makes its folder just after it says it listens)
+    return _folders(root)
+
+
+def _start_cli_server(tmp, port: int) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(tmp), "DISCO_TOKEN": "scratch-secret"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disco_rpc", "server", "--port", str(port), "--port-end", str(port + 50)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    assert "listening on" in line, (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
+    return proc
+
+
+def test_a_killed_servers_folder_is_removed_by_the_next_server(tmp_path):
+    first = _start_cli_server(tmp_path, 10520)
+    try:
+        mine = _wait_for_folders(tmp_path, 1)
+        assert len(mine) == 1
+        os.killpg(first.pid, signal.SIGKILL)  # no clean-up of its own can run
+        first.wait(10)
+        assert _folders(tmp_path) == mine, "the killed server's folder should still be there"
+        second = _start_cli_server(tmp_path, 10520)
+        try:
+            left = _wait_for_folders(tmp_path, 1, but=mine)
+            assert len(left) == 1 and left != mine, left  # the dead one's gone, its own made
+        finally:
+            second.terminate()
+            second.wait(10)
+        assert _folders(tmp_path) == set(), "a server stopped cleanly removes its own folder"
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+
+
+def test_a_live_owners_folder_is_kept(tmp_path):
+    path, fd = scratch.owned_scratch_dir(PREFIX, str(tmp_path))
+    try:
+        pid = os.fork()
+        if pid == 0:  # a process forked from the owner holds the lock too
+            os.close(fd)  # (its own copy: the lock stays with the parent's)
+            os._exit(0 if not scratch.sweep_abandoned(PREFIX, str(tmp_path)) else 1)
+        assert os.waitpid(pid, 0)[1] == 0, "a live owner's folder was removed"
+        assert scratch.sweep_abandoned(PREFIX, str(tmp_path)) == []
+        assert os.path.isdir(path)
+    finally:
+        scratch.release(fd)
+    assert scratch.sweep_abandoned(PREFIX, str(tmp_path)) == [path]
+    assert not os.path.exists(path)
+
+
+def test_only_folders_with_a_lock_file_are_removed(tmp_path):
+    bare = tmp_path / f"{PREFIX}old"  # an older version's, or one still being made
+    bare.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / scratch.LOCK_NAME).write_text("")
+    (elsewhere / "keep").write_text("precious")
+    os.symlink(elsewhere, tmp_path / f"{PREFIX}link")  # a link is never followed
+    assert scratch.sweep_abandoned(PREFIX, str(tmp_path)) == []
+    assert bare.is_dir() and (elsewhere / "keep").read_text() == "precious"
+
+
+def test_an_in_process_server_holds_its_folders_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    srv = rpc.Server(port=10580, port_end=10620, token="scratch-secret")
+    try:
+        (name,) = _folders(tmp_path)
+        assert scratch.sweep_abandoned(PREFIX) == []  # its maker, this process, lives
+        assert (tmp_path / name).is_dir()
+    finally:
+        srv.terminate()
+    assert _folders(tmp_path) == set()
