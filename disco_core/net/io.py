@@ -15,6 +15,7 @@ import hashlib
 import os
 import select
 import socket
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -125,8 +126,44 @@ def write_all(fd: int, data: Any, stalled: Callable[[], None] | None = None) -> 
             _wait_writable(fd, stalled)
 
 
+#: Bytes one ``sendfile`` of a socket with :meth:`SocketTransport.limit_waits` takes at
+#: most: a piece that fits in the room ``poll`` saw never waits in the kernel.
+_SENDFILE_PIECE = 1 << 16
+
 #: Seconds between the checks of a writer waiting on a full pipe (``write_all``'s ``stalled``).
 STALL_CHECK = 0.25
+
+
+def _wait_readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` became readable within ``timeout`` seconds (None: for good).
+
+    ``poll``, not ``select``: a descriptor past 1023 is refused by ``select``.
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))):
+        return True
+    # a signal handler that ran longer than the timeout ends the wait on return without
+    # a look (Python's retry after EINTR finds its deadline passed): look once more
+    return bool(poller.poll(0))
+
+
+def _wait_writable_for(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` had room to write within ``timeout`` seconds (a signal handler that
+    outlasted it is no wait: one more look, as in :func:`_wait_readable`)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))) or poller.poll(0))
+
+
+def _ready_now(sock: socket.socket, event: int) -> bool:
+    """Whether ``sock`` can be read (``POLLIN``; a TLS socket's own buffer counts) or
+    written (``POLLOUT``) without waiting."""
+    if event == select.POLLIN and getattr(sock, "pending", None) is not None and sock.pending():  # type: ignore[attr-defined]
+        return True
+    poller = select.poll()
+    poller.register(sock.fileno(), event)
+    return bool(poller.poll(0))
 
 
 def _wait_writable(fd: int, stalled: Callable[[], None]) -> None:
@@ -257,7 +294,9 @@ def splice_exact(
         try:
             k = os.splice(sfd, w, min(left, PIPE_BYTES))
         except BlockingIOError:  # a socket with a timeout is non-blocking underneath
-            if not select.select([sfd], [], [], timeout)[0]:
+            if timeout is None:  # a blocking one's SO_RCVTIMEO ran out (limit_waits)
+                raise DiscoTimeoutError("timed out receiving a transfer") from None
+            if not _wait_readable(sfd, timeout):
                 raise DiscoTimeoutError("timed out receiving a transfer") from None
             continue
         if not k:
@@ -319,7 +358,24 @@ def may_poll_beside(peer: object) -> bool:
 
 
 class SocketTransport:
-    """A connected stream socket: ``sendmsg`` of header and buffers in one call."""
+    """A connected stream socket: ``sendmsg`` of header and buffers in one call.
+
+    Two ways to bound its waits. :meth:`limit_waits` (the kernel's ``SO_RCVTIMEO``
+    and ``SO_SNDTIMEO``: nothing on the call path) makes each read or write that
+    waits on the peer for that long with nothing moving raise.
+    :meth:`settimeout` (not on the socket itself) does it in Python, which polls
+    before every read and write; a wait then raises ``TimeoutError`` only when the
+    socket was not ready for that long: Python gives up a wait whose deadline passed
+    while a signal handler of the program ran, even if the peer's bytes or room
+    arrived meanwhile, so such a wait is tried again. Either way a write never ends
+    with part of its bytes sent unknown.
+    """
+
+    #: whether the socket has a timeout: reads and writes then go the patient way
+    patient = False
+    #: whether :meth:`limit_waits` bounds the blocking reads and writes, and by how much
+    limited = False
+    _limit = 0.0
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -327,7 +383,7 @@ class SocketTransport:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        self.recv_into = sock.recv_into
+        self.recv_into: Callable[..., int] = sock.recv_into
         # one CPU in the machine: nothing runs while this polls (see may_poll_beside)
         self.spin = SPIN_US * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
 
@@ -335,33 +391,135 @@ class SocketTransport:
         """``recv_into`` that first polls without blocking for up to ``SPIN_US``."""
         spin = self.spin
         sock = self.sock
-        if spin > 0 and sock.gettimeout() is None:
-            recv_into = sock.recv_into
-            deadline = _perf() + spin
-            while True:
-                try:
-                    return recv_into(view, 0, _DONTWAIT)
-                except BlockingIOError:
-                    if _perf() > deadline:
-                        break
-                    _yield()
-        return sock.recv_into(view)
+        if spin > 0:
+            if sock.gettimeout() is None:
+                recv_into = sock.recv_into
+                deadline = _perf() + spin
+                while True:
+                    try:
+                        return recv_into(view, 0, _DONTWAIT)
+                    except BlockingIOError:
+                        if _perf() > deadline:
+                            break
+                        _yield()
+            else:
+                # a socket with a timeout waits in poll() before every recv, even with
+                # MSG_DONTWAIT; its descriptor is non-blocking, so readv() tries once
+                fd = sock.fileno()
+                deadline = _perf() + spin
+                while True:
+                    try:
+                        return os.readv(fd, [view])
+                    except BlockingIOError:
+                        if _perf() > deadline:
+                            break
+                        _yield()
+        return self.recv_into(view)
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def send_parts(self, parts: list) -> None:
-        if len(parts) == 1 and type(parts[0]) is bytes and len(parts[0]) <= _SMALL:
-            self.sock.sendall(parts[0])  # a small frame: no views to make, one system call
+        if self.patient:
+            send_all(self._sendmsg_patiently, parts)  # (sendall may give up with part sent)
+        elif len(parts) == 1 and type(parts[0]) is bytes and len(parts[0]) <= _SMALL:
+            if not self.limited:
+                self.sock.sendall(parts[0])  # a small frame: no views to make, one system call
+                return
+            try:  # (sendall's error would not say what went out)
+                n = self.sock.send(parts[0], _DONTWAIT)
+            except BlockingIOError:
+                n = 0
+            if n < len(parts[0]):
+                send_all(self._sendmsg_limited, [memoryview(parts[0])[n:]])
+        elif self.limited:
+            send_all(self._sendmsg_limited, parts)
         else:
             send_all(self.sock.sendmsg, parts)
 
     def sendfile(self, file: Any, size: int) -> int:
         """Send ``size`` bytes from the file's position (``socket.sendfile`` starts at ``offset``)."""
-        return self.sock.sendfile(file, offset=file.tell(), count=size) if size else 0
+        if not size:
+            return 0
+        if self.limited and not self.patient:
+            return self._sendfile_limited(file, size)
+        if not self.patient:
+            return self.sock.sendfile(file, offset=file.tell(), count=size)
+        start = file.tell()
+        while True:
+            done = file.tell() - start  # (socket.sendfile leaves the file where it stopped)
+            try:
+                return done + self.sock.sendfile(file, offset=start + done, count=size - done)
+            except TimeoutError:
+                if not _ready_now(self.sock, select.POLLOUT):
+                    raise
 
     def settimeout(self, t: float | None) -> None:
         self.sock.settimeout(t)
+        self.patient = t is not None
+        self.recv_into = self._recv_into_patiently if self.patient else self.sock.recv_into
+
+    def limit_waits(self, seconds: float | None) -> None:
+        """Make a blocking read or write that moves nothing for ``seconds`` raise
+        (``BlockingIOError``, errno ``EAGAIN``; ``TimeoutError`` from :meth:`sendfile`
+        and a file transfer's splice; None: no limit). Kernel timeouts: no cost on the
+        call path, and a signal handler that runs meanwhile starts the wait over."""
+        t = 0.0 if seconds is None else max(float(seconds), 1e-3)
+        tv = struct.pack("@ll", int(t), int((t - int(t)) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self.limited = seconds is not None
+        self._limit = t
+
+    def _sendmsg_limited(self, views: list) -> int:
+        """``sendmsg`` that never waits in the kernel (whose ``SO_SNDTIMEO`` counts a
+        call's waits together: a large write over a slow live link would run out) but in
+        ``poll`` for room, at most the limit each time: nothing moved for that long."""
+        while True:
+            try:
+                return self.sock.sendmsg(views, (), _DONTWAIT)
+            except BlockingIOError:
+                self._wait_for_room()
+
+    def _wait_for_room(self) -> None:
+        if not _wait_writable_for(self.sock.fileno(), self._limit):
+            raise TimeoutError(f"timed out sending: the peer took nothing for {self._limit:g} s")
+
+    def _sendfile_limited(self, file: Any, size: int) -> int:
+        """``sendfile`` in pieces, each after ``poll`` saw room (as :meth:`_sendmsg_limited`;
+        ``socket.sendfile`` would wait for room for good once the kernel's timeout ran out)."""
+        sock_fd, file_fd = self.sock.fileno(), file.fileno()
+        start = file.tell()
+        done = 0
+        try:
+            while done < size:
+                self._wait_for_room()
+                try:  # a piece that fits in the room poll saw: no wait in the kernel
+                    k = os.sendfile(sock_fd, file_fd, start + done, min(size - done, _SENDFILE_PIECE))  # fmt: skip
+                except BlockingIOError:
+                    continue
+                if not k:
+                    break  # the file ended
+                done += k
+        finally:
+            file.seek(start + done)
+        return done
+
+    def _recv_into_patiently(self, view: Any) -> int:
+        while True:
+            try:
+                return self.sock.recv_into(view)
+            except TimeoutError:
+                if not _ready_now(self.sock, select.POLLIN):
+                    raise
+
+    def _sendmsg_patiently(self, views: list) -> int:
+        while True:
+            try:
+                return self.sock.sendmsg(views)  # (a timeout sends nothing: it is raised first)
+            except TimeoutError:
+                if not _ready_now(self.sock, select.POLLOUT):
+                    raise
 
     def close(self) -> None:
         try:
@@ -375,11 +533,27 @@ class SSLTransport(SocketTransport):
     """A TLS socket (``sendmsg`` and ``sendfile`` are not available through TLS)."""
 
     def recv_head_into(self, view: Any) -> int:
-        return self.sock.recv_into(view)
+        return self.recv_into(view)
+
+    def limit_waits(self, seconds: float | None) -> None:
+        # OpenSSL retries a read that the kernel's timeout ended, for good: Python's own
+        # timeout instead (it polls before every read and write; TLS costs more anyway)
+        self.settimeout(seconds)
 
     def send_parts(self, parts: list) -> None:
-        for p in parts:
-            self.sock.sendall(p)
+        if not self.patient:
+            for p in parts:
+                self.sock.sendall(p)
+            return
+        for view in as_views(parts):
+            while view.nbytes:
+                try:
+                    n = self.sock.send(view)  # (TLS: the same bytes again after a timeout)
+                except TimeoutError:
+                    if not _ready_now(self.sock, select.POLLOUT):
+                        raise
+                    continue
+                view = view[n:]
 
     def sendfile(self, file: Any, size: int) -> int:
         return 0
@@ -398,7 +572,7 @@ class PipeTransport:
 
     def recv_into(self, view: Any) -> int:
         if self.timeout is not None:
-            r, _, _ = select.select([self.rfd], [], [], self.timeout)
+            r = _wait_readable(self.rfd, self.timeout)
             if not r:
                 raise TimeoutError("timed out reading from the pipe")
         return os.readv(self.rfd, [view])

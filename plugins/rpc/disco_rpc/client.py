@@ -7,6 +7,7 @@ import operator
 import os
 import secrets
 import select
+import socket
 import threading
 import time
 import weakref
@@ -397,6 +398,11 @@ class RPCSession:
         self._beat_seen = -1
         self._beat_every = 0.0  # seconds between heartbeats; 0: none
         self._beat_mutex = threading.Lock()  # a heartbeat being written, or the end of them
+        #: the server's side of liveness: a server that sends heartbeats while a call runs
+        #: (it promised them in INIT's reply) and sends nothing for this many seconds is
+        #: taken for frozen or gone (0: not watched; see _arm_deadline)
+        self._quiet = 0.0
+        self._busy = False  # a request is under way (the heartbeat thread's deadline check)
 
     # -- plumbing ---------------------------------------------------------------
     def _wrap(self, ref: HandleRef) -> Any:
@@ -443,7 +449,11 @@ class RPCSession:
             self._arm_deadline(op)
             conn = self._conn
             if not self._in_step:
-                self._resync(conn)
+                self._busy = True
+                try:
+                    self._resync(conn)
+                finally:
+                    self._busy = False
             frees, self._frees = self._frees, []
             try:
                 if op == OP_CALL and not frees:  # (the round trip of every remote call)
@@ -458,6 +468,7 @@ class RPCSession:
             local_error = None
             waiting = False  # for the reply
             self._in_step = False  # until the reply is read whole (set last, below)
+            self._busy = True
             try:
                 with self._send_lock:  # no heartbeat inside a frame or a file stream
                     self._sends += 1
@@ -474,12 +485,14 @@ class RPCSession:
                 raise RPCError(f"the server could not send the whole file: {exc}") from None
             except (ProtocolError, EOFError, OSError) as exc:
                 if not _interrupts.cut_by_program(exc):
-                    self._fail(op, exc)
+                    self._fail(op, exc, sending=not waiting)
                 self._interrupted(op, exc, waiting, recv_stream is not None)
                 raise
             except BaseException as exc:  # Ctrl-C, a signal handler's exception
                 self._interrupted(op, exc, waiting, recv_stream is not None)
                 raise
+            finally:
+                self._busy = False
             if _op != op:  # (a reply of its own op always comes: _resync saw to that)
                 self._out_of_step(
                     f"the reply to a {OP_NAMES.get(op, op)} came as a {OP_NAMES.get(_op, _op)} one"
@@ -566,14 +579,42 @@ class RPCSession:
         raise RPCError(f"the RPC session {self._label} is closed: {self._closed_why}")
 
     def _arm_deadline(self, op: int) -> None:
+        """Bound this request's waits: each read or write that waits for the server
+        gives up after ``_quiet`` seconds (a watched server sends heartbeats while a
+        call runs), and none outlasts ``session_timeout`` (with half a second for the
+        server's own end of the session to arrive first). A wait given up raises a
+        ``TimeoutError`` (``BlockingIOError`` from the kernel's) that :meth:`_fail` explains. The heartbeat thread also ends
+        a call whose session outlived its ``session_timeout`` by a second: a peer
+        that trickles bytes never lets a single wait run out.
+        """
         if not self._timeout:
-            return
+            return  # (the kernel bounds each wait by _quiet: limit_waits in _init)
         left = self._timeout - (time.monotonic() - self._start)
         if left <= 0:
             self._fail(op, TimeoutError("deadline passed"))
-        self._conn.t.settimeout(left + 0.5)
+        self._conn.t.settimeout(min(left + 0.5, self._quiet) if self._quiet else left + 0.5)
 
-    def _fail(self, op: int, exc: BaseException):
+    def _check_deadline(self) -> None:
+        """End a call still running a second past ``session_timeout`` (the heartbeat thread).
+
+        The socket is shut down; the call's wait ends at once and raises
+        :class:`RPCSessionTimeoutError`.
+        """
+        if not self._timeout or not self._busy or self._closed:
+            return
+        over = time.monotonic() - self._start - self._timeout
+        if over < 1.0:
+            return
+        logger.warning(
+            "ending the RPC session %s: a call ran %.1f s past its session_timeout of %g s",
+            self._label, over, self._timeout,
+        )  # fmt: skip
+        try:
+            self._conn.t.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, AttributeError):
+            pass
+
+    def _fail(self, op: int, exc: BaseException, sending: bool = False):
         elapsed = time.monotonic() - self._start
         liveness = self._beat_every * 4  # the server's liveness_timeout (0: none)
         self._shutdown_transport()
@@ -590,6 +631,18 @@ class RPCSession:
                 f"limit of {self._server_timeout:g} s (Server(session_timeout=...)), and the server "
                 f"ended it (during {what})"
             ) from None
+        if self._quiet and isinstance(exc, (TimeoutError, BlockingIOError)):
+            what_not = (
+                "took none of what this client sent" if sending else "sent nothing"
+            )  # fmt: skip
+            text = (
+                f"the RPC server {self._label} {what_not} for {self._quiet:g} s during {what}, "
+                "though it sends heartbeats while a call runs: it is frozen (stopped, or a "
+                "thread of its held the GIL), or its host or the network is gone (1.5 times "
+                f"its liveness_timeout of {liveness:g} s); the session is closed, connect again"
+            )
+            self._closed_why = text
+            raise RPCError(text) from exc
         why = "the server process died or dropped the session"
         stalled = _HEARTBEATS.stalled(max(5.0, liveness)) if liveness else 0.0
         if liveness and stalled > liveness / 2:  # with the beats' spacing: silent > liveness
@@ -620,13 +673,24 @@ class RPCSession:
         limit = self._conn.max if self._conn is not None else None
         beats = self._beats()
         where = placement()
-        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit, beats, where) or {}  # fmt: skip
+        # heartbeats from the server while a call runs (sockets; a pipe's child ends with us)
+        want = beats != BEATS_NONE
+        self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit, beats, where, want) or {}  # fmt: skip
         if self._conn is not None and self.info.get("max_message_bytes"):
             self._conn.peer_max = int(self.info["max_message_bytes"])
         if self._conn is not None and not may_poll_beside(self.info.get("placement")):
             wire.stop_polling(self._conn)
         self._server_timeout = float(self.info.get("server_timeout") or 0)
         liveness = float(self.info.get("liveness_timeout") or 0)
+        call_beats = self.info.get("call_beats")
+        if not isinstance(call_beats, (int, float)) or isinstance(call_beats, bool):
+            call_beats = 0.0  # none promised (an older or a foreign server), or malformed
+        if want and liveness > 0 and 0 < call_beats <= liveness:
+            # a freeze shorter than liveness_timeout never ends a call: its silence is at
+            # most that plus one beat's spacing (a loaded server's checks slip, so 1.5x)
+            self._quiet = max(1.5 * liveness, 4.0 * call_beats)
+            if not self._timeout:  # (else _arm_deadline bounds each request's waits)
+                self._conn.t.limit_waits(self._quiet)
         if beats and liveness > 0:
             self._beat_every = liveness / 4
             _HEARTBEATS.add(self)
@@ -1095,7 +1159,7 @@ class PopenSession(RPCSession):
                 ) from None
             raise RPCError(f"the server {child.argv!r} did not start: {exc}") from exc
 
-    def _fail(self, op: int, exc: BaseException):
+    def _fail(self, op: int, exc: BaseException, sending: bool = False):
         # a pipe that closed: the process is exiting, give it a moment to be reaped
         code = self._child.exit_code(1.0)  # type: ignore[union-attr]  # started
         if code is not None and not self._closed:
@@ -1104,7 +1168,7 @@ class PopenSession(RPCSession):
                 f"the RPC server process {self._label} exited with code {code} during "
                 f"{OP_NAMES.get(op, op)}"
             ) from exc
-        return super()._fail(op, exc)
+        return super()._fail(op, exc, sending)
 
     def _shutdown_transport(self) -> None:
         self._closed = True
@@ -1154,6 +1218,7 @@ class _Heartbeats:
             for sess in live:
                 try:
                     sess._heartbeat()
+                    sess._check_deadline()
                 except Exception:  # one session's trouble must not stop the others' beats
                     logger.debug("heartbeat on %s failed", sess._label, exc_info=True)
             del live, sess

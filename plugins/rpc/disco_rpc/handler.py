@@ -822,12 +822,19 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
     start of each request to the start of its work, and through an upload. While
     the gate is free (a request runs or its reply is being sent) the watchdog may
     take it and read ``conn`` itself. ``live.worker()`` is called when the session
-    becomes a Disco worker.
+    becomes a Disco worker. With ``live.call_beats``, ``live.calling`` is true from
+    the moment a request was read whole to the moment its reply is encoded, for
+    requests that read and send nothing on ``conn`` meanwhile (not the file streams,
+    nor the one that makes this session a Disco worker): in between, the watchdog
+    sends the client heartbeats, and it is set false under ``live.send_lock`` (so
+    no heartbeat falls inside the reply).
     """
     resolve = handler.resolve
     # a sealed link's bytes are checked when the frame ends: none may reach a tensor first
     direct = None if isinstance(conn.t, wire.SealedTransport) else receive_in_place
     gate = live.gate if live is not None else None
+    beats = live is not None and live.call_beats
+    quiet = (*_STREAM_OPS, OP_DISCO_WORKER)  # ops that use conn while they run
     held = True
     while True:
         if not held:
@@ -852,15 +859,21 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
         if gate is not None and op != OP_UPLOAD:
             gate.release()  # not reading conn until the next request
             held = False
+        calling = beats and op not in quiet
+        if calling:
+            live.calling = True  # (live.begin_call(), inlined: every request)
         try:
             result = _dispatch(conn, handler, op, payload)
         except DesyncError as exc:
+            _end_call(live, calling)
             _try_send_error(conn, op, exc)
             return
         except IntegrityError as exc:
+            _end_call(live, calling)
             logger.warning("dropped the session during %s: %s", OP_NAMES.get(op, op), exc)
             return
         except Exception as exc:
+            _end_call(live, calling)
             # a file stream that broke is this connection's end; anything else
             # (user code raising ConnectionError too) is the client's error to see
             if op in _STREAM_OPS and isinstance(exc, (EOFError, ConnectionError)):
@@ -868,6 +881,9 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             if not _try_send_error(conn, op, exc):
                 return
             continue
+        except BaseException:
+            _end_call(live, calling)
+            raise
         if result is _SENT:
             continue
         if op == OP_DISCO_WORKER:
@@ -876,8 +892,17 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
                 live.worker()
             _start_worker(conn, result)
             return
-        if not _send_result(conn, handler, op, result):
+        # the beats go on while the reply is encoded (a large one takes a while), and
+        # end before its first byte: none may fall inside it
+        if not _send_result(conn, handler, op, result, live if calling else None):
             return
+
+
+def _end_call(live: Any, calling: bool) -> None:
+    """No more heartbeats to the client (``live.end_call()``), if a call's were going."""
+    if calling:
+        with live.send_lock:  # one being sent is finished first
+            live.calling = False
 
 
 def receive_in_place(op: int, value: Any, fills: list) -> tuple[Any, list]:
@@ -954,14 +979,25 @@ def _receive_upload(conn: wire.Conn, handler: SessionHandler, payload: Any) -> N
     handler.write_upload(full, lambda f: conn.recv_stream(OP_UPLOAD, size, sink=f))
 
 
-def _send_result(conn: wire.Conn, handler: SessionHandler, op: int, result: Any) -> bool:
-    """Send a REPLY (an ERROR if it cannot be encoded or is too large); False if the peer left."""
+def _send_result(conn: wire.Conn, handler: SessionHandler, op: int, result: Any, live: Any = None) -> bool:  # fmt: skip
+    """Send a REPLY (an ERROR if it cannot be encoded or is too large); False if the peer left.
+
+    ``live``: the liveness watchdog whose heartbeats to the client go on until the
+    reply is encoded (None: none are going).
+    """
     try:
         # a tensor's contents go back by value; everything else as handles where needed
         meta, bufs = wire.encode(result, None if op == OP_TENSOR_GET else handler.export)
         conn.check_size(meta, bufs)
     except Exception as exc:
+        _end_call(live, live is not None)
         return _try_send_error(conn, op, exc)
+    except BaseException:
+        _end_call(live, live is not None)
+        raise
+    if live is not None:
+        with live.send_lock:
+            live.calling = False
     try:
         conn.send_encoded(REPLY, op, meta, bufs)
         return True

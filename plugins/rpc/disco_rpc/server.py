@@ -71,6 +71,7 @@ from .service import (
     fork_session,
     is_stopped,
     resolve_liveness_timeout,
+    run_time_ns,
     set_pdeathsig,
     start_watchdog,
 )
@@ -251,10 +252,13 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
     """Read the INIT request; return ``(timeout, inner conn or None, log relay)``.
 
     ``timeout`` is ``False`` when the session must end at once. INIT carries
-    ``(session_timeout, constructor, client max_message_bytes, heartbeats, placement)``
-    (the later ones optional); the reply tells the client this server's limits
-    (``max_message_bytes``, ``server_timeout``) and its ``placement``: two processes
-    pinned to one CPU do not poll for each other's frames.
+    ``(session_timeout, constructor, client max_message_bytes, heartbeats, placement,
+    call beats)`` (the later ones optional); the reply tells the client this server's
+    limits (``max_message_bytes``, ``server_timeout``) and its ``placement``: two
+    processes pinned to one CPU do not poll for each other's frames. A client that
+    asks for call beats (``True``) gets heartbeats while its calls run, every
+    ``call_beats`` seconds of the reply at most, from the server that runs its
+    session (this one, or the inner one of a chained session).
     """
     try:
         _kind, op, payload = conn.recv()
@@ -266,6 +270,7 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             conn.peer_max = int(init[2])
         beats = int(init[3]) if len(init) > 3 and init[3] in (BEATS_IDLE, BEATS_ALWAYS) else 0
         conn.peer_beats = beats  # read by _start_liveness
+        want_beats = len(init) > 5 and init[5] is True
         if len(init) > 4 and not may_poll_beside(init[4]):
             wire.stop_polling(conn)
         timeout = _min_positive(session_timeout, cfg.session_timeout)
@@ -278,7 +283,9 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
             "server_timeout": float(cfg.session_timeout or 0),
         }
         if ctor:
-            inner, info, log_relay = _construct(ctor, timeout, cfg, conn.peer_max, beats)
+            inner, info, log_relay = _construct(
+                ctor, timeout, cfg, conn.peer_max, beats, want_beats
+            )
             child = getattr(inner, "child", None)  # rpc.PopenSession's: ends with the session
             if child is not None:
                 handler.on_close.append(lambda: child.close(grace=0))
@@ -287,6 +294,11 @@ def _init_session(conn: wire.Conn, cfg: ServerConfig, handler: SessionHandler):
         lt = _min_positive(own, info.get("liveness_timeout"))
         if lt:
             info["liveness_timeout"] = lt  # the client sends heartbeats well within it
+        if inner is None:  # served here: this process beats (a chained one's are the inner's)
+            conn.call_beats = bool(want_beats and own)  # read by _start_liveness
+            info.pop("call_beats", None)
+            if conn.call_beats:
+                info["call_beats"] = min(1.0, own / 4)  # the watchdog's check
         conn.send(REPLY, OP_INIT, info)
         return timeout, inner, log_relay
     except (EOFError, OSError) as exc:
@@ -334,8 +346,9 @@ def connect_args(args: list) -> tuple:
 
 
 def _construct(
-    ctor: list, timeout: float, cfg: ServerConfig, client_max: int | None, beats: int = 0
-):
+    ctor: list, timeout: float, cfg: ServerConfig, client_max: int | None, beats: int = 0,
+    want_beats: bool = False,
+):  # fmt: skip
     """Build the session ``ctor`` names; return ``(inner conn or None, info, log relay)``."""
     name, args = ctor[0], list(ctor[1:])
     if name in ("rpc.LocalSession", "LocalSession"):
@@ -353,7 +366,8 @@ def _construct(
         max_message_bytes=cfg.max_message_bytes, peer="inner RPC server",
     )  # fmt: skip
     # the client's heartbeats pass through the relay: the inner server may count on them
-    inner.send(wire.REQUEST, OP_INIT, ((), (timeout, rest, client_max, beats)))
+    # and the inner server's call beats pass back to the client
+    inner.send(wire.REQUEST, OP_INIT, ((), (timeout, rest, client_max, beats, None, want_beats)))
     kind, _op, info = inner.recv()
     if kind != REPLY:
         exc_type, msg, _tb = info
@@ -441,7 +455,7 @@ def _start_liveness(conn: wire.Conn, addr: Any, cfg: ServerConfig, handler: Sess
             handler.close()
             os._exit(0)
 
-    live = Liveness(conn, addr, cfg.liveness_timeout, getattr(conn, "peer_beats", 0), end, relay)
+    live = Liveness(conn, addr, cfg.liveness_timeout, getattr(conn, "peer_beats", 0), end, relay, call_beats=getattr(conn, "call_beats", False))  # fmt: skip
     live.thread.start()
     return live
 
@@ -543,7 +557,8 @@ class _StoppedSessions:
 
     def __init__(self, liveness_timeout: float) -> None:
         self.bound = 2 * float(liveness_timeout or 0)
-        self.since: dict[int, float] = {}  # pid -> when it was first seen stopped
+        #: pid -> (when it was seen stopped and not run since, its run time then)
+        self.since: dict[int, tuple[float, int]] = {}
         self.looked = 0.0
 
     def forget(self, pid: int) -> None:
@@ -558,7 +573,14 @@ class _StoppedSessions:
             if not is_stopped(pid):
                 self.since.pop(pid, None)
                 continue
-            if now - self.since.setdefault(pid, now) > self.bound:
+            # stopped now; if it ran since the last look (stopped again and again, each
+            # time briefly, between two looks), the clock starts over
+            ran = run_time_ns(pid)
+            seen = self.since.get(pid)
+            if seen is None or seen[1] != ran:
+                self.since[pid] = (now, ran)
+                continue
+            if now - seen[0] > self.bound:
                 logger.warning(
                     "killing session process %d: stopped (SIGSTOP) for over %g s, twice the "
                     "liveness timeout", pid, self.bound,

@@ -67,6 +67,7 @@ __all__ = [
     "resolve_liveness_timeout",
     "can_watch",
     "is_stopped",
+    "run_time_ns",
     "Liveness",
     "Registration",
     "open_tracker_link",
@@ -358,6 +359,19 @@ def is_stopped(pid: int) -> bool:
         return False
 
 
+def run_time_ns(pid: int) -> int:
+    """The CPU time all threads of process ``pid`` ran, in nanoseconds (the scheduler's
+    ``schedstat``); -1 where it cannot be read."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1
+    return total
+
+
 def _unsent(sock: socket.socket) -> int:
     """Bytes written and not yet acknowledged by the peer."""
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
@@ -393,9 +407,16 @@ class Liveness:
     While a call runs, the heartbeats pile up unread; past :data:`_DRAIN_BYTES`
     it drops them itself (taking the gate), so the socket's receive queue never
     fills, whatever the call's length.
+
+    The other way round, with ``call_beats`` (the client asked for them in INIT):
+    while a request's work runs (:meth:`begin_call` to :meth:`end_call`, no reply
+    being sent), it sends the client a heartbeat frame at every check, so a client
+    waiting for a long call's reply can tell a live server from a frozen one, or one
+    whose host or network is gone (``RPCSession`` ends the session after
+    ``timeout`` seconds with nothing from the server).
     """
 
-    def __init__(self, conn: wire.Conn, addr: Any, timeout: float, beats: int, on_dead: Any, relay: bool) -> None:  # fmt: skip
+    def __init__(self, conn: wire.Conn, addr: Any, timeout: float, beats: int, on_dead: Any, relay: bool, call_beats: bool = False) -> None:  # fmt: skip
         self.conn = conn
         self.sock = conn.t.sock
         self.addr = addr
@@ -407,6 +428,12 @@ class Liveness:
         self.gate = threading.Lock()
         self.gate.acquire()  # by the serving thread (this constructor's caller)
         self.worker_mode = False
+        self.call_beats = call_beats
+        #: True while a request's work runs and no reply is being sent: heartbeats may go
+        self.calling = False
+        #: taken by a heartbeat being sent, and by :meth:`end_call` (so none is under way
+        #: when the reply starts)
+        self.send_lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="disco-rpc-liveness", daemon=True)
 
@@ -416,6 +443,29 @@ class Liveness:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def begin_call(self) -> None:
+        """A request's work starts (no frame is read or sent on ``conn`` until :meth:`end_call`)."""
+        self.calling = True
+
+    def end_call(self) -> None:
+        """Its work ended: no heartbeat from now on (one being sent is finished first)."""
+        with self.send_lock:
+            self.calling = False
+
+    def _beat(self) -> None:
+        """One heartbeat to the client, if a call runs and the socket has room for it."""
+        if not self.send_lock.acquire(blocking=False):
+            return
+        try:
+            poll = select.poll()  # (not select(): descriptors past 1023)
+            poll.register(self.sock.fileno(), select.POLLOUT)
+            if self.calling and poll.poll(0):
+                self.conn.send_heartbeat()  # 12 bytes (a record when sealed): never blocks here
+        except (OSError, ValueError):
+            pass  # the connection broke: the session's own reads and writes see it
+        finally:
+            self.send_lock.release()
 
     def _run(self) -> None:
         tick = min(1.0, self.timeout / 4)
@@ -435,6 +485,8 @@ class Liveness:
             else:
                 waiting_since = None
             last_acked = acked
+            if self.call_beats and self.calling:
+                self._beat()
             if state in (_TCP_CLOSE_WAIT, _TCP_CLOSE):
                 closed_at = closed_at if closed_at is not None else now
                 if not self.worker_mode or now - closed_at >= self.timeout:

@@ -27,7 +27,8 @@ it got and the connection stays in sync.
 A ``HEARTBEAT`` frame (kind 5, no op, meta or buffer: 12 bytes) may come from a
 client between any two of its frames, never inside a frame or a file stream: it
 only says that the client is alive, and :meth:`Conn.recv` skips it (README,
-"Liveness").
+"Liveness"). A server sends them too, to a client that asked in INIT, while a
+request's work runs (before its reply; never during a file stream).
 """
 
 from __future__ import annotations
@@ -713,6 +714,8 @@ class Conn:
     _BUF = 1 << 16
     #: what a server session learnt from INIT: the heartbeats its client sends (set there)
     peer_beats: int
+    #: and whether it sends that client heartbeats while its calls run (set there)
+    call_beats: bool
 
     def __init__(self, transport: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.t = transport

@@ -516,10 +516,11 @@ def test_heartbeat_frames_on_the_wire():
 
 def _stopped_in_a_call(s, pid: int) -> float:
     """Stop the session process ``pid`` 0.3 s into a long call of ``s``; the seconds until
-    the call raised that the connection was lost."""
+    the call raised that the server sent nothing (the client watches its server: 1.5
+    times the bound; test_server_liveness.py)."""
     threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP)).start()
     t0 = time.monotonic()
-    with pytest.raises(rpc.RPCError, match="lost the connection"):
+    with pytest.raises(rpc.RPCError, match="sent nothing"):
         s.get_function("live.sleep")(60)
     return time.monotonic() - t0
 
@@ -536,7 +537,8 @@ def test_a_stopped_session_process_is_ended_and_its_server_pooled_again(tracker)
     """Found by an outside chaos check: a session process stopped for good (SIGSTOP) kept
     its server out of the tracker's pool for good, and a client in a call with it waited
     for good without session_timeout (its own watchdog cannot run while it is stopped).
-    The server's listener now kills it after twice the bound: the call gets an RPCError."""
+    The server's listener now kills it after twice the bound (and the client, which now
+    watches its server, gave up on the call before)."""
     srv = rpc.Server(port=10200, port_end=10300, tracker_addr=("127.0.0.1", tracker.port), key="k", liveness_timeout=BOUND)  # fmt: skip
     pid = None
     try:
@@ -545,8 +547,9 @@ def test_a_stopped_session_process_is_ended_and_its_server_pooled_again(tracker)
         s = ts.request("k")
         pid = s.get_function("live.pid")()
         took = _stopped_in_a_call(s, pid)
-        assert 2 * BOUND <= took < 2 * BOUND + 6, f"the call ended after {took:.1f} s"
-        assert _wait(lambda: _gone(pid), 5), "the stopped session process was left"
+        assert 1.5 * BOUND <= took < 2 * BOUND + 6, f"the call ended after {took:.1f} s"
+        # the server's listener kills it after twice the bound (nothing else can)
+        assert _wait(lambda: _gone(pid), 2 * BOUND + 5), "the stopped session process was left"
         assert _wait(lambda: _free(ts) >= 1, 10), "the server did not come back to the pool"
         with ts.request("k") as s2:  # and it serves again
             assert s2.get_function("live.sleep")(0) == 0
@@ -566,7 +569,7 @@ def test_a_stopped_session_process_behind_a_proxy_is_ended_too():
         s = rpc.connect("127.0.0.1", px.port, key="nat", token="t")
         pid = s.get_function("live.pid")()
         assert _stopped_in_a_call(s, pid) < 2 * BOUND + 6
-        assert _wait(lambda: _gone(pid), 5), "the stopped session process was left"
+        assert _wait(lambda: _gone(pid), 2 * BOUND + 5), "the stopped session process was left"
         with rpc.connect("127.0.0.1", px.port, key="nat", token="t") as s2:  # served again
             assert s2.get_function("live.sleep")(0) == 0
     finally:

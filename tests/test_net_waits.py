@@ -1,0 +1,144 @@
+"""disco_core.net.io: bounded waits of a socket transport (``limit_waits``, ``settimeout``).
+
+A bound counts the time nothing moved, not the time a call took: a large write over a
+slow live link is many waits, and a signal handler that outlasts a wait is no silence.
+Real sockets on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from disco_core.net.io import SocketTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+LIMIT = 0.5
+
+
+@pytest.fixture(params=["limit_waits", "settimeout"])
+def pair(request):
+    lsock = socket.create_server(("127.0.0.1", 0))
+    near = socket.create_connection(lsock.getsockname())
+    far, _ = lsock.accept()
+    lsock.close()
+    for s in (near, far):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    t = SocketTransport(near)
+    getattr(t, request.param)(LIMIT)
+    yield t, far
+    near.close()
+    far.close()
+
+
+def _expired(exc: BaseException) -> bool:
+    return isinstance(exc, (TimeoutError, BlockingIOError))
+
+
+def test_a_silent_peer_ends_a_read_after_the_bound(pair):
+    t, _far = pair
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as err:
+        t.recv_into(memoryview(bytearray(16)))
+    assert _expired(err.value)
+    assert LIMIT * 0.9 <= time.monotonic() - t0 < LIMIT + 1.0
+
+
+def test_a_peer_that_takes_nothing_ends_a_write_after_the_bound(pair):
+    t, _far = pair  # the far end reads nothing: the buffers fill, then nothing moves
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as err:
+        t.send_parts([bytes(64 << 20)])
+    assert _expired(err.value)
+    assert time.monotonic() - t0 < LIMIT * 2 + 1.0  # (filling the buffers is quick)
+
+
+def test_a_peer_that_takes_nothing_ends_a_sendfile_after_the_bound(pair, tmp_path):
+    t, _far = pair
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(64 << 20))
+    with open(path, "rb") as f:
+        with pytest.raises(OSError) as err:
+            t.sendfile(f, 64 << 20)
+        assert _expired(err.value)
+        assert 0 < f.tell() < 64 << 20  # where it stopped: what went out
+
+
+def test_a_write_longer_than_the_bound_to_a_slow_reader_goes_through(pair):
+    """The reader takes 256 KiB every 0.2 s: the write takes about 5 bounds, and each
+    of its waits is short."""
+    t, far = pair
+    size = 3 << 20
+    got = bytearray()
+
+    def slow_reader():
+        while len(got) < size:
+            time.sleep(0.2)
+            chunk = far.recv(256 << 10)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    th = threading.Thread(target=slow_reader)
+    th.start()
+    t0 = time.monotonic()
+    t.send_parts([bytes(range(256)) * (size // 256)])
+    th.join(30)
+    assert time.monotonic() - t0 > 4 * LIMIT
+    assert bytes(got) == bytes(range(256)) * (size // 256)
+
+
+def test_a_file_sent_to_a_slow_reader_goes_through(pair, tmp_path):
+    t, far = pair
+    size = 2 << 20
+    data = os.urandom(size)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    got = bytearray()
+
+    def slow_reader():
+        while len(got) < size:
+            time.sleep(0.2)
+            chunk = far.recv(256 << 10)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    th = threading.Thread(target=slow_reader)
+    th.start()
+    with open(path, "rb") as f:
+        assert t.sendfile(f, size) == size
+        assert f.tell() == size
+    th.join(30)
+    assert bytes(got) == data
+
+
+def test_a_signal_handler_longer_than_the_bound_is_no_silence(pair):
+    """The peer's bytes arrive while a handler of the program runs for 3 bounds inside
+    the wait: Python's own timeout would give up on return without a look."""
+    t, far = pair
+    old = signal.signal(signal.SIGALRM, lambda *_: time.sleep(3 * LIMIT))
+    try:
+        threading.Timer(0.3, far.sendall, (b"x" * 8,)).start()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        view = memoryview(bytearray(8))
+        assert t.recv_into(view) >= 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_no_limit_again(pair):
+    t, far = pair
+    t.limit_waits(None) if t.limited else t.settimeout(None)
+    assert not t.limited and not t.patient
+    threading.Timer(3 * LIMIT, far.sendall, (b"late",)).start()
+    view = memoryview(bytearray(4))
+    assert t.recv_into(view) == 4 and bytes(view) == b"late"
