@@ -253,6 +253,7 @@ class RPCChannel(LinkChannel):
                 if sess._conn is None or isinstance(sess._conn.t, wire.SSLTransport):
                     raise DiscoError('the "rpc" channel does not support TLS sessions')
                 sess._stop_heartbeats()  # the socket is about to carry the core's frames
+                sess._stop_watching_server()
                 sess._request(OP_DISCO_WORKER, w, num_workers, num_groups, sys_path)
                 links.append(RPCWorkerLink(w, sess, host))
             hosts = {link.host for link in links}

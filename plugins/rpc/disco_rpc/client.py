@@ -734,6 +734,15 @@ class RPCSession:
         finally:
             lock.release()
 
+    def _stop_watching_server(self) -> None:
+        """Its waits on the server are no longer bounded by the server's heartbeats (the
+        socket is about to carry the core's frames of a Disco worker, which has its own
+        liveness: a worker's command may run for long with nothing on the wire)."""
+        if self._quiet:
+            self._quiet = 0.0
+            if not self._timeout:
+                self._conn.t.limit_waits(None)
+
     def _stop_heartbeats(self) -> None:
         """No heartbeat from now on (one being written is finished first)."""
         with self._beat_mutex:

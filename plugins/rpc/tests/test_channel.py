@@ -208,3 +208,39 @@ def test_a_str_subclass_for_a_function_name_goes_as_a_plain_str(servers):
         assert sess.call_packed(_Name("disco.world_size")).debug_get_from_remote(2) == 3
     finally:
         sess.shutdown()
+
+
+@disco.register_func("chan.size", override=True)
+def _chan_size(x):
+    return x.size
+
+
+@disco.register_func("chan.sleep", override=True)
+def _chan_sleep(t):
+    time.sleep(t)
+    return None
+
+
+def test_a_long_command_is_not_taken_for_a_silent_server():
+    """A client watches its RPC server by the server's heartbeats while a request runs
+    (1.5 x liveness_timeout with nothing moving ends a wait): once the session carries a
+    Disco worker's frames there are no such heartbeats, and a command may run for long
+    with nothing on the wire. The watch is lifted for it (the core's own liveness
+    applies)."""
+    srv = rpc.Server(port=9400, port_end=9500, token="disco-secret", liveness_timeout=0.5)
+    try:
+        sess = disco.Session.create("rpc", servers=[srv.addr], token="disco-secret")
+        try:
+            link = sess.channel.rpc_links[0]
+            assert link.sess._quiet == 0 and not link.t.limited
+            sess.get_global_func("chan.sleep")(2.0)
+            # a command that carries 64 MiB while the worker sleeps: the write waits
+            sess.get_global_func("chan.size")(np.ones(16 << 20, "float32"))
+            sess._sync_all()  # every worker finished them, the RPC one included
+            x = sess.empty((4,), "float32")
+            sess.get_global_func("chan.fill_rank")(x)
+            assert (x.debug_get_from_remote(1) == 2).all()
+        finally:
+            sess.shutdown()
+    finally:
+        srv.terminate()
