@@ -703,6 +703,15 @@ class Session:
                 f"(DISCO_GATHER_TIMEOUT) after worker {errors[0].worker_id} failed: "
                 f"{'they are' if many else 'it is'} stuck, frozen or far behind"
             )
+            ccl = self._state["ccl"]
+            if ccl is not None and ccl != "shm":
+                # alive, most likely: waiting in a collective that the failed worker left
+                # (a chaos check's Ctrl-C in an mpi allreduce blamed them without a word)
+                reason += (
+                    f", or waiting in a collective that worker {errors[0].worker_id} left "
+                    f"({ccl!r} waits for its own timeout, if any, where shm fails the "
+                    "others within seconds)"
+                )
             channel.mark_unresponsive(laggards, reason)
             raise WorkerUnresponsiveError(laggards, reason, errors)
         if first is not None:  # the cause, ahead of what it caused

@@ -303,3 +303,23 @@ def test_worker_dies_during_collective():
         t1 = time.monotonic()
         sess.shutdown()
         assert time.monotonic() - t1 < 15
+
+
+def test_workers_left_in_a_collective_are_not_only_blamed(monkeypatch):
+    """Found by a chaos check: after worker 0 failed, workers that did not catch up within
+    DISCO_GATHER_TIMEOUT were called "stuck, frozen or far behind", though with MPI they
+    are most likely alive, waiting in a collective that worker 0 left (MPI has no timeout
+    of its own). The error says so. Here worker 1 is simply busy in a function."""
+    monkeypatch.setenv("DISCO_GATHER_TIMEOUT", "1")
+    s = _session(2)
+    try:
+        s.import_python_module("disco_core.testing.funcs")
+        s.call_packed("testing.sleep", 3.0, 1)  # worker 1 busy for 3 s
+        s.call_packed("testing.raise_on", 0)
+        with pytest.raises(disco.WorkerUnresponsiveError) as info:
+            s.sync_worker_0()
+        assert info.value.worker_ids == [1]
+        text = str(info.value)
+        assert "waiting in a collective that worker 0 left" in text and "'mpi'" in text, text
+    finally:
+        s.shutdown()
