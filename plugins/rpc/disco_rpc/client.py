@@ -694,6 +694,8 @@ class RPCSession:
         if beats and liveness > 0:
             self._beat_every = liveness / 4
             _HEARTBEATS.add(self)
+        elif self._timeout and self._conn is not None:
+            _HEARTBEATS.add(self)  # no beats, but its thread holds session_timeout's deadline
 
     # -- liveness -------------------------------------------------------------------
     def _link_type(self) -> type:
@@ -1192,7 +1194,9 @@ class _Heartbeats:
     Every ``min(interval)`` seconds it looks at each registered session (held
     weakly) and sends a heartbeat frame on those that sent nothing since the last
     look: a few bytes every ``liveness_timeout / 4`` seconds of silence, nothing on
-    the call path. It ends when no session is left, and starts again with the next.
+    the call path. It also ends a call that runs past its session's ``session_timeout``
+    (:meth:`RPCSession._check_deadline`), beats or not. It ends when no session is
+    left, and starts again with the next.
     """
 
     def __init__(self) -> None:
@@ -1219,14 +1223,16 @@ class _Heartbeats:
                 self.stall = (now - self.woke, now)
             self.woke = now
             with self.cond:
-                live = [s for s in self.sessions if s._beat_every]
+                # sessions that beat, and those whose session_timeout it holds
+                live = [s for s in self.sessions if s._beat_every or (s._timeout and not s._closed)]
                 if not live:
                     self.thread = None
                     return
-                wait = min(s._beat_every for s in live)
+                wait = min(s._beat_every or 1.0 for s in live)
             for sess in live:
                 try:
-                    sess._heartbeat()
+                    if sess._beat_every:
+                        sess._heartbeat()
                     sess._check_deadline()
                 except Exception:  # one session's trouble must not stop the others' beats
                     logger.debug("heartbeat on %s failed", sess._label, exc_info=True)

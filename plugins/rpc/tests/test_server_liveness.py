@@ -426,6 +426,79 @@ def test_beats_do_not_keep_a_call_past_session_timeout(server):
         assert took < 2.0 + 1.0 + BOUND / 4 + 3.0, f"ended after {took:.1f} s"
 
 
+class _TricklingRelay:
+    """A man in the middle of an unsealed link: it passes the session's start, then holds
+    the server's reply back and sends the client a heartbeat frame every 0.2 s, for good
+    (each would restart a single wait's timeout). The server's own end of the session
+    is not passed on either."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.hold = threading.Event()
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        c, _ = self.lsock.accept()
+        s = socket.create_connection(("127.0.0.1", self.target))
+        self.socks = (c, s)
+        threading.Thread(target=self._pump, args=(c, s), daemon=True).start()
+        threading.Thread(target=self._from_server, args=(s, c), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def _from_server(self, src, dst) -> None:
+        from disco_rpc.wire import HEARTBEAT_FRAME
+
+        try:
+            while not self.hold.is_set():
+                src.settimeout(0.05)
+                try:
+                    data = src.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                dst.sendall(data)
+            while not self.stop.wait(0.2):
+                dst.sendall(HEARTBEAT_FRAME)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.lsock.close()
+        for sock in getattr(self, "socks", ()):
+            sock.close()
+
+
+@pytest.mark.parametrize("liveness", [0, BOUND], ids=["server-without-beats", "server-beats"])
+def test_a_trickling_peer_cannot_hold_a_call_past_session_timeout(liveness):
+    """Before, the client's session_timeout bounded each wait, not the call: a peer that
+    kept sending heartbeats held it for good (outside check)."""
+    srv = rpc.Server(port=10500, port_end=10600, liveness_timeout=liveness)
+    relay = _TricklingRelay(srv.port)
+    try:
+        with rpc.connect("127.0.0.1", relay.port, session_timeout=3) as s:
+            assert s.get_function("srvlive.sleep")(0) == 0
+            relay.hold.set()
+            time.sleep(0.2)  # (what was under way has passed)
+            t0 = time.monotonic()
+            with pytest.raises(rpc.RPCSessionTimeoutError):
+                s.get_function("srvlive.sleep")(0)
+            assert time.monotonic() - t0 < 3 + 1 + 2.5
+    finally:
+        relay.close()
+        srv.terminate()
+
+
 def test_an_interrupted_call_leaves_no_watch_behind(server):
     """Ctrl-C during a call ends the client's wait; the idle session after it is not
     judged (no call is under way), and the next call gets its own answer."""
