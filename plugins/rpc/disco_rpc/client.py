@@ -358,6 +358,11 @@ class _SessionTable:
 _SESSIONS = _SessionTable()
 
 
+#: The shortest silence of a watched server that ends a call, in seconds (else 1.5 x its
+#: liveness_timeout): README, "Liveness".
+QUIET_FLOOR = 3.0
+
+
 class RPCSession:
     """A session with an RPC server; made by :func:`connect`, :class:`LocalSession`, ...
 
@@ -638,8 +643,9 @@ class RPCSession:
             text = (
                 f"the RPC server {self._label} {what_not} for {self._quiet:g} s during {what}, "
                 "though it sends heartbeats while a call runs: it is frozen (stopped, or a "
-                "thread of its held the GIL), or its host or the network is gone (1.5 times "
-                f"its liveness_timeout of {liveness:g} s); the session is closed, connect again"
+                "thread of its held the GIL), or its host or the network is gone (the bound "
+                f"is 1.5 times its liveness_timeout of {liveness:g} s, at least "
+                f"{QUIET_FLOOR:g} s); the session is closed, connect again"
             )
             self._closed_why = text
             raise RPCError(text) from exc
@@ -687,8 +693,10 @@ class RPCSession:
             call_beats = 0.0  # none promised (an older or a foreign server), or malformed
         if want and liveness > 0 and 0 < call_beats <= liveness:
             # a freeze shorter than liveness_timeout never ends a call: its silence is at
-            # most that plus one beat's spacing (a loaded server's checks slip, so 1.5x)
-            self._quiet = max(1.5 * liveness, 4.0 * call_beats)
+            # most that plus one beat's spacing (a loaded server's checks slip, so 1.5x);
+            # at least QUIET_FLOOR: a server starved of CPU for under a second at the
+            # smallest bound ended calls (outside check, niced server beside CPU hogs)
+            self._quiet = max(1.5 * liveness, 4.0 * call_beats, QUIET_FLOOR)
             if not self._timeout:  # (else _arm_deadline bounds each request's waits)
                 self._conn.t.limit_waits(self._quiet)
         if beats and liveness > 0:
