@@ -363,7 +363,7 @@ class SocketTransport:
     Two ways to bound its waits. :meth:`limit_waits` (the kernel's ``SO_RCVTIMEO``
     and ``SO_SNDTIMEO``: nothing on the call path) makes each read or write that
     waits on the peer for that long with nothing moving raise.
-    :meth:`settimeout` (not on the socket itself) does it in Python, which polls
+    ``settimeout`` (of this transport, not of the socket) does it in Python, which polls
     before every read and write; a wait then raises ``TimeoutError`` only when the
     socket was not ready for that long: Python gives up a wait whose deadline passed
     while a signal handler of the program ran, even if the peer's bytes or room
@@ -371,9 +371,9 @@ class SocketTransport:
     with part of its bytes sent unknown.
     """
 
-    #: whether the socket has a timeout: reads and writes then go the patient way
+    #: True when the socket has a timeout (reads and writes then go the patient way)
     patient = False
-    #: whether :meth:`limit_waits` bounds the blocking reads and writes, and by how much
+    #: True when :meth:`limit_waits` bounds the blocking reads and writes (by ``_limit``)
     limited = False
     _limit = 0.0
 
