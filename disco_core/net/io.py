@@ -464,7 +464,7 @@ class SocketTransport:
         (``BlockingIOError``, errno ``EAGAIN``; ``TimeoutError`` from :meth:`sendfile`
         and a file transfer's splice; None: no limit). Kernel timeouts: no cost on the
         call path, and a signal handler that runs meanwhile starts the wait over."""
-        t = 0.0 if seconds is None else max(float(seconds), 1e-3)
+        t = 0.0 if seconds is None else min(max(float(seconds), 1e-3), 1e6)  # (a timeval's range)
         tv = struct.pack("@ll", int(t), int((t - int(t)) * 1e6))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import os
 import secrets
@@ -358,6 +359,17 @@ class _SessionTable:
 _SESSIONS = _SessionTable()
 
 
+#: ``$DISCO_RPC_WATCH_SERVER``: "1" turns on the client's watch of its server (off by default).
+WATCH_SERVER_ENV = "DISCO_RPC_WATCH_SERVER"
+#: The largest liveness bound taken from a server, in seconds (a day).
+MAX_BOUND = 86400.0
+
+
+def watch_server_enabled() -> bool:
+    """Whether new sessions watch their server (``$DISCO_RPC_WATCH_SERVER`` is 1, true, yes or on)."""
+    return os.environ.get(WATCH_SERVER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 #: The shortest silence of a watched server that ends a call, in seconds (else 1.5 x its
 #: liveness_timeout): README, "Liveness".
 QUIET_FLOOR = 3.0
@@ -679,8 +691,10 @@ class RPCSession:
         limit = self._conn.max if self._conn is not None else None
         beats = self._beats()
         where = placement()
-        # heartbeats from the server while a call runs (sockets; a pipe's child ends with us)
-        want = beats != BEATS_NONE
+        # heartbeats from the server while a call runs (sockets; a pipe's child ends with us),
+        # asked for only where the user turned the watch on (README, "Liveness": a buffering
+        # relay such as an ssh tunnel can hold back a request longer than the bound)
+        want = beats != BEATS_NONE and watch_server_enabled()
         self.info = self._request(OP_INIT, float(session_timeout or 0), args, limit, beats, where, want) or {}  # fmt: skip
         if self._conn is not None and self.info.get("max_message_bytes"):
             self._conn.peer_max = int(self.info["max_message_bytes"])
@@ -688,6 +702,8 @@ class RPCSession:
             wire.stop_polling(self._conn)
         self._server_timeout = float(self.info.get("server_timeout") or 0)
         liveness = float(self.info.get("liveness_timeout") or 0)
+        if not math.isfinite(liveness) or liveness > MAX_BOUND:
+            liveness = 0.0  # (from the server: a bound no timer takes is no bound)
         call_beats = self.info.get("call_beats")
         if not isinstance(call_beats, (int, float)) or isinstance(call_beats, bool):
             call_beats = 0.0  # none promised (an older or a foreign server), or malformed

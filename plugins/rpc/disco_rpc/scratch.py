@@ -92,7 +92,11 @@ def sweep_abandoned(prefix: str, dir: str | None = None) -> list[str]:
             st = os.lstat(path)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
                 continue
-            fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO by that name would block the open (and every server start)
+            fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                continue
         except OSError:
             continue  # gone, not ours, or no lock file (an older version's, or being made)
         try:

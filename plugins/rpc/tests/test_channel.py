@@ -221,12 +221,13 @@ def _chan_sleep(t):
     return None
 
 
-def test_a_long_command_is_not_taken_for_a_silent_server():
+def test_a_long_command_is_not_taken_for_a_silent_server(monkeypatch):
     """A client watches its RPC server by the server's heartbeats while a request runs
     (1.5 x liveness_timeout with nothing moving ends a wait): once the session carries a
     Disco worker's frames there are no such heartbeats, and a command may run for long
     with nothing on the wire. The watch is lifted for it (the core's own liveness
     applies)."""
+    monkeypatch.setenv("DISCO_RPC_WATCH_SERVER", "1")
     srv = rpc.Server(port=9400, port_end=9500, token="disco-secret", liveness_timeout=0.5)
     try:
         sess = disco.Session.create("rpc", servers=[srv.addr], token="disco-secret")

@@ -516,11 +516,11 @@ def test_heartbeat_frames_on_the_wire():
 
 def _stopped_in_a_call(s, pid: int) -> float:
     """Stop the session process ``pid`` 0.3 s into a long call of ``s``; the seconds until
-    the call raised that the server sent nothing (the client watches its server: 1.5
-    times the bound; test_server_liveness.py)."""
+    the call raised (the server's kill, after twice the bound; or, with
+    $DISCO_RPC_WATCH_SERVER, the client's own watch after 1.5 times: test_server_liveness.py)."""
     threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP)).start()
     t0 = time.monotonic()
-    with pytest.raises(rpc.RPCError, match="sent nothing"):
+    with pytest.raises(rpc.RPCError, match="sent nothing|lost the connection"):
         s.get_function("live.sleep")(60)
     return time.monotonic() - t0
 
@@ -547,7 +547,7 @@ def test_a_stopped_session_process_is_ended_and_its_server_pooled_again(tracker)
         s = ts.request("k")
         pid = s.get_function("live.pid")()
         took = _stopped_in_a_call(s, pid)
-        assert 1.5 * BOUND <= took < 2 * BOUND + 6, f"the call ended after {took:.1f} s"
+        assert 1.4 * BOUND <= took < 2 * BOUND + 6, f"the call ended after {took:.1f} s"
         # the server's listener kills it after twice the bound (nothing else can)
         assert _wait(lambda: _gone(pid), 2 * BOUND + 5), "the stopped session process was left"
         assert _wait(lambda: _free(ts) >= 1, 10), "the server did not come back to the pool"

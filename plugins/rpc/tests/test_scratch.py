@@ -99,3 +99,13 @@ def test_an_in_process_server_holds_its_folders_lock(tmp_path, monkeypatch):
     finally:
         srv.terminate()
     assert _folders(tmp_path) == set()
+
+
+def test_a_fifo_for_a_lock_file_does_not_block_the_sweep(tmp_path):
+    """Outside check: a FIFO by the lock file's name blocked the sweep's open, and so
+    every server start, for good."""
+    bad = tmp_path / f"{PREFIX}fifo"
+    bad.mkdir()
+    os.mkfifo(bad / scratch.LOCK_NAME)
+    assert scratch.sweep_abandoned(PREFIX, str(tmp_path)) == []
+    assert bad.is_dir()

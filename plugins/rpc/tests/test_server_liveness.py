@@ -49,6 +49,23 @@ def _pid():
     return os.getpid()
 
 
+@pytest.fixture(autouse=True)
+def _watch_on(monkeypatch):
+    """The watch is off by default (README, "Liveness"); these tests turn it on."""
+    monkeypatch.setenv("DISCO_RPC_WATCH_SERVER", "1")
+
+
+def test_the_watch_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("DISCO_RPC_WATCH_SERVER")
+    srv = rpc.Server(port=10500, port_end=10600, liveness_timeout=BOUND)
+    try:
+        with rpc.connect("127.0.0.1", srv.port) as s:
+            assert "call_beats" not in s.info and s._quiet == 0
+            assert s.get_function("srvlive.sleep")(QUIET + 0.5) == QUIET + 0.5
+    finally:
+        srv.terminate()
+
+
 @pytest.fixture(params=[None, "tok"], ids=["plain", "sealed"])
 def server(request):
     srv = rpc.Server(port=10500, port_end=10600, liveness_timeout=BOUND, token=request.param)
