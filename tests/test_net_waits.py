@@ -71,11 +71,9 @@ def test_a_peer_that_takes_nothing_ends_a_sendfile_after_the_bound(pair, tmp_pat
         assert 0 < f.tell() < 64 << 20  # where it stopped: what went out
 
 
-def test_a_write_longer_than_the_bound_to_a_slow_reader_goes_through(pair):
-    """The reader takes 256 KiB every 0.2 s: the write takes about 5 bounds, and each
-    of its waits is short."""
-    t, far = pair
-    size = 3 << 20
+def _read_slowly(far: socket.socket, size: int) -> tuple[bytearray, threading.Thread]:
+    """A thread that reads ``size`` bytes from ``far``, 256 KiB every 0.2 s, into the
+    bytearray returned with it."""
     got = bytearray()
 
     def slow_reader():
@@ -88,6 +86,15 @@ def test_a_write_longer_than_the_bound_to_a_slow_reader_goes_through(pair):
 
     th = threading.Thread(target=slow_reader)
     th.start()
+    return got, th
+
+
+def test_a_write_longer_than_the_bound_to_a_slow_reader_goes_through(pair):
+    """The reader takes 256 KiB every 0.2 s: the write takes about 5 bounds, and each
+    of its waits is short."""
+    t, far = pair
+    size = 3 << 20
+    got, th = _read_slowly(far, size)
     t0 = time.monotonic()
     t.send_parts([bytes(range(256)) * (size // 256)])
     th.join(30)
@@ -101,18 +108,7 @@ def test_a_file_sent_to_a_slow_reader_goes_through(pair, tmp_path):
     data = os.urandom(size)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
-    got = bytearray()
-
-    def slow_reader():
-        while len(got) < size:
-            time.sleep(0.2)
-            chunk = far.recv(256 << 10)
-            if not chunk:
-                return
-            got.extend(chunk)
-
-    th = threading.Thread(target=slow_reader)
-    th.start()
+    got, th = _read_slowly(far, size)
     with open(path, "rb") as f:
         assert t.sendfile(f, size) == size
         assert f.tell() == size

@@ -861,7 +861,7 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             held = False
         calling = beats and op not in quiet
         if calling:
-            live.calling = True  # (live.begin_call(), inlined: every request)
+            live.calling = True  # (set here, not by a method: every request)
         try:
             result = _dispatch(conn, handler, op, payload)
         except DesyncError as exc:
@@ -899,10 +899,9 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
 
 
 def _end_call(live: Any, calling: bool) -> None:
-    """No more heartbeats to the client (``live.end_call()``), if a call's were going."""
+    """No more heartbeats to the client, if a call's were going."""
     if calling:
-        with live.send_lock:  # one being sent is finished first
-            live.calling = False
+        live.end_call()  # (one being sent is finished first)
 
 
 def receive_in_place(op: int, value: Any, fills: list) -> tuple[Any, list]:
@@ -995,9 +994,7 @@ def _send_result(conn: wire.Conn, handler: SessionHandler, op: int, result: Any,
     except BaseException:
         _end_call(live, live is not None)
         raise
-    if live is not None:
-        with live.send_lock:
-            live.calling = False
+    _end_call(live, live is not None)
     try:
         conn.send_encoded(REPLY, op, meta, bufs)
         return True

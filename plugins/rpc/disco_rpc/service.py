@@ -409,11 +409,12 @@ class Liveness:
     fills, whatever the call's length.
 
     The other way round, with ``call_beats`` (the client asked for them in INIT):
-    while a request's work runs (:meth:`begin_call` to :meth:`end_call`, no reply
-    being sent), it sends the client a heartbeat frame at every check, so a client
-    waiting for a long call's reply can tell a live server from a frozen one, or one
-    whose host or network is gone (``RPCSession`` ends the session after
-    ``timeout`` seconds with nothing from the server).
+    while a request's work runs (``calling``, set by the serving thread, until
+    :meth:`end_call`; no reply being sent), it sends the client a heartbeat frame at
+    every check, so a client waiting for a long call's reply can tell a live server
+    from a frozen one, or one whose host or network is gone (``RPCSession`` with
+    ``$DISCO_RPC_WATCH_SERVER`` ends the session after 1.5 x ``timeout``, at least
+    3 s, with nothing from the server).
     """
 
     def __init__(self, conn: wire.Conn, addr: Any, timeout: float, beats: int, on_dead: Any, relay: bool, call_beats: bool = False) -> None:  # fmt: skip
@@ -443,10 +444,6 @@ class Liveness:
 
     def stop(self) -> None:
         self._stop.set()
-
-    def begin_call(self) -> None:
-        """A request's work starts (no frame is read or sent on ``conn`` until :meth:`end_call`)."""
-        self.calling = True
 
     def end_call(self) -> None:
         """Its work ended: no heartbeat from now on (one being sent is finished first)."""
