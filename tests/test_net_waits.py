@@ -90,10 +90,10 @@ def _read_slowly(far: socket.socket, size: int) -> tuple[bytearray, threading.Th
 
 
 def test_a_write_longer_than_the_bound_to_a_slow_reader_goes_through(pair):
-    """The reader takes 256 KiB every 0.2 s: the write takes about 5 bounds, and each
-    of its waits is short."""
+    """The reader takes at most 256 KiB every 0.2 s: the write takes several bounds, and
+    each of its waits is short."""
     t, far = pair
-    size = 3 << 20
+    size = 3 << 19
     got, th = _read_slowly(far, size)
     t0 = time.monotonic()
     t.send_parts([bytes(range(256)) * (size // 256)])
@@ -104,7 +104,7 @@ def test_a_write_longer_than_the_bound_to_a_slow_reader_goes_through(pair):
 
 def test_a_file_sent_to_a_slow_reader_goes_through(pair, tmp_path):
     t, far = pair
-    size = 2 << 20
+    size = 1 << 20
     data = os.urandom(size)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
@@ -114,6 +114,71 @@ def test_a_file_sent_to_a_slow_reader_goes_through(pair, tmp_path):
         assert f.tell() == size
     th.join(30)
     assert bytes(got) == data
+
+
+def _heard_while(t: SocketTransport, far: socket.socket, seconds: float) -> None:
+    """The far end sends a byte every quarter bound for ``seconds`` (a server's beats)
+    and ``t.heard_within`` tells when the last came, as the kernel's ``TCP_INFO`` would."""
+    last = [time.monotonic()]
+
+    def beat():
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                far.sendall(b"h")
+            except OSError:
+                return  # (the test ended)
+            last[0] = time.monotonic()
+            time.sleep(LIMIT / 4)
+
+    t.heard_within = lambda within: time.monotonic() - last[0] < within
+    threading.Thread(target=beat, daemon=True).start()
+
+
+@pytest.mark.parametrize("how", ["send_parts", "sendfile"])
+def test_a_write_waits_on_while_the_peer_is_heard(pair, how, tmp_path):
+    """A relay holds back what was sent (no room for 4 bounds) while the peer's bytes
+    keep coming: the write waits on, and goes through once room comes."""
+    t, far = pair
+    size = 4 << 20
+    data = os.urandom(size)
+    _heard_while(t, far, 6 * LIMIT)
+    got = bytearray()
+
+    def late_reader():
+        time.sleep(4 * LIMIT)
+        while len(got) < size + 1:
+            chunk = far.recv(1 << 20)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    th = threading.Thread(target=late_reader)
+    th.start()
+    t0 = time.monotonic()
+    if how == "sendfile":
+        path = tmp_path / "f.bin"
+        path.write_bytes(data)
+        with open(path, "rb") as f:
+            assert t.sendfile(f, size) == size
+    else:
+        t.send_parts([data])
+    assert time.monotonic() - t0 > 3 * LIMIT
+    t.send_parts([b"!"])
+    th.join(30)
+    assert len(got) == size + 1 and bytes(got[:size]) == data
+
+
+def test_a_write_ends_once_the_peer_falls_silent(pair):
+    """The peer is heard for 3 bounds, takes nothing, then falls silent: the write ends
+    about a bound after the last of its bytes."""
+    t, far = pair
+    _heard_while(t, far, 3 * LIMIT)
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as err:
+        t.send_parts([bytes(64 << 20)])
+    assert _expired(err.value)
+    assert 3 * LIMIT < time.monotonic() - t0 < 5 * LIMIT + 1.0
 
 
 def test_a_signal_handler_longer_than_the_bound_is_no_silence(pair):

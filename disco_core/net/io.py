@@ -376,6 +376,11 @@ class SocketTransport:
     #: True when :meth:`limit_waits` bounds the blocking reads and writes (by ``_limit``)
     limited = False
     _limit = 0.0
+    #: ``heard_within(seconds) -> bool``, optional: whether the peer's bytes arrived in the
+    #: last ``seconds`` (read or not). A bounded write that found no room for its bound
+    #: waits on while they do: a live peer behind a relay that holds back what it was
+    #: sent (an ssh tunnel on a slow link) still sends its heartbeats.
+    heard_within: Callable[[float], bool] | None = None
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -451,7 +456,7 @@ class SocketTransport:
             try:
                 return done + self.sock.sendfile(file, offset=start + done, count=size - done)
             except TimeoutError:
-                if not _ready_now(self.sock, select.POLLOUT):
+                if not _ready_now(self.sock, select.POLLOUT) and not self._peer_spoke(self.sock.gettimeout()):  # fmt: skip
                     raise
 
     def settimeout(self, t: float | None) -> None:
@@ -482,8 +487,20 @@ class SocketTransport:
                 self._wait_for_room()
 
     def _wait_for_room(self) -> None:
-        if not _wait_writable_for(self.sock.fileno(), self._limit):
-            raise TimeoutError(f"timed out sending: the peer took nothing for {self._limit:g} s")
+        fd = self.sock.fileno()
+        while not _wait_writable_for(fd, self._limit):
+            if not self._peer_spoke(self._limit):
+                raise TimeoutError(
+                    f"timed out sending: the peer took nothing for {self._limit:g} s"
+                )
+
+    def _peer_spoke(self, seconds: float | None) -> bool:
+        """Whether a write that waited ``seconds`` for room may wait on (see ``heard_within``)."""
+        heard = self.heard_within
+        try:
+            return heard is not None and seconds is not None and heard(seconds)
+        except OSError:
+            return False
 
     def _sendfile_limited(self, file: Any, size: int) -> int:
         """``sendfile`` in pieces, each after ``poll`` saw room (as :meth:`_sendmsg_limited`;
@@ -518,7 +535,7 @@ class SocketTransport:
             try:
                 return self.sock.sendmsg(views)  # (a timeout sends nothing: it is raised first)
             except TimeoutError:
-                if not _ready_now(self.sock, select.POLLOUT):
+                if not _ready_now(self.sock, select.POLLOUT) and not self._peer_spoke(self.sock.gettimeout()):  # fmt: skip
                     raise
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -36,7 +37,7 @@ from disco_core.spi import (
 )
 from disco_core.spi import interrupts as _interrupts
 
-from . import handler, protocol, wire
+from . import handler, protocol, service, wire
 from .auth import open_conn
 from .errors import (
     ProtocolError,
@@ -715,6 +716,11 @@ class RPCSession:
             self._quiet = max(1.5 * liveness, 4.0 * call_beats, QUIET_FLOOR)
             if not self._timeout:  # (else _arm_deadline bounds each request's waits)
                 self._conn.t.limit_waits(self._quiet)
+            # the server beats while it reads a request too: a write that waits for room
+            # while they arrive waits on (a relay on a slow link holds back what it took)
+            link = getattr(self._conn.t, "inner", self._conn.t)
+            if type(link) is wire.SocketTransport and service.can_watch(self._conn):
+                link.heard_within = functools.partial(service.heard_within, link.sock)
         if beats and liveness > 0:
             self._beat_every = liveness / 4
             _HEARTBEATS.add(self)
@@ -768,6 +774,9 @@ class RPCSession:
             self._quiet = 0.0
             if not self._timeout:
                 self._conn.t.limit_waits(None)
+            link = getattr(self._conn.t, "inner", self._conn.t)
+            if getattr(link, "heard_within", None) is not None:
+                link.heard_within = None
 
     def _stop_heartbeats(self) -> None:
         """No heartbeat from now on (one being written is finished first)."""

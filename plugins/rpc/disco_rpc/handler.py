@@ -823,47 +823,53 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
     the gate is free (a request runs or its reply is being sent) the watchdog may
     take it and read ``conn`` itself. ``live.worker()`` is called when the session
     becomes a Disco worker. With ``live.call_beats``, ``live.calling`` is true from
-    the moment a request was read whole to the moment its reply is encoded, for
-    requests that read and send nothing on ``conn`` meanwhile (not the file streams,
-    nor the one that makes this session a Disco worker): in between, the watchdog
-    sends the client heartbeats, and it is set false under ``live.send_lock`` (so
-    no heartbeat falls inside the reply).
+    the moment a request's head came (on TLS, where OpenSSL forbids a write beside
+    a read: once it was read whole, and never during an upload's stream) to the
+    moment its reply is encoded, or a download's stream begins; never for the
+    request that makes this session a Disco worker. Meanwhile the watchdog sends the
+    client heartbeats; ``live.end_call()`` sets it false under ``live.send_lock`` (so
+    no heartbeat falls inside the reply). A relay that holds back a large request
+    (an ssh tunnel on a slow link) thus keeps its client hearing from the server
+    while the request trickles in.
     """
     resolve = handler.resolve
     # a sealed link's bytes are checked when the frame ends: none may reach a tensor first
     direct = None if isinstance(conn.t, wire.SealedTransport) else receive_in_place
     gate = live.gate if live is not None else None
     beats = live is not None and live.call_beats
-    quiet = (*_STREAM_OPS, OP_DISCO_WORKER)  # ops that use conn while they run
+    # beats while a request is read: a send beside this thread's read (not on TLS)
+    early = beats and not isinstance(getattr(conn.t, "inner", conn.t), wire.SSLTransport)
+    on_begin = live.begin_call if early else None
     held = True
     while True:
         if not held:
             gate.acquire()  # type: ignore[union-attr]  # released only where there is a gate
             held = True
         try:
-            _kind, op, payload = conn.recv(on_handle=resolve, direct=direct)
-        except EOFError:
-            return
-        except IntegrityError as exc:
-            logger.warning("dropped the session: %s", exc)
-            return
-        except DesyncError as exc:
-            _try_send_error(conn, 0, exc)
-            return
-        except ProtocolError as exc:
-            if not _try_send_error(conn, 0, exc):
-                return
-            continue
-        except OSError:
+            _kind, op, payload = conn.recv(on_handle=resolve, direct=direct, on_begin=on_begin)
+        except BaseException as exc:
+            _end_call(live, early)
+            if isinstance(exc, IntegrityError):
+                logger.warning("dropped the session: %s", exc)
+            elif isinstance(exc, DesyncError):
+                _try_send_error(conn, 0, exc)
+            elif isinstance(exc, ProtocolError):
+                if _try_send_error(conn, 0, exc):
+                    continue
+            elif not isinstance(exc, (EOFError, OSError)):
+                raise
             return
         if gate is not None and op != OP_UPLOAD:
             gate.release()  # not reading conn until the next request
             held = False
-        calling = beats and op not in quiet
-        if calling:
-            live.calling = True  # (set here, not by a method: every request)
+        calling = beats
+        if op == OP_DISCO_WORKER or (op == OP_UPLOAD and not early):
+            _end_call(live, early)  # a worker's frames (or a TLS upload's stream) follow
+            calling = False
+        elif beats:
+            live.calling = True  # (on TLS, set only now; a download's stream ends it)
         try:
-            result = _dispatch(conn, handler, op, payload)
+            result = _dispatch(conn, handler, op, payload, live if calling else None)
         except DesyncError as exc:
             _end_call(live, calling)
             _try_send_error(conn, op, exc)
@@ -933,8 +939,13 @@ def receive_in_place(op: int, value: Any, fills: list) -> tuple[Any, list]:
     return value, fills
 
 
-def _dispatch(conn: wire.Conn, handler: SessionHandler, op: int, payload: Any) -> Any:
-    """Run one request; return its result, or ``_SENT`` when it answered by itself."""
+def _dispatch(conn: wire.Conn, handler: SessionHandler, op: int, payload: Any, live: Any = None) -> Any:  # fmt: skip
+    """Run one request; return its result, or ``_SENT`` when it answered by itself.
+
+    ``live``: the watchdog sending the client heartbeats meanwhile (None: none are
+    going); a download ends them before its stream starts (the linker of
+    ``download_linked_module`` may run long: beats go on while it does).
+    """
     if op == OP_UPLOAD:
         return _receive_upload(conn, handler, payload)
     frees, args = payload
@@ -943,7 +954,10 @@ def _dispatch(conn: wire.Conn, handler: SessionHandler, op: int, payload: Any) -
     if op == OP_CALL:
         return args[0](*args[1])
     if op in (OP_DOWNLOAD, OP_LINK):
-        src = handler.op_download(*args) if op == OP_DOWNLOAD else handler.op_link(*args)
+        try:
+            src = handler.op_download(*args) if op == OP_DOWNLOAD else handler.op_link(*args)
+        finally:
+            _end_call(live, live is not None)
         with src.file:
             conn.send(REPLY, op, src.size)
             conn.send_stream(op, src, src.size)

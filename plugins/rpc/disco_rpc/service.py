@@ -349,6 +349,12 @@ def _tcp_state(sock: socket.socket) -> tuple[int, float, int]:
     return info[0], idle, acked
 
 
+def heard_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the peer's data arrived on ``sock`` in the last ``seconds`` (read or not;
+    ``TCP_INFO``: a TCP socket on Linux, see :func:`can_watch`)."""
+    return _tcp_state(sock)[1] < seconds
+
+
 def is_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped by a signal (``SIGSTOP``, ``SIGTSTP``: state ``T``;
     a debugger's tracing stop is ``t`` and does not count). False where it cannot be read."""
@@ -409,12 +415,14 @@ class Liveness:
     fills, whatever the call's length.
 
     The other way round, with ``call_beats`` (the client asked for them in INIT):
-    while a request's work runs (``calling``, set by the serving thread, until
-    :meth:`end_call`; no reply being sent), it sends the client a heartbeat frame at
-    every check, so a client waiting for a long call's reply can tell a live server
-    from a frozen one, or one whose host or network is gone (``RPCSession`` with
-    ``$DISCO_RPC_WATCH_SERVER`` ends the session after 1.5 x ``timeout``, at least
-    3 s, with nothing from the server).
+    while a request is read or its work runs (``calling``, set by the serving thread
+    from :meth:`begin_call` to :meth:`end_call`; no reply being sent; see
+    :func:`~disco_rpc.handler.serve_conn`), it sends the client a heartbeat frame at
+    every check, so a client waiting for a long call's reply, or for room to send a
+    request that a relay holds back, can tell a live server from a frozen one, or
+    one whose host or network is gone (``RPCSession`` with ``$DISCO_RPC_WATCH_SERVER``
+    ends the session after 1.5 x ``timeout``, at least 3 s, with nothing from the
+    server).
     """
 
     def __init__(self, conn: wire.Conn, addr: Any, timeout: float, beats: int, on_dead: Any, relay: bool, call_beats: bool = False) -> None:  # fmt: skip
@@ -430,7 +438,7 @@ class Liveness:
         self.gate.acquire()  # by the serving thread (this constructor's caller)
         self.worker_mode = False
         self.call_beats = call_beats
-        #: True while a request's work runs and no reply is being sent: heartbeats may go
+        #: True while a request is read or runs and no reply is being sent: heartbeats may go
         self.calling = False
         #: taken by a heartbeat being sent, and by :meth:`end_call` (so none is under way
         #: when the reply starts)
@@ -444,6 +452,10 @@ class Liveness:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def begin_call(self) -> None:
+        """A request began (its head came): heartbeats may go until :meth:`end_call`."""
+        self.calling = True
 
     def end_call(self) -> None:
         """Its work ended: no heartbeat from now on (one being sent is finished first)."""

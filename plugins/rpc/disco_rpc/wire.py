@@ -883,8 +883,11 @@ class Conn:
         head += meta
         self.t.send_parts([head, *bufs])
 
-    def recv(self, on_handle=None, direct=None):
+    def recv(self, on_handle=None, direct=None, on_begin=None):
         """Read one frame; return ``(kind, op, value)``.
+
+        ``on_begin()``, optional, is called once the frame's head has come (the rest of
+        a large frame may take long to arrive): a server starts its heartbeats there.
 
         ``direct(op, value, fills)``, optional, is asked where the frame's buffers go
         before they are read (``fills``: ``(index, writable view)`` pairs) and returns
@@ -902,6 +905,8 @@ class Conn:
             self.start += _HEAD_SIZE
             if kind != HEARTBEAT or meta_len or nbuf:
                 break  # (a heartbeat, "still here", is skipped)
+        if on_begin is not None:
+            on_begin()
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
             raise FrameTooLargeError(
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
