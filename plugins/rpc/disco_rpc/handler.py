@@ -863,11 +863,12 @@ def serve_conn(conn: wire.Conn, handler: SessionHandler, live: Any = None) -> No
             gate.release()  # not reading conn until the next request
             held = False
         calling = beats
-        if op == OP_DISCO_WORKER or (op == OP_UPLOAD and not early):
-            _end_call(live, early)  # a worker's frames (or a TLS upload's stream) follow
-            calling = False
-        elif beats:
-            live.calling = True  # (on TLS, set only now; a download's stream ends it)
+        if beats:  # (nothing more on the call path of a session without them)
+            if op == OP_DISCO_WORKER or (op == OP_UPLOAD and not early):
+                _end_call(live, early)  # a worker's frames (or a TLS upload's stream) follow
+                calling = False
+            elif not early:
+                live.calling = True  # on TLS, only now (a download's stream ends it)
         try:
             result = _dispatch(conn, handler, op, payload, live if calling else None)
         except DesyncError as exc:

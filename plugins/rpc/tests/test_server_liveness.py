@@ -289,9 +289,9 @@ def test_a_freeze_shorter_than_the_bound_is_survived(plain_server):
                 os.kill(pid, signal.SIGCONT)
 
 
-class _SlowLink:
-    """A TCP relay in front of a server that moves at most ``rate`` bytes a second each
-    way (a slow network: its small buffers hold back the sender)."""
+class _Relay:
+    """A TCP relay on 127.0.0.1 in front of the server at ``target``: :meth:`_connected`
+    moves the bytes of each client ``c`` and its connection ``s`` to the server."""
 
     def __init__(self, target: int, rate: float) -> None:
         self.target = target
@@ -307,13 +307,30 @@ class _SlowLink:
                 c, _ = self.lsock.accept()
             except OSError:
                 return
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # (the relay holds back)
             s = socket.create_connection(("127.0.0.1", self.target))
-            for sock in (c, s):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
             self.socks += [c, s]
-            threading.Thread(target=self._pump, args=(c, s), daemon=True).start()
-            threading.Thread(target=self._pump, args=(s, c), daemon=True).start()
+            self._connected(c, s)
+
+    def _connected(self, c: socket.socket, s: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.lsock.close()
+        for sock in self.socks:
+            sock.close()
+
+
+class _SlowLink(_Relay):
+    """A relay that moves at most ``rate`` bytes a second each way (a slow network: its
+    small buffers hold back the sender)."""
+
+    def _connected(self, c: socket.socket, s: socket.socket) -> None:
+        for sock in (c, s):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+        threading.Thread(target=self._pump, args=(c, s), daemon=True).start()
+        threading.Thread(target=self._pump, args=(s, c), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         piece = 1 << 16
@@ -329,11 +346,6 @@ class _SlowLink:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-
-    def close(self) -> None:
-        self.lsock.close()
-        for sock in self.socks:
-            sock.close()
 
 
 @disco.register_func("srvlive.crc", override=True)
@@ -391,7 +403,7 @@ def test_a_transfer_longer_than_the_bound_on_a_slow_link_succeeds(what, token, t
         server.terminate()
 
 
-class _HoldingRelay:
+class _HoldingRelay(_Relay):
     """A relay on a slow link that takes what the client sends at once, up to ``hold``
     bytes, and passes it on at ``rate`` bytes a second (an ``ssh -L`` tunnel: the
     client's last write ends seconds before the server has the request). ``bursty``:
@@ -399,28 +411,15 @@ class _HoldingRelay:
     client's writes find no room for seconds. The server's bytes pass at once."""
 
     def __init__(self, target: int, rate: float, hold: int, bursty: bool = False) -> None:
-        self.target, self.rate, self.hold, self.bursty = target, rate, hold, bursty
-        self.lsock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.lsock.getsockname()[1]
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.hold, self.bursty = hold, bursty
+        super().__init__(target, rate)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.lsock.accept()
-            except OSError:
-                return
-            c.setsockopt(
-                socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16
-            )  # the relay holds, not the kernel
-            s = socket.create_connection(("127.0.0.1", self.target))
-            self.socks += [c, s]
-            held: collections.deque = collections.deque()
-            cond = threading.Condition()
-            threading.Thread(target=self._take, args=(c, s, held, cond), daemon=True).start()
-            threading.Thread(target=self._give, args=(s, held, cond), daemon=True).start()
-            threading.Thread(target=self._back, args=(s, c), daemon=True).start()
+    def _connected(self, c: socket.socket, s: socket.socket) -> None:
+        held: collections.deque = collections.deque()
+        cond = threading.Condition()
+        threading.Thread(target=self._take, args=(c, s, held, cond), daemon=True).start()
+        threading.Thread(target=self._give, args=(s, held, cond), daemon=True).start()
+        threading.Thread(target=self._back, args=(s, c), daemon=True).start()
 
     def _take(self, c, s, held, cond) -> None:
         filling = True  # (bursty: until it holds ``hold``; then not until it holds nothing)
@@ -470,11 +469,6 @@ class _HoldingRelay:
             dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-
-    def close(self) -> None:
-        self.lsock.close()
-        for sock in self.socks:
-            sock.close()
 
 
 # (what, token, bursty, session_timeout: the waits are then Python's, not the kernel's)
