@@ -229,8 +229,12 @@ def test_client_held_until_a_server_registers():
 
 def test_dropped_session_frees_its_server_for_the_next_client():
     """A session dropped without close() (no reference left, no garbage collection) ends
-    at once: the next client gets the server, not "stayed busy" (issue 15, item 14)."""
-    px = rpc.Proxy(port=9800, port_end=9900, timeout_client=3)
+    at once: the next client gets the server, not "stayed busy" (issue 15, item 14).
+
+    Were the session left open, the server would stay busy and the next client would
+    wait the proxy's whole ``timeout_client`` and fail; the bound on the wait sits well
+    below that and well above a loaded machine's connect (2 s flaked beside 3 streams)."""
+    px = rpc.Proxy(port=9800, port_end=9900, timeout_client=20)
     srv = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="k", token="t")
     gc.disable()
     try:
@@ -242,7 +246,7 @@ def test_dropped_session_frees_its_server_for_the_next_client():
             t0 = time.monotonic()
             with rpc.connect("127.0.0.1", px.port, key="k", token="t") as s2:
                 assert s2.get_function("pxy.add")(2, 2) == 4
-            assert time.monotonic() - t0 < 2
+            assert time.monotonic() - t0 < 10
     finally:
         gc.enable()
         srv.terminate()
