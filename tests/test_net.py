@@ -401,6 +401,25 @@ def test_absorb_counts_bytes_moved_around_the_transport(sealed_pair):
         rx.absorb(rest)
 
 
+def test_begin_record_starts_the_next_record_for_a_caller_that_splices(sealed_pair):
+    """begin_record() reads the next record's head: a large one's payload is then the
+    caller's to move (absorb), a small one is read whole and checked (pending)."""
+    tx, rx, tap, raw = sealed_pair
+    big, small = os.urandom(2 * LARGE_RECORD), b"tail"
+    t = threading.Thread(target=lambda: (tx.send_parts([big]), tx.send_parts([small])))
+    t.start()
+    assert rx.begin_record() == len(big) and rx.record_left == len(big)
+    assert rx.begin_record() == len(big)  # under way: nothing more is read
+    rest = bytearray()
+    while len(rest) < len(big):
+        rest += rx.inner.sock.recv(len(big) - len(rest))
+    rx.absorb(rest)
+    assert rx.begin_record() == 0 and rx.pending == len(small)  # small: held, verified
+    assert rx.begin_record() == 0  # bytes held: nothing more is read
+    assert _recv(rx, len(small)) == small and bytes(rest) == big
+    t.join()
+
+
 # ----------------------------------------------------------------------------- relay
 def test_relay_reseals_between_two_protected_links():
     from disco_core.net.relay import relay

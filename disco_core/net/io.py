@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import DiscoTimeoutError
+from ..errors import DiscoTimeoutError, IntegrityError
 
 __all__ = [
     "IOV_MAX",
@@ -376,10 +376,11 @@ class SocketTransport:
     #: True when :meth:`limit_waits` bounds the blocking reads and writes (by ``_limit``)
     limited = False
     _limit = 0.0
-    #: ``heard_within(seconds) -> bool``, optional: whether the peer's bytes arrived in the
-    #: last ``seconds`` (read or not). A bounded write that found no room for its bound
-    #: waits on while they do: a live peer behind a relay that holds back what it was
-    #: sent (an ssh tunnel on a slow link) still sends its heartbeats.
+    #: ``heard_within(seconds) -> bool``, optional: whether the peer showed it is alive in
+    #: the last ``seconds`` (the RPC client: its heartbeats arrived, taken off the link
+    #: then and there). A bounded write that found no room for its bound waits on while
+    #: it does: a live peer behind a relay that holds back what it was sent (an ssh
+    #: tunnel on a slow link) still sends its heartbeats.
     heard_within: Callable[[float], bool] | None = None
 
     def __init__(self, sock: socket.socket) -> None:
@@ -499,6 +500,8 @@ class SocketTransport:
         heard = self.heard_within
         try:
             return heard is not None and seconds is not None and heard(seconds)
+        except IntegrityError:
+            raise  # a forged heartbeat: the link is broken, and the write says why
         except OSError:
             return False
 

@@ -252,6 +252,20 @@ class SealedTransport:
             self._finish()
         return n
 
+    def begin_record(self) -> int:
+        """Between records, with nothing verified waiting: read the next record's head.
+
+        For a caller that moves large records' payloads around this transport (see
+        :meth:`absorb`). Returns :attr:`record_left`: the new record's payload when it
+        is large, else 0 (a small record, now read whole and :attr:`pending`; the
+        end of the stream, which the next receive reports; or bytes still held).
+        """
+        if self._broken is not None:
+            raise IntegrityError(self._broken)
+        if self._held is None and not self._left:
+            self._begin()
+        return self._left
+
     def absorb(self, data: Any) -> None:
         """Count payload bytes the caller moved around this transport into the current record.
 

@@ -720,7 +720,7 @@ class RPCSession:
             # while they arrive waits on (a relay on a slow link holds back what it took)
             link = getattr(self._conn.t, "inner", self._conn.t)
             if type(link) is wire.SocketTransport and service.can_watch(self._conn):
-                link.heard_within = functools.partial(service.heard_within, link.sock)
+                link.heard_within = functools.partial(service.beat_within, self._conn)
         if beats and liveness > 0:
             self._beat_every = liveness / 4
             _HEARTBEATS.add(self)

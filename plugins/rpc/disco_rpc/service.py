@@ -355,6 +355,20 @@ def heard_within(sock: socket.socket, seconds: float) -> bool:
     return _tcp_state(sock)[1] < seconds
 
 
+def beat_within(conn: wire.Conn, seconds: float) -> bool:
+    """Whether the peer's heartbeats arrived on ``conn`` in the last ``seconds``.
+
+    For a writer that waited that long for room (the reader is idle meanwhile): the
+    heartbeats at the head of what arrived are taken off the link now (through the
+    seal, each checked: a forged one raises
+    :class:`~disco_core.errors.IntegrityError`), and the kernel says data arrived
+    within ``seconds`` (``TCP_INFO``: taken beats that came before the wait do not
+    count). Other bytes never count: a man in the middle who sends the client a
+    byte now and then, on a sealed link, no longer holds its write for good.
+    """
+    return conn.drop_heartbeats() > 0 and heard_within(conn.t.sock, seconds)
+
+
 def is_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped by a signal (``SIGSTOP``, ``SIGTSTP``: state ``T``;
     a debugger's tracing stop is ``t`` and does not count). False where it cannot be read."""

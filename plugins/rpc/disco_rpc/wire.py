@@ -120,6 +120,7 @@ __all__ = [
     "SealedLink",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "RECORD_BYTES",
+    "SEND_RECORD_BYTES",
     # the frame kinds, from disco_rpc.protocol
     "REQUEST",
     "REPLY",
@@ -130,9 +131,14 @@ __all__ = [
 
 #: Default bound on one frame (header plus buffers).
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
-#: The largest sealed record a disco-rpc peer sends or accepts: a file chunk with its
-#: frame heads fits in one; a larger frame is cut into several records.
+#: The largest sealed record a disco-rpc peer accepts (a file chunk with its frame heads
+#: fits in one: what releases before 2026-11-28 sent).
 RECORD_BYTES = CHUNK + (1 << 12)
+#: The largest sealed record a disco-rpc peer sends; a larger frame leaves as several.
+#: A relay (a chained session's outer server) passes a record on only once its tag
+#: checked: a record must cross the slowest link in well under the bound of the
+#: inner server's liveness check (8 s by default; 1 MiB takes 3.5 s at 300 KB/s).
+SEND_RECORD_BYTES = 1 << 20
 
 #: File descriptors that processes forked by disco-rpc close at once (the pipes of
 #: PopenSessions, so that a forked server does not keep them open).
@@ -587,10 +593,10 @@ def _real_fd(sink: Any) -> int | None:
 class SealedLink(SealedTransport):
     """A :class:`~disco_core.net.protect.SealedTransport` with records of bounded size.
 
-    A ``send_parts`` larger than :data:`RECORD_BYTES` leaves as several records, so
-    a receiver (or a relay, which forwards only whole verified records) never
+    A ``send_parts`` larger than :data:`SEND_RECORD_BYTES` leaves as several records,
+    so a receiver (or a relay, which forwards only whole verified records) never
     holds more than one record's worth of unverified bytes, and records from the
-    peer larger than that are refused before they are read.
+    peer larger than :data:`RECORD_BYTES` are refused before they are read.
     Its :attr:`record_left` tells a reader whether the bytes it has are all verified.
     """
 
@@ -604,7 +610,7 @@ class SealedLink(SealedTransport):
 
     @interrupts.protect(blocking=True)
     def send_parts(self, parts: list) -> None:
-        """Send ``parts`` as one record, or as several of at most :data:`RECORD_BYTES`.
+        """Send ``parts`` as one record, or as several of at most :data:`SEND_RECORD_BYTES`.
 
         Ctrl-C waits until all are out (a frame cut between its records left the peer
         waiting for the rest); a second one while the write blocks breaks the link.
@@ -619,7 +625,7 @@ class SealedLink(SealedTransport):
             interrupts.deliver()
 
     def _send_records(self, parts: list) -> None:
-        if sum(_buffer_size(p) for p in parts) <= RECORD_BYTES:
+        if sum(_buffer_size(p) for p in parts) <= SEND_RECORD_BYTES:
             super().send_parts(parts)
             return
         views = as_views(parts)
@@ -627,11 +633,11 @@ class SealedLink(SealedTransport):
         size = 0
         for v in views:
             while v.nbytes:
-                take = min(v.nbytes, RECORD_BYTES - size)
+                take = min(v.nbytes, SEND_RECORD_BYTES - size)
                 group.append(v[:take])
                 size += take
                 v = v[take:]
-                if size == RECORD_BYTES:
+                if size == SEND_RECORD_BYTES:
                     super().send_parts(group)
                     group, size = [], 0
         if group:
@@ -1089,13 +1095,19 @@ class Conn:
             if sealed is None:
                 splice_exact(self.t.sock, self._pipe, out_fd, n - have)
                 return
-            # what the current record holds is spliced; the rest (a chunk sent in several
-            # records) is read below
-            k = min(n - have, sealed.record_left)
+            # a chunk sent in several records: each large one is spliced in turn; a
+            # small one (read whole by the seal) and what follows it are read below
             if self._hash_buf is None:
                 self._hash_buf = memoryview(bytearray(_ABSORB_BYTES))
-            _splice_sealed(sealed, self._pipe, out_fd, k, self._hash_buf)
-            have += k
+            while have < n:
+                k = min(n - have, sealed.record_left or sealed.begin_record())
+                if not k:
+                    break
+                try:
+                    _splice_sealed(sealed, self._pipe, out_fd, k, self._hash_buf)
+                except SinkFailedError as exc:  # what this record held is read: the rest
+                    raise SinkFailedError(exc.exc, exc.left + n - have - k) from None
+                have += k
         left = n - have
         scratch = memoryview(bytearray(min(left, CHUNK) or 1))
         while left:
@@ -1121,7 +1133,7 @@ class Conn:
         """Send one heartbeat frame (the caller holds whatever serialises this side's sends)."""
         self.send_encoded(HEARTBEAT, 0, b"", [])  # the 12 bytes of HEARTBEAT_FRAME
 
-    def drop_heartbeats(self, limit: int = 4 << 20) -> None:
+    def drop_heartbeats(self, limit: int = 4 << 20) -> int:
         """Read what has arrived, without blocking, and drop the heartbeat frames at its head.
 
         For a thread other than the reader, while the reader is busy elsewhere (a
@@ -1129,34 +1141,38 @@ class Conn:
         would otherwise fill the socket's receive queue, after which the kernel
         stops taking data and the client looks silent. Anything else stays in the
         read buffer for the reader. At most ``limit`` bytes are read (a peer that
-        floods heartbeats cannot keep the caller here). Plain sockets only; the
-        caller makes sure the reader is not reading meanwhile.
+        floods heartbeats cannot keep the caller here). On a sealed link each one is
+        checked (:class:`~disco_core.errors.IntegrityError` if forged). Plain
+        sockets and sealed links over them; the caller makes sure the reader is not
+        reading meanwhile. Returns how many heartbeats were dropped.
         """
         sock = self.t.sock
         size = _HEAD.size
         sealed = isinstance(self.t, SealedTransport)
         poll = select.poll()
         poll.register(sock.fileno(), select.POLLIN)
+        dropped = 0
         while True:
             while self.end - self.start >= size and self.buf[self.start : self.start + size] == HEARTBEAT_FRAME:  # fmt: skip
                 self.start += size
+                dropped += 1
             if self.end - self.start >= size:
-                return  # something else: the reader's
+                return dropped  # something else: the reader's
             if self.start:
                 self.buf[: self.end - self.start] = self.buf[self.start : self.end]
                 self.end -= self.start
                 self.start = 0
             if limit <= 0 or not poll.poll(0):
-                return  # nothing more has arrived (a socket with a timeout would wait)
+                return dropped  # nothing more has arrived (a socket with a timeout would wait)
             if sealed:
                 k = self._take_sealed_heartbeat(sock)
             else:
                 try:
                     k = sock.recv_into(self.view[self.end :], 0, _DONTWAIT)
                 except (BlockingIOError, InterruptedError, TimeoutError):
-                    return
+                    return dropped
             if not k:
-                return  # the end of the stream (the reader sees it too), or not a heartbeat
+                return dropped  # the end of the stream (the reader sees it too), or not a heartbeat
             self.end += k
             limit -= k
 

@@ -403,6 +403,35 @@ def test_a_transfer_longer_than_the_bound_on_a_slow_link_succeeds(what, token, t
         server.terminate()
 
 
+@pytest.mark.parametrize("watch", ["0", "1"], ids=["unwatched", "watched"])
+def test_a_sealed_chained_session_on_a_slow_link_keeps_its_inner_server(watch, monkeypatch):
+    """The outer server of a sealed chain passes a record on only once its tag checked,
+    so the inner server hears nothing while a record crosses the slow link. Records of
+    8 MiB (a file chunk) took 4 s here, and the inner server, bound 2 s, dropped its
+    client, with the watch on or off (an outside check's finding A); records of
+    1 MiB (``wire.SEND_RECORD_BYTES``) take 0.5 s."""
+    monkeypatch.setenv("DISCO_RPC_WATCH_SERVER", watch)
+    outer = rpc.Server(port=10500, port_end=10600, liveness_timeout=BOUND, token="out")
+    inner = rpc.Server(port=10500, port_end=10600, liveness_timeout=BOUND, token="in")
+    link = _SlowLink(outer.port, rate=2e6)
+    ctor = ["rpc.Connect", "127.0.0.1", inner.port, "", False, {"token": "in"}]
+    try:
+        with rpc.connect("127.0.0.1", link.port, token="out", session_constructor_args=ctor) as s:
+            data = np.random.default_rng(3).integers(0, 255, 8 << 20, dtype=np.uint8)
+            t0 = time.monotonic()
+            y = rpc.empty(data.shape, "uint8", device=s.cpu(0))
+            y.copyfrom(data)  # one frame: 8 MiB and its heads
+            assert s.get_function("srvlive.crc")(y) == zlib.crc32(data)
+            s.upload(data.tobytes(), "slow.bin")
+            assert s.download("slow.bin") == data.tobytes()
+            took = time.monotonic() - t0
+            assert took > 3 * BOUND, f"the link was not slow enough to test this ({took:.1f} s)"
+    finally:
+        link.close()
+        inner.terminate()
+        outer.terminate()
+
+
 class _HoldingRelay(_Relay):
     """A relay on a slow link that takes what the client sends at once, up to ``hold``
     bytes, and passes it on at ``rate`` bytes a second (an ``ssh -L`` tunnel: the
@@ -698,6 +727,67 @@ class _TricklingRelay:
         self.lsock.close()
         for sock in getattr(self, "socks", ()):
             sock.close()
+
+
+class _JunkRelay(_TricklingRelay):
+    """A man in the middle who, once ``hold`` is set, passes nothing on either way and
+    sends the client one byte of junk every 0.5 s (for 30 s)."""
+
+    def _accept(self) -> None:
+        c, _ = self.lsock.accept()
+        s = socket.create_connection(("127.0.0.1", self.target))
+        self.socks = (c, s)
+        threading.Thread(target=self._pass, args=(c, s), daemon=True).start()
+        threading.Thread(target=self._pass, args=(s, c), daemon=True).start()
+        threading.Thread(target=self._junk, args=(c,), daemon=True).start()
+
+    def _pass(self, src, dst) -> None:
+        src.settimeout(0.05)
+        try:
+            while not self.hold.is_set():
+                try:
+                    data = src.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def _junk(self, dst) -> None:
+        self.hold.wait()
+        deadline = time.monotonic() + 30
+        try:
+            while not self.stop.wait(0.5) and time.monotonic() < deadline:
+                dst.sendall(b"\x07")
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("token", [None, "tok"], ids=["plain", "sealed"])
+def test_junk_from_a_man_in_the_middle_does_not_hold_a_watched_write(token):
+    """A write that waits for room waits on only while the server's heartbeats arrive.
+    Before, any byte counted: a man in the middle who stopped passing the request on
+    and sent the client a byte every 0.5 s held the write for as long as he liked
+    (outside check, finding B)."""
+    srv = _start_server(token)
+    relay = _JunkRelay(srv.port)
+    try:
+        with rpc.connect("127.0.0.1", relay.port, token=token) as s:
+            assert s.get_function("srvlive.sleep")(0) == 0
+            data = np.zeros(64 << 20, dtype=np.uint8)  # more than the buffers on the way hold
+            y = rpc.empty(data.shape, "uint8", device=s.cpu(0))
+            relay.hold.set()
+            time.sleep(0.2)  # (what was under way has passed)
+            t0 = time.monotonic()
+            with pytest.raises(rpc.RPCError, match="took none of what this client sent"):
+                y.copyfrom(data)
+            took = time.monotonic() - t0
+            assert took < WITHIN, f"the write was held for {took:.1f} s"
+    finally:
+        relay.close()
+        srv.terminate()
 
 
 @pytest.mark.parametrize("liveness", [0, BOUND], ids=["server-without-beats", "server-beats"])
