@@ -662,15 +662,26 @@ class RPCSession:
             )
             self._closed_why = text
             raise RPCError(text) from exc
-        why = "the server process died or dropped the session"
-        stalled = _HEARTBEATS.stalled(max(5.0, liveness)) if liveness else 0.0
-        if liveness and stalled > liveness / 2:  # with the beats' spacing: silent > liveness
+        if isinstance(exc, IntegrityError):
             why = (
-                f"probably because this process could not run for {stalled:.1f} s (stopped, "
-                "suspended, or a thread held the GIL): the server heard nothing from it for "
-                f"its liveness_timeout of {liveness:g} s, took this client for frozen and ended "
-                "the session"
+                "a sealed record failed its check: something between this client and the "
+                "server altered the stream"
             )
+        elif isinstance(exc, (ProtocolError, FrameLimitError)):
+            why = (
+                "the server broke the protocol: a server of another release, or something "
+                "between this client and the server altered the stream"
+            )
+        else:
+            why = "the server process died or dropped the session"
+            stalled = _HEARTBEATS.stalled(max(5.0, liveness)) if liveness else 0.0
+            if liveness and stalled > liveness / 2:  # with the beats' spacing: silent > liveness
+                why = (
+                    f"probably because this process could not run for {stalled:.1f} s (stopped, "
+                    "suspended, or a thread held the GIL): the server heard nothing from it for "
+                    f"its liveness_timeout of {liveness:g} s, took this client for frozen and "
+                    "ended the session"
+                )
         text = (
             f"lost the connection to the RPC server {self._label} during {what}: "
             f"{type(exc).__name__}: {exc} ({why})"

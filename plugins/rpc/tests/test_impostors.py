@@ -356,8 +356,49 @@ def test_relay_flips_a_byte_of_a_reply(token_server):
         with pytest.raises(rpc.RPCError, match="IntegrityError") as info:
             s.get_function("imp.add")
         assert isinstance(info.value.__cause__, disco.errors.IntegrityError)
+        assert "altered the stream" in str(info.value) and "died" not in str(info.value)
     finally:
         mitm.close()
+
+
+def test_a_frame_put_inside_a_download_is_named_a_broken_protocol(tmp_path):
+    """Something on an unsealed link puts a heartbeat frame inside a download's file
+    stream: the client says the protocol was broken (it said "the server process died
+    or dropped the session", outside check)."""
+    srv = rpc.Server(port=10200, port_end=10250, liveness_timeout=0)
+    lst = socket.create_server(("127.0.0.1", 0))
+    armed = threading.Event()
+
+    def pump(src: socket.socket, dst: socket.socket, meddle: bool) -> None:
+        passed = 0
+        try:
+            while data := src.recv(1 << 16):
+                if meddle and armed.is_set() and passed < (1 << 20) <= passed + len(data):
+                    data = data[:100] + wire.HEARTBEAT_FRAME + data[100:]
+                if meddle and armed.is_set():
+                    passed += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def run() -> None:
+        c, _ = lst.accept()
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        threading.Thread(target=pump, args=(c, s, False), daemon=True).start()
+        threading.Thread(target=pump, args=(s, c, True), daemon=True).start()
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        with rpc.connect("127.0.0.1", lst.getsockname()[1]) as s:
+            s.upload(os.urandom(16 << 20), "big.bin")
+            armed.set()
+            with pytest.raises(rpc.RPCError, match="broke the protocol") as info:
+                s.download("big.bin", target=str(tmp_path / "big.bin"))
+            assert "died" not in str(info.value)
+            assert not (tmp_path / "big.bin").exists()
+    finally:
+        lst.close()
+        srv.terminate()
 
 
 def test_relay_replays_a_request(token_server):
