@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -211,21 +212,29 @@ class WorkerDiedError(DiscoError):
         The workers that are gone.
     reason : str
         What is known about how they died (exit code, signal, lost connection).
+    given_up : bool
+        They may still run, but the session gave them up: their command stream was
+        cut (a signal handler's exception in the middle of a write), so they can no
+        longer be trusted to agree on what ran. The message says so, not "died".
     """
 
     _what = "died"
 
-    def __init__(self, worker_ids: Iterable[int], reason: str = "") -> None:
+    def __init__(self, worker_ids: Iterable[int], reason: str = "", *, given_up: bool = False) -> None:  # fmt: skip
         self.worker_ids = sorted(set(worker_ids))
         self.reason = reason
-        ids = ", ".join(map(str, self.worker_ids))
-        text = f"worker{'s' if len(self.worker_ids) != 1 else ''} {ids} {self._what}"
+        self.given_up = given_up
+        many = len(self.worker_ids) != 1
+        what = ("were given up" if many else "was given up") if given_up else self._what
+        text = f"worker{'s' if many else ''} {', '.join(map(str, self.worker_ids))} {what}"
         if reason:
             text += f": {reason}"
         text += "; the session can no longer run commands (shutdown() still works)"
         super().__init__(text)
 
     def __reduce__(self):
+        if self.given_up:
+            return (functools.partial(type(self), given_up=True), (self.worker_ids, self.reason))
         return (type(self), (self.worker_ids, self.reason))
 
 

@@ -159,6 +159,17 @@ def test_worker_errors_of_disco_types_keep_their_type():
         assert type(disco.WorkerError(0, name, "m")) is disco.WorkerError
 
 
+def test_worker_died_error_says_given_up_and_keeps_it_through_pickle():
+    gone = disco.WorkerDiedError([2, 1], "its command stream was cut", given_up=True)
+    assert str(gone).startswith("workers 1, 2 were given up: its command stream was cut")
+    one = disco.WorkerDiedError([1], "killed")
+    assert str(one).startswith("worker 1 died: killed") and not one.given_up
+    for err in (gone, one, disco.WorkerUnresponsiveError([3], "silent")):
+        rebuilt = pickle.loads(pickle.dumps(err))
+        assert type(rebuilt) is type(err) and str(rebuilt) == str(err)
+        assert rebuilt.given_up == err.given_up
+
+
 def test_error_surfaces_at_the_sync_that_follows_it(no_leftover_children):
     """Issue 14, finding 3: worker 1 fails, joins an allreduce; the next sync raises it."""
     with disco.ProcessSession(3) as sess:

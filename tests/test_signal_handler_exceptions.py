@@ -159,8 +159,11 @@ def test_an_exception_between_two_workers_queues_gives_the_workers_up(alarm_rais
                 echo(2)  # worker 0 has the command, workers 1 and 2 do not
         finally:
             channel._pendings[1] = real
-        with pytest.raises(disco.WorkerDiedError, match=r"(Boom\('alarm'\)|KeyboardInterrupt\(''\)), raised by a signal handler of the program, cut the hand-over"):  # fmt: skip
+        with pytest.raises(disco.WorkerDiedError, match=r"(Boom\('alarm'\)|KeyboardInterrupt\(''\)), raised by a signal handler of the program, cut the hand-over") as info:  # fmt: skip
             echo(3).debug_get_from_remote(0)
+        # alive but given up: the message does not say they died
+        assert str(info.value).startswith("workers 0, 1, 2 were given up:"), info.value
+        assert info.value.given_up
 
 
 @pytest.mark.timeout(60, method="thread")

@@ -340,6 +340,7 @@ class ReplyHub:
         self.dead: dict[int, str] = {}
         #: workers declared dead because they stopped answering (a subset of ``dead``)
         self.unresponsive: set[int] = set()
+        self.given_up: set[int] = set()  # alive, but their command streams were cut
         #: workers that said they send heartbeats (their first ``alive`` message): only
         #: they are judged by their silence (a worker of an older version never beats)
         self.beating: set[int] = set()
@@ -406,8 +407,10 @@ class ReplyHub:
             except Exception:  # as in mark_dead: a failing abort must not hide the death
                 pass
 
-    def mark_dead(self, worker_ids: Iterable[int], reason: str, unresponsive: bool = False) -> None:
-        """Record dead (or ``unresponsive``) workers, wake every waiter, run the death callbacks once."""
+    def mark_dead(self, worker_ids: Iterable[int], reason: str, unresponsive: bool = False, given_up: bool = False) -> None:  # fmt: skip
+        """Record dead (or ``unresponsive``, or alive but ``given_up``: see
+        :class:`~disco_core.errors.WorkerDiedError`) workers, wake every waiter, run the
+        death callbacks once."""
         ids = [w for w in worker_ids if w not in self.dead]
         if not ids or self.closing:
             return
@@ -416,6 +419,8 @@ class ReplyHub:
                 self.dead[w] = reason
             if unresponsive:
                 self.unresponsive.update(ids)
+            if given_up:
+                self.given_up.update(ids)
             callbacks = list(self._death_callbacks)
         for cb in callbacks:
             try:
@@ -427,8 +432,10 @@ class ReplyHub:
 
     def died_error(self) -> WorkerDiedError:
         reasons = sorted(set(self.dead.values()))
-        cls = WorkerUnresponsiveError if self.unresponsive >= set(self.dead) else WorkerDiedError
-        return cls(sorted(self.dead), "; ".join(reasons))
+        if self.unresponsive >= set(self.dead):
+            return WorkerUnresponsiveError(sorted(self.dead), "; ".join(reasons))
+        given_up = self.given_up >= set(self.dead)
+        return WorkerDiedError(sorted(self.dead), "; ".join(reasons), given_up=given_up)
 
     def wait(
         self,
@@ -724,6 +731,7 @@ class BatchingLink(WorkerLink):
             self.worker_ids,
             f"{type(exc).__name__}({str(exc)[:80]!r}) was raised in the middle of a write to "
             "it (by a signal handler of the program?): its command stream was cut",
+            given_up=True,
         )
 
     def _cut(self, exc: BaseException) -> None:
@@ -1214,6 +1222,7 @@ class LinkChannel(Channel):
             f"{type(exc).__name__}({str(exc)[:80]!r}), raised by a signal handler of the "
             "program, cut the hand-over of commands to the workers: they may no longer "
             "agree on what ran",
+            given_up=True,
         )
 
     def __init__(self, num_workers: int, num_groups: int) -> None:
