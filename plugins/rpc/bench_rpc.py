@@ -13,7 +13,8 @@ client and server on one CPU; client on CPU 0 and the server process (and the
 session processes it forks) on the others. The server is started while this
 process sits on the server's CPUs, so it inherits them; TVM's child does the same
 for its own server. Each placement prints the floor (one-byte ping-pong over
-loopback TCP between two processes, memcpy; the raw stream into fresh memory,
+loopback TCP between two processes, and a bare request/reply in plain Python over
+it; memcpy; the raw stream into fresh memory,
 where a download lands, and into a file, where an upload lands) and the load
 average.
 
@@ -29,6 +30,7 @@ import json
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,54 @@ from _placement import PLACEMENTS, Placement, floor, load_average, placements  #
 from disco_core.net.io import unfilled_bytearray  # noqa: E402  (the fresh floor: as a download allocates)
 
 BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+
+
+def bare_request_reply(calls: int, place: Placement) -> float:
+    """Median seconds of a request/reply in plain Python over loopback TCP between two
+    processes: a 16-byte ``struct`` head carrying a function number and an integer,
+    a dict lookup and the call (``x + 1``) in the other process, the reply's head
+    back (``sendall`` and ``recv_into`` on each side). What Python itself costs for
+    an RPC, without anything a real one needs (a codec, handles, errors, locks,
+    liveness, interrupts, limits): the floor a Python call path can approach.
+    """
+    head = struct.Struct("<BBHIQ")  # kind, op, flags, function, argument
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    port = lst.getsockname()[1]
+    with place.spawning():
+        pid = os.fork()
+    if pid == 0:
+        try:
+            lst.close()
+            c = socket.create_connection(("127.0.0.1", port))
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            funcs = {7: lambda x: x + 1}
+            buf = bytearray(1 << 16)
+            view = memoryview(buf)
+            while c.recv_into(view):
+                _kind, op, _flags, func, arg = head.unpack_from(buf, 0)
+                c.sendall(head.pack(2, op, 0, 0, funcs[func](arg)))
+        finally:
+            os._exit(0)
+    conn, _ = lst.accept()
+    lst.close()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(1 << 16)
+    view = memoryview(buf)
+    times = []
+    try:
+        for i in range(calls):
+            t0 = time.perf_counter()
+            conn.sendall(head.pack(1, 3, 0, 7, i))
+            conn.recv_into(view)
+            if head.unpack_from(buf, 0)[4] != i + 1:
+                raise AssertionError("the bare request/reply loop lost step")
+            times.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+        os.waitpid(pid, 0)
+    return statistics.median(times[calls // 10 :])
 
 
 def raw_loopback(
@@ -299,6 +349,7 @@ def main() -> int:
     for place in placements(a.placements.split(",")):
         with place:
             fl = floor(place, 1000)
+            fl["bare_rpc_s"] = bare_request_reply(max(a.calls, 2000), place)
             load = os.getloadavg()[0]
             raw = raw_loopback(nbytes, a.reps, place)
             raw_fresh = raw_loopback(nbytes, a.reps, place, fresh=True)
@@ -319,7 +370,8 @@ def main() -> int:
         )
         print(
             f"\n== {place.describe()}: load {load:.2f}; floor: socket ping-pong "
-            f"{fl['socket_rt_s'] * 1e6:.1f} us, memcpy {fl['memcpy_GBps']:.1f} GB/s; "
+            f"{fl['socket_rt_s'] * 1e6:.1f} us, bare Python request/reply "
+            f"{fl['bare_rpc_s'] * 1e6:.1f} us, memcpy {fl['memcpy_GBps']:.1f} GB/s; "
             f"raw loopback TCP stream {raw:.2f} GB/s, into fresh memory {raw_fresh:.2f} GB/s "
             f"(download/fresh stream: {ours['download_GBps'] / raw_fresh:.2f}), sendfile from a "
             f"file into fresh memory {raw_file_fresh:.2f} GB/s (download/that stream: "
