@@ -575,6 +575,11 @@ def open_tracker_link(addr: Any, role_key: str, token: Any, ssl_context: Any, ti
     )
 
 
+#: Tickets a registration takes from the tracker before its answer (a bound on a tracker
+#: that never answers).
+_MAX_EARLY_TICKETS = 1024
+
+
 class Registration:
     """A server's (or a proxy's) link to a tracker: registers, hears tickets, reports sessions.
 
@@ -605,9 +610,19 @@ class Registration:
         # bounded: the tracker answers at once; the bound stays for the link's later
         # sends and reads (poll reads only frames select saw begin)
         conn.t.settimeout(REGISTRATION_TIMEOUT)
+        tickets: set[str] = set()
         try:
             conn.send(REQUEST, T_PUT, (self.key, self.addr[0], self.addr[1], busy))
-            kind, _op, value = conn.recv()
+            # a tracker of an earlier release matches a waiting client before it answers:
+            # its tickets may come first (taken for a refusal before: the server exited)
+            for _ in range(_MAX_EARLY_TICKETS):
+                kind, op, value = conn.recv()
+                if kind != REQUEST or op not in (T_ASSIGN, T_REVOKE):
+                    break
+                if op == T_ASSIGN:
+                    tickets.add(str(value))
+                else:
+                    tickets.discard(str(value))
         except BaseException:
             conn.close()
             raise
@@ -616,7 +631,7 @@ class Registration:
             why = value[1] if isinstance(value, (tuple, list)) and len(value) > 1 else value
             raise RPCError(f"the tracker refused the registration of key {self.key[:64]!r}: {why}")
         self.conn = conn
-        self.tickets.clear()
+        self.tickets = tickets
 
     def reconnect_if_lost(self, every: float = 1.0) -> None:
         if self.conn is None and time.monotonic() - self.last_try >= every:

@@ -235,7 +235,9 @@ class TrackerState:
     # all methods below run with self.lock held
     def put(self, link: _Link, key: str, addr: tuple, busy: str | None = None) -> int:
         """Register a server; ``busy``: the ticket of the session it is serving (it registers
-        again after a tracker restart in the middle of a session)."""
+        again after a tracker restart in the middle of a session). The caller answers the
+        registration, then calls :meth:`match`: a server of an earlier release took a
+        ticket that came before that answer for a refusal, and exited."""
         sid = next(self.next_sid)
         remember_key(self.seen_keys, key, SUMMARY_MAX_KEYS)
         e = self.servers[sid] = _ServerEntry(sid, key, addr, link)
@@ -244,7 +246,6 @@ class TrackerState:
             e.ticket, e.started = busy, True
             self.by_ticket[busy] = e
         logger.info("server %d registered: key %r at %s:%s%s", sid, key, *addr, " (busy)" if busy else "")  # fmt: skip
-        self._match(key)
         return sid
 
     def remove(self, sid: int, reason: str) -> None:
@@ -309,6 +310,10 @@ class TrackerState:
                 t = e.ticket
                 e.link.send(REQUEST, T_REVOKE, t)
                 self.release(t, "its ticket was not used in time")
+
+    def match(self, key: str) -> None:
+        """Give the free servers of ``key`` to the requests waiting for one."""
+        self._match(key)
 
     def _match(self, key: str) -> None:
         q = self.queues.get(key)
@@ -452,7 +457,8 @@ def _serve_link(link: _Link, state: TrackerState) -> None:
                         host = addr[0]
                     with state.lock:
                         sid = state.put(link, key, (host, port), busy)
-                    link.send(REPLY, T_PUT, sid)
+                        link.send(REPLY, T_PUT, sid)  # first: then the tickets
+                        state.match(key)
                 elif op in (T_START, T_END):
                     ticket = str(value)
                     with state.lock:

@@ -183,6 +183,57 @@ def test_priority_then_fifo(tracker):
         srv.terminate()
 
 
+@pytest.mark.parametrize(
+    "tracker_first", [True, False], ids=["this-tracker", "tracker-of-the-last-release"]
+)
+def test_a_server_registering_while_a_client_waits_serves_it(tracker, monkeypatch, tracker_first):
+    """A request waits at the tracker; a server of its key then registers. The tracker
+    matched them before it answered the registration, and the server took the ticket
+    that came first for a refusal and exited (outside chaos check, 8 of 8 runs). Now
+    the tracker answers first, and a server takes tickets that come before the answer
+    (as a tracker of the last release sends them: the second case patches this one
+    back to that order)."""
+    if not tracker_first:
+        tracker.terminate()
+        from disco_rpc import tracker as tracker_module
+
+        def put_then_match(self, link, key, addr, busy=None, _put=tracker_module.TrackerState.put):
+            sid = _put(self, link, key, addr, busy)
+            self.match(key)  # the tickets before the answer, as the last release did
+            return sid
+
+        monkeypatch.setattr(tracker_module.TrackerState, "put", put_then_match)
+        tracker = rpc.Tracker(port=9600, port_end=9700, match_timeout=2.0)
+    result: list = []
+
+    def client() -> None:
+        ts = rpc.connect_tracker(*tracker.addr)
+        try:
+            with ts.request("late", wait_timeout=30) as s:
+                result.append(s.get_function("trk.calls")() >= 0)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            result.append(exc)
+        finally:
+            ts.close()
+
+    th = threading.Thread(target=client)
+    th.start()
+    ts = rpc.connect_tracker(*tracker.addr)
+    srv = None
+    try:
+        assert _wait(lambda: ts.summary()["queue_info"].get("late", {}).get("pending") == 1)
+        srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tracker.addr, key="late")
+        th.join(30)
+        assert result == [True]
+        assert os.waitpid(srv.pid, os.WNOHANG) == (0, 0)  # it did not exit
+    finally:
+        ts.close()
+        if srv is not None:
+            srv.terminate()
+        if not tracker_first:
+            tracker.terminate()
+
+
 def test_server_death_removes_it(tracker):
     a = rpc.Server(port=9400, port_end=9500, tracker_addr=tracker.addr, key="k")
     b = rpc.Server(port=9400, port_end=9500, tracker_addr=tracker.addr, key="k")
