@@ -452,8 +452,11 @@ def test_ctrl_c_while_small_commands_wait_for_room_in_a_full_pipe_finishes_them(
         assert "finishing that first" in caplog.text
         assert fired == ([1] if second else [])
         if second:  # as the warning said: that worker is given up, nothing hangs
-            with pytest.raises(disco.WorkerDiedError, match="second interrupt"):
+            with pytest.raises(disco.WorkerDiedError, match="second interrupt") as info:
                 echo(8).debug_get_from_remote(1)
+            # only busy: "given up", not "stopped answering" (outside chaos check)
+            assert "was given up" in str(info.value) and info.value.given_up
+            assert not isinstance(info.value, disco.WorkerUnresponsiveError)
         else:
             assert [echo(v).debug_get_from_remote(1) for v in (8, 9)] == [8, 9]
 

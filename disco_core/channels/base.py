@@ -432,10 +432,12 @@ class ReplyHub:
 
     def died_error(self) -> WorkerDiedError:
         reasons = sorted(set(self.dead.values()))
-        if self.unresponsive >= set(self.dead):
-            return WorkerUnresponsiveError(sorted(self.dead), "; ".join(reasons))
-        given_up = self.given_up >= set(self.dead)
-        return WorkerDiedError(sorted(self.dead), "; ".join(reasons), given_up=given_up)
+        dead = set(self.dead)
+        if self.given_up >= dead:  # alive, maybe busy: neither dead nor silent
+            return WorkerDiedError(sorted(dead), "; ".join(reasons), given_up=True)
+        if self.unresponsive >= dead:
+            return WorkerUnresponsiveError(sorted(dead), "; ".join(reasons))
+        return WorkerDiedError(sorted(dead), "; ".join(reasons))
 
     def wait(
         self,
@@ -741,8 +743,8 @@ class BatchingLink(WorkerLink):
             f"a second interrupt ({type(exc).__name__}) cut the command being written "
             "to it: its command stream was lost"
         )
-        if hub is not None:
-            hub.mark_dead(self.worker_ids, reason, unresponsive=True)
+        if hub is not None:  # (unresponsive: a worker left inside a frame is killed at shutdown)
+            hub.mark_dead(self.worker_ids, reason, unresponsive=True, given_up=True)
         self.give_up_at = 0.0  # a write waiting on a full pipe ends (_stalled)
 
     #: ``time.monotonic()`` when the write in progress began (None: not writing). The
