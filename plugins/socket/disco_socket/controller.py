@@ -495,7 +495,9 @@ class NodeLink(BatchingLink):
                 "the heartbeat timeout"
             )
         log.error("disco-socket: %s", self.dead_reason)
-        self.hub.mark_dead(self.worker_ids, self.dead_reason)
+        # silent, not known dead: WorkerUnresponsiveError ("stopped answering"), as a
+        # silent worker is (outside chaos check: a frozen node read "died")
+        self.hub.mark_dead(self.worker_ids, self.dead_reason, unresponsive=True)
         self.kill()  # unblocks any send stuck on the dead connection
 
     def poll(self) -> str | None:

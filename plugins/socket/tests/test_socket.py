@@ -578,6 +578,7 @@ def test_frozen_node_is_declared_dead(cluster):
     assert info.value.worker_ids == [2, 3]
     msg = str(info.value)
     assert "node 1" in msg and "workers 2-3" in msg and "stopped responding" in msg
+    assert isinstance(info.value, disco.WorkerUnresponsiveError) and "stopped answering" in msg
     # Thawed, the agent finds its connection closed; it exits and its workers with it.
     assert sess.agents[0].wait(10) == 1
     assert wait_gone(pids[2:], 5) == []
@@ -921,6 +922,7 @@ def test_network_cut_is_noticed_by_both_sides(monkeypatch):
             assert time.monotonic() - t0 < 2.0 + 3.0
             assert info.value.worker_ids == [2, 3]
             assert "node 1" in str(info.value) and "stopped responding" in str(info.value)
+            assert isinstance(info.value, disco.WorkerUnresponsiveError)
             assert agents[0].wait(10) == 1  # the agent noticed the silence too
             assert wait_gone(pids[2:], 5) == []
         finally:
