@@ -485,6 +485,53 @@ def test_a_ctrl_c_in_a_write_that_does_not_wait_gives_no_warning(caplog):
 
 
 @pytest.mark.timeout(60)
+def test_an_interrupt_in_a_large_write_that_ends_soon_gives_no_warning(caplog):
+    """A large command (written whole on a helper thread) to an idle worker: a signal
+    handler's exception while it is written logged "finishing it first; interrupt
+    again ..." at once, where the README promises the warning after a quarter second
+    of holding back (outside chaos check). The write ends within milliseconds here:
+    no warning; the exception still reaches the program, and the session carries on."""
+    import signal
+    import sys
+
+    import numpy as np
+
+    from disco_core import _interrupts
+    from disco_core.channels.base import BatchingLink
+
+    whole, wait = BatchingLink._write_whole.__code__, threading.Event.wait.__code__
+    fired: list[int] = []
+
+    def alarm(signum, frame):
+        raise TimeoutError("alarm")
+
+    def tracer(frame, event, arg):  # SIGALRM as the main thread starts to wait for the write
+        if event == "call" and frame.f_code is wait and frame.f_back.f_code is whole and not fired:
+            fired.append(1)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        with disco.ProcessSession(2) as sess:
+            sess.import_python_module("disco_core.testing.funcs")
+            echo = sess.get_global_func("testing.echo")
+            big = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: past WHOLE_BYTES
+            sess._sync_all()
+            sys.settrace(tracer)
+            try:
+                with pytest.raises(TimeoutError, match="alarm"):
+                    echo(big)
+            finally:
+                sys.settrace(None)
+            assert fired == [1]
+            time.sleep(_interrupts.WARN_AFTER + 0.2)
+            assert "finishing it first" not in caplog.text
+            assert np.array_equal(echo(big).debug_get_from_remote(1), big)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.timeout(60)
 def test_two_ctrl_c_in_a_burst_while_a_write_waits_are_one(caplog):
     """Two SIGINTs 20 ms apart while small commands wait for room in a busy worker's
     pipe: the second was taken for "give the worker up" and the session lost that

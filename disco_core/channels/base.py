@@ -658,6 +658,9 @@ class BatchingLink(WorkerLink):
                 done.set()
 
         interrupted: BaseException | None = None
+        # the warning comes once the write has held the interrupt for WARN_AFTER, as a
+        # protected step's does: most writes end first (outside check: it came at once)
+        warn_at: float | None = None
         try:
             # The bare C call, not Thread.start (Python code that waits for the thread
             # to run): an interrupt raised there came with the writer running, and the
@@ -667,10 +670,14 @@ class BatchingLink(WorkerLink):
             raise
         except BaseException as exc:  # Ctrl-C, a signal handler's error: after the start
             interrupted = exc
-            self._warn_finishing(nbytes)
+            warn_at = time.monotonic() + _interrupts.WARN_AFTER
         while not finished:
             try:
-                done.wait()
+                if warn_at is None:
+                    done.wait()
+                elif not done.wait(max(0.0, warn_at - time.monotonic())):
+                    warn_at = None
+                    self._warn_finishing(nbytes, interrupted)
             except BaseException as exc:  # Ctrl-C, a signal handler's error
                 if finished:
                     interrupted = interrupted or exc  # the write is whole: nothing cut
@@ -682,18 +689,18 @@ class BatchingLink(WorkerLink):
                     done.wait(max(1.0, 4 * STALL_CHECK))
                     raise
                 interrupted = exc
-                self._warn_finishing(nbytes)
+                warn_at = time.monotonic() + _interrupts.WARN_AFTER
         if failed:
             raise failed[0]
         if interrupted is not None:
             interrupted._disco_whole = True  # type: ignore[attr-defined]  # the frame is whole: nothing cut
             raise interrupted
 
-    def _warn_finishing(self, nbytes: int) -> None:
+    def _warn_finishing(self, nbytes: int, exc: BaseException | None) -> None:
         logger.warning(
-            "interrupted while a command (%d bytes) is written to worker(s) %s: "
-            "finishing it first; interrupt again to give these workers up",
-            nbytes, list(self.worker_ids),
+            "%s came while a command (%d bytes) is written to worker(s) %s: "
+            "finishing it first; a second one gives these workers up",
+            type(exc).__name__, nbytes, list(self.worker_ids),
         )  # fmt: skip
 
     def _write_ended_by(self, exc: BaseException, writing: bool) -> None:
