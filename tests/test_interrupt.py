@@ -515,7 +515,7 @@ def test_an_interrupt_in_a_large_write_that_ends_soon_gives_no_warning(caplog):
         with disco.ProcessSession(2) as sess:
             sess.import_python_module("disco_core.testing.funcs")
             echo = sess.get_global_func("testing.echo")
-            big = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: past WHOLE_BYTES
+            big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: past WHOLE_BYTES, written at once
             sess._sync_all()
             sys.settrace(tracer)
             try:
