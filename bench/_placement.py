@@ -37,11 +37,19 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-__all__ = ["PLACEMENTS", "Placement", "placements", "floor", "load_average", "pin_rank"]
+__all__ = [
+    "PLACEMENTS",
+    "Placement",
+    "placements",
+    "floor",
+    "forked_peer",
+    "load_average",
+    "pin_rank",
+]
 
 PLACEMENTS = ("unpinned", "one-cpu", "split")
 
@@ -184,8 +192,11 @@ def _pipe_ping_pong(p: Placement, reps: int) -> float:
     return statistics.median(times[reps // 10 :])
 
 
-def _socket_ping_pong(p: Placement, reps: int) -> float:
-    """Median round trip of one byte between two processes over loopback TCP."""
+def forked_peer(p: Placement, serve: Callable[[socket.socket], None]) -> tuple[socket.socket, int]:  # fmt: skip
+    """A process forked where ``p`` puts the workers, connected to this one over
+    loopback TCP (``TCP_NODELAY`` on both ends): it runs ``serve(its socket)``, then
+    exits. Returns this end's socket and the process's pid (the caller closes the
+    socket, then waits for the pid)."""
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
     lst.listen(1)
@@ -197,13 +208,23 @@ def _socket_ping_pong(p: Placement, reps: int) -> float:
             lst.close()
             c = socket.create_connection(("127.0.0.1", port))
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while c.recv(1):
-                c.sendall(b"y")
+            serve(c)
         finally:
             os._exit(0)
     conn, _ = lst.accept()
     lst.close()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn, pid
+
+
+def _echo_bytes(c: socket.socket) -> None:
+    while c.recv(1):
+        c.sendall(b"y")
+
+
+def _socket_ping_pong(p: Placement, reps: int) -> float:
+    """Median round trip of one byte between two processes over loopback TCP."""
+    conn, pid = forked_peer(p, _echo_bytes)
     times = []
     try:
         for _ in range(reps):

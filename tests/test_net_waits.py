@@ -71,15 +71,16 @@ def test_a_peer_that_takes_nothing_ends_a_sendfile_after_the_bound(pair, tmp_pat
         assert 0 < f.tell() < 64 << 20  # where it stopped: what went out
 
 
-def _read_slowly(far: socket.socket, size: int) -> tuple[bytearray, threading.Thread]:
-    """A thread that reads ``size`` bytes from ``far``, 256 KiB every 0.2 s, into the
-    bytearray returned with it."""
+def _read_slowly(far: socket.socket, size: int, every: float = 0.2, piece: int = 256 << 10, after: float = 0.0) -> tuple[bytearray, threading.Thread]:  # fmt: skip
+    """A thread that reads ``size`` bytes from ``far``, ``piece`` bytes every ``every``
+    seconds, starting ``after`` seconds from now, into the bytearray returned with it."""
     got = bytearray()
 
     def slow_reader():
+        time.sleep(after)
         while len(got) < size:
-            time.sleep(0.2)
-            chunk = far.recv(256 << 10)
+            time.sleep(every)
+            chunk = far.recv(piece)
             if not chunk:
                 return
             got.extend(chunk)
@@ -143,18 +144,7 @@ def test_a_write_waits_on_while_the_peer_is_heard(pair, how, tmp_path):
     size = 4 << 20
     data = os.urandom(size)
     _heard_while(t, far, 6 * LIMIT)
-    got = bytearray()
-
-    def late_reader():
-        time.sleep(4 * LIMIT)
-        while len(got) < size + 1:
-            chunk = far.recv(1 << 20)
-            if not chunk:
-                return
-            got.extend(chunk)
-
-    th = threading.Thread(target=late_reader)
-    th.start()
+    got, th = _read_slowly(far, size + 1, every=0.0, piece=1 << 20, after=4 * LIMIT)
     t0 = time.monotonic()
     if how == "sendfile":
         path = tmp_path / "f.bin"

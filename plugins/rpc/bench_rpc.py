@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-from _placement import PLACEMENTS, Placement, floor, load_average, placements  # noqa: E402
+from _placement import PLACEMENTS, Placement, floor, forked_peer, load_average, placements  # noqa: E402
 
 from disco_core.net.io import unfilled_bytearray  # noqa: E402  (the fresh floor: as a download allocates)
 
@@ -56,28 +56,16 @@ def bare_request_reply(calls: int, place: Placement) -> float:
     liveness, interrupts, limits): the floor a Python call path can approach.
     """
     head = struct.Struct("<BBHIQ")  # kind, op, flags, function, argument
-    lst = socket.socket()
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(1)
-    port = lst.getsockname()[1]
-    with place.spawning():
-        pid = os.fork()
-    if pid == 0:
-        try:
-            lst.close()
-            c = socket.create_connection(("127.0.0.1", port))
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            funcs = {7: lambda x: x + 1}
-            buf = bytearray(1 << 16)
-            view = memoryview(buf)
-            while c.recv_into(view):
-                _kind, op, _flags, func, arg = head.unpack_from(buf, 0)
-                c.sendall(head.pack(2, op, 0, 0, funcs[func](arg)))
-        finally:
-            os._exit(0)
-    conn, _ = lst.accept()
-    lst.close()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def serve(c: socket.socket) -> None:
+        funcs = {7: lambda x: x + 1}
+        buf = bytearray(1 << 16)
+        view = memoryview(buf)
+        while c.recv_into(view):
+            _kind, op, _flags, func, arg = head.unpack_from(buf, 0)
+            c.sendall(head.pack(2, op, 0, 0, funcs[func](arg)))
+
+    conn, pid = forked_peer(place, serve)
     buf = bytearray(1 << 16)
     view = memoryview(buf)
     times = []
@@ -118,42 +106,31 @@ def raw_loopback(
     page cache, as a server sending a download does (with ``fresh``: a download's own
     floor, from the server's file into the client's new memory).
     """
-    lst = socket.socket()
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(1)
-    port = lst.getsockname()[1]
-    with place.spawning():
-        pid = os.fork()
-    if pid == 0:
-        try:
-            lst.close()
-            c = socket.create_connection(("127.0.0.1", port))
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            view = memoryview(bytearray(min(nbytes, 1 << 20) if to_file else nbytes))
-            probe = memoryview(bytearray(1 << 16))
-            for _ in range(reps):
-                got = 0
-                if fresh:
-                    # made once the first bytes came (the sender's time has started)
-                    got = c.recv_into(probe)
-                    view = memoryview(unfilled_bytearray(nbytes))
-                    view[:got] = probe[:got]
-                if to_file:
-                    with tempfile.TemporaryFile() as f:
-                        while got < nbytes:
-                            k = c.recv_into(view[: nbytes - got])
-                            f.write(view[:k])
-                            got += k
-                        f.flush()
-                        c.sendall(b"k")
-                    continue
-                while got < nbytes:
-                    got += c.recv_into(view[got:])
-                c.sendall(b"k")
-        finally:
-            os._exit(0)
-    conn, _ = lst.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def receive(c: socket.socket) -> None:
+        view = memoryview(bytearray(min(nbytes, 1 << 20) if to_file else nbytes))
+        probe = memoryview(bytearray(1 << 16))
+        for _ in range(reps):
+            got = 0
+            if fresh:
+                # made once the first bytes came (the sender's time has started)
+                got = c.recv_into(probe)
+                view = memoryview(unfilled_bytearray(nbytes))
+                view[:got] = probe[:got]
+            if to_file:
+                with tempfile.TemporaryFile() as f:
+                    while got < nbytes:
+                        k = c.recv_into(view[: nbytes - got])
+                        f.write(view[:k])
+                        got += k
+                    f.flush()
+                    c.sendall(b"k")
+                continue
+            while got < nbytes:
+                got += c.recv_into(view[got:])
+            c.sendall(b"k")
+
+    conn, pid = forked_peer(place, receive)
     data = np.random.bytes(nbytes)
     source = None
     if from_file:
@@ -175,7 +152,6 @@ def raw_loopback(
     if source is not None:
         source.close()
     conn.close()
-    lst.close()
     os.waitpid(pid, 0)
     return nbytes / best / 1e9
 

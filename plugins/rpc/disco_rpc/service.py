@@ -580,6 +580,17 @@ def open_tracker_link(addr: Any, role_key: str, token: Any, ssl_context: Any, ti
 _MAX_EARLY_TICKETS = 1024
 
 
+def _hear_ticket(tickets: set[str], op: int, value: Any) -> bool:
+    """Apply a tracker's ``T_ASSIGN`` or ``T_REVOKE`` to ``tickets``; False for any other op."""
+    if op == T_ASSIGN:
+        tickets.add(str(value))
+    elif op == T_REVOKE:
+        tickets.discard(str(value))
+    else:
+        return False
+    return True
+
+
 class Registration:
     """A server's (or a proxy's) link to a tracker: registers, hears tickets, reports sessions.
 
@@ -617,12 +628,8 @@ class Registration:
             # its tickets may come first (taken for a refusal before: the server exited)
             for _ in range(_MAX_EARLY_TICKETS):
                 kind, op, value = conn.recv()
-                if kind != REQUEST or op not in (T_ASSIGN, T_REVOKE):
+                if kind != REQUEST or not _hear_ticket(tickets, op, value):
                     break
-                if op == T_ASSIGN:
-                    tickets.add(str(value))
-                else:
-                    tickets.discard(str(value))
         except BaseException:
             conn.close()
             raise
@@ -652,10 +659,7 @@ class Registration:
         try:
             while conn.buffered() or select.select([conn.t.fileno()], [], [], 0)[0]:
                 _k, op, value = conn.recv()
-                if op == T_ASSIGN:
-                    self.tickets.add(str(value))
-                elif op == T_REVOKE:
-                    self.tickets.discard(str(value))
+                _hear_ticket(self.tickets, op, value)
         except (OSError, EOFError, wire.ProtocolError):
             self._lost()
 

@@ -693,6 +693,9 @@ class _TricklingRelay:
         c, _ = self.lsock.accept()
         s = socket.create_connection(("127.0.0.1", self.target))
         self.socks = (c, s)
+        self._connected(c, s)
+
+    def _connected(self, c: socket.socket, s: socket.socket) -> None:
         threading.Thread(target=self._pump, args=(c, s), daemon=True).start()
         threading.Thread(target=self._from_server, args=(s, c), daemon=True).start()
 
@@ -703,19 +706,23 @@ class _TricklingRelay:
         except OSError:
             pass
 
+    def _pass_until_hold(self, src, dst) -> None:
+        """Pass what ``src`` sends on to ``dst`` until ``hold`` is set."""
+        src.settimeout(0.05)
+        while not self.hold.is_set():
+            try:
+                data = src.recv(1 << 16)
+            except TimeoutError:
+                continue
+            if not data:
+                break
+            dst.sendall(data)
+
     def _from_server(self, src, dst) -> None:
         from disco_rpc.wire import HEARTBEAT_FRAME
 
         try:
-            while not self.hold.is_set():
-                src.settimeout(0.05)
-                try:
-                    data = src.recv(1 << 16)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                dst.sendall(data)
+            self._pass_until_hold(src, dst)
             while not self.stop.wait(0.2):
                 dst.sendall(HEARTBEAT_FRAME)
         except OSError:
@@ -732,25 +739,14 @@ class _JunkRelay(_TricklingRelay):
     """A man in the middle who, once ``hold`` is set, passes nothing on either way and
     sends the client one byte of junk every 0.5 s (for 30 s)."""
 
-    def _accept(self) -> None:
-        c, _ = self.lsock.accept()
-        s = socket.create_connection(("127.0.0.1", self.target))
-        self.socks = (c, s)
+    def _connected(self, c: socket.socket, s: socket.socket) -> None:
         threading.Thread(target=self._pass, args=(c, s), daemon=True).start()
         threading.Thread(target=self._pass, args=(s, c), daemon=True).start()
         threading.Thread(target=self._junk, args=(c,), daemon=True).start()
 
     def _pass(self, src, dst) -> None:
-        src.settimeout(0.05)
         try:
-            while not self.hold.is_set():
-                try:
-                    data = src.recv(1 << 16)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                dst.sendall(data)
+            self._pass_until_hold(src, dst)
         except OSError:
             pass
 
