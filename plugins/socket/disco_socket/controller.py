@@ -193,6 +193,9 @@ class NodeLink(BatchingLink):
         self.hub = hub
         self.info = info
         self.dead_reason: str | None = None
+        #: the node fell silent (the heartbeat gave up on it): its workers stopped
+        #: answering (WorkerUnresponsiveError), whoever marks them first
+        self.silent = False
         self._requests: dict[int, queue.SimpleQueue] = {}
         self._next_request = 1
         self._staged: dict[tuple[str, str], str] = {}
@@ -411,7 +414,7 @@ class NodeLink(BatchingLink):
                 # The node is gone, and all its workers with it. Name them all here too:
                 # the node's reader may set the reason a moment before it marks them, and
                 # a waiter woken by this worker alone would name only this one.
-                hub.mark_dead(self.worker_ids, self.dead_reason)
+                self._mark_node_dead()
                 return
             hub.mark_dead(
                 [gid], f"worker {gid}'s reply connection closed ({exc}) (on {self.describe()})"
@@ -439,7 +442,13 @@ class NodeLink(BatchingLink):
                 if not hub.closing:
                     log.error("disco-socket: %s", self.dead_reason)
             if not hub.closing:
-                hub.mark_dead(self.worker_ids, self.dead_reason)
+                self._mark_node_dead()
+
+    def _mark_node_dead(self) -> None:
+        """Mark every worker of the node dead for :attr:`dead_reason` (unresponsive when
+        the node fell silent, whichever reader gets here first)."""
+        reason = self.dead_reason or f"{self.describe()} is gone"  # (set by every caller)
+        self.hub.mark_dead(self.worker_ids, reason, unresponsive=self.silent)
 
     def _read_one(self, reader: StreamReader, settle: Any, hub: ReplyHub, ids: set) -> None:
         """Read one message from the node and act on it."""
@@ -482,6 +491,7 @@ class NodeLink(BatchingLink):
         """The heartbeat heard nothing for too long: the node is dead to this session."""
         if self.hub.closing or self.dead_reason is not None:
             return
+        self.silent = True  # (before the reason: a reader that sees the reason sees this)
         self.dead_reason = (
             f"{self.describe()} stopped responding: nothing arrived from it for {idle:.1f} s "
             f"(heartbeat timeout {self.heartbeat_timeout:g} s; the node is frozen or "
@@ -497,7 +507,7 @@ class NodeLink(BatchingLink):
         log.error("disco-socket: %s", self.dead_reason)
         # silent, not known dead: WorkerUnresponsiveError ("stopped answering"), as a
         # silent worker is (outside chaos check: a frozen node read "died")
-        self.hub.mark_dead(self.worker_ids, self.dead_reason, unresponsive=True)
+        self._mark_node_dead()
         self.kill()  # unblocks any send stuck on the dead connection
 
     def poll(self) -> str | None:
