@@ -193,8 +193,8 @@ class NodeLink(BatchingLink):
         self.hub = hub
         self.info = info
         self.dead_reason: str | None = None
-        #: the node fell silent (the heartbeat gave up on it): its workers stopped
-        #: answering (WorkerUnresponsiveError), whoever marks them first
+        #: True once the heartbeat gave up on the silent node; its workers then
+        #: stopped answering, whichever reader marks them first
         self.silent = False
         self._requests: dict[int, queue.SimpleQueue] = {}
         self._next_request = 1
