@@ -2,7 +2,8 @@
 
 Started under ``mpiexec -n 1`` by a worker process that needs to become an MPI
 process (see :mod:`disco_mpi._runtime`). It sends its ``PMI_*`` variables and the
-``PMI_FD`` socket over the Unix socket ``SOCKET`` and waits until the worker closes
+``PMI_FD`` socket over the Unix socket ``SOCKET`` (``@name``: the abstract socket
+``name``) and waits until the worker closes
 it (the worker exited), then exits.
 """
 
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fd = int(env["PMI_FD"])
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(argv[0])
+    address = argv[0]
+    s.connect("\0" + address[1:] if address.startswith("@") else address)
     socket.send_fds(s, [json.dumps(env).encode()], [fd])
     os.close(fd)
     try:

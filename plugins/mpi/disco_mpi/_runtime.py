@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -192,16 +193,12 @@ def borrow_pmi(timeout: float = 60.0) -> None:
             "the 'mpi' CCL needs an MPI launcher (mpiexec) to let worker processes join: "
             "none found beside Python or on PATH (pip install mpich, or set DISCO_MPIEXEC)"
         )
-    folder = tempfile.mkdtemp(prefix="disco-mpi-")
-    path = os.path.join(folder, "pmi")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener, address, cleanup = _donor_listener()
     try:
-        listener.bind(path)
-        listener.listen(1)
         listener.settimeout(0.2)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PMI_")}
         _DONOR = subprocess.Popen(
-            [exe, "-n", "1", sys.executable, "-m", "disco_mpi._donor", path],
+            [exe, "-n", "1", sys.executable, "-m", "disco_mpi._donor", address],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -212,19 +209,20 @@ def borrow_pmi(timeout: float = 60.0) -> None:
         while True:
             try:
                 conn, _ = listener.accept()
-                break
+                if _same_user(conn):
+                    break
+                conn.close()  # (an abstract socket has no permissions: another user's process)
             except TimeoutError:
-                code = _DONOR.poll()
-                if code is not None:
-                    raise CCLError(
-                        f"the MPI launcher {exe} exited with code {code} before handing over "
-                        "its PMI connection"
-                    ) from None
-                if time.monotonic() > deadline:
-                    _DONOR.kill()
-                    raise CCLError(
-                        f"the MPI launcher {exe} did not start within {timeout:.0f} s"
-                    ) from None
+                pass
+            code = _DONOR.poll()
+            if code is not None:
+                raise CCLError(
+                    f"the MPI launcher {exe} exited with code {code} before handing over "
+                    "its PMI connection"
+                )
+            if time.monotonic() > deadline:
+                _DONOR.kill()
+                raise CCLError(f"the MPI launcher {exe} did not start within {timeout:.0f} s")
         conn.settimeout(timeout)
         msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
         if not fds:
@@ -236,7 +234,47 @@ def borrow_pmi(timeout: float = 60.0) -> None:
         _KEEP.append(conn)
     finally:
         listener.close()
+        cleanup()
+
+
+def _donor_listener() -> tuple[socket.socket, str, Any]:
+    """A Unix socket for the donor to call: ``(listener, address, cleanup)``.
+
+    On Linux it is an abstract socket (``address`` starts with ``@``): no file, so a
+    worker killed while it waits leaves nothing behind; :func:`_same_user` stands in
+    for the permissions an abstract socket lacks. Elsewhere it lives in a private
+    temporary folder that ``cleanup()`` removes.
+    """
+    if sys.platform.startswith("linux"):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            name = f"disco-mpi-{os.getpid()}-{os.urandom(8).hex()}"
+            listener.bind("\0" + name)
+            listener.listen(4)
+        except BaseException:
+            listener.close()
+            raise
+        return listener, "@" + name, lambda: None
+    folder = tempfile.mkdtemp(prefix="disco-mpi-")
+    path = os.path.join(folder, "pmi")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(1)
+    except BaseException:
+        listener.close()
         shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return listener, path, lambda: shutil.rmtree(folder, ignore_errors=True)
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this process's user."""
+    so_peercred = getattr(socket, "SO_PEERCRED", None)
+    if so_peercred is None:
+        return True  # (the private folder's permissions hold instead)
+    creds = conn.getsockopt(socket.SOL_SOCKET, so_peercred, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1] == os.getuid()
 
 
 _KEEP: list[socket.socket] = []

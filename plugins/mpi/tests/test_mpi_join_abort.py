@@ -9,8 +9,11 @@ for good afterwards, which must not spoil this test process.
 
 from __future__ import annotations
 
+import glob
+import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -45,6 +48,10 @@ sess.shutdown()
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delay", [0.0, 0.1, 0.3])
 def test_worker_lost_during_join_then_a_new_session(delay):
+    # a worker killed while it borrows a launcher's PMI leaves no socket file behind
+    # (it did: a folder in the temporary directory per kill, found by a leak watch)
+    pattern = os.path.join(tempfile.gettempdir(), "disco-mpi-*")
+    before = set(glob.glob(pattern))
     r = subprocess.run(
         [sys.executable, "-c", CONTROLLER, str(delay)],
         capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL,
@@ -60,3 +67,29 @@ def test_worker_lost_during_join_then_a_new_session(delay):
         assert second.endswith("True") and float(second.split()[2]) < 5, second
     else:
         assert second.startswith("SECOND ok"), second
+    assert set(glob.glob(pattern)) <= before
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's"
+)
+def test_the_donor_is_called_on_an_abstract_socket_that_leaves_no_file():
+    import socket
+
+    from disco_mpi import _runtime
+
+    pattern = os.path.join(tempfile.gettempdir(), "disco-mpi-*")
+    before = set(glob.glob(pattern))
+    listener, address, cleanup = _runtime._donor_listener()
+    try:
+        assert address.startswith("@disco-mpi-")
+        assert set(glob.glob(pattern)) == before
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as caller:
+            caller.connect("\0" + address[1:])  # what the donor does with that address
+            conn, _ = listener.accept()
+            with conn:
+                assert _runtime._same_user(conn)
+    finally:
+        listener.close()
+        cleanup()
