@@ -73,6 +73,7 @@ def _run_kit(tmp_path, source: str, select: str) -> tuple[subprocess.CompletedPr
     path.write_text(textwrap.dedent(source))
     env = dict(os.environ)
     env["DISCO_PLUGINS"] = "planted_plugin"
+    env["TMPDIR"] = str(tmp_path)  # the planted join's files: gone with tmp_path
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.join(HERE, "planted"), env.get("PYTHONPATH", "")) if p
     )
