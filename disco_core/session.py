@@ -135,6 +135,18 @@ class DRef:
 
 register_ref_type(DRef)
 
+
+def _flag(where: str, name: str, value: Any) -> bool:
+    """``value`` as a flag: True, False (NumPy's too, or the ints 1 and 0); else a
+    :class:`DiscoTypeError` that names the call and the parameter (``bool("no")``
+    would be True)."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):  # fmt: skip
+        return bool(value)
+    raise DiscoTypeError(f"{where}: {name} must be True or False, got {value!r}")
+
+
 #: Immutable argument types: a call with only these (and handles) is ``shared``.
 _PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
@@ -931,7 +943,8 @@ class Session:
         shape = as_shape(shape, dt)
         dev = as_device(device)
         func = self._get_cached_method("disco.empty")
-        return self._call(func, (shape, dt.name, dev, bool(worker0_only), bool(in_group)))
+        flags = (_flag("empty", "worker0_only", worker0_only), _flag("empty", "in_group", in_group))
+        return self._call(func, (shape, dt.name, dev, *flags))
 
     def load_vm_module(
         self, path: str | os.PathLike, device: Device | str | None = None
@@ -1144,8 +1157,8 @@ class Session:
             first worker, and every group receives the same data. False: one broadcast
             from worker 0 across all workers. Both end with ``src`` on every worker.
         """
+        in_group = _flag("broadcast", "in_group", in_group)
         host = as_array(src, "broadcast: src")
-        in_group = bool(in_group)
         if dst is not None:
             self._check_buffers("broadcast", "dst", dst)
         self._collective_ready("broadcast")
@@ -1178,7 +1191,12 @@ class Session:
     def broadcast_from_worker0(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
         """Broadcast ``src`` of worker 0 (of each group's first worker if ``in_group``) into ``dst``."""
         self._check_buffers("broadcast_from_worker0", "dst", dst, "src", src)
-        self._collective("broadcast_from_worker0", src, bool(in_group), dst)
+        self._collective(
+            "broadcast_from_worker0",
+            src,
+            _flag("broadcast_from_worker0", "in_group", in_group),
+            dst,
+        )
         return dst
 
     def scatter(self, src: Any, dst: DRef | None = None, in_group: bool = True) -> DRef:
@@ -1196,8 +1214,8 @@ class Session:
         in_group : bool
             Scatter within each group (from its first worker) or across all workers.
         """
+        in_group = _flag("scatter", "in_group", in_group)
         host = as_array(src, "scatter: src")
-        in_group = bool(in_group)
         if dst is not None:
             self._check_buffers("scatter", "dst", dst)
         size = self.num_workers // self.num_groups if in_group else self.num_workers
@@ -1219,12 +1237,22 @@ class Session:
     def scatter_from_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
         """Split ``from_array`` of worker 0 (each group root) evenly into every worker's ``to_array``."""
         self._check_buffers("scatter_from_worker0", "to_array", to_array, "from_array", from_array)
-        self._collective("scatter_from_worker0", from_array, bool(in_group), to_array)
+        self._collective(
+            "scatter_from_worker0",
+            from_array,
+            _flag("scatter_from_worker0", "in_group", in_group),
+            to_array,
+        )
 
     def gather_to_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
         """Concatenate every worker's ``from_array`` into ``to_array`` of worker 0 (each group root)."""
         self._check_buffers("gather_to_worker0", "to_array", to_array, "from_array", from_array)
-        self._collective("gather_to_worker0", from_array, bool(in_group), to_array)
+        self._collective(
+            "gather_to_worker0",
+            from_array,
+            _flag("gather_to_worker0", "in_group", in_group),
+            to_array,
+        )
 
     def allreduce(self, src: DRef, dst: DRef, op: str = "sum", in_group: bool = True) -> DRef:
         """Reduce ``src`` over the workers (or each group) into ``dst`` on all of them.
@@ -1236,13 +1264,13 @@ class Session:
                 f"allreduce: unsupported op {op!r}; expected one of {', '.join(REDUCE_OPS)}"
             )
         self._check_buffers("allreduce", "dst", dst, "src", src)
-        self._collective("allreduce", src, op, bool(in_group), dst)
+        self._collective("allreduce", src, op, _flag("allreduce", "in_group", in_group), dst)
         return dst
 
     def allgather(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
         """Concatenate every worker's ``src`` along the first axis into ``dst`` on all of them."""
         self._check_buffers("allgather", "dst", dst, "src", src)
-        self._collective("allgather", src, bool(in_group), dst)
+        self._collective("allgather", src, _flag("allgather", "in_group", in_group), dst)
         return dst
 
     # ------------------------------------------------------------------ debug + shutdown

@@ -111,3 +111,34 @@ def test_a_host_argument_that_is_no_array_names_the_call_and_the_parameter(sess)
         with pytest.raises(disco.DiscoTypeError, match=rf"^{named}: expected an array"):
             call()
     sess.sync_worker_0()
+
+
+@pytest.mark.parametrize("flag", ["no", "False", 2, None, 0.0])
+def test_a_flag_that_is_not_true_or_false_is_refused_at_the_call(sess, flag):
+    # bool("no") is True: every group-wide flag took it for yes, silently
+    src, dst = sess.empty((2,), "float32"), sess.empty((2,), "float32")
+    host = np.zeros(2, "float32")
+    calls = {
+        "allreduce": lambda: sess.allreduce(src, dst, "sum", in_group=flag),
+        "allgather": lambda: sess.allgather(src, dst, in_group=flag),
+        "broadcast_from_worker0": lambda: sess.broadcast_from_worker0(src, dst, in_group=flag),
+        "scatter_from_worker0": lambda: sess.scatter_from_worker0(src, dst, in_group=flag),
+        "gather_to_worker0": lambda: sess.gather_to_worker0(src, dst, in_group=flag),
+        "broadcast": lambda: sess.broadcast(host, in_group=flag),
+        "scatter": lambda: sess.scatter(host, in_group=flag),
+        "empty": lambda: sess.empty((2,), "float32", in_group=flag),
+    }
+    for name, call in calls.items():
+        with pytest.raises(disco.DiscoTypeError, match=rf"{name}: in_group must be True or False, got {flag!r}"):  # fmt: skip
+            call()
+    with pytest.raises(disco.DiscoTypeError, match="empty: worker0_only must be True or False"):
+        sess.empty((2,), "float32", worker0_only=flag)
+    sess.sync_worker_0()  # nothing went out
+
+
+def test_true_false_numpy_bools_and_one_and_zero_are_flags(sess):
+    sess.broadcast(np.arange(2, dtype="float32"))  # (every worker holds the same)
+    for flag in (True, False, np.bool_(True), np.bool_(False), 1, 0):
+        src, dst = sess.broadcast(np.ones(2, "float32")), sess.empty((2,), "float32")
+        sess.allreduce(src, dst, "sum", in_group=flag)
+        np.testing.assert_array_equal(dst.debug_get_from_remote(1), [2.0, 2.0])
