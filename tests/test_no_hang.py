@@ -308,3 +308,31 @@ def test_a_worker_that_never_beats_is_not_judged(liveness, tmp_path, monkeypatch
         sess._sync_all()  # 2.5 s of silence from worker 1, more than the bound
     with disco.ProcessSession(2) as sess:
         assert sess.channel.hub.beating == {1}
+
+
+@pytest.mark.timeout(30)
+def test_a_heartbeat_that_finds_the_reply_link_gone_calls_on_lost():
+    # a socket node's worker whose agent froze for good: its commands never end, and
+    # only its heartbeat can see that the controller closed its reply connection
+    from disco_core.worker import HeartbeatSender
+
+    sent: list = []
+    lost: list = []
+    gone = threading.Event()
+
+    def send(msg):
+        if gone.is_set():
+            raise BrokenPipeError(32, "Broken pipe")
+        sent.append(msg)
+
+    beats = HeartbeatSender(send, interval=0.05, on_lost=lost.append).start()
+    time.sleep(0.3)
+    assert len(sent) >= 3  # beating while the link holds
+    gone.set()
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(lost) == 1 and isinstance(lost[0], BrokenPipeError)
+    time.sleep(0.2)
+    assert len(lost) == 1  # and the beats stopped
+    assert beats.lock.acquire(blocking=False)  # (not left held)

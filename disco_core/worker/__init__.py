@@ -649,6 +649,14 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
+def _replies_lost(exc: OSError) -> None:
+    # The controller closed this worker's reply link (it shut down, or gave the worker
+    # up): nothing this worker does can reach it again. Its commands may come another
+    # way, from a source that never ends them (a socket node's agent, frozen for good).
+    logger.info("worker exiting: its reply link to the controller is gone (%s)", exc)
+    os._exit(3)
+
+
 class HeartbeatSender:
     """The worker's one way to the controller: serialised messages, and a heartbeat.
 
@@ -664,9 +672,21 @@ class HeartbeatSender:
         ``send(message)`` writes one message to the controller.
     interval : float, optional
         Default: a fifth of ``$DISCO_LIVENESS_TIMEOUT`` (10 s), at most 1 s.
+    on_lost : callable, optional
+        ``on_lost(exc)`` is called from the heartbeat thread when a heartbeat cannot be
+        written (an ``OSError``: the controller closed its end), and the beats stop.
+        For a worker whose commands come another way than its replies go (a socket
+        node's worker, fed through its agent): nothing else would tell it that the
+        controller is gone while the commands' source is frozen. Default: the beats
+        just stop (the command loop sees the loss itself).
     """
 
-    def __init__(self, send: Callable[[tuple], None], interval: float | None = None) -> None:
+    def __init__(
+        self,
+        send: Callable[[tuple], None],
+        interval: float | None = None,
+        on_lost: Callable[[OSError], None] | None = None,
+    ) -> None:
         if interval is None:
             try:
                 timeout = float(os.environ.get("DISCO_LIVENESS_TIMEOUT", "") or 10.0)
@@ -675,6 +695,7 @@ class HeartbeatSender:
             interval = min(1.0, timeout / 5) if timeout > 0 else 1.0
         self.interval = max(0.05, float(interval))
         self._send = send
+        self._on_lost = on_lost
         self.lock = threading.Lock()
         self.last = time.monotonic()
 
@@ -696,13 +717,20 @@ class HeartbeatSender:
             time.sleep(max(0.01, self.last + interval - time.monotonic()))
             if time.monotonic() - self.last < interval or not lock.acquire(blocking=False):
                 continue
+            lost: OSError | None = None
             try:
                 self._send(("alive", None))
                 self.last = time.monotonic()
-            except Exception:  # the link is gone: the command loop sees it too
-                return
+                continue
+            except OSError as exc:  # the link is gone
+                lost = exc
+            except Exception:  # (a link closed under it: the command loop sees it)
+                pass
             finally:
                 lock.release()
+            if lost is not None and self._on_lost is not None:
+                self._on_lost(lost)
+            return
 
 
 def _sealed_sender(reply_fd: int, key_fd: int) -> Callable[[tuple], None]:
@@ -796,7 +824,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         send = _sealed_sender(reply_fd, args.reply_key_fd)
 
-    send = HeartbeatSender(send)
+    send = HeartbeatSender(send, on_lost=_replies_lost)
     worker = Worker(args.worker_id, args.num_workers, args.num_groups, send)
     reader = FrameReader(args.cmd_fd, read=reader_of(args.cmd_fd, spin_seconds()))
     send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
@@ -814,5 +842,7 @@ def main(argv: list[str] | None = None) -> None:
     except EOFError:
         why = "its controller is gone (end of the command pipe)"
         worker.close()
+    except ConnectionError as exc:  # a reply or report that could not be written
+        _replies_lost(exc)
     logger.info("worker %d exiting: %s", args.worker_id, why)
     os._exit(0)

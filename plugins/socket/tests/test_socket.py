@@ -610,6 +610,30 @@ def test_frozen_remote_worker_is_unresponsive(cluster, monkeypatch, token):
     assert wait_gone(pids[2:], 10) == []  # the agent kills the stopped worker too
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("token", [None, "frozen-agent"])
+def test_workers_of_an_agent_frozen_for_good_end_after_shutdown(cluster, token):
+    """An agent stopped (SIGSTOP) while its workers run on, and never thawed.
+
+    Its workers' commands come through it, so they wait for good; but each holds its
+    own reply connection, which the controller closes at shutdown. A worker's
+    heartbeat that finds that connection gone ends the worker (they stayed, with
+    the agent, until it was thawed: a chaos check's finding).
+    """
+    sess = cluster.session(2, 2, heartbeat_timeout=2.0, token=token)
+    sess.import_python_module(FUNCS)
+    pids = _values(sess.get_global_func("testing.pid")(), 4)
+    agent = sess.channel.nodes[0].info["pid"]
+    freeze(agent)
+    try:
+        with pytest.raises(disco.WorkerUnresponsiveError):
+            sess._sync_all()
+        sess.shutdown()
+        assert wait_gone(pids[2:], 10) == []
+    finally:
+        os.kill(agent, signal.SIGCONT)
+
+
 def _agent_stderr(args, signum, after):
     """Run an agent, send it ``signum`` after ``after`` s; its exit code and stderr."""
     proc = subprocess.Popen(
