@@ -13,8 +13,8 @@ client and server on one CPU; client on CPU 0 and the server process (and the
 session processes it forks) on the others. The server is started while this
 process sits on the server's CPUs, so it inherits them; TVM's child does the same
 for its own server. Each placement prints the floor (one-byte ping-pong over
-loopback TCP between two processes, and a bare request/reply in plain Python over
-it; memcpy; the raw stream into fresh memory,
+loopback TCP between two processes, a bare request/reply in plain Python over
+it, and a prototype of a lean call lane with disco-rpc's own frames; memcpy; the raw stream into fresh memory,
 where a download lands, and into a file, where an upload lands) and the load
 average.
 
@@ -76,6 +76,79 @@ def bare_request_reply(calls: int, place: Placement) -> float:
             conn.recv_into(view)
             if head.unpack_from(buf, 0)[4] != i + 1:
                 raise AssertionError("the bare request/reply loop lost step")
+            times.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+        os.waitpid(pid, 0)
+    return statistics.median(times[calls // 10 :])
+
+
+def lean_call_lane(calls: int, place: Placement) -> float:
+    """Median seconds of a call over a prototype lean lane: disco-rpc's own frames (the
+    request's bytes are what ``wire.encode_call`` makes, checked), built from a cached
+    prefix; a client with a lock and the flags a real lane keeps (closed, in step);
+    a server that checks the prefix, looks the handle up, calls, and answers an int.
+    No codec beyond ints, no errors, no liveness: what a fast lane for plain calls
+    could reach, above the bare request/reply (not part of disco-rpc).
+    """
+    import threading
+
+    from disco_rpc import wire
+    from disco_rpc.protocol import FRAME_HEAD, OP_CALL, REPLY, REQUEST
+
+    ti, tq = struct.Struct("<BI"), struct.Struct("<Bq")
+    fn = wire.HandleRef(wire.HandleRef.FUNC, 7)
+    prefix = bytes(wire.encode_call(fn, ())[0])[:-5]  # the call's bytes up to its args
+    hs = FRAME_HEAD.size
+
+    def request(args: tuple) -> bytearray:
+        meta = bytearray(prefix)
+        meta += ti.pack(wire.T_TUPLE, len(args))
+        for x in args:
+            meta += tq.pack(wire.T_INT, x)
+        return meta
+
+    if bytes(request((5,))) != bytes(wire.encode_call(fn, (5,))[0]):
+        raise AssertionError("the lean lane's request is not disco-rpc's")
+
+    def serve(c: socket.socket) -> None:
+        funcs = {7: lambda x: x + 1}
+        buf = bytearray(1 << 16)
+        view = memoryview(buf)
+        hid_at = hs + len(prefix) - 9
+        while c.recv_into(view):
+            _kind, op, _flags, _mlen, nbuf = FRAME_HEAD.unpack_from(buf, 0)
+            if nbuf or buf[hs : hs + len(prefix) - 9] != prefix[:-9]:
+                raise AssertionError("not a plain call")
+            hid = struct.unpack_from("<Q", buf, hid_at)[0]
+            n = ti.unpack_from(buf, hs + len(prefix))[1]
+            at = hs + len(prefix) + 5
+            args = [tq.unpack_from(buf, at + 9 * i)[1] for i in range(n)]
+            c.sendall(FRAME_HEAD.pack(REPLY, op, 0, 9, 0) + tq.pack(wire.T_INT, funcs[hid](*args)))
+
+    conn, pid = forked_peer(place, serve)
+    buf = bytearray(1 << 16)
+    view = memoryview(buf)
+    lock = threading.Lock()
+    state = {"closed": False, "in_step": True}
+    times = []
+    try:
+        for i in range(calls):
+            t0 = time.perf_counter()
+            if state["closed"]:
+                raise AssertionError("closed")
+            with lock:
+                meta = request((i,))
+                state["in_step"] = False
+                conn.sendall(FRAME_HEAD.pack(REQUEST, OP_CALL, 0, len(meta), 0) + meta)
+                n = conn.recv_into(view)
+                kind, op, _f, mlen, nbuf = FRAME_HEAD.unpack_from(buf, 0)
+                if n != hs + mlen or kind != REPLY or op != OP_CALL or nbuf or buf[hs] != wire.T_INT:  # fmt: skip
+                    raise AssertionError("not a plain reply")
+                state["in_step"] = True
+                value = tq.unpack_from(buf, hs)[1]
+            if value != i + 1:
+                raise AssertionError("the lean lane lost step")
             times.append(time.perf_counter() - t0)
     finally:
         conn.close()
@@ -326,6 +399,7 @@ def main() -> int:
         with place:
             fl = floor(place, 1000)
             fl["bare_rpc_s"] = bare_request_reply(max(a.calls, 2000), place)
+            fl["lean_rpc_s"] = lean_call_lane(max(a.calls, 2000), place)
             load = os.getloadavg()[0]
             raw = raw_loopback(nbytes, a.reps, place)
             raw_fresh = raw_loopback(nbytes, a.reps, place, fresh=True)
@@ -347,7 +421,8 @@ def main() -> int:
         print(
             f"\n== {place.describe()}: load {load:.2f}; floor: socket ping-pong "
             f"{fl['socket_rt_s'] * 1e6:.1f} us, bare Python request/reply "
-            f"{fl['bare_rpc_s'] * 1e6:.1f} us, memcpy {fl['memcpy_GBps']:.1f} GB/s; "
+            f"{fl['bare_rpc_s'] * 1e6:.1f} us, a lean call lane's prototype with our frames "
+            f"{fl['lean_rpc_s'] * 1e6:.1f} us, memcpy {fl['memcpy_GBps']:.1f} GB/s; "
             f"raw loopback TCP stream {raw:.2f} GB/s, into fresh memory {raw_fresh:.2f} GB/s "
             f"(download/fresh stream: {ours['download_GBps'] / raw_fresh:.2f}), sendfile from a "
             f"file into fresh memory {raw_file_fresh:.2f} GB/s (download/that stream: "

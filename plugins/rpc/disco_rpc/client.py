@@ -464,7 +464,8 @@ class RPCSession:
             if self._closed:  # again: closed by another thread's call while this one waited
                 why = f": {self._closed_why}" if self._closed_why else ""
                 raise RPCError(f"the RPC session {self._label} is closed{why}")
-            self._arm_deadline(op)
+            if self._timeout:
+                self._arm_deadline(op)
             conn = self._conn
             if not self._in_step:
                 self._busy = True
@@ -472,7 +473,11 @@ class RPCSession:
                     self._resync(conn)
                 finally:
                     self._busy = False
-            frees, self._frees = self._frees, []
+            frees: Any = self._frees
+            if frees:
+                self._frees = []
+            else:  # (a collected object's handle may join the list meanwhile: not this call's)
+                frees = ()
             try:
                 if op == OP_CALL and not frees:  # (the round trip of every remote call)
                     meta, bufs = wire.encode_call(args[0], args[1], self._export)

@@ -167,6 +167,7 @@ _TII = struct.Struct("<BII")
 _BBQ = struct.Struct("<BBQ")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _EMPTY_TUPLE = _TI.pack(T_TUPLE, 0)
+_NONE_META = bytes([T_NONE])
 #: How a call's request with no frees begins: ``(``, ``()``, ``(``, then a handle's tag.
 _CALL_PREFIX = _TI.pack(T_TUPLE, 2) + _EMPTY_TUPLE + _TI.pack(T_TUPLE, 2)
 _CALL_HEAD = _CALL_PREFIX + bytes([T_HANDLE])
@@ -220,6 +221,11 @@ def encode(value: Any, export: Callable[[Any], HandleRef | None] | None = None) 
     ``export(obj)`` is asked first about every object that is not a plain value
     (arrays included); a :class:`HandleRef` it returns travels instead of ``obj``.
     """
+    t = type(value)
+    if t is int and _INT64_MIN <= value <= _INT64_MAX:  # most results: the same bytes, sooner
+        return bytearray(_TQ.pack(T_INT, value)), []
+    if value is None:
+        return bytearray(_NONE_META), []
     out = bytearray()
     bufs: list = []
     _enc(value, out, bufs, export, 0)
@@ -535,6 +541,12 @@ def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:
         meta = bytes(meta)
     if type(lens) is not tuple:
         lens = tuple(lens)
+    if not lens:  # most replies: an int or None, decoded as the general path would
+        n = len(meta)
+        if n == 9 and meta[0] == T_INT:
+            return _q_from(meta, 1)[0], [], False
+        if n == 1 and meta[0] == T_NONE:
+            return None, [], False
     r = _Reads(lens, on_handle)
     try:
         if meta.startswith(_CALL_HEAD) and meta[_CALL_ARGS_AT - 1] == T_NONE:
@@ -918,8 +930,11 @@ class Conn:
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
                 f"the limit is {self.max} bytes"
             )
-        lens = struct.unpack(f"<{nbuf}Q", self.read_exact(8 * nbuf)) if nbuf else ()
-        total = meta_len + sum(lens)
+        if nbuf:
+            lens = struct.unpack(f"<{nbuf}Q", self.read_exact(8 * nbuf))
+            total = meta_len + sum(lens)
+        else:
+            lens, total = (), meta_len
         if total > self.max:
             raise FrameTooLargeError(
                 f"frame of {total} bytes is over the limit of {self.max} bytes (max_message_bytes)"
