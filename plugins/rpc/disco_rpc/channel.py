@@ -27,7 +27,14 @@ import threading
 import time
 from typing import Any
 
-from disco_core import DiscoError, UntrustedValueError, WorkerDiedError, WorkerError
+from disco_core import (
+    DiscoError,
+    DiscoTypeError,
+    DiscoValueError,
+    UntrustedValueError,
+    WorkerDiedError,
+    WorkerError,
+)
 from disco_core.spi import (
     BatchingLink,
     LinkChannel,
@@ -179,15 +186,43 @@ def _from_tracker(tsess: Any, key: str, priority: int, session_timeout: float, d
         ) from None
 
 
+def _listed(value: Any, name: str) -> list:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise DiscoTypeError(
+            f'the "rpc" channel: {name} must be a list of (host, port) pairs, got '
+            f"{type(value).__name__} {value!r}"
+        )
+    return list(value)
+
+
+def _address(value: Any, name: str) -> tuple[str, int]:
+    """``(host, port)`` from a pair or a ``"host:port"`` string; a clear error otherwise."""
+    if isinstance(value, str) and value.rpartition(":")[0]:
+        text_host, _, text_port = value.rpartition(":")
+        value = (text_host.strip("[]"), text_port)
+    try:
+        host, given_port = value
+        port = int(given_port)
+    except (TypeError, ValueError):
+        raise DiscoTypeError(
+            f'the "rpc" channel: {name} must be a (host, port) pair or "host:port", got {value!r}'
+        ) from None
+    if not isinstance(host, str) or not host or not 0 < port < 65536:
+        raise DiscoValueError(
+            f'the "rpc" channel: {name} must name a host and a port 1-65535, got {value!r}'
+        )
+    return host, port
+
+
 class RPCChannel(LinkChannel):
     """Worker 0 in the controller; workers 1..N-1 in sessions of RPC servers.
 
     Parameters
     ----------
-    servers : list of (host, port), optional
+    servers : list of (host, port) or "host:port", optional
         The servers; worker ``i`` (1 <= i < N) runs on ``servers[(i - 1) % len(servers)]``,
         each in a session process of its own.
-    tracker : (host, port), optional
+    tracker : (host, port) or "host:port", optional
         Instead of ``servers``: ask this tracker for ``num_workers - 1`` servers of ``key``.
     num_workers : int
         Default ``len(servers) + 1``.
@@ -211,13 +246,15 @@ class RPCChannel(LinkChannel):
                 'the "rpc" channel needs servers=[(host, port), ...] or tracker=(host, port)'
             )
         if servers is not None:
-            servers = [(str(h), int(p)) for h, p in servers]
+            servers = [_address(s, "each server") for s in _listed(servers, "servers")]
             if not servers:
                 raise DiscoError('the "rpc" channel needs at least one server')
             if num_workers is None:
                 num_workers = len(servers) + 1
-        elif num_workers is None:
-            raise DiscoError('the "rpc" channel with a tracker needs num_workers')
+        else:
+            tracker = _address(tracker, "tracker")
+            if num_workers is None:
+                raise DiscoError('the "rpc" channel with a tracker needs num_workers')
         num_workers = int(num_workers)
         super().__init__(num_workers, num_groups)
         limit = _start_timeout() if start_timeout is None else float(start_timeout)
@@ -230,7 +267,7 @@ class RPCChannel(LinkChannel):
                 from .tracker import connect_tracker
 
                 tsess = connect_tracker(
-                    tracker[0], int(tracker[1]),
+                    tracker[0], tracker[1],
                     token=tracker_token if tracker_token is not None else token,
                     server_token=token,
                 )  # fmt: skip

@@ -50,7 +50,8 @@ class _Bar:
     """A progress bar on stderr, redrawn in place: only where stderr is a terminal.
 
     Anywhere else (a log file, a pipe, CI) a ``\\r`` redraw is noise: one line is
-    written when the transfer ends instead.
+    written by :meth:`done`, once the transfer succeeded (the last byte sent is not
+    yet an upload the server accepted).
     """
 
     def __init__(self, label: str, stream: TextIO | None = None) -> None:
@@ -59,18 +60,25 @@ class _Bar:
         isatty = getattr(self.stream, "isatty", None)
         self.live = bool(isatty and isatty())
         self.t0 = time.perf_counter()
+        self.total: int | None = None  # (not live: set when the last byte went)
+        self.elapsed = 0.0
+
+    def done(self) -> None:
+        """The transfer succeeded: write its one line (where no bar was drawn)."""
+        if not self.live and self.total is not None:
+            rate = self.total / self.elapsed / 1e6
+            self.stream.write(
+                f"{self.label}: {self.total / 1e6:.1f} MB in {self.elapsed:.2f} s ({rate:.0f} MB/s)\n"
+            )
+            self.stream.flush()
 
     def __call__(self, done: int, total: int) -> None:
-        if done < total and not self.live:
+        if not self.live:
+            if done >= total:
+                self.total, self.elapsed = total, max(time.perf_counter() - self.t0, 1e-9)
             return
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         rate = done / elapsed / 1e6
-        if not self.live:
-            self.stream.write(
-                f"{self.label}: {total / 1e6:.1f} MB in {elapsed:.2f} s ({rate:.0f} MB/s)\n"
-            )
-            self.stream.flush()
-            return
         frac = done / total if total else 1.0
         width = 30
         fill = int(frac * width)
@@ -104,7 +112,8 @@ def _add_listen(p: argparse.ArgumentParser, port: int, what: str) -> None:
         "--port-end",
         type=int,
         default=9199,
-        help="the last port to try (the first free one is used)",
+        help="the end of the range of ports to try, not included: the first free port in "
+        "[port, port-end) is used (the port alone when port-end <= port)",
     )
 
 
@@ -354,9 +363,13 @@ def _files(args) -> int:
     with connect(args.host, args.port, args.key, ssl_context=ctx) as sess:
         log.debug("session open: work folder %s", sess.info.get("work_dir", "?"))
         if args.cmd == "upload":
-            sess.upload(args.file, args.target, progress=_Bar(f"upload {args.file}"))
+            bar = _Bar(f"upload {args.file}")
+            sess.upload(args.file, args.target, progress=bar)
+            bar.done()
         elif args.cmd == "download":
-            sess.download(args.path, target=args.out, progress=_Bar(f"download {args.path}"))
+            bar = _Bar(f"download {args.path}")
+            sess.download(args.path, target=args.out, progress=bar)
+            bar.done()
         else:
             names = sess.listdir_names(args.path)
             if names:

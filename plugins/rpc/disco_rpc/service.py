@@ -19,6 +19,7 @@ import ctypes
 import errno
 import fcntl
 import logging
+import operator
 import os
 import select
 import signal
@@ -32,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from disco_core import DiscoValueError
+from disco_core import DiscoTypeError, DiscoValueError
 from disco_core.spi import check_bind as _check_bind
 
 from . import auth, wire
@@ -237,8 +238,21 @@ def check_bind(host: str, token: bytes | None, ssl_context: Any, allow_insecure_
     _check_bind(host, token=token, tls=ssl_context is not None, allow_insecure_bind=allow_insecure_bind, what=what)  # fmt: skip
 
 
+def _port(name: str, value: Any) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        port = operator.index(value)
+    except TypeError:
+        raise DiscoTypeError(f"{name} must be an int 0-65535, got {type(value).__name__} {value!r}") from None  # fmt: skip
+    if not 0 <= port <= 65535:
+        raise DiscoValueError(f"{name} must be an int 0-65535, got {value!r}")
+    return port
+
+
 def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) -> socket.socket:
     """Bind the first free port in ``[port, port_end)`` (``port`` alone when ``port_end <= port``)."""
+    port, port_end = _port("port", port), _port("port_end", port_end)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     last = None
     for p in range(port, max(port_end, port + 1)):
@@ -255,7 +269,8 @@ def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) 
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 continue
             raise
-    raise RPCError(f"cannot bind to any port in [{port}, {port_end}) on {host}: {last}")
+    where = f"any port in [{port}, {port_end})" if port_end > port + 1 else f"port {port}"
+    raise RPCError(f"cannot bind to {where} on {host}: {last}")
 
 
 def start_watchdog(timeout: float, sock: socket.socket, handler: Any, forked: bool):

@@ -64,6 +64,24 @@ def test_wrong_token_refused(servers):
 def test_bad_arguments():
     with pytest.raises(disco.DiscoError, match="servers"):
         disco.Session.create("rpc")
+    # (a new user's "host:port" string was iterated: "not enough values to unpack")
+    bad = [
+        (dict(servers="127.0.0.1:9585"), disco.DiscoTypeError, "servers must be a list of"),
+        (dict(servers=["127.0.0.1"]), disco.DiscoTypeError, "each server must be a"),
+        (dict(servers=[("h", "x")]), disco.DiscoTypeError, "each server must be a"),
+        (dict(servers=[("h", 0)]), disco.DiscoValueError, "a port 1-65535"),
+        (dict(tracker="nohost", num_workers=2), disco.DiscoTypeError, "tracker must be a"),
+    ]
+    for kw, exc, says in bad:
+        with pytest.raises(exc, match=says):
+            disco.Session.create("rpc", token="x", **kw)
+
+
+def test_a_server_may_be_named_host_colon_port(servers):
+    addr = f"127.0.0.1:{servers[0].port}"
+    with disco.Session.create("rpc", servers=[addr], token="disco-secret") as sess:
+        assert sess.num_workers == 2
+        sess._sync_all()
 
 
 def test_session_over_tracker_returns_servers_to_pool():

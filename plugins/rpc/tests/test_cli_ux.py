@@ -12,6 +12,7 @@ from importlib.metadata import version
 
 import pytest
 
+import disco_core as disco
 import disco_rpc as rpc
 from disco_core.testing.commands import assert_documented
 from disco_rpc import cli, client
@@ -188,13 +189,30 @@ def test_progress_bar_only_on_a_terminal():
             return True
 
     log, tty = io.StringIO(), Tty()
-    for stream in (log, tty):
-        bar = cli._Bar("upload f", stream=stream)
+    bars = [cli._Bar("upload f", stream=stream) for stream in (log, tty)]
+    for bar in bars:
         for done in (0, 10 << 20, 20 << 20):
             bar(done, 20 << 20)
+    assert log.getvalue() == ""  # the last byte sent is not yet an upload that succeeded
+    cli._Bar("upload f", stream=log).done()  # (nothing sent: no line either)
+    assert log.getvalue() == ""
+    for bar in bars:
+        bar.done()
     assert "\r" not in log.getvalue() and log.getvalue().count("\n") == 1
     assert "upload f: 21.0 MB in" in log.getvalue()
     assert tty.getvalue().count("\r") == 3 and "100.0%" in tty.getvalue()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_upload_prints_no_success_line(server, tmp_path):
+    # (an outside check: "upload hello.txt: 0.0 MB in 0.00 s", then the server's refusal)
+    f = tmp_path / "hello.txt"
+    f.write_text("hello")
+    r = _run("upload", str(f), "../escape.txt", "--port", str(server.port))
+    assert r.returncode == 1 and "leaves the session's work folder" in r.stderr
+    assert "MB in" not in r.stderr, r.stderr
+    r = _run("upload", str(f), "ok.txt", "--port", str(server.port))
+    assert r.returncode == 0 and f"upload {f}: 0.0 MB in" in r.stderr, r.stderr
 
 
 @pytest.mark.timeout(120)
@@ -236,3 +254,16 @@ def test_removing_a_remote_folder_follows_no_link(tmp_path, fallback):
         os.close(dfd)
     assert not (work / "d").exists()
     assert (outside / "keep.txt").read_text() == "keep"
+
+
+@pytest.mark.timeout(60)
+def test_a_port_that_is_no_port_is_named(server):
+    for kw, exc in (({"port": "abc"}, disco.DiscoTypeError), ({"port_end": 1.5}, disco.DiscoTypeError), ({"port": 70000}, disco.DiscoValueError)):  # fmt: skip
+        name = next(iter(kw))
+        with pytest.raises(exc, match=f"{name} must be an int 0-65535"):
+            rpc.Server(token=TOKEN, **kw)
+    # a range of one port, taken: the error names that port, not an empty range
+    with pytest.raises(rpc.RPCError, match=rf"cannot bind to port {server.port} on 127.0.0.1"):
+        rpc.Server(port=server.port, port_end=server.port + 1, token=TOKEN)
+    r = _run("server", "--help")
+    assert "not included" in r.stdout and "[port, port-end)" in r.stdout
