@@ -56,6 +56,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(argv))
         return 0
+    if not args.script.startswith("-") and not os.path.isfile(args.script):
+        # (else every rank's Python says it, N times over)
+        print(f"disco-mpi: no such script: {args.script!r}", file=sys.stderr)
+        return 2
     log.info("running %s", shlex.join(argv))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -49,6 +49,15 @@ def test_missing_launcher_is_one_line(tmp_path, launcher, why):
 
 
 @pytest.mark.timeout(60)
+def test_a_missing_script_is_one_line(tmp_path):
+    # (mpiexec ran it: every rank's Python said "can't open file", once per rank)
+    missing = str(tmp_path / "nosuch.py")
+    r = _run("run", "-n", "2", missing)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == f"disco-mpi: no such script: {missing!r}\n"
+
+
+@pytest.mark.timeout(60)
 def test_common_options_before_and_after_run(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("")
