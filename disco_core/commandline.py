@@ -159,7 +159,8 @@ def parse_level(text: str | int) -> int:
 def level_from_args(args: argparse.Namespace, default: int = logging.WARNING) -> int:
     """The level ``args`` ask for: ``--log-level``, else ``-v`` steps down from the default.
 
-    The default is ``$DISCO_LOG_LEVEL`` when set (and valid), else ``default``.
+    The default is ``$DISCO_LOG_LEVEL`` when set (and valid), else ``default``; an
+    invalid variable is named on stderr, and ``default`` used.
 
     Raises
     ------
@@ -173,8 +174,12 @@ def level_from_args(args: argparse.Namespace, default: int = logging.WARNING) ->
     if env:
         try:
             default = parse_level(env)
-        except ValueError:
-            pass  # a bad variable must not stop the command; configure_logging warns
+        except ValueError as exc:  # a bad variable must not stop the command: it says so
+            print(
+                f"{os.path.basename(sys.argv[0]) or 'disco'}: {LOG_LEVEL_ENV}: {exc} "
+                f"(using {logging.getLevelName(default)})",
+                file=sys.stderr,
+            )
     verbose = getattr(args, "verbose", 0) or 0
     return max(logging.DEBUG, default - 10 * verbose) if verbose else default
 

@@ -39,6 +39,7 @@ import pluggy
 from . import hookspecs
 from .errors import (
     DiscoError,
+    DiscoTypeError,
     DiscoValueError,
     PluginConflictError,
     PluginLoadError,
@@ -584,6 +585,8 @@ def lookup(kind: str, name: str) -> Any:
 
     Raises
     ------
+    DiscoTypeError
+        ``name`` is not a str.
     PluginNotFoundError
         Nobody registered ``name``; the message says which distribution provides it
         (when known), lists what is installed, and names every broken plugin.
@@ -595,6 +598,8 @@ def lookup(kind: str, name: str) -> Any:
     """
     if kind not in KINDS:
         raise ValueError(f"unknown plugin kind {kind!r}; expected one of {sorted(KINDS)}")
+    if not isinstance(name, str):
+        raise DiscoTypeError(f"a {kind} is named by a str, got {type(name).__name__} {name!r}")
     if _MANAGER is None and kind in _CORE_FAST:
         # The core wins every name conflict, so its own channels and CCLs need no
         # plugin loaded: a worker process's init_ccl("shm") skips importing every

@@ -85,7 +85,7 @@ def test_parse_level_refuses(text):
         commandline.parse_level(text)
 
 
-def test_level_from_args(monkeypatch):
+def test_level_from_args(monkeypatch, capsys):
     monkeypatch.delenv(commandline.LOG_LEVEL_ENV, raising=False)
     ns = argparse.Namespace
     assert commandline.level_from_args(ns()) == logging.WARNING
@@ -96,8 +96,11 @@ def test_level_from_args(monkeypatch):
     monkeypatch.setenv(commandline.LOG_LEVEL_ENV, "error")
     assert commandline.level_from_args(ns()) == logging.ERROR
     assert commandline.level_from_args(ns(verbose=1)) == logging.WARNING
-    monkeypatch.setenv(commandline.LOG_LEVEL_ENV, "bogus")  # ignored, not fatal
+    capsys.readouterr()
+    monkeypatch.setenv(commandline.LOG_LEVEL_ENV, "bogus")  # not fatal, but said
     assert commandline.level_from_args(ns()) == logging.WARNING
+    err = capsys.readouterr().err
+    assert "DISCO_LOG_LEVEL: unknown log level 'bogus'" in err and "(using WARNING)" in err
 
 
 def test_subcommand_does_not_reset_options_given_before_it():

@@ -109,6 +109,18 @@ def test_not_found_unknown_name_and_channel():
         plugins.lookup("no-such-kind", "x")
 
 
+def test_a_name_that_is_no_str_is_a_type_error():
+    # (init_ccl(5) said "no CCL named 5 is installed")
+    with pytest.raises(disco.DiscoTypeError, match="a ccl is named by a str, got int 5"):
+        plugins.lookup("ccl", 5)
+    with disco.ThreadedSession(2) as sess:
+        with pytest.raises(disco.DiscoTypeError, match="a ccl is named by a str"):
+            sess.init_ccl(5)
+        sess.init_ccl("shm")  # nothing was half done
+    with pytest.raises(disco.DiscoTypeError, match="a channel is named by a str"):
+        disco.Session.create(None, num_workers=2)
+
+
 def test_conflict_names_both_plugins(registered_plugins):
     registered_plugins(_ClaimsCCL("fake-conflict"), "fake-plugin-a")
     assert plugins.lookup("ccl", "fake-conflict") is _FakeCCL

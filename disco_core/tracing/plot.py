@@ -37,7 +37,7 @@ def _matplotlib() -> Any:
     except ImportError as exc:
         raise DiscoError(
             f"matplotlib is needed to plot a trace ({exc}): pip install 'disco-core[plot]' "
-            "(in a clone of the repository: pip install -e '.[plot]', editable as scripts/demo.sh installs it)"
+            "(in a clone of the repository: pip install 'matplotlib>=3.7', which is all the extra adds)"
         ) from None
     return Figure, Patch
 

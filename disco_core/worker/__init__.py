@@ -827,8 +827,11 @@ def main(argv: list[str] | None = None) -> None:
     send = HeartbeatSender(send, on_lost=_replies_lost)
     worker = Worker(args.worker_id, args.num_workers, args.num_groups, send)
     reader = FrameReader(args.cmd_fd, read=reader_of(args.cmd_fd, spin_seconds()))
-    send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
-    send(("ready", os.getpid()))
+    try:
+        send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
+        send(("ready", os.getpid()))
+    except ConnectionError as exc:  # the controller went away while this worker started
+        _replies_lost(exc)
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     logger.info(
         "worker %d of %d started (pid %d, module %s)",
