@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from disco_core.testing.leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: F401  (hooks: a run that leaves temporary files fails)
+
 
 @pytest.fixture(scope="session")
 def tls_files(tmp_path_factory) -> tuple[str, str]:

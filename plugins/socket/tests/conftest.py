@@ -8,6 +8,7 @@ import pytest
 from _socket_helpers import Cluster, layout
 
 import disco_core as disco
+from disco_core.testing.leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: F401  (hooks: a run that leaves temporary files fails)
 
 
 @pytest.fixture
