@@ -10,7 +10,11 @@ import time
 import pytest
 
 import disco_core  # noqa: F401  (the built-ins are registered before any test runs)
-from disco_core.testing.leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: F401  (hooks: a run that leaves temporary files fails)
+from disco_core.testing.leftovers import (  # noqa: F401  (hooks: a run's own TMPDIR; leftovers fail it)
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_unconfigure,
+)
 from disco_core.testing.procfs import children_of
 
 

@@ -4,14 +4,13 @@ the runtime's temporary files behind, and only for those."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-CONFTEST = "from disco_core.testing.leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: F401\n"  # fmt: skip
+CONFTEST = "from disco_core.testing.leftovers import pytest_configure, pytest_sessionfinish, pytest_unconfigure  # noqa: F401\n"  # fmt: skip
 
 
 def _run(tmp_path, body: str) -> subprocess.CompletedProcess:
@@ -28,18 +27,24 @@ def test_a_run_that_leaves_a_folder_of_the_runtime_fails_and_names_it(tmp_path):
     r = _run(
         tmp_path,
         """
-        import tempfile
+        import os, subprocess, sys, tempfile
         def test_leaves():
+            own = tempfile.gettempdir()
+            assert os.path.basename(own).startswith("disco-tests-")  # the run's own
             tempfile.mkdtemp(prefix="disco-rpc-session-")
-            open(tempfile.gettempdir() + "/disco-trace-example.json", "w").close()  # a user's
+            open(os.path.join(own, "disco-trace-example.json"), "w").close()  # a user's
+            # a child process's too: it inherits the run's TMPDIR
+            code = "import tempfile; tempfile.mkdtemp(prefix='disco-socket-node1-')"
+            subprocess.run([sys.executable, "-c", code], check=True)
         """,
     )
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "1 passed" in r.stdout and "left behind by this run (1)" in r.stdout
-    left = [line.strip() for line in r.stdout.splitlines() if "disco-rpc-session-" in line]
-    assert len(left) == 1
-    shutil.rmtree(left[0])
-    os.unlink(os.path.join(os.path.dirname(left[0]), "disco-trace-example.json"))
+    assert "1 passed" in r.stdout and "left behind by this run (2)" in r.stdout
+    left = [line.strip() for line in r.stdout.splitlines() if line.startswith("  /")]
+    assert sorted(os.path.basename(p).rsplit("-", 1)[0] for p in left) == [
+        "disco-rpc-session", "disco-socket-node1",
+    ]  # fmt: skip
+    assert not any(os.path.exists(p) for p in left)  # (the run's folder went with them)
 
 
 @pytest.mark.timeout(90)

@@ -4,30 +4,39 @@ Sessions, servers, agents and MPI workers make private folders and files in the
 temporary directory (and MPICH a segment in ``/dev/shm``); each removes its own, and
 the next one sweeps what a killed one left. A test that kills at the wrong moment can
 still leave one for good: a leak watch over the suites found a folder left by every
-run of one test. This plugin compares the names at the start and at the end of the
-run, and fails the run (exit status 1) for each new one still there a few seconds
-after the last test, naming it.
+run of one test.
 
-Only the runtime's own names are watched (:data:`TEMP_PREFIXES`,
-:data:`SHM_PREFIXES`): an example that writes ``/tmp/disco-trace.json`` where its
-user asked is not a leftover. A suite takes part by importing the two hooks into its
+At the start of the run this plugin points ``$TMPDIR`` (and :mod:`tempfile`) at a
+folder of the run's own, which every process the tests start inherits, so suites
+that run side by side (as CI's streams do) never see each other's files. At the end
+it fails the run (exit status 1) for each of the runtime's names
+(:data:`TEMP_PREFIXES`) still in that folder a few seconds after the last test, and
+for each new MPICH segment in ``/dev/shm`` (:data:`SHM_PREFIXES`), naming them;
+then it removes the folder. An example that writes ``/tmp/disco-trace.json`` where
+its user asked is not watched. A suite takes part by importing the hooks into its
 ``conftest.py``::
 
-    from disco_core.testing.leftovers import pytest_sessionfinish, pytest_sessionstart
+    from disco_core.testing.leftovers import (
+        pytest_configure, pytest_sessionfinish, pytest_unconfigure,
+    )
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from typing import Any
 
+import pytest
+
 __all__ = [
     "SHM_PREFIXES",
     "TEMP_PREFIXES",
+    "pytest_configure",
     "pytest_sessionfinish",
-    "pytest_sessionstart",
+    "pytest_unconfigure",
     "snapshot",
 ]
 
@@ -44,7 +53,7 @@ SHM_PREFIXES = ("mpich_shm_",)
 #: Seconds the last test's own clean-up may still take (a server's sweep, a reaped child).
 SETTLE_SECONDS = 5.0
 
-_BEFORE = "disco_leftovers_before"
+_KEY = "_disco_leftovers"
 
 
 def _names(folder: str, prefixes: tuple[str, ...]) -> set[str]:
@@ -54,34 +63,53 @@ def _names(folder: str, prefixes: tuple[str, ...]) -> set[str]:
         return set()
 
 
-def snapshot() -> set[str]:
-    """The paths of the runtime's temporary files and segments that exist now."""
-    return _names(tempfile.gettempdir(), TEMP_PREFIXES) | _names("/dev/shm", SHM_PREFIXES)
+def snapshot(folder: str | None = None) -> set[str]:
+    """The runtime's temporary files in ``folder`` (default: the temporary directory)
+    and its MPICH segments, as paths."""
+    return _names(folder or tempfile.gettempdir(), TEMP_PREFIXES) | _names("/dev/shm", SHM_PREFIXES)  # fmt: skip
 
 
-def pytest_sessionstart(session: Any) -> None:
-    setattr(session.config, _BEFORE, snapshot())
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: Any) -> None:
+    own = tempfile.mkdtemp(prefix="disco-tests-")
+    state = {"own": own, "TMPDIR": os.environ.get("TMPDIR"), "shm": _names("/dev/shm", SHM_PREFIXES)}  # fmt: skip
+    setattr(config, _KEY, state)
+    os.environ["TMPDIR"] = own
+    tempfile.tempdir = None  # (gettempdir() caches its answer)
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    before = getattr(session.config, _BEFORE, None)
-    if before is None:
+    state = getattr(session.config, _KEY, None)
+    if state is None:
         return
+    own = state["own"]
     deadline = time.monotonic() + SETTLE_SECONDS
-    left = snapshot() - before
+    left = snapshot(own) - state["shm"]
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = snapshot() - before
+        left = snapshot(own) - state["shm"]
     if not left:
         return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     lines = [
         f"temporary files of the runtime left behind by this run ({len(left)}):",
         *(f"  {path}" for path in sorted(left)),
     ]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("\n".join(lines), red=True)
     else:  # pragma: no cover - pytest always has one unless disabled
         print("\n".join(lines))
     if session.exitstatus == 0:
         session.exitstatus = 1
+
+
+def pytest_unconfigure(config: Any) -> None:
+    state = getattr(config, _KEY, None)
+    if state is None:
+        return
+    if state["TMPDIR"] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = state["TMPDIR"]
+    tempfile.tempdir = None
+    shutil.rmtree(state["own"], ignore_errors=True)

@@ -5,4 +5,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from disco_core.testing.leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: F401  (hooks: a run that leaves temporary files fails)
+from disco_core.testing.leftovers import (  # noqa: F401  (hooks: a run's own TMPDIR; leftovers fail it)
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_unconfigure,
+)

@@ -8,7 +8,11 @@ import pytest
 from _socket_helpers import Cluster, layout
 
 import disco_core as disco
-from disco_core.testing.leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: F401  (hooks: a run that leaves temporary files fails)
+from disco_core.testing.leftovers import (  # noqa: F401  (hooks: a run's own TMPDIR; leftovers fail it)
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_unconfigure,
+)
 
 
 @pytest.fixture
