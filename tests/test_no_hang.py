@@ -336,3 +336,54 @@ def test_a_heartbeat_that_finds_the_reply_link_gone_calls_on_lost():
     time.sleep(0.2)
     assert len(lost) == 1  # and the beats stopped
     assert beats.lock.acquire(blocking=False)  # (not left held)
+
+
+_UNDECODABLE_FUNCS = """
+import os, sys
+import disco_core as disco
+from disco_core.worker import current
+
+class Bad:
+    def __init__(self, exc):
+        self.exc = exc
+    def __reduce__(self):
+        return (_boom, (self.exc,))
+
+def _boom(exc):
+    raise {"value": ValueError, "oserror": FileNotFoundError, "type": TypeError}[exc]("no")
+
+@disco.register_func("undecodable.value")
+def value(kind):
+    if not current().worker_id:
+        return None
+    if kind == "foreign":  # a class this (the controller's) process cannot import
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers_only"))
+        import foreign_mod
+        return foreign_mod.Thing()
+    return Bad(kind)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["foreign", "value", "oserror", "type"])
+def test_a_reply_the_controller_cannot_rebuild_fails_the_call_not_the_session(
+    tmp_path, monkeypatch, kind, no_leftover_children
+):
+    # (an outside check: the reply thread died and the sync waited for ever; or the
+    # worker was declared dead, "closed its reply pipe")
+    (tmp_path / "undecodable_funcs.py").write_text(_UNDECODABLE_FUNCS)
+    (tmp_path / "workers_only").mkdir()
+    (tmp_path / "workers_only" / "foreign_mod.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DISCO_SYS_PATH", str(tmp_path))
+    monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", "5")
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("undecodable_funcs")
+        t0 = time.monotonic()
+        with pytest.raises(disco.WorkerError, match="could not be rebuilt in the controller") as info:  # fmt: skip
+            sess.get_global_func("undecodable.value")(kind).debug_get_from_remote(1)
+        assert time.monotonic() - t0 < 3 and info.value.worker_id == 1
+        assert not isinstance(info.value, disco.WorkerDiedError)
+        sess.init_ccl("shm")
+        x = sess.broadcast(np.arange(3.0))  # the session goes on, worker 1 with it
+        np.testing.assert_array_equal(x.debug_get_from_remote(1), [0.0, 1.0, 2.0])

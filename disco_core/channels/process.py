@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickletools
 import selectors
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from typing import Any
 
 from .. import _interrupts
 from ..commandline import level_for_workers
-from ..errors import UntrustedValueError, WorkerDiedError
+from ..errors import UntrustedValueError, WorkerDiedError, WorkerError
 from ..net.io import grow_pipe
 from ..net.spawn import spawn_worker, worker_argv
 from ..protocol import FrameReader, decode
@@ -207,6 +208,21 @@ def start_worker_processes(
     return tee, reader
 
 
+class UndecodableReply(Exception):
+    """A worker's message, read whole, that this process could not rebuild (not a reply)."""
+
+
+def _first_string(header: Any) -> str | None:
+    """The first string a pickle pushes (a message's kind), found without unpickling."""
+    try:
+        for op, arg, _pos in pickletools.genops(bytes(header)):
+            if isinstance(arg, str) and "UNICODE" in op.name:
+                return arg
+    except Exception:  # noqa: BLE001 - a frame this broken is no reply
+        return None
+    return None
+
+
 class ReplyReader(threading.Thread):
     """Drains the replies of every worker link into the hub; a link's end means its worker is gone.
 
@@ -254,13 +270,38 @@ class ReplyReader(threading.Thread):
         """
         raise exc
 
+    def undecodable(self, worker_id: int, header: Any, exc: Exception) -> tuple:
+        """The message to deliver in place of a whole frame that :attr:`decode` could not
+        rebuild (an object of a class this process cannot import, one whose
+        unpickling raised).
+
+        A reply (a function's result, sent as ``("reply", value)``) is answered with the
+        failure: the frame was whole, so the stream is still in step, and the session
+        goes on. Anything else (a worker's own message: its kind is read from the
+        frame's first string, without rebuilding anything) raises
+        :class:`UndecodableReply`, which ends the link and says why.
+        """
+        if _first_string(header) == "reply":
+            return (
+                "fail",
+                WorkerError(
+                    worker_id,
+                    type(exc).__name__,
+                    f"the worker's reply could not be rebuilt in the controller: {exc} (a "
+                    "value returned to the controller must be of a type it can import)",
+                ),
+            )
+        raise UndecodableReply(f"a message of worker {worker_id} could not be decoded: {type(exc).__name__}: {exc}")  # fmt: skip
+
     def link_ended(self, link: Any, fd: int, exc: BaseException) -> None:
         """The link ended (end of file, an error, a refused frame): mark its workers dead."""
         link.reader.close()
         os.close(fd)
         if not self.hub.closing:
             reason = link.exit_reason(wait=1.0)
-            if reason is None:
+            if reason is None and isinstance(exc, UndecodableReply):
+                reason = str(exc)
+            elif reason is None:
                 reason = f"worker {link.worker_ids[0]} closed its reply pipe"
             else:
                 reason = with_stderr(reason, link.stderr_tail(0.5))
@@ -292,11 +333,18 @@ class ReplyReader(threading.Thread):
                     msg = load(header, buffers)
                 except UntrustedValueError as exc:
                     msg = self.refused(wid, exc)
+                except Exception as exc:  # read whole, but it does not rebuild here
+                    msg = self.undecodable(wid, header, exc)
                 self.on_message(link, msg)
                 deliver(wid, msg)
                 if not reader.has_buffered():
                     break
-        except (EOFError, OSError, ValueError) as exc:  # ValueError: a refused or corrupt frame
+        except (
+            EOFError,
+            OSError,
+            ValueError,
+            UndecodableReply,
+        ) as exc:  # ValueError: a refused or corrupt frame
             self.selector.unregister(key.fd)
             self.gate.remove(key.fd)
             self.remaining -= 1
