@@ -98,10 +98,12 @@ _ABORTS: dict[str, str] = {}
 #: port is closed, so it is left open (a few bytes) instead.
 _JOINED: set[str] = set()
 
-#: Join threads given up on (a worker died or froze during init_ccl): MPI cannot
-#: cancel their Accept, and while one is blocked there MPI in this process is stuck
-#: (a later Open_port waits for ever), so a later init_ccl("mpi") refuses at once.
-_STUCK_JOINS: list[threading.Thread] = []
+#: Join threads of this process: while one is blocked in Accept (a worker died or
+#: froze during init_ccl, and MPI cannot cancel the wait) MPI in this process is stuck
+#: (a later Open_port waits for ever), so a later init_ccl("mpi") refuses at once. Every
+#: one is listed from its start: the session may report a lost worker before worker
+#: 0's constructor gave up its join (an init_ccl again on that session hung).
+_JOINS: list[threading.Thread] = []
 
 #: Requests given up on (a timeout, an abort) and the CCLs that were broken at close,
 #: kept for the life of the process: MPI may still write into their buffers, which
@@ -239,12 +241,12 @@ class MPICCL(CCL):
         elif channel.num_workers == 1:
             payload["mode"] = "self"
         else:
-            stuck = [t for t in _STUCK_JOINS if t.is_alive()]
-            if stuck:
+            _JOINS[:] = [t for t in _JOINS if t.is_alive()]
+            if _JOINS:
                 raise CCLError(
                     "init_ccl('mpi'): MPI in this process is stuck: an earlier init_ccl('mpi') "
                     "lost a worker while it joined, and MPI cannot cancel the wait for it "
-                    f"({len(stuck)} join thread(s) still blocked in MPI_Comm_accept). Run "
+                    f"({len(_JOINS)} join thread(s) still blocked in MPI_Comm_accept). Run "
                     "further MPI sessions from a new controller process, or use the 'shm' CCL"
                 )
             MPI = _runtime.mpi()
@@ -347,16 +349,15 @@ class MPICCL(CCL):
                 result["error"] = exc
 
         t = threading.Thread(target=run, name=f"disco-mpi-join-{self._me}", daemon=True)
+        _JOINS.append(t)
         t.start()
         deadline = time.monotonic() + timeout
         while t.is_alive():
             t.join(0.05)
             reason = _ABORTS.get(self.token)
             if reason:
-                _STUCK_JOINS.append(t)
                 raise CCLError(f"init_ccl('mpi') aborted: {reason}")
             if time.monotonic() > deadline:
-                _STUCK_JOINS.append(t)
                 raise CCLTimeoutError(
                     f"init_ccl('mpi'): the workers did not join one MPI communicator within "
                     f"{timeout:.0f} s (init_ccl('mpi', connect_timeout=...))"

@@ -32,7 +32,7 @@ class MPIContract(CCLContract):
     reinit_after_failed_init = False
 
     # A join thread left blocked in MPI_Comm_accept makes every later init_ccl("mpi")
-    # of the process refuse (disco_mpi.ccl._STUCK_JOINS): the construction cases
+    # of the process refuse (disco_mpi.ccl._JOINS): the construction cases
     # therefore run the kit's own case in a fresh interpreter each.
     @pytest.mark.timeout(120)
     @pytest.mark.parametrize("where", ["first", "last"])

@@ -33,6 +33,12 @@ except disco.WorkerDiedError as exc:
     print("FIRST died", exc.worker_ids, round(time.monotonic() - t0, 2))
 except disco.CCLError as exc:
     print("FIRST cclerror", round(time.monotonic() - t0, 2))
+t0 = time.monotonic()
+try:  # again on the same session (it hung in MPI_Open_port: an outside check)
+    sess.init_ccl("mpi")
+    print("SAME ok")
+except disco.DiscoError as exc:
+    print("SAME refused", round(time.monotonic() - t0, 2), type(exc).__name__)
 sess.shutdown()
 sess = disco.ProcessSession(2)
 t0 = time.monotonic()
@@ -60,6 +66,8 @@ def test_worker_lost_during_join_then_a_new_session(delay):
     assert r.returncode == 0, (out + r.stderr)[-3000:]
     first = next(line for line in out.splitlines() if line.startswith("FIRST"))
     second = next(line for line in out.splitlines() if line.startswith("SECOND"))
+    same = next(line for line in out.splitlines() if line.startswith("SAME"))
+    assert same.startswith("SAME refused") and float(same.split()[2]) < 5, same
     if first.startswith("FIRST died"):
         assert "[1]" in first and float(first.split()[-1]) < 10, first  # about a second
     # the second session works (the join was not stuck) or says at once why it cannot
