@@ -279,7 +279,7 @@ class ReplyReader(threading.Thread):
         failure: the frame was whole, so the stream is still in step, and the session
         goes on. Anything else (a worker's own message: its kind is read from the
         frame's first string, without rebuilding anything) raises
-        :class:`UndecodableReply`, which ends the link and says why.
+        ``UndecodableReply``, which ends the link and says why.
         """
         if _first_string(header) == "reply":
             return (

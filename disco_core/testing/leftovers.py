@@ -6,7 +6,7 @@ the next one sweeps what a killed one left. A test that kills at the wrong momen
 still leave one for good: a leak watch over the suites found a folder left by every
 run of one test.
 
-At the start of the run this plugin points ``$TMPDIR`` (and :mod:`tempfile`) at a
+At the start of the run this plugin points ``$TMPDIR`` (and ``tempfile``) at a
 folder of the run's own, which every process the tests start inherits, so suites
 that run side by side (as CI's streams do) never see each other's files. At the end
 it fails the run (exit status 1) for each of the runtime's names
