@@ -142,7 +142,7 @@ def _flag(where: str, name: str, value: Any) -> bool:
     would be True)."""
     if type(value) is bool:
         return value
-    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):  # fmt: skip
+    if isinstance(value, np.bool_) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
         return bool(value)
     raise DiscoTypeError(f"{where}: {name} must be True or False, got {value!r}")
 

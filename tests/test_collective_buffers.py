@@ -9,6 +9,8 @@ session was reported as "no CCL is initialised" when the session had none yet.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -25,14 +27,14 @@ def sess(request):
         yield s
 
 
-def _calls(s):
-    """Every DRef collective of the session, as (name, call(src, dst))."""
+def _calls(s, **kw):
+    """Every DRef collective of the session, as (name, call(src, dst)); ``kw`` go to each."""
     return [
-        ("allreduce", lambda src, dst: s.allreduce(src, dst, "sum")),
-        ("allgather", lambda src, dst: s.allgather(src, dst)),
-        ("broadcast_from_worker0", lambda src, dst: s.broadcast_from_worker0(src, dst)),
-        ("scatter_from_worker0", lambda src, dst: s.scatter_from_worker0(src, dst)),
-        ("gather_to_worker0", lambda src, dst: s.gather_to_worker0(src, dst)),
+        ("allreduce", lambda src, dst: s.allreduce(src, dst, "sum", **kw)),
+        ("allgather", lambda src, dst: s.allgather(src, dst, **kw)),
+        ("broadcast_from_worker0", lambda src, dst: s.broadcast_from_worker0(src, dst, **kw)),
+        ("scatter_from_worker0", lambda src, dst: s.scatter_from_worker0(src, dst, **kw)),
+        ("gather_to_worker0", lambda src, dst: s.gather_to_worker0(src, dst, **kw)),
     ]
 
 
@@ -118,16 +120,10 @@ def test_a_flag_that_is_not_true_or_false_is_refused_at_the_call(sess, flag):
     # bool("no") is True: every group-wide flag took it for yes, silently
     src, dst = sess.empty((2,), "float32"), sess.empty((2,), "float32")
     host = np.zeros(2, "float32")
-    calls = {
-        "allreduce": lambda: sess.allreduce(src, dst, "sum", in_group=flag),
-        "allgather": lambda: sess.allgather(src, dst, in_group=flag),
-        "broadcast_from_worker0": lambda: sess.broadcast_from_worker0(src, dst, in_group=flag),
-        "scatter_from_worker0": lambda: sess.scatter_from_worker0(src, dst, in_group=flag),
-        "gather_to_worker0": lambda: sess.gather_to_worker0(src, dst, in_group=flag),
-        "broadcast": lambda: sess.broadcast(host, in_group=flag),
-        "scatter": lambda: sess.scatter(host, in_group=flag),
-        "empty": lambda: sess.empty((2,), "float32", in_group=flag),
-    }
+    calls = {name: functools.partial(call, src, dst) for name, call in _calls(sess, in_group=flag)}
+    calls["broadcast"] = lambda: sess.broadcast(host, in_group=flag)
+    calls["scatter"] = lambda: sess.scatter(host, in_group=flag)
+    calls["empty"] = lambda: sess.empty((2,), "float32", in_group=flag)
     for name, call in calls.items():
         with pytest.raises(disco.DiscoTypeError, match=rf"{name}: in_group must be True or False, got {flag!r}"):  # fmt: skip
             call()

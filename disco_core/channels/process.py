@@ -208,7 +208,7 @@ def start_worker_processes(
     return tee, reader
 
 
-class UndecodableReply(Exception):
+class UndecodableReply(ValueError):
     """A worker's message, read whole, that this process could not rebuild (not a reply)."""
 
 
@@ -339,12 +339,7 @@ class ReplyReader(threading.Thread):
                 deliver(wid, msg)
                 if not reader.has_buffered():
                     break
-        except (
-            EOFError,
-            OSError,
-            ValueError,
-            UndecodableReply,
-        ) as exc:  # ValueError: a refused or corrupt frame
+        except (EOFError, OSError, ValueError) as exc:  # ValueError: a refused or corrupt frame
             self.selector.unregister(key.fd)
             self.gate.remove(key.fd)
             self.remaining -= 1

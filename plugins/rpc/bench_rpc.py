@@ -36,6 +36,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from typing import Any
 
 import numpy as np
 
@@ -65,17 +66,26 @@ def bare_request_reply(calls: int, place: Placement) -> float:
             _kind, op, _flags, func, arg = head.unpack_from(buf, 0)
             c.sendall(head.pack(2, op, 0, 0, funcs[func](arg)))
 
+    def call(conn: socket.socket, view: memoryview, i: int) -> None:
+        conn.sendall(head.pack(1, 3, 0, 7, i))
+        conn.recv_into(view)
+        if head.unpack_from(view, 0)[4] != i + 1:
+            raise AssertionError("the bare request/reply loop lost step")
+
+    return _median_round_trip(place, serve, call, calls)
+
+
+def _median_round_trip(place: Placement, serve: Any, call: Any, calls: int) -> float:
+    """Median seconds of ``call(conn, view, i)`` (one round trip, its answer checked)
+    with a peer forked where ``place`` puts the workers, running ``serve(its socket)``;
+    the first tenth of the calls warms up."""
     conn, pid = forked_peer(place, serve)
-    buf = bytearray(1 << 16)
-    view = memoryview(buf)
+    view = memoryview(bytearray(1 << 16))
     times = []
     try:
         for i in range(calls):
             t0 = time.perf_counter()
-            conn.sendall(head.pack(1, 3, 0, 7, i))
-            conn.recv_into(view)
-            if head.unpack_from(buf, 0)[4] != i + 1:
-                raise AssertionError("the bare request/reply loop lost step")
+            call(conn, view, i)
             times.append(time.perf_counter() - t0)
     finally:
         conn.close()
@@ -126,34 +136,26 @@ def lean_call_lane(calls: int, place: Placement) -> float:
             args = [tq.unpack_from(buf, at + 9 * i)[1] for i in range(n)]
             c.sendall(FRAME_HEAD.pack(REPLY, op, 0, 9, 0) + tq.pack(wire.T_INT, funcs[hid](*args)))
 
-    conn, pid = forked_peer(place, serve)
-    buf = bytearray(1 << 16)
-    view = memoryview(buf)
     lock = threading.Lock()
     state = {"closed": False, "in_step": True}
-    times = []
-    try:
-        for i in range(calls):
-            t0 = time.perf_counter()
-            if state["closed"]:
-                raise AssertionError("closed")
-            with lock:
-                meta = request((i,))
-                state["in_step"] = False
-                conn.sendall(FRAME_HEAD.pack(REQUEST, OP_CALL, 0, len(meta), 0) + meta)
-                n = conn.recv_into(view)
-                kind, op, _f, mlen, nbuf = FRAME_HEAD.unpack_from(buf, 0)
-                if n != hs + mlen or kind != REPLY or op != OP_CALL or nbuf or buf[hs] != wire.T_INT:  # fmt: skip
-                    raise AssertionError("not a plain reply")
-                state["in_step"] = True
-                value = tq.unpack_from(buf, hs)[1]
-            if value != i + 1:
-                raise AssertionError("the lean lane lost step")
-            times.append(time.perf_counter() - t0)
-    finally:
-        conn.close()
-        os.waitpid(pid, 0)
-    return statistics.median(times[calls // 10 :])
+
+    def call(conn: socket.socket, view: memoryview, i: int) -> None:
+        if state["closed"]:
+            raise AssertionError("closed")
+        with lock:
+            meta = request((i,))
+            state["in_step"] = False
+            conn.sendall(FRAME_HEAD.pack(REQUEST, OP_CALL, 0, len(meta), 0) + meta)
+            n = conn.recv_into(view)
+            kind, op, _f, mlen, nbuf = FRAME_HEAD.unpack_from(view, 0)
+            if n != hs + mlen or kind != REPLY or op != OP_CALL or nbuf or view[hs] != wire.T_INT:  # fmt: skip
+                raise AssertionError("not a plain reply")
+            state["in_step"] = True
+            value = tq.unpack_from(view, hs)[1]
+        if value != i + 1:
+            raise AssertionError("the lean lane lost step")
+
+    return _median_round_trip(place, serve, call, calls)
 
 
 def raw_loopback(

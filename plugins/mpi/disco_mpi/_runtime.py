@@ -246,26 +246,24 @@ def _donor_listener() -> tuple[socket.socket, str, Any]:
     temporary folder that ``cleanup()`` removes.
     """
     if sys.platform.startswith("linux"):
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            name = f"disco-mpi-{os.getpid()}-{os.urandom(8).hex()}"
-            listener.bind("\0" + name)
-            listener.listen(4)
-        except BaseException:
-            listener.close()
-            raise
-        return listener, "@" + name, lambda: None
-    folder = tempfile.mkdtemp(prefix="disco-mpi-")
-    path = os.path.join(folder, "pmi")
+        name = f"disco-mpi-{os.getpid()}-{os.urandom(8).hex()}"
+        bind_to, address, cleanup = "\0" + name, "@" + name, lambda: None
+    else:
+        folder = tempfile.mkdtemp(prefix="disco-mpi-")
+        bind_to = address = os.path.join(folder, "pmi")
+
+        def cleanup() -> None:
+            shutil.rmtree(folder, ignore_errors=True)
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(path)
-        listener.listen(1)
+        listener.bind(bind_to)
+        listener.listen(4)
     except BaseException:
         listener.close()
-        shutil.rmtree(folder, ignore_errors=True)
+        cleanup()
         raise
-    return listener, path, lambda: shutil.rmtree(folder, ignore_errors=True)
+    return listener, address, cleanup
 
 
 def _same_user(conn: socket.socket) -> bool:
