@@ -991,6 +991,9 @@ class Session:
             CCL-specific options, e.g. ``timeout=`` (seconds) for ``shm``.
         """
         self._check_open()
+        # A dead session says so first: "already initialised" would send the user
+        # looking for the wrong mistake.
+        self._channel.check_alive()
         if self._state["ccl"] is not None:
             raise CCLError(f"a CCL ({self._state['ccl']!r}) is already initialised on this session")
         cls = plugins.lookup("ccl", ccl)
@@ -1007,9 +1010,7 @@ class Session:
         except ValueError as exc:
             raise DiscoValueError(f"init_ccl({ccl!r}, options {sorted(options)}): {exc}") from exc
         self._state["rendezvous"] = rendezvous
-        self._channel.on_worker_death(
-            lambda ids_, reason: rendezvous.abort(f"worker(s) {ids_} died: {reason}")
-        )
+        self._channel.on_worker_death(rendezvous.workers_lost)
         try:
             # Checks first, everywhere (the CCL installed on every worker, then its
             # own preflight): a worker failing inside a blocking initialisation would

@@ -170,6 +170,16 @@ def test_worker_died_error_says_given_up_and_keeps_it_through_pickle():
         assert rebuilt.given_up == err.given_up
 
 
+def test_init_ccl_on_a_session_with_a_dead_worker_says_the_worker_died(no_leftover_children):
+    """A chaos check's F9: a second init_ccl on a dead session said "already initialised"."""
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm", timeout=30)
+        sess.channel.procs[0].proc.kill()
+        sess.channel.procs[0].proc.wait(10)
+        with pytest.raises(disco.WorkerDiedError, match="worker 1 died"):
+            sess.init_ccl("shm")
+
+
 def test_error_surfaces_at_the_sync_that_follows_it(no_leftover_children):
     """Issue 14, finding 3: worker 1 fails, joins an allreduce; the next sync raises it."""
     with disco.ProcessSession(3) as sess:

@@ -110,6 +110,23 @@ class Rendezvous:
         whose constructor waits for its peers must watch for it there too.
         """
 
+    def workers_lost(self, worker_ids: Sequence[int], reason: str) -> None:
+        """Workers died, stopped answering or were given up: by default :meth:`abort`.
+
+        The session calls it, rather than ``abort``, when it loses workers (once per
+        loss, from the thread that noticed it, so it must not block). A CCL whose
+        surviving workers wait where the controller cannot reach them overrides it to
+        tell them, knowing whom not to address (``mpi`` sends them its alarm).
+
+        Parameters
+        ----------
+        worker_ids : sequence of int
+            The workers lost this time.
+        reason : str
+            Why, as the session reports it.
+        """
+        self.abort(f"worker(s) {list(worker_ids)} died: {reason}")
+
     def close(self) -> None:
         """Release what :meth:`CCL.rendezvous` made (called once, at shutdown)."""
 

@@ -54,6 +54,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,6 +111,11 @@ _JOINS: list[threading.Thread] = []
 #: must therefore never be freed (a freed receive buffer is a segfault later).
 _ABANDONED: list[Any] = []
 
+#: Worker 0's CCL of each rendezvous made in this process, by token: through it the
+#: rendezvous tells the surviving workers when others are lost (see
+#: ``MPIRendezvous.workers_lost``).
+_WORKER0: weakref.WeakValueDictionary[str, MPICCL] = weakref.WeakValueDictionary()
+
 
 class MPIRendezvous(Rendezvous):
     """The controller's half: an MPI port (unless the workers are MPI ranks already)."""
@@ -118,9 +124,24 @@ class MPIRendezvous(Rendezvous):
         super().__init__(payload)
         self.ports = list(ports)
         self.token = payload["token"]
+        self.lost: set[int] = set()
 
     def abort(self, reason: str) -> None:
         _ABORTS[self.token] = reason
+
+    def workers_lost(self, worker_ids: Sequence[int], reason: str) -> None:
+        """Stop worker 0's wait and tell the surviving workers, through MPI.
+
+        The survivors may wait in a collective with a lost worker, where only MPI
+        reaches them: without the alarm they would not read the shutdown command, and
+        ``shutdown()`` would wait its whole timeout before killing them.
+        """
+        text = f"worker(s) {list(worker_ids)} died: {reason}"
+        self.abort(text)
+        self.lost.update(worker_ids)
+        ccl = _WORKER0.get(self.token)
+        if ccl is not None:
+            ccl.tell_survivors(text, frozenset(self.lost))
 
     def close(self) -> None:
         ports, self.ports = self.ports, []
@@ -319,6 +340,8 @@ class MPICCL(CCL):
         self._desc_cache: dict[tuple, bytes] = {}  # packed descriptors of plain arrays
         self._checked: set[bytes] = set()  # descriptors of calls already found consistent
         self._plans: dict[tuple, tuple[Any, str]] = {}  # (dtype, op) -> _plan()
+        if self._me == 0:
+            _WORKER0[self.token] = self
 
     # ------------------------------------------------------------------ joining
     def _join(self, ports: Sequence[str], timeout: float) -> Any:
@@ -446,6 +469,38 @@ class MPICCL(CCL):
             self._alarm_out.clear()
         except Exception:  # noqa: BLE001 - a dead peer: nothing more to do
             self._alarm_out.clear()
+
+    def tell_survivors(self, reason: str, lost: frozenset[int]) -> None:
+        """(Worker 0, on the thread that noticed the loss.) Send the alarm to every
+        member not in ``lost``, so that one waiting in a collective fails at once.
+
+        Only with ``MPI_THREAD_MULTIPLE``: worker 0's own thread may be inside MPI.
+        Nothing is sent to a lost member (UCX may end a process that addresses a
+        dead peer), and the sends are driven on a short-lived thread of their own,
+        since the caller must not block.
+        """
+        MPI = self.MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return
+        if not self.broken:
+            self.broken = reason  # also keeps the communicators alive at close()
+        peers = [p for p in range(self._n) if p != self._me and p not in lost]
+        msg = bytearray(reason.encode()[:_ALARM_BYTES])
+        alarm = self.alarm
+
+        def send() -> None:
+            reqs: list[Any] = []
+            _ABANDONED.append((msg, reqs))  # MPI may read msg for as long as it likes
+            try:
+                for peer in peers:
+                    reqs.append(alarm.Isend([msg, MPI.BYTE], peer, _ALARM_TAG))
+                deadline = time.monotonic() + 1.0
+                while not MPI.Request.Testall(reqs) and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+            except Exception:  # noqa: BLE001 - another lost peer: the rest were told
+                pass
+
+        threading.Thread(target=send, daemon=True, name="disco-mpi-alarm").start()
 
     def poison(self, reason: str) -> None:
         super().poison(reason)

@@ -287,6 +287,9 @@ def test_unknown_option():
 
 @pytest.mark.timeout(60)
 def test_worker_dies_during_collective():
+    """The survivors, left waiting in the collective, hear the loss through MPI (worker
+    0's alarm): shutdown() finds them reading its command, not stuck until its timeout
+    (5 s) runs out and it kills them (a chaos check: every such shutdown took 5.0 s)."""
     sess = _session(4)
     try:
         x = sess.broadcast(np.ones(1 << 16, "float32"))
@@ -302,7 +305,7 @@ def test_worker_dies_during_collective():
     finally:
         t1 = time.monotonic()
         sess.shutdown()
-        assert time.monotonic() - t1 < 15
+        assert time.monotonic() - t1 < 3.0, "shutdown waited for workers stuck in MPI"
 
 
 def test_workers_left_in_a_collective_are_not_only_blamed(monkeypatch):
