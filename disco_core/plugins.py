@@ -591,8 +591,9 @@ def lookup(kind: str, name: str) -> Any:
         Nobody registered ``name``; the message says which distribution provides it
         (when known), lists what is installed, and names every broken plugin.
     PluginLoadError
-        ``name`` comes only from a plugin that is disabled; the message names the
-        plugin and its error.
+        ``name`` comes only from a plugin that is disabled, or the distribution known
+        to provide it is installed but failed to load; the message names the plugin
+        and its error.
     PluginConflictError
         Two plugins other than the core registered ``name``; it is refused for both.
     """
@@ -618,6 +619,14 @@ def lookup(kind: str, name: str) -> Any:
     noun = KINDS[kind][1]
     have = ", ".join(sorted(table)) or "none"
     provider = KNOWN_PROVIDERS.get(kind, {}).get(name)
+    failed = [
+        i for i in mgr.broken.values() if provider and _canon(i.distribution) == _canon(provider)
+    ]
+    if failed:  # installed, but it did not load: "pip install" would send the user astray
+        raise PluginLoadError(
+            f"no {noun} named {name!r} is available: the distribution {provider} that provides "
+            f"it is installed but failed to load ({failed[0].error})"
+        )
     if provider and provider.startswith("disco-"):
         hint = f"it is provided by the distribution {provider}: {install_command(provider)}"
     elif provider:

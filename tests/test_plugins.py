@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -335,3 +336,33 @@ def test_the_cores_own_channels_and_ccls_need_no_plugin_loaded():
         "assert not [m for m in sys.modules if m.startswith(('disco_mpi', 'disco_socket', 'disco_rpc'))]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_installed_provider_that_fails_to_load_is_not_called_missing(tmp_path, python_run):
+    """A new user's check: when disco-mpi was installed but failed to import, lookup said
+    "no CCL named 'mpi' is installed ... pip install ./plugins/mpi", which sends the user
+    to reinstall what is there. It now says the distribution failed to load, and why."""
+    try:
+        importlib.metadata.distribution("disco-mpi")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("needs the disco-mpi plugin installed (its entry point is what breaks)")
+    shadow = tmp_path / "disco_mpi"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('a broken disco_mpi, on purpose')\n")
+    code = """
+import warnings
+warnings.simplefilter("ignore")
+import disco_core as disco
+from disco_core import plugins
+try:
+    plugins.lookup("ccl", "mpi")
+except disco.PluginLoadError as exc:
+    print("LOADERROR", exc)
+except disco.PluginNotFoundError as exc:
+    print("NOTFOUND", exc)
+"""
+    out = python_run(code, env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "LOADERROR" in out.stdout, out.stdout
+    assert "disco-mpi" in out.stdout and "installed but failed to load" in out.stdout
+    assert "a broken disco_mpi, on purpose" in out.stdout and "pip install" not in out.stdout

@@ -60,8 +60,21 @@ from typing import Any
 
 import numpy as np
 
-from disco_core import CCLError, CCLTimeoutError, DiscoTypeError, DiscoValueError
-from disco_core.spi import CCL, Rendezvous, average_in_place, validate
+from disco_core import (
+    CCLError,
+    CCLTimeoutError,
+    DiscoError,
+    DiscoTypeError,
+    DiscoValueError,
+)
+from disco_core.spi import (
+    CCL,
+    NoStore,
+    Rendezvous,
+    StoreTimeoutError,
+    average_in_place,
+    validate,
+)
 
 from . import _runtime
 
@@ -83,6 +96,8 @@ _DESC_TAG = 11
 _DATA_TAG = 12
 _ALARM_TAG = 13
 _ALARM_BYTES = 512
+#: How often a joining worker asks the session's store whether init_ccl was aborted.
+_STORE_POLL_S = 0.25
 _UNRECOVERABLE = (
     "MPI cannot recover a communicator after a failed or abandoned operation: "
     "shut the session down and start a new one"
@@ -307,7 +322,7 @@ class MPICCL(CCL):
         elif mode == "self":
             world = MPI.COMM_SELF.Dup()
         else:
-            world = self._join(payload["ports"], connect_timeout)
+            world = self._join(payload["ports"], connect_timeout, ctx.store)
             if self._me == 0:
                 _JOINED.add(self.token)
             _runtime.release_shm()  # any segment made since MPI_Init (one VCI: none)
@@ -344,8 +359,15 @@ class MPICCL(CCL):
             _WORKER0[self.token] = self
 
     # ------------------------------------------------------------------ joining
-    def _join(self, ports: Sequence[str], timeout: float) -> Any:
-        """Accept/connect + merge until every worker is in one intracommunicator."""
+    def _join(self, ports: Sequence[str], timeout: float, store: Any) -> Any:
+        """Accept/connect + merge until every worker is in one intracommunicator.
+
+        Worker 0 (in the controller's process) stops waiting when the rendezvous is
+        aborted; the other workers ask the session's ``store``, which the session
+        aborts when a worker fails in ``init_ccl`` or dies: a worker waiting in
+        ``MPI_Comm_accept`` for one whose MPI launcher was lost would otherwise wait
+        the whole ``timeout`` (a chaos check: 60 s, then blamed for it).
+        """
         MPI = self.MPI
         result: dict[str, Any] = {}
 
@@ -375,11 +397,21 @@ class MPICCL(CCL):
         _JOINS.append(t)
         t.start()
         deadline = time.monotonic() + timeout
+        ask_store = self._me != 0 and not isinstance(store, NoStore)
+        next_ask = time.monotonic() + _STORE_POLL_S
         while t.is_alive():
             t.join(0.05)
             reason = _ABORTS.get(self.token)
             if reason:
                 raise CCLError(f"init_ccl('mpi') aborted: {reason}")
+            if ask_store and time.monotonic() > next_ask:
+                try:
+                    store.wait([f"disco-mpi-never-{self.token}"], timeout=0)
+                except StoreTimeoutError:
+                    pass  # not aborted: the join goes on
+                except DiscoError as exc:
+                    raise CCLError(f"init_ccl('mpi') aborted: {exc}") from None
+                next_ask = time.monotonic() + _STORE_POLL_S
             if time.monotonic() > deadline:
                 raise CCLTimeoutError(
                     f"init_ccl('mpi'): the workers did not join one MPI communicator within "

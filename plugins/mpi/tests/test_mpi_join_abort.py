@@ -101,3 +101,69 @@ def test_the_donor_is_called_on_an_abstract_socket_that_leaves_no_file():
     finally:
         listener.close()
         cleanup()
+
+
+LAUNCHER_KILLED = r"""
+import os, signal, sys, threading, time
+import disco_core as disco
+
+def children(pid):
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+sess = disco.ProcessSession(3)
+sess.sync_worker_0()
+w2 = sess.channel.procs[1].proc.pid
+killed = {}
+
+def kill_launcher():
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not killed:
+        for c in children(w2):
+            if "mpiexec" in cmdline(c):
+                os.kill(c, signal.SIGKILL)
+                killed["t"] = time.monotonic()
+                return
+        time.sleep(0.002)
+
+threading.Thread(target=kill_launcher, daemon=True).start()
+try:
+    sess.init_ccl("mpi")
+    print("RESULT ok")
+except disco.DiscoError as exc:
+    waited = time.monotonic() - killed.get("t", time.monotonic())
+    print("RESULT", type(exc).__name__, getattr(exc, "worker_id", None), round(waited, 2))
+sess.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_killed_during_a_join_of_three_names_its_worker_at_once():
+    """A chaos check: with 3+ workers, a worker whose MPI launcher was killed during the
+    join failed at once, but the others waited in MPI_Comm_accept for it until
+    DISCO_GATHER_TIMEOUT (60 s) and were then blamed as unresponsive. They now ask the
+    session's store, which the session aborts on the first failure."""
+    r = subprocess.run(
+        [sys.executable, "-c", LAUNCHER_KILLED],
+        capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    out = r.stdout
+    assert r.returncode == 0, (out + r.stderr)[-3000:]
+    result = next(line for line in out.splitlines() if line.startswith("RESULT")).split()
+    if result[1] == "ok":  # the launcher had handed its PMI over before the kill
+        return
+    assert result[1:3] == ["WorkerCCLError", "2"], out
+    assert float(result[3]) < 15, out
