@@ -409,8 +409,8 @@ class MPICCL(CCL):
                     store.wait([f"disco-mpi-never-{self.token}"], timeout=0)
                 except StoreTimeoutError:
                     pass  # not aborted: the join goes on
-                except DiscoError as exc:
-                    raise CCLError(f"init_ccl('mpi') aborted: {exc}") from None
+                except DiscoError as aborted:
+                    raise CCLError(f"init_ccl('mpi') aborted: {aborted}") from None
                 next_ask = time.monotonic() + _STORE_POLL_S
             if time.monotonic() > deadline:
                 raise CCLTimeoutError(
