@@ -525,6 +525,15 @@ class WorkerLink(abc.ABC):
         """
         return None
 
+    def report_silence(self, worker_ids: Sequence[int], timeout: float) -> bool:
+        """The liveness watch is about to call ``worker_ids`` (of this link) unresponsive.
+
+        A link that knows better (the whole node behind it fell silent, not its
+        workers) reports that itself, through the hub, and returns True; the default
+        returns False and the workers are named.
+        """
+        return False
+
     @abc.abstractmethod
     def send(self, out: Outgoing) -> None:
         """Deliver a command to every worker behind this link (possibly buffered)."""
@@ -1559,15 +1568,18 @@ class LinkChannel(Channel):
                     if link.writing_since is not None and now - link.writing_since > tick  # type: ignore[attr-defined]
                 ]
             )
-            silent = [
-                w
-                for link in judged
-                for w in link.worker_ids
-                if w in hub.beating
-                and w not in hub.dead
-                and now - seen[w] > timeout
-                and not self._input_waiting(link, w)
-            ]
+            silent = []
+            for link in judged:
+                quiet = [
+                    w
+                    for w in link.worker_ids
+                    if w in hub.beating
+                    and w not in hub.dead
+                    and now - seen[w] > timeout
+                    and not self._input_waiting(link, w)
+                ]
+                if quiet and not link.report_silence(quiet, timeout):
+                    silent += quiet
             if silent:
                 idle = now - max(seen[w] for w in silent)
                 many = len(silent) > 1

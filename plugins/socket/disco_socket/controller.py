@@ -510,6 +510,24 @@ class NodeLink(BatchingLink):
         self._mark_node_dead()
         self.kill()  # unblocks any send stuck on the dead connection
 
+    def report_silence(self, worker_ids: Sequence[int], timeout: float) -> bool:
+        """Workers of this node are silent: when the node's own connection has been as
+        silent, the node is what froze (their heartbeats come through it when replies
+        are relayed), and it is reported as the node, as the heartbeat would (a chaos
+        check: with equal timeouts the workers were named 7 times in 12)."""
+        if self.dead_reason is not None:
+            return True  # reported already: its workers are being marked
+        if self.heartbeat is None:
+            return False  # no pings: a quiet connection is no sign of a frozen node
+        try:
+            idle = wire.idle_seconds(self.sock)
+        except OSError:
+            return False
+        if idle is None or idle <= timeout:
+            return False
+        self._silent(idle)
+        return True
+
     def poll(self) -> str | None:
         return self.dead_reason
 

@@ -585,6 +585,31 @@ def test_frozen_node_is_declared_dead(cluster):
 
 
 @pytest.mark.timeout(60)
+def test_a_frozen_agent_relaying_replies_is_named_as_its_node(cluster, monkeypatch):
+    """A chaos check (F7): with replies relayed by the agent and DISCO_LIVENESS_TIMEOUT
+    equal to the heartbeat timeout, a frozen agent was reported as its workers having
+    stopped answering (the workers' heartbeats come through it), 7 times in 12. The
+    liveness watch now asks the link first, and a node whose own connection is as
+    silent is named as the node."""
+    monkeypatch.setenv("DISCO_LIVENESS_TIMEOUT", "3")
+    sess = cluster.session(3, 1, heartbeat_timeout=3.0, direct_replies=False)
+    sess.import_python_module(FUNCS)
+    node = sess.channel.nodes[0]
+    agent = node.info["pid"]
+    freeze(agent)
+    try:
+        with pytest.raises(disco.WorkerUnresponsiveError) as info:
+            sess.call_packed("testing.echo", 1)
+            sess._sync_all()
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    msg = str(info.value)
+    assert info.value.worker_ids == list(node.worker_ids), msg
+    assert f"node {node.node_id}" in msg and "stopped responding" in msg, msg
+    assert "DISCO_LIVENESS_TIMEOUT" not in msg, msg
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("token", [None, "frozen-worker"])
 def test_frozen_remote_worker_is_unresponsive(cluster, monkeypatch, token):
     """A remote worker stopped (SIGSTOP) while its agent runs on: its own heartbeats stop.
