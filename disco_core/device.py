@@ -169,7 +169,8 @@ def as_dtype(dtype: Any) -> np.dtype:
         return as_dtype(torch_name[len("torch.") :])
     try:
         dt = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError, OverflowError, RecursionError):
+        # NumPy parses a name with a comma as Python (ast.literal_eval): SyntaxError
         raise DiscoTypeError(
             f"unknown dtype {dtype!r}; use a NumPy dtype name such as 'float32' or 'int64'"
         ) from None

@@ -527,8 +527,8 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
 def _parse_dtype(name: bytes) -> np.dtype:
     try:
         return as_dtype(name.decode("ascii"))
-    except (TypeError, ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"bad dtype {name[:40]!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - NumPy's parser raises SyntaxError too
+        raise ProtocolError(f"bad dtype {name[:40]!r}: {type(exc).__name__}: {exc}") from None
 
 
 def decode(meta, lens=(), on_handle=None) -> tuple[Any, list, bool]:

@@ -113,6 +113,19 @@ def test_random_bytes_decode_or_raise_a_protocol_error(data):
         pass  # the only exception a peer's bytes may cause
 
 
+@pytest.mark.parametrize(
+    "name", [b",ool", b"(" + b"9" * 5000 + b",)i4", b"[(]", b"\xff", b"i4," * 4000]
+)
+def test_a_dtype_name_numpy_cannot_parse_is_a_protocol_error(name):
+    """An attacker check: NumPy parses a name with a comma as Python, and a SyntaxError
+    escaped the decoder (a tracker's link thread died of it, a server dropped the
+    session instead of answering ProtocolError)."""
+    meta = bytes(wire.encode(np.dtype("int8"))[0])
+    head = meta[: len(meta) - len(b"int8") - 4]  # the tag; then a u32 length, the name
+    with pytest.raises(ProtocolError, match="bad dtype"):
+        wire.decode(head + len(name).to_bytes(4, "little") + name, ())
+
+
 def test_buffer_lengths_may_be_any_sequence_or_iterable():
     meta, bufs = wire.encode((np.arange(3, dtype="int8"), bytes(wire.INLINE_BYTES)))
     lens = [wire._buffer_size(b) for b in bufs]
