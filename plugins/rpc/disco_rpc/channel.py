@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from disco_core import (
     DiscoError,
     DiscoTypeError,
@@ -196,22 +198,34 @@ def _listed(value: Any, name: str) -> list:
 
 
 def _address(value: Any, name: str) -> tuple[str, int]:
-    """``(host, port)`` from a pair or a ``"host:port"`` string; a clear error otherwise."""
-    if isinstance(value, str) and value.rpartition(":")[0]:
-        text_host, _, text_port = value.rpartition(":")
-        value = (text_host.strip("[]"), text_port)
-    try:
-        host, given_port = value
-        port = int(given_port)
-    except (TypeError, ValueError):
-        raise DiscoTypeError(
-            f'the "rpc" channel: {name} must be a (host, port) pair or "host:port", got {value!r}'
-        ) from None
+    """``(host, port)`` from a pair or a ``"host:port"`` string; a clear error otherwise.
+
+    Strict on purpose (an outside check): ``"h9"`` read as host ``h`` port 9, ``"::1"``
+    as host ``:`` port 1, and a float or bool port was rounded or counted.
+    """
+    shape = f'the "rpc" channel: {name} must be a (host, port) pair or "host:port", got {value!r}'
+    if isinstance(value, str):
+        host, colon, text_port = value.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]  # [v6 address]:port
+        elif ":" in host:
+            raise DiscoValueError(f"{shape} (write an IPv6 address in brackets: [::1]:9091)")
+        if not colon or not (text_port.isascii() and text_port.isdigit()):
+            raise DiscoTypeError(shape)
+        port: Any = int(text_port)
+    elif isinstance(value, (tuple, list)) and len(value) == 2:
+        host, port = value
+        if isinstance(port, str) and port.isascii() and port.isdigit():
+            port = int(port)
+        if isinstance(port, bool) or not isinstance(port, (int, np.integer)):
+            raise DiscoTypeError(f"{shape}: the port must be an int")
+    else:
+        raise DiscoTypeError(shape)
     if not isinstance(host, str) or not host or not 0 < port < 65536:
         raise DiscoValueError(
             f'the "rpc" channel: {name} must name a host and a port 1-65535, got {value!r}'
         )
-    return host, port
+    return host, int(port)
 
 
 class RPCChannel(LinkChannel):

@@ -71,6 +71,12 @@ def test_bad_arguments():
         (dict(servers=[("h", "x")]), disco.DiscoTypeError, "each server must be a"),
         (dict(servers=[("h", 0)]), disco.DiscoValueError, "a port 1-65535"),
         (dict(tracker="nohost", num_workers=2), disco.DiscoTypeError, "tracker must be a"),
+        # an attacker check: these were read as ('h', 9), (':', 1), port 9091 and port 1
+        (dict(servers=["h9"]), disco.DiscoTypeError, "each server must be a"),
+        (dict(servers=["::1"]), disco.DiscoValueError, "IPv6 address in brackets"),
+        (dict(servers=[("h", 9091.9)]), disco.DiscoTypeError, "the port must be an int"),
+        (dict(servers=[("h", True)]), disco.DiscoTypeError, "the port must be an int"),
+        (dict(servers=["h: 9091"]), disco.DiscoTypeError, "each server must be a"),
     ]
     for kw, exc, says in bad:
         with pytest.raises(exc, match=says):
