@@ -696,7 +696,10 @@ class _Hello:
         self._head = data
         magic, version = HELLO.unpack(data)
         ch = self.ch
-        if ch._full:
+        # A session with a token says it is full only to a node that proved the token
+        # (in _admit): a peer without it learns nothing (an attacker check found the
+        # number of nodes told to anyone).
+        if ch._full and ch._token is None:
             if magic != MAGIC:
                 raise HandshakeError("a late connection that is not a node agent")
             self.late = True
@@ -1170,8 +1173,8 @@ class SocketChannel(LinkChannel):
                 raise HandshakeError(msg)
             node_id = self._claim_id()
             if node_id is None:
-                wire.send_json(tx, {"error": "the session already has all its nodes"})
-                raise HandshakeError("the session already has all its nodes")
+                wire.send_json(tx, {"error": self._late_reason()})
+                raise HandshakeError(self._late_reason())
             first = node_id * self.per_node
             ids = list(range(first, first + self.per_node))
             info = {

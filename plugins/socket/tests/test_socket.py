@@ -357,19 +357,32 @@ def test_nodes_that_join_fast_are_not_announced(cluster, caplog):
 
 
 @pytest.mark.timeout(60)
-def test_surplus_agent_is_told_the_session_is_full(cluster, caplog):
+@pytest.mark.parametrize("token", [None, "surplus"])
+def test_surplus_agent_is_told_the_session_is_full(cluster, caplog, token):
+    """With a token, only an agent that proved it is told (an attacker check: the number
+    of nodes was told to any peer); one without the token learns nothing of it."""
     caplog.set_level(logging.WARNING, logger="disco_socket")
-    sess = cluster.session(2, 1)
+    sess = cluster.session(2, 1, token=token)
     host, port = sess.channel.address
+    env = {**os.environ, "DISCO_TOKEN": token} if token else None
     t0 = time.monotonic()
     r = subprocess.run(
         agent_cmd(host, port, 1, "--connect-timeout", "20"),
-        capture_output=True, text=True, timeout=40,
+        capture_output=True, text=True, timeout=40, env=env,
     )  # fmt: skip
     assert time.monotonic() - t0 < 10  # not after --connect-timeout
     assert r.returncode == 2, r.stderr
     assert "already has all its 2 nodes" in r.stderr
-    assert any("turned away" in rec.getMessage() for rec in caplog.records)
+    said = "turned away" if token is None else "already has all its 2 nodes"
+    assert any(said in rec.getMessage() for rec in caplog.records)
+    if token is not None:
+        env["DISCO_TOKEN"] = "not-the-token"
+        r = subprocess.run(
+            agent_cmd(host, port, 1, "--connect-timeout", "20"),
+            capture_output=True, text=True, timeout=40, env=env,
+        )  # fmt: skip
+        assert r.returncode == 2 and "authentication failed" in r.stderr, r.stderr
+        assert "nodes" not in r.stderr, r.stderr
     assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
     # Once the session is over, nothing listens: the agent says so.
     sess.shutdown()
