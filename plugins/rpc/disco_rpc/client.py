@@ -158,7 +158,11 @@ class RemoteModule(RemoteObject):
             TVM, an ``AttributeError``).
         """
         try:
-            fn = self._rpc_sess._request(OP_MOD_FUNC, self, name, restype)
+            fn = _expect(
+                self._rpc_sess._request(OP_MOD_FUNC, self, name, restype),
+                RemoteFunction,
+                f"get_function({name!r})",
+            )
         except RPCError as exc:
             if not exc.exc_type.endswith("KeyError"):
                 raise
@@ -168,8 +172,7 @@ class RemoteModule(RemoteObject):
             )
             err.exc_type, err.remote_traceback = exc.exc_type, exc.remote_traceback
             raise err from None
-        if isinstance(fn, RemoteFunction):
-            fn.name = name
+        fn.name = name
         return fn
 
     def __getitem__(self, name: str) -> RemoteFunction:
@@ -266,6 +269,15 @@ class BenchmarkResult:
             f" {self.mean * ms:9.4f}   {self.median * ms:9.4f}    {self.max * ms:9.4f}    "
             f"{self.min * ms:9.4f}    {self.std * ms:9.4f}"
         )
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    """``value`` if it is a ``kind``; an RPCError otherwise (the server answered with a
+    value of another kind: a fake server, or bytes altered on a link without a token)."""
+    if not isinstance(value, kind):
+        wanted = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise RPCError(f"{what}: the server answered with a {type(value).__name__}, not a {wanted}")
+    return value
 
 
 class RemoteDevice(Device):
@@ -837,7 +849,9 @@ class RPCSession:
         """A global function of the server (``disco_core.register_func`` there)."""
         fn = self._funcs.get(name)
         if fn is None:
-            fn = self._request(OP_GET_FUNC, name)
+            fn = _expect(
+                self._request(OP_GET_FUNC, name), RemoteFunction, f"get_function({name!r})"
+            )
             fn.name = name
             self._funcs[name] = fn
         return fn
@@ -931,13 +945,16 @@ class RPCSession:
 
     def listdir_names(self, path: str = ".") -> list[str]:
         """The names in a remote folder of the work folder, as a sorted list."""
-        return list(self._request(OP_LISTDIR, path))
+        names = _expect(self._request(OP_LISTDIR, path), (list, tuple), "listdir")
+        if not all(type(n) is str for n in names):
+            raise RPCError("listdir: the server answered with names that are not str")
+        return list(names)
 
     def load_module(self, path: str, device: Any = None) -> RemoteModule:
         """Load an uploaded module: ``.py`` through the core's loaders, ``.so`` through ctypes,
         ``.tar`` of object files linked first."""
         dev = Device(device.device_type, device.device_id) if device is not None else None
-        return self._request(OP_LOAD_MODULE, path, dev)
+        return _expect(self._request(OP_LOAD_MODULE, path, dev), RemoteModule, "load_module")
 
     def download_linked_module(self, path: str) -> bytearray:
         """Link an uploaded ``.tar`` of object files with the server's ``cc``; return the ``.so``
@@ -1371,16 +1388,18 @@ def tensor(arr: Any, device: RemoteDevice) -> RemoteTensor:
     dev = _remote_dev(device)
     host = np.asarray(to_host(arr))
     as_dtype(host.dtype)
-    return dev._rpc_sess._request(OP_TENSOR, host, Device(dev.device_type, dev.device_id))
+    made = dev._rpc_sess._request(OP_TENSOR, host, Device(dev.device_type, dev.device_id))
+    return _expect(made, RemoteTensor, "tensor")
 
 
 def empty(shape: Any, dtype: Any = "float32", device: RemoteDevice | None = None) -> RemoteTensor:
     """An uninitialised array on a remote device."""
     dev = _remote_dev(device)
     dt = as_dtype(dtype)
-    return dev._rpc_sess._request(
+    made = dev._rpc_sess._request(
         OP_EMPTY, as_shape(shape, dt), dt, Device(dev.device_type, dev.device_id)
     )
+    return _expect(made, RemoteTensor, "empty")
 
 
 _ = (OP_PING, OP_LISTDIR, OP_REMOVE, OP_LOAD_MODULE, OP_SYSTEM_LIB, OP_INIT, OP_DEV_SYNC)

@@ -33,6 +33,7 @@ import heapq
 import itertools
 import logging
 import os
+import reprlib
 import secrets
 import select
 import signal
@@ -821,12 +822,28 @@ class TrackerSession:
     def _wait_for_server(self, key: str, priority: int, deadline: float | None, wait: Any) -> tuple:  # fmt: skip
         left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
         try:
-            return self._call(T_REQUEST, (key, int(priority)), timeout=left)
+            ticket = self._call(T_REQUEST, (key, int(priority)), timeout=left)
         except TimeoutError:
             raise RPCRequestTimeoutError(
                 f"no server for key {key!r} became free within {float(wait):g} s "
                 f"({self.pool_text(key)})"
             ) from None
+        # (host, port, ticket) from the tracker: checked, since a fake tracker's answer
+        # raised raw ValueErrors and TypeErrors in the client (an attacker check)
+        if (
+            type(ticket) is not tuple
+            or len(ticket) != 3
+            or type(ticket[0]) is not str
+            or not ticket[0]
+            or type(ticket[1]) is not int
+            or not 0 < ticket[1] < 65536
+            or type(ticket[2]) is not str
+        ):
+            raise RPCError(
+                f"the tracker at {self._addr[0]}:{self._addr[1]} answered a request for key "
+                f"{key!r} with no (host, port, ticket): {reprlib.repr(ticket)}"
+            )
+        return ticket
 
     def pool_text(self, key: str) -> str:
         """How many servers of ``key`` the tracker has, in words (for error messages)."""

@@ -584,3 +584,44 @@ def test_clients_arriving_together_through_a_proxy_keep_the_server_alive():
     finally:
         srv.terminate()
         px.terminate()
+
+
+def test_a_fake_server_s_answers_of_the_wrong_kind_are_rpc_errors(token_server, monkeypatch):
+    """An attacker check: a fake server (or bytes altered on a link without a token)
+    answering get_function with another object raised a raw AttributeError."""
+    sess = rpc.connect("127.0.0.1", token_server.port, token=TOKEN)
+    try:
+        real = sess._request
+        wrong = {"get": 5, "listdir": ["ok", 7], "load": "a str"}
+        ops = {rpc.client.OP_GET_FUNC: "get", OP_LISTDIR: "listdir", OP_LOAD_MODULE: "load"}
+
+        def fake(op, *args):
+            return wrong[ops[op]] if op in ops else real(op, *args)
+
+        monkeypatch.setattr(sess, "_request", fake)
+        with pytest.raises(rpc.RPCError, match="not a RemoteFunction"):
+            sess.get_function("imp.add")
+        with pytest.raises(rpc.RPCError, match="not str"):
+            sess.listdir_names(".")
+        with pytest.raises(rpc.RPCError, match="not a RemoteModule"):
+            sess.load_module("x.py")
+    finally:
+        sess.close()
+
+
+@pytest.mark.parametrize(
+    "ticket",
+    [("127.0.0.1",), None, "xxx", (5, 9091, "t"), ("h", "abc", "t"), ("h", 70000, "t"), {"a": 1}],
+)
+def test_a_fake_tracker_s_ticket_is_checked(ticket, monkeypatch):
+    """An attacker check: a fake tracker's answer to a request raised raw ValueErrors
+    and TypeErrors in the client."""
+    tr = rpc.Tracker(port=10300, port_end=10350)
+    try:
+        ts = rpc.connect_tracker(*tr.addr)
+        monkeypatch.setattr(ts, "_call", lambda op, value, timeout=None: ticket)
+        with pytest.raises(rpc.RPCError, match="no \\(host, port, ticket\\)"):
+            ts.request("k", max_retry=1)
+        ts.close()
+    finally:
+        tr.terminate()
