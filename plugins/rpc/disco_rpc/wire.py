@@ -496,10 +496,13 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
         if n > len(meta) - p:
             raise ProtocolError("container longer than its frame")
         items_of: dict = {}
+        hashes: dict[int, int] | None = {} if n > _HASH_CHECK_FROM else None
         for _ in range(n):
             k, p = _value(meta, p, depth + 1, r)
             x, p = _value(meta, p, depth + 1, r)
             try:
+                if hashes is not None:
+                    _count_hash(hashes, k)
                 items_of[k] = x
             except TypeError:
                 raise ProtocolError("unhashable dict key") from None
@@ -522,6 +525,23 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
         re, im = _dd_from(meta, p)
         return complex(re, im), p + 16
     raise ProtocolError(f"unknown value tag {tag}")
+
+
+#: Dicts with more keys than this are checked for keys that share a hash: int (and
+#: float, tuple) hashes are not randomised, so a peer could send thousands of keys in
+#: one hash bucket and make the decoding quadratic (an attacker check: 1 MiB of such
+#: keys cost a tracker 18 s of CPU). Hash values are ints below 2**61 that hash to
+#: themselves, so counting them is linear whatever the keys.
+_HASH_CHECK_FROM = 32
+_MAX_SHARED_HASH = 8
+
+
+def _count_hash(hashes: dict[int, int], key: Any) -> None:
+    h = hash(key)
+    seen = hashes.get(h, 0) + 1
+    if seen > _MAX_SHARED_HASH:
+        raise ProtocolError(f"a dict with more than {_MAX_SHARED_HASH} keys of one hash value")
+    hashes[h] = seen
 
 
 def _parse_dtype(name: bytes) -> np.dtype:

@@ -276,3 +276,15 @@ def test_trailing_and_unreferenced_buffers_are_refused():
         wire.decode(meta + b"\x00")
     with pytest.raises(ProtocolError, match="no value refers"):
         wire.decode(meta, (4,))
+
+
+def test_dict_keys_that_share_a_hash_are_refused_in_linear_time():
+    """An attacker check: int hashes are not randomised, so keys k*(2**61-1)+1 all hash
+    to 1 and a dict of them decoded in quadratic time (1 MiB: 18 s of a tracker's CPU)."""
+    flood = {k * (2**61 - 1) + 1: None for k in range(4000)}
+    meta, bufs = wire.encode(flood)
+    with pytest.raises(ProtocolError, match="keys of one hash value"):
+        wire.decode(bytes(meta), [wire._buffer_size(b) for b in bufs])
+    plain = {k: k for k in range(4000)}  # distinct hashes: as before
+    meta, bufs = wire.encode(plain)
+    assert wire.decode(bytes(meta), [wire._buffer_size(b) for b in bufs])[0] == plain
