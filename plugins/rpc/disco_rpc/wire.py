@@ -134,6 +134,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
 #: The largest sealed record a disco-rpc peer accepts (a file chunk with its frame heads
 #: fits in one: what releases before 2026-11-28 sent).
 RECORD_BYTES = CHUNK + (1 << 12)
+#: On a sealed link, a frame with this many bytes of buffers or more sends its head in a
+#: record of its own (records this large are received before their tag is checked).
+_HEAD_ALONE_FROM = 64 << 10
 #: The largest sealed record a disco-rpc peer sends; a larger frame leaves as several.
 #: A relay (a chained session's outer server) passes a record on only once its tag
 #: checked: a record must cross the slowest link in well under the bound of the
@@ -916,9 +919,19 @@ class Conn:
             self.t.send_parts([_HEAD.pack(kind, op, flags, len(meta), 0) + meta])
             return
         head = bytearray(_HEAD.pack(kind, op, flags, len(meta), len(bufs)))
+        total = 0
         for b in bufs:
-            head += _Q.pack(_buffer_size(b))
+            size = _buffer_size(b)
+            total += size
+            head += _Q.pack(size)
         head += meta
+        if total >= _HEAD_ALONE_FROM and isinstance(self.t, SealedTransport):
+            # The head in a record of its own: the peer sizes its buffers from verified
+            # bytes (in one record with the data, it allocated what an on-path attacker
+            # wrote there before the tag could fail: an attacker check)
+            self.t.send_parts([head])
+            self.t.send_parts(bufs)
+            return
         self.t.send_parts([head, *bufs])
 
     def recv(self, on_handle=None, direct=None, on_begin=None):
@@ -969,6 +982,11 @@ class Conn:
             self.start = s + meta_len
         else:
             meta = self.read_exact(meta_len)  # decode() makes it bytes
+        if nbuf and getattr(self.t, "record_left", 0):
+            # The head's record goes on unverified: verify it before anything is sized
+            # from the head (a sender of this version seals a large frame's head alone,
+            # so this copies only what another sender or a relay put with it)
+            self.settle()
         try:
             value, fills, has_bytes = decode(meta, lens, on_handle)
             if direct is not None and fills:

@@ -625,3 +625,71 @@ def test_a_fake_tracker_s_ticket_is_checked(ticket, monkeypatch):
         ts.close()
     finally:
         tr.terminate()
+
+
+ALLOC_SCRIPT = r"""
+import os, resource, socket, struct, sys, threading
+from disco_core.net.protect import SealedTransport
+from disco_core.net.security import SessionKeys
+from disco_rpc import wire
+
+class Capture:
+    def __init__(self):
+        self.data = bytearray()
+    def send_parts(self, parts):
+        for p in parts:
+            self.data += bytes(p)
+
+keys = SessionKeys(send=os.urandom(64), recv=os.urandom(64))
+mirror = SessionKeys(send=keys.recv, recv=keys.send)
+cap = Capture()
+arr = bytes(100_000)  # a bytes value: its buffer was zero-filled at the declared size
+if sys.argv[1] == "this-sender":
+    wire.Conn(wire.SealedLink(cap, keys)).send(wire.REQUEST, 1, arr)
+    first = struct.unpack_from("<Q", cap.data)[0]
+    print("FIRST RECORD", first)
+else:  # a sender that seals the head with the data: the head's record is large
+    conn = wire.Conn(SealedTransport(cap, keys))
+    meta, bufs = wire.encode(arr)
+    head = wire._HEAD.pack(wire.REQUEST, 1, 0, len(meta), 1) + struct.pack("<Q", len(arr))
+    conn.t.send_parts([head, meta, *bufs])
+    first = None
+# on the way, the declared buffer length becomes 3 GiB
+at = 8 + wire._HEAD_SIZE
+stream = bytearray(cap.data)
+assert struct.unpack_from("<Q", stream, at)[0] == len(arr)
+struct.pack_into("<Q", stream, at, 3 << 30)
+a, b = socket.socketpair()
+threading.Thread(target=lambda: (a.sendall(stream), a.close()), daemon=True).start()
+rx = wire.Conn(wire.SealedLink(wire.SocketTransport(b), mirror))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    rx.recv()
+    print("RESULT accepted")
+except Exception as exc:
+    print("RESULT", type(exc).__name__)
+grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+print("GREW_MB", grown_mb)
+"""
+
+
+@pytest.mark.parametrize("sender", ["this-sender", "head-with-data"])
+def test_an_altered_buffer_length_is_caught_before_anything_is_allocated(sender):
+    """An attacker check (F2): a relay rewrote a sealed frame's declared buffer length
+    to 2 GiB, and the server zero-filled 2 GiB before the record's tag failed. A large
+    frame's head now travels in a record of its own, and a head that shares its record
+    with data is verified before anything is sized from it."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", ALLOC_SCRIPT, sender],
+        capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    out = r.stdout
+    assert r.returncode == 0, (out + r.stderr)[-3000:]
+    if sender == "this-sender":
+        first = int(out.split("FIRST RECORD ")[1].split()[0])
+        assert first < 1024, out  # the head alone
+    assert "RESULT IntegrityError" in out, out
+    assert int(out.split("GREW_MB ")[1].split()[0]) < 500, out
