@@ -550,7 +550,9 @@ def _count_hash(hashes: dict[int, int], key: Any) -> None:
 def _parse_dtype(name: bytes) -> np.dtype:
     try:
         return as_dtype(name.decode("ascii"))
-    except Exception as exc:  # noqa: BLE001 - NumPy's parser raises SyntaxError too
+    except (TypeError, ValueError, SyntaxError, OverflowError, RecursionError) as exc:
+        # (as_dtype names most; NumPy's parser raises SyntaxError, and a signal handler's
+        # exception must pass through: a broad except took one for a bad dtype)
         raise ProtocolError(f"bad dtype {name[:40]!r}: {type(exc).__name__}: {exc}") from None
 
 
