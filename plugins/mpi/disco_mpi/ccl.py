@@ -151,12 +151,11 @@ class MPIRendezvous(Rendezvous):
         reaches them: without the alarm they would not read the shutdown command, and
         ``shutdown()`` would wait its whole timeout before killing them.
         """
-        text = f"worker(s) {list(worker_ids)} died: {reason}"
-        self.abort(text)
+        super().workers_lost(worker_ids, reason)  # abort(), in the session's words
         self.lost.update(worker_ids)
         ccl = _WORKER0.get(self.token)
         if ccl is not None:
-            ccl.tell_survivors(text, frozenset(self.lost))
+            ccl.tell_survivors(_ABORTS[self.token], frozenset(self.lost))
 
     def close(self) -> None:
         ports, self.ports = self.ports, []

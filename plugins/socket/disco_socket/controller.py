@@ -1173,8 +1173,9 @@ class SocketChannel(LinkChannel):
                 raise HandshakeError(msg)
             node_id = self._claim_id()
             if node_id is None:
-                wire.send_json(tx, {"error": self._late_reason()})
-                raise HandshakeError(self._late_reason())
+                late = self._late_reason()
+                wire.send_json(tx, {"error": late})
+                raise HandshakeError(late)
             first = node_id * self.per_node
             ids = list(range(first, first + self.per_node))
             info = {
