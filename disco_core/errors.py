@@ -319,11 +319,11 @@ class InsecureBindError(DiscoError, PermissionError):
 
 
 class UntrustedValueError(NetworkError, ValueError):
-    """A value from a network peer is not of a type allowed to cross a network link.
+    """A frame from a network peer is not a well-formed frame of the network format.
 
-    Only plain values, NumPy arrays, dtypes, devices, register references and
-    worker errors are rebuilt from bytes that came over a socket; nothing else
-    is ever unpickled from one.
+    Frames that cross a socket are in a tagged format (:mod:`disco_core.wire_values`)
+    that can hold only plain values, NumPy arrays, dtypes, devices, register
+    references and worker errors; nothing from a socket is ever unpickled.
     """
 
 

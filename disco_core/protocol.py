@@ -2,15 +2,17 @@
 
 Commands are plain tuples ``(action, *fields)``. In-process workers receive them as
 Python objects (after :func:`isolate` gives each worker its own copy of mutable
-values); workers in other processes receive them as frames: a pickle (protocol 5)
-header plus its out-of-band buffers, written straight from the array's memory to
-the file descriptor and read straight into the receiving array's memory, so large
-arrays are never copied on the way.
+values); workers in other processes receive them as frames: a header plus its
+out-of-band buffers, written straight from the array's memory to the file
+descriptor and read straight into the receiving array's memory, so large arrays
+are never copied on the way. Over a pipe from a process this one started, the
+header is a pickle (protocol 5; :func:`encode`, :func:`decode`); over a network
+link it is :mod:`disco_core.wire_values`' tagged format, and nothing is unpickled.
 
 Frame layout on a byte stream (all little endian)::
 
     u64 header_len | u32 num_buffers | u32 flags | u64 buffer_len * num_buffers
-    header (pickle)  | buffer 0 | buffer 1 | ...
+    header (pickle or tagged) | buffer 0 | buffer 1 | ...
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DiscoValueError, UntrustedValueError
+from .errors import DiscoValueError
 from .net.framing import FrameReader, read_frame
 from .net.framing import frame_head as _frame_head
 from .net.io import write_all
@@ -37,8 +39,6 @@ __all__ = [
     "Frame",
     "encode",
     "decode",
-    "decode_untrusted",
-    "untrusted_refusal",
     "isolate",
     "write_frame",
     "read_frame",
@@ -154,125 +154,11 @@ def decode(header: bytes | bytearray | memoryview, buffers: Sequence[Any] = ()) 
     """Inverse of :func:`encode`; out-of-band buffers become the arrays' memory.
 
     Only for frames from a process this one started itself over a pipe (the
-    process channel). Anything that crossed a socket goes through
-    :func:`decode_untrusted`.
+    process channel). A frame that crosses a socket is never a pickle: it is
+    encoded by :func:`disco_core.wire_values.encode_for_network` and rebuilt by
+    :func:`disco_core.wire_values.decode_untrusted`.
     """
     return pickle.loads(header, buffers=buffers)
-
-
-#: What :func:`decode_untrusted` rebuilds besides plain values (module, name). Each is
-#: a constructor that builds data and runs no code of the sender's choosing.
-SAFE_GLOBALS = frozenset(
-    {
-        ("builtins", "complex"),
-        ("numpy", "dtype"),
-        ("numpy", "ndarray"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("disco_core.protocol", "RegRef"),
-        ("disco_core.device", "Device"),
-        ("disco_core.errors", "WorkerError"),
-        ("disco_core.errors", "WorkerDiedError"),
-        # the shm CCL's rendezvous payload (offsets in its segment: data, no code; needed
-        # where its workers decode untrusted, e.g. the "rpc" channel's loopback servers)
-        ("disco_core.ccl.shm", "Layout"),
-    }
-)
-#: Modules whose NumPy scalar types (bfloat16, float8_*, ...) may be named.
-_SCALAR_TYPE_MODULES = frozenset({"numpy", "numpy.dtypes", "ml_dtypes"})
-
-
-class _Refused(pickle.UnpicklingError):
-    """A global outside the allow-list."""
-
-
-class _NdarrayType:
-    """Stands for ``numpy.ndarray`` in an untrusted pickle: passed on, never called.
-
-    Called, ``numpy.ndarray(shape)`` would allocate whatever a peer declares from a
-    few bytes; an array's data must come with it (``_frombuffer``, whose size is its
-    buffer's) or be set by ``__setstate__`` on an empty array.
-    """
-
-
-def _reconstruct_empty(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
-    """NumPy's ``_reconstruct`` as its own pickles call it: an empty array, filled next."""
-    if subtype is not _NdarrayType or tuple(shape) != (0,):
-        raise _Refused("numpy._core.multiarray._reconstruct of a declared shape")
-    return np.ndarray((0,), dtype=np.uint8)
-
-
-#: Globals that decode_untrusted maps to checked stand-ins (by module and name).
-_ARRAY_GLOBALS = {
-    ("numpy", "ndarray"): _NdarrayType,
-    ("numpy._core.multiarray", "_reconstruct"): _reconstruct_empty,
-    ("numpy.core.multiarray", "_reconstruct"): _reconstruct_empty,
-}
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only :data:`SAFE_GLOBALS` and NumPy scalar types.
-
-    The module is checked before anything is imported, so a hostile frame cannot
-    even make this process import a module of its choosing.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ARRAY_GLOBALS:
-            return _ARRAY_GLOBALS[module, name]
-        if (module, name) in SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module in _SCALAR_TYPE_MODULES:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and issubclass(obj, (np.generic, np.dtype)):
-                return obj
-        raise _Refused(f"{module}.{name}")
-
-
-def decode_untrusted(header: bytes | bytearray | memoryview, buffers: Sequence[Any] = ()) -> Any:
-    """:func:`decode` for frames that crossed a socket: an allow-list, no arbitrary objects.
-
-    Rebuilds plain values (None, bool, int, float, complex, str, bytes, tuples,
-    lists, dicts, sets), NumPy arrays, scalars and dtypes, devices, register
-    references and worker errors. Anything else is refused.
-
-    Raises
-    ------
-    UntrustedValueError
-        The frame names a type outside the allow-list, or is not a valid frame.
-    """
-    try:
-        return _AllowListUnpickler(io.BytesIO(header), buffers=buffers).load()
-    except _Refused as exc:
-        raise UntrustedValueError(
-            f"refused a value from a network peer: {exc} is not allowed across a network "
-            "link (send plain values, NumPy arrays, dtypes and devices)"
-        ) from None
-    except Exception as exc:  # a malformed frame raises many types
-        raise UntrustedValueError(
-            f"refused a malformed value from a network peer ({type(exc).__name__}: {exc})"
-        ) from None
-
-
-def untrusted_refusal(frame: Frame) -> str | None:
-    """What a network peer's :func:`decode_untrusted` would refuse in ``frame`` (None: nothing).
-
-    For the sender, before a frame leaves for such a peer: a worker that refuses a
-    command cannot go on with its stream (the frames after it may need the register
-    it never filled), so it ends; the mistake must stay the caller's, at the call.
-    """
-    header, buffers = frame
-    try:
-        _AllowListUnpickler(io.BytesIO(header), buffers=buffers).load()
-    except _Refused as exc:
-        return str(exc)  # the global's name: module.qualname
-    except Exception as exc:  # noqa: BLE001 - anything the peer would refuse is said
-        return f"a value the peer could not rebuild ({type(exc).__name__}: {exc})"
-    return None
 
 
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), np.dtype, np.generic, RegRef)

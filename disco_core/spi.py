@@ -16,8 +16,10 @@ Channels
     :class:`StderrTee`) and the worker loop itself (:class:`Worker`,
     :func:`command_stream`, :class:`HeartbeatSender`).
 Commands on the wire
-    :func:`encode`, :func:`decode` (pipes from processes you started),
-    :func:`decode_untrusted` (anything that crossed a socket), :func:`frame_head`,
+    :func:`encode`, :func:`decode` (pickles: pipes from processes you started),
+    :func:`encode_for_network` and :func:`decode_untrusted` (the tagged format of
+    anything that crosses a socket: nothing is unpickled), :func:`register_wire_type`
+    (a type of yours across a network link), :func:`frame_head`,
     :func:`write_frame`, :class:`FrameReader`, :data:`FLAG_BATCH`.
 CCLs
     :class:`CCL`, :class:`Rendezvous`, :data:`REDUCE_OPS`, :mod:`validate`
@@ -127,7 +129,6 @@ from .plugins import lookup
 from .protocol import (
     FLAG_BATCH,
     decode,
-    decode_untrusted,
     encode,
     frame_head,
     write_frame,
@@ -143,6 +144,7 @@ from .store import (
     StoreTimeoutError,
     store_timeout,
 )
+from .wire_values import decode_untrusted, encode_for_network, register_wire_type
 from .worker import HeartbeatSender, Worker, command_stream
 
 __all__ = [
@@ -177,6 +179,8 @@ __all__ = [
     "encode",
     "decode",
     "decode_untrusted",
+    "encode_for_network",
+    "register_wire_type",
     "frame_head",
     "write_frame",
     "FrameReader",

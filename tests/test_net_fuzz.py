@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disco_core import protocol
+from disco_core import wire_values
 from disco_core.errors import FrameLimitError, IntegrityError, UntrustedValueError
 from disco_core.net.framing import PREFIX, FrameReader
 from disco_core.net.io import SocketTransport
@@ -67,10 +67,48 @@ def test_frame_reader_never_trusts_declared_sizes(data):
 @FUZZ
 @given(st.binary(max_size=2048))
 def test_decode_untrusted_only_returns_or_refuses(data):
-    try:
-        protocol.decode_untrusted(data)
-    except UntrustedValueError:
-        pass
+    for header in (data, wire_values.MAGIC + data):  # the second reaches the parser
+        try:
+            wire_values.decode_untrusted(header, [bytearray(16)])
+        except UntrustedValueError:
+            pass
+
+
+_PLAIN = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.complex_numbers(allow_nan=False)
+    | st.text()
+    | st.binary(),
+    lambda kids: (
+        st.lists(kids, max_size=5)
+        | st.lists(kids, max_size=5).map(tuple)
+        | st.dictionaries(st.text(max_size=5) | st.integers(), kids, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@FUZZ
+@given(_PLAIN)
+def test_the_network_format_gives_back_what_it_was_given(value):
+    out = wire_values.decode_untrusted(*wire_values.encode_for_network(value))
+    assert out == value and type(out) is type(value)
+
+
+@FUZZ
+@given(_PLAIN, st.data())
+def test_a_cut_or_changed_network_frame_is_refused_or_is_data(value, data):
+    """A frame cut short or with one byte changed is refused, or rebuilds plain data."""
+    header, _ = wire_values.encode_for_network(value)
+    at = data.draw(st.integers(0, len(header) - 1))
+    for bad in (header[:at], header[:at] + bytes([header[at] ^ 0xFF]) + header[at + 1 :]):
+        try:
+            wire_values.decode_untrusted(bad)
+        except UntrustedValueError:
+            pass
 
 
 @FUZZ

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import disco_core as disco
-from disco_core.protocol import decode_untrusted, encode
 from disco_core.testing.procfs import freeze
+from disco_core.wire_values import decode_untrusted, encode_for_network
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -150,7 +150,7 @@ def test_worker_errors_of_disco_types_keep_their_type():
     assert timeout.worker_id == 3 and "waited" in str(timeout)
     for rebuilt in (
         pickle.loads(pickle.dumps(timeout)),
-        decode_untrusted(*encode(("fail", timeout)))[1],
+        decode_untrusted(*encode_for_network(("fail", timeout)))[1],
     ):
         assert type(rebuilt) is type(timeout) and rebuilt.worker_id == 3
     assert isinstance(disco.WorkerError(0, "DiscoValueError", "m"), ValueError)

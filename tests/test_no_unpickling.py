@@ -4,13 +4,15 @@ Two rules, checked on the syntax tree of every module of ``disco_core/`` and of 
 plugins' packages (``plugins/*/disco_*/``):
 
 1. ``pickle.load``, ``pickle.loads`` and ``pickle.Unpickler`` (however imported)
-   appear only in ``disco_core/protocol.py``, which offers :func:`decode` (plain
-   unpickling) and :func:`decode_untrusted` (an allow-list unpickler).
+   appear only in ``disco_core/protocol.py``, whose :func:`decode` unpickles the
+   frames of pipes from processes this one started.
 2. The core's plain :func:`disco_core.protocol.decode` is called only where the
    frames come over pipes from a process this one spawned itself: the process
    channel, the worker (whose ``command_stream`` picks ``decode_untrusted`` for
    frames that crossed a socket) and ``protocol.py``. Everything else that
    rebuilds the core's frames uses ``decode_untrusted``.
+3. ``disco_core/wire_values.py`` (:func:`decode_untrusted`, the parser of the
+   network format) imports no pickle module at all (a test below).
 """
 
 from __future__ import annotations
@@ -143,7 +145,22 @@ def test_no_unpickling_of_network_bytes():
         if decodes and not decode_ok:
             problems += [
                 f"{rel}:{d} (plain decode of frames that may have crossed a socket: "
-                "use disco_core.protocol.decode_untrusted)"
+                "use disco_core.spi.decode_untrusted)"
                 for d in decodes
             ]
     assert not problems, "\n".join(problems)
+
+
+def test_the_network_format_parser_imports_no_pickle():
+    """``decode_untrusted`` is a parser of its own format, not a restricted unpickler."""
+    tree = ast.parse((ROOT / "disco_core" / "wire_values.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported.add(node.module.split(".")[0])
+    assert "pickle" in _PICKLE_MODULES and not imported & (_PICKLE_MODULES | {"copyreg", "marshal", "shelve"}), imported  # fmt: skip
+    from disco_core import spi, wire_values
+
+    assert spi.decode_untrusted is wire_values.decode_untrusted

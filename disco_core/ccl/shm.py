@@ -125,7 +125,10 @@ class ShmRendezvous(Rendezvous):
         self.fd = os.memfd_create("disco-shm", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, layout.size)
         self.map = mmap.mmap(self.fd, layout.size)
-        super().__init__({"pid": os.getpid(), "fd": self.fd, "layout": layout, **options})
+        # the layout as its four ints: plain values cross any link (the rpc channel's workers
+        # rebuild commands from a network format that makes no object of this module)
+        fields = (layout.num_workers, layout.num_groups, layout.slot_bytes, layout.mbox_bytes)
+        super().__init__({"pid": os.getpid(), "fd": self.fd, "layout": fields, **options})
 
     def abort(self, reason: str) -> None:
         if not self.map.closed:
@@ -239,7 +242,7 @@ class ShmCCL(CCL):
         self, ctx: Any, payload: dict, device_ids: Sequence[int] = (), **options: Any
     ) -> None:
         super().__init__(ctx, payload, device_ids)
-        self.layout: Layout = payload["layout"]
+        self.layout = Layout(*payload["layout"])
         self.timeout = payload["timeout"]
         # Poll (yielding the core) this long before sleeping on the futex: waking a
         # sleeper costs tens of microseconds. Threads too: each poll's sched_yield lets

@@ -38,7 +38,6 @@ from .._locks import owned, release_if_left, release_to
 from ..errors import (
     DiscoError,
     DiscoTimeoutError,
-    DiscoTypeError,
     SessionClosedError,
     WorkerDiedError,
     WorkerError,
@@ -48,6 +47,7 @@ from ..net.io import STALL_CHECK
 from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
 from ..settings import env_seconds, env_seconds_or_default
 from ..store import ControllerStore, NoStore
+from ..wire_values import encode_for_network
 from ..worker import Worker, set_current
 
 logger = logging.getLogger("disco_core.channels")
@@ -104,7 +104,7 @@ class Outgoing:
         together with the commands that follow (:meth:`LinkChannel.send`).
     """
 
-    __slots__ = ("cmds", "by_reference", "shared", "owner", "_frame")
+    __slots__ = ("cmds", "by_reference", "shared", "owner", "_frame", "_wire_frame")
 
     def __init__(
         self, *cmds: tuple, by_reference: bool = False, shared: bool = False, owner: Any = None
@@ -116,6 +116,7 @@ class Outgoing:
         #: value is refused as they are encoded (``protocol.SENDER``); None checks nothing.
         self.owner = owner
         self._frame: Frame | None = None
+        self._wire_frame: Frame | None = None
 
     @property
     def flags(self) -> int:
@@ -137,6 +138,35 @@ class Outgoing:
                     protocol.SENDER.reset(token)
         return self._frame
 
+    @property
+    def wire_frame(self) -> Frame:
+        """The command(s) as one frame in the tagged network format.
+
+        For a link that crosses a network (:attr:`WorkerLink.untrusted`), whose
+        workers rebuild it with :func:`~disco_core.wire_values.decode_untrusted`,
+        which unpickles nothing.
+
+        Raises
+        ------
+        DiscoTypeError
+            A value in the commands cannot cross a network link (it names the type).
+        """
+        if self._wire_frame is None:
+            cmds = self.cmds if len(self.cmds) > 1 else self.cmds[0]
+            if self.shared or self.owner is None:
+                self._wire_frame = encode_for_network(cmds)
+            else:
+                token = protocol.SENDER.set(self.owner)
+                try:
+                    self._wire_frame = encode_for_network(cmds)
+                finally:
+                    protocol.SENDER.reset(token)
+        return self._wire_frame
+
+    def frame_for(self, link: WorkerLink) -> Frame:
+        """:attr:`wire_frame` for a link whose workers decode untrusted, else :attr:`frame`."""
+        return self.wire_frame if link.untrusted else self.frame
+
     def local(self) -> tuple:
         """The commands for an in-process worker: its own copy of every mutable value."""
         if self.by_reference or self.shared:
@@ -150,21 +180,17 @@ class Outgoing:
 
 def check_untrusted(out: Outgoing, links: Iterable[WorkerLink]) -> None:
     """Refuse ``out`` for ``links`` when one of them has :attr:`WorkerLink.untrusted`
-    workers that would refuse a value in it (their ``decode_untrusted``).
+    workers and a value in it cannot cross a network link.
 
     Such a worker cannot skip a command it cannot read (what follows may use the
     register it never filled): it ends, and the session with it. Checked here, before
-    any link gets the command, the mistake is a :class:`DiscoTypeError` at the call.
-    Values that are all plain (``out.shared``) need no check.
+    any link gets the command (by encoding it: :attr:`Outgoing.wire_frame`), the
+    mistake is a :class:`DiscoTypeError` at the call. Values that are all plain
+    (``out.shared``) need no check.
     """
     if out.shared or not any(link.untrusted for link in links):
         return
-    why = protocol.untrusted_refusal(out.frame)
-    if why is not None:
-        raise DiscoTypeError(
-            f"cannot send {why} to a worker over a network link: only plain values, NumPy "
-            "arrays, dtypes, devices and the session's handles cross one"
-        )
+    out.wire_frame  # noqa: B018 - raises DiscoTypeError, naming the type
 
 
 class Channel(abc.ABC):
@@ -504,9 +530,10 @@ class WorkerLink(abc.ABC):
     #: True for a worker in the controller's process (:class:`ThreadWorkerLink`).
     in_process: bool = False
 
-    #: True when the workers behind this link rebuild commands with
-    #: :func:`~disco_core.protocol.decode_untrusted` (they came over a socket): the
-    #: channel refuses, at the call, a command holding a value they would refuse.
+    #: Whether the workers behind this link are across a network. They then get
+    #: frames in the tagged network format (:attr:`Outgoing.wire_frame`), never
+    #: pickles, and the channel refuses, at the call, a command holding a value that
+    #: format cannot carry.
     untrusted: bool = False
 
     #: True when the workers behind this link send heartbeats (worker processes do):
@@ -587,7 +614,7 @@ class BatchingLink(WorkerLink):
         self.outbox_bytes = 0
 
     def send(self, out: Outgoing) -> None:
-        frame = out.frame
+        frame = out.wire_frame if self.untrusted else out.frame
         self.send_head(frame_head(frame, out.flags), frame[1])
 
     #: A frame (its buffers too) or a batch of at least this many bytes, sent from the main
@@ -1268,6 +1295,7 @@ class LinkChannel(Channel):
         self._pendings: list[collections.deque] = []  # the in-process workers' queues
         self._direct_others: list[WorkerLink] = []  # direct links not in this process
         self._untrusted = False  # some link's workers decode untrusted (set with the links)
+        self._deferring_network = self._deferring_pickle = False  # (set with the links)
         # A subclass with its own send() (it looks at every command) gets every one there.
         self._fast_shared = type(self).send is LinkChannel.send
         # Until a session attaches its store (a channel that wraps this one may not pass
@@ -1486,7 +1514,11 @@ class LinkChannel(Channel):
             n = len(batch)
             if n:
                 out = Outgoing(*batch[:n], shared=True)
-                out.frame  # noqa: B018 - encoded before the batch lets go of the commands
+                # encoded before the batch lets go of the commands, for every kind of link
+                if self._deferring_pickle:
+                    out.frame  # noqa: B018
+                if self._deferring_network:
+                    out.wire_frame  # noqa: B018
                 queueing = True
                 del batch[:n]  # a sender's extend meanwhile went after these n
                 for link in self._deferring:
@@ -1512,6 +1544,8 @@ class LinkChannel(Channel):
         # links whose workers decode untrusted: a command with a value other than plain
         # ones is checked before it goes (check_untrusted), only when there are some
         self._untrusted = any(link.untrusted for link in links)
+        self._deferring_network = any(link.untrusted for link in self._deferring)
+        self._deferring_pickle = any(not link.untrusted for link in self._deferring)
         for link in self.links:
             if isinstance(link, ThreadWorkerLink):
                 link.worker.ctx.hand_over = self.hand_over

@@ -230,7 +230,7 @@ class ReplyReader(threading.Thread):
     :class:`~disco_core.net.framing.FrameReader`) and ``worker_ids``. What differs
     between channels is a few methods: :meth:`link_fd` (what to select on),
     :attr:`decode` (:func:`~disco_core.protocol.decode` for pipes from processes
-    this one started; :func:`~disco_core.protocol.decode_untrusted` for anything
+    this one started; :func:`~disco_core.wire_values.decode_untrusted` for anything
     that crossed a socket), :meth:`on_message` and :meth:`link_ended`. The default
     is the process channel's: reply pipes, and the worker's exit status and last
     stderr lines as the reason of its death.

@@ -36,8 +36,8 @@ def worker_argv(
     cmd_fd, reply_fd : int
         The inherited descriptors it reads commands from and writes replies to.
     untrusted : bool
-        Its commands crossed a socket: it rebuilds them from an allow-list
-        (:func:`disco_core.protocol.decode_untrusted`) and never unpickles them.
+        Its commands cross a socket: they and its replies are in the tagged network
+        format (:mod:`disco_core.wire_values`), never pickles.
     reply_key_fd : int, optional
         An inherited descriptor holding the 64-byte key the worker seals its
         replies with (a socket channel's reply connection with a token); the

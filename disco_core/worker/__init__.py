@@ -34,11 +34,11 @@ from ..protocol import (
     FrameReader,
     RegRef,
     decode,
-    decode_untrusted,
     encode,
     write_frame,
 )
 from ..store import NoStore, RemoteStore, Store
+from ..wire_values import decode_untrusted, encode_for_network
 from ._poll_first import reader_of, spin_seconds
 
 __all__ = [
@@ -733,7 +733,9 @@ class HeartbeatSender:
             return
 
 
-def _sealed_sender(reply_fd: int, key_fd: int) -> Callable[[tuple], None]:
+def _sealed_sender(
+    reply_fd: int, key_fd: int, encoder: Callable[[Any], P.Frame] = encode_for_network
+) -> Callable[[tuple], None]:
     """``send(msg)`` that writes each reply frame to ``reply_fd`` as one sealed record.
 
     The key (64 bytes, the sending half of a handshake's
@@ -755,7 +757,7 @@ def _sealed_sender(reply_fd: int, key_fd: int) -> Callable[[tuple], None]:
     sealed = SealedTransport(PipeTransport(reply_fd, reply_fd), SessionKeys(send=key, recv=key))
 
     def send(msg: tuple) -> None:
-        frame = encode(msg)
+        frame = encoder(msg)
         sealed.send_parts([P.frame_head(frame), *frame[1]])
 
     return send
@@ -766,7 +768,7 @@ def command_stream(reader: FrameReader, untrusted: bool = False) -> Iterator[tup
 
     ``untrusted``: the frames crossed a socket on their way here (a node agent
     relayed them, or they come straight from one), so they are rebuilt with
-    :func:`~disco_core.protocol.decode_untrusted`, never a plain unpickle.
+    :func:`~disco_core.wire_values.decode_untrusted`, which unpickles nothing.
     """
     load = decode_untrusted if untrusted else decode
     while True:
@@ -792,7 +794,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--untrusted",
         action="store_true",
-        help="commands crossed a socket: rebuild them from an allow-list, never unpickle",
+        help="commands cross a socket: they and the replies are in the tagged network "
+        "format (disco_core.wire_values), never pickles",
     )
     p.add_argument(
         "--reply-key-fd",
@@ -815,14 +818,17 @@ def main(argv: list[str] | None = None) -> None:
     ).start()
 
     reply_fd = args.reply_fd
+    # replies to a controller behind a socket are never pickles: it unpickles nothing
+    network = args.untrusted or args.reply_key_fd is not None
+    encoder = encode_for_network if network else encode
     send: Callable[[tuple], None]
     if args.reply_key_fd is None:
 
         def send(msg: tuple) -> None:
-            write_frame(reply_fd, encode(msg))
+            write_frame(reply_fd, encoder(msg))
 
     else:
-        send = _sealed_sender(reply_fd, args.reply_key_fd)
+        send = _sealed_sender(reply_fd, args.reply_key_fd, encoder)
 
     send = HeartbeatSender(send, on_lost=_replies_lost)
     worker = Worker(args.worker_id, args.num_workers, args.num_groups, send)

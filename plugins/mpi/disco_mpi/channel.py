@@ -13,8 +13,9 @@ exit code 0) when the session shuts down. So code before the session is created
 runs on every rank (define and register worker functions there); code after it
 runs on rank 0 only.
 
-Commands and replies are the core's frames (a pickle header plus out-of-band
-buffers) sent as MPI messages on a private duplicate of ``MPI_COMM_WORLD``.
+Commands and replies are the core's frames in its network format (a tagged
+header plus out-of-band buffers: nothing is unpickled, since MPI traffic may cross
+sockets) sent as MPI messages on a private duplicate of ``MPI_COMM_WORLD``.
 ``init_ccl("mpi")`` then uses ``MPI_COMM_WORLD`` itself (rank ``w`` is worker ``w``).
 
 A rank that dies ends the whole MPI job (that is what ``mpiexec`` and ``srun`` do;
@@ -30,7 +31,7 @@ import sys
 import threading
 from typing import Any
 
-from disco_core import DiscoError, DiscoValueError
+from disco_core import DiscoError, DiscoValueError, WorkerError
 from disco_core.spi import (
     FLAG_BATCH,
     LinkChannel,
@@ -39,7 +40,7 @@ from disco_core.spi import (
     Worker,
     WorkerLink,
     decode_untrusted,
-    encode,
+    encode_for_network,
     frame_head,
 )
 
@@ -96,6 +97,8 @@ def _recv_frame(comm: Any, source: int, tag: int) -> tuple[Any, int, bytes, list
 class MPIRankLink(WorkerLink):
     """Rank 0's link to worker ``rank`` (another MPI process)."""
 
+    untrusted = True  # the rank rebuilds commands with decode_untrusted
+
     def __init__(self, comm: Any, worker_id: int) -> None:
         self.worker_ids = (worker_id,)
         self.comm = comm
@@ -109,7 +112,9 @@ class MPIRankLink(WorkerLink):
                 done = MPI.Request.Testall([r for r, _ in self.pending])
                 if done:
                     self.pending.clear()
-            _send_frame(self.comm, self.worker_ids[0], _CMD_TAG, out.frame, out.flags, self.pending)
+            _send_frame(
+                self.comm, self.worker_ids[0], _CMD_TAG, out.wire_frame, out.flags, self.pending
+            )
 
     def close(self, deadline: float) -> None:
         pass
@@ -168,7 +173,13 @@ class MPIChannel(LinkChannel):
             src, _, header, buffers, flags = _recv_frame(
                 self.comm, _runtime.mpi().ANY_SOURCE, _REPLY_TAG
             )
-            msg = decode_untrusted(header, buffers)  # MPI traffic may cross sockets
+            try:
+                msg = decode_untrusted(header, buffers)  # MPI traffic may cross sockets
+            except Exception as exc:  # noqa: BLE001 - a whole frame this rank does not accept
+                msg = (
+                    "fail",
+                    WorkerError(src, type(exc).__name__, f"the worker's reply was refused: {exc}"),
+                )
             if msg[0] == "bye":
                 remaining -= 1
                 continue
@@ -194,7 +205,7 @@ def _serve(comm: Any, me: int, size: int, num_groups: int) -> None:
     reqs: list = []
 
     def send(msg: tuple) -> None:
-        _send_frame(comm, 0, _REPLY_TAG, encode(msg), 0, reqs)
+        _send_frame(comm, 0, _REPLY_TAG, encode_for_network(msg), 0, reqs)
         MPI = _runtime.mpi()
         MPI.Request.Waitall([r for r, _ in reqs])
         reqs.clear()
@@ -204,7 +215,7 @@ def _serve(comm: Any, me: int, size: int, num_groups: int) -> None:
     def commands():
         while True:
             _, _, header, buffers, flags = _recv_frame(comm, 0, _CMD_TAG)
-            # MPI traffic may cross sockets: rebuilt from an allow-list, never unpickled
+            # MPI traffic may cross sockets: the network format, never unpickled
             if flags & FLAG_BATCH:
                 yield from decode_untrusted(header, buffers)
             else:

@@ -12,8 +12,9 @@ to the pool when the Disco session ends.
 The core's frames cross the session's connection as they are: sealed records
 when the session has a token (every frame one record, checked before it is
 acted on), and nothing from the socket is ever unpickled: each side rebuilds
-the other's frames with :func:`disco_core.protocol.decode_untrusted`, an
-allow-list of plain values, arrays, dtypes and devices. TLS is not supported
+the other's frames with :func:`disco_core.spi.decode_untrusted`, a parser of
+the core's tagged network format that makes plain values, arrays, dtypes,
+devices and worker errors only. TLS is not supported
 on this channel (its reader waits on the raw socket).
 """
 

@@ -3,8 +3,9 @@
 A session asked to become a Disco worker (``OP_DISCO_WORKER``) runs the core's
 worker loop on its own connection (:func:`run_worker`), reading the core's frames
 with :class:`LinkFrames`: sealed records when the session has a token, every frame
-checked before it is acted on, and rebuilt from an allow-list
-(:func:`disco_core.spi.decode_untrusted`), never unpickled. The controller's side
+checked before it is acted on, and rebuilt from the core's tagged network format
+(:func:`disco_core.spi.decode_untrusted`), never unpickled; replies go in that
+format too (:func:`disco_core.spi.encode_for_network`). The controller's side
 is :mod:`disco_rpc.channel`.
 """
 
@@ -20,7 +21,7 @@ from disco_core.spi import (
     HeartbeatSender,
     Worker,
     command_stream,
-    encode,
+    encode_for_network,
     frame_head,
     unfilled_bytearray,
 )
@@ -96,7 +97,7 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
     lock = threading.Lock()
 
     def send(msg: tuple) -> None:
-        frame = encode(msg)
+        frame = encode_for_network(msg)  # the controller unpickles nothing from a socket
         with lock:
             send_frame(t, frame)
 
@@ -107,7 +108,7 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
     send(("ready", os.getpid()))
 
     try:
-        # commands crossed a socket: rebuilt from an allow-list, never unpickled
+        # commands crossed a socket: the network format, never unpickled
         worker.run(command_stream(reader, untrusted=True).__next__)  # type: ignore[arg-type]  # reads like a FrameReader
     except (EOFError, OSError):  # IntegrityError too: a forged frame ends the worker
         worker.close()  # the controller is gone

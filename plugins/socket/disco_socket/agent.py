@@ -3,8 +3,8 @@
 It connects to the controller (retrying while the controller is not up yet),
 authenticates both ways (with a token: the core's handshake, then every byte
 sealed), starts its N workers as child processes (the core's
-``python -m disco_core.worker --untrusted``: commands are rebuilt from an
-allow-list) and then only relays command frames from the socket to the workers'
+``python -m disco_core.worker --untrusted``: commands and replies are in the
+core's tagged network format, never pickles) and then only relays command frames from the socket to the workers'
 pipes, as bytes, never unpickled, each only once the record it came in verified.
 
 Replies: without TLS, the agent opens one authenticated reply connection per
@@ -347,7 +347,7 @@ class WorkerProc:
     pipe ``err_r`` (see :class:`disco_core.channels.stderr_tee.StderrTee`).
 
     Workers run with ``--untrusted``: their commands crossed a socket, so they
-    are rebuilt from the core's allow-list, never unpickled.
+    are in the core's tagged network format (never pickles), as their replies are.
     """
 
     def __init__(
@@ -468,7 +468,7 @@ _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_MORE", 4
 class _ReplyRelay:
     """Moves reply frames from one worker's pipe to the controller's socket.
 
-    The frame's head (prefix, lengths, pickle header) is parsed here; its
+    The frame's head (prefix, lengths, header) is parsed here; its
     out-of-band buffers go from the pipe to the socket with ``splice`` (kernel to
     kernel, no copy in this process, and streaming: the worker is still writing the
     end of an array while its start is on the wire). Over TLS, or when the link is

@@ -269,7 +269,7 @@ class NodeLink(BatchingLink):
 
     def send_to(self, out: Outgoing, targets: Sequence[int] | None) -> None:
         """Send ``out`` to the node's workers ``targets`` (global ids; None: all of them)."""
-        frame = out.frame
+        frame = out.wire_frame  # the network format: the workers unpickle nothing
         self.send_head(self._route(targets) + frame_head(frame, out.flags), frame[1])
 
     def _write(self, data: bytes) -> None:
@@ -367,8 +367,9 @@ class NodeLink(BatchingLink):
 
     # ------------------------------------------------------------------ receiving
     def _deliver(self, gid: int, header: bytes, buffers: list) -> None:
-        # Bytes from a socket are never unpickled: only plain values, arrays,
-        # dtypes, devices and worker errors are rebuilt (the core's allow-list).
+        # Bytes from a socket are never unpickled: the workers reply in the core's
+        # tagged network format, which makes plain values, arrays, dtypes, devices
+        # and worker errors only.
         try:
             msg = decode_untrusted(header, buffers)
         except Exception as exc:  # noqa: BLE001 - a reply this process does not accept

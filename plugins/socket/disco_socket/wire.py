@@ -72,9 +72,9 @@ reply connections: replies are relayed over the node's connection.
 
 Each sender puts whole messages in a record, and a receiver acts on a message
 only once the record it ended in has verified (:meth:`StreamReader.settle`).
-Frames are relayed as bytes: the agent never unpickles them; the workers rebuild
-commands with the core's allow-list (``--untrusted``) and the controller rebuilds
-replies with :func:`disco_core.protocol.decode_untrusted`.
+Frames are relayed as bytes: the agent never decodes them. They are in the core's
+tagged network format both ways (never pickles): the workers (``--untrusted``) and
+the controller rebuild them with :func:`disco_core.spi.decode_untrusted`.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def recv_json(tx: Any) -> dict:
 class StreamReader:
     """Buffered reads from a transport; large payloads go straight to their memory.
 
-    Small fields (message heads, pickle headers) are parsed out of a 64 KiB buffer
+    Small fields (message heads, frame headers) are parsed out of a 64 KiB buffer
     (several messages may arrive in one read); an out-of-band buffer is received
     with ``recv_into`` directly into its final memory. Over a sealed transport,
     call :meth:`settle` after a message is read and before acting on it.
@@ -423,7 +423,7 @@ def alloc(n: int) -> Any:
     ``bytearray(n)`` zero-fills with 4 KiB pages (about 30 ms for 64 MiB here,
     longer than the transfer itself); numpy's allocator skips the fill and asks
     for transparent huge pages, so the pages are faulted in cheaply by the
-    ``recv_into`` that fills them. Unpickled arrays use this memory as is.
+    ``recv_into`` that fills them. Decoded arrays use this memory as is.
     """
     return np.empty(n, np.uint8)
 

@@ -36,6 +36,7 @@ from disco_core.errors import (
     WorkerError,
 )
 from disco_core.net.security import Handshake
+from disco_core.spi import decode_untrusted, encode_for_network
 from disco_socket import start_local_agents, wire
 from disco_socket.agent import EXIT_REFUSED, AgentError
 
@@ -201,7 +202,7 @@ def _relayed_session(cluster, token, relays, conn=0, way="down", **options):
 
 def _forged_call(func_reg: int, path: str) -> bytes:
     """A whole relay message: run ``func(path)`` on every worker of the node."""
-    frame = P.encode((P.CALL_PACKED, 0, func_reg, (path,)))
+    frame = encode_for_network((P.CALL_PACKED, 0, func_reg, (path,)))
     return wire.MSG.pack(wire.K_FRAME, wire.ALL) + P.frame_head(frame) + b"".join(frame[1])
 
 
@@ -325,6 +326,34 @@ def test_relay_flipping_a_reply_byte(cluster, token):
         with pytest.raises(WorkerDiedError, match="worker 1.*reply connection.*integrity"):
             echo(payload).debug_get_from_remote(1)
     assert relay.done.is_set()
+    relay.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_pickled_reply_injected_on_the_path_is_refused_not_unpickled(cluster, tmp_path):
+    """What a hostile node or an on-path attacker of an unsealed link could send: a
+    reply frame whose header is a pickle that opens a file when loaded. The controller
+    refuses it as not a frame of the network format; nothing is unpickled."""
+
+    class Evil:
+        def __init__(self, path):
+            self.path = path
+
+        def __reduce__(self):
+            return (open, (self.path, "w"))
+
+    relays: list[Relay] = []
+    sess = _relayed_session(cluster, None, relays, conn=1, way="up")
+    relay = relays[0]
+    sess.import_python_module(FUNCS)
+    echo = sess.get_global_func("testing.echo")
+    assert echo("warm").debug_get_from_remote(1) == "warm"
+    marker = tmp_path / "pwned"
+    frame = P.encode(("reply", Evil(str(marker))))  # a pickle, as an older release sent
+    relay.arm("inject", forged=P.frame_head(frame) + b"".join(frame[1]))
+    with pytest.raises(WorkerError, match="refused by the controller.*not a Disco network frame"):
+        echo("x").debug_get_from_remote(1)
+    assert relay.done.is_set() and not marker.exists()
     relay.close()
 
 
@@ -515,17 +544,19 @@ def test_errors_are_disco_errors():
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("token", [None, "s3cret"])
 def test_replies_are_never_unpickled(cluster, sec_module, tmp_path, token):
+    """A remote worker replies in the network format, which holds no object: one it
+    cannot encode (a pickle of this one would open a file) fails the call, at the worker."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         sess = cluster.session(2, 2, token=token)
     sess.import_python_module(sec_module)
     marker = tmp_path / "pwned"
     evil = sess.get_global_func("sec.evil")(str(marker))
-    with pytest.raises(WorkerError, match=r"refused.*open"):
+    with pytest.raises(WorkerError, match=r"cannot send \S*\.Evil over a network link"):
         evil.debug_get_from_remote(2)
     assert not marker.exists()
     opaque = sess.get_global_func("sec.opaque")()
-    with pytest.raises(WorkerError, match="refused a value from a network peer"):
+    with pytest.raises(WorkerError, match=r"cannot send \S*\.Opaque over a network link"):
         opaque.debug_get_from_remote(3)
     # Plain values still arrive, from both remote workers.
     for w in (2, 3):
@@ -758,7 +789,7 @@ def test_worker_seals_its_replies_with_the_key_from_its_pipe():
         good = wire.seal(_Replay(raw + body), SessionKeys(send=os.urandom(64), recv=key))
         header, bufs, _ = wire.StreamReader(good).read_frame()
         # the worker's first message: its first heartbeat, before "ready"
-        assert P.decode_untrusted(header, bufs) == ("alive", None)
+        assert decode_untrusted(header, bufs) == ("alive", None)
         bad = wire.seal(_Replay(raw + body), SessionKeys(send=key, recv=os.urandom(64)))
         with pytest.raises(DiscoError, match="integrity"):
             wire.StreamReader(bad).read_frame()
