@@ -55,7 +55,6 @@ __all__ = [
     "encode_for_network",
     "decode_untrusted",
     "register_wire_type",
-    "message_kind",
 ]
 
 #: The first two bytes of every header (magic and version). A frame of another
@@ -576,7 +575,8 @@ def _object_array(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[np.ndarra
     if type(items) is not list or len(items) != count:
         raise _Malformed("object array whose items do not match its shape")
     arr = np.empty(count, dtype=object)
-    arr[:] = items if count != 1 else [items[0]]
+    for i, x in enumerate(items):  # one by one: a slice would broadcast items that are sequences
+        arr[i] = x
     return arr.reshape(shape), p
 
 
@@ -614,19 +614,6 @@ def decode_untrusted(header: bytes | bytearray | memoryview, buffers: Sequence[A
             f"refused a malformed value from a network peer ({type(exc).__name__}: {exc})"
         ) from None
     return value
-
-
-def message_kind(header: bytes | bytearray | memoryview) -> str | None:
-    """The kind of a worker's message (its first field, a str), read without rebuilding it."""
-    meta = bytes(header[:4096])
-    try:
-        if meta[:2] == MAGIC and meta[2] == T_TUPLE and meta[7] == T_STR:
-            n = _I_from(meta, 8)[0]
-            if n <= 64:
-                return meta[12 : 12 + n].decode("utf-8")
-    except (IndexError, struct.error, UnicodeDecodeError):
-        pass
-    return None
 
 
 # --------------------------------------------------------------------------- the core's types

@@ -560,6 +560,10 @@ def test_decode_untrusted_builds_no_array_of_a_declared_size():
     obj = np.array([1, "x", (2, 3)], dtype=object)
     out = wire_values.decode_untrusted(*wire_values.encode_for_network(obj))
     assert out.dtype == object and list(out) == [1, "x", (2, 3)]
+    pairs = np.empty(2, dtype=object)  # items that are sequences stay items
+    pairs[0], pairs[1] = (1, 2), (3, 4)
+    out = wire_values.decode_untrusted(*wire_values.encode_for_network(pairs))
+    assert out.shape == (2,) and list(out) == [(1, 2), (3, 4)]
 
 
 def test_an_unfilled_bytearray_is_a_bytearray_of_that_size():

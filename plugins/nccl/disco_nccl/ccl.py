@@ -24,8 +24,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from disco_core import CCLError, DiscoTypeError
-from disco_core.spi import CCL, Device, Rendezvous, dtype_name, validate
+from disco_core import CCLError, DiscoError, DiscoTypeError
+from disco_core.spi import (
+    CCL,
+    Device,
+    RemoteStore,
+    Rendezvous,
+    StoreTimeoutError,
+    dtype_name,
+    validate,
+)
 
 from . import backend
 
@@ -39,8 +47,10 @@ _DTYPES = {
 _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 
 # Aborts requested by the controller, seen by the workers living in its process
-# (worker 0); workers in other processes are stopped by the session instead.
+# (worker 0). Workers in other processes ask the session's rendezvous store, which the
+# session aborts when it loses a worker, every ``_STORE_POLL_S`` while they wait in NCCL.
 _ABORTED: dict[int, str] = {}
+_STORE_POLL_S = 0.25
 _HOT_POLL = 50e-6  # seconds a wait polls its stream before it starts to sleep
 _NEXT_TOKEN = iter(range(1, 1 << 62))
 _TOKEN_LOCK = threading.Lock()
@@ -108,6 +118,12 @@ def _on_gpu(method: Callable) -> Callable:
             return method(self, *args)
 
     return on_gpu
+
+
+def _asks_store(ctx: Any) -> bool:
+    """Whether a worker learns of an abort from the session's store: one in a process
+    of its own (the store is then a client over the channel), not worker 0."""
+    return isinstance(getattr(ctx, "store", None), RemoteStore)
 
 
 class NCCLRendezvous(Rendezvous):
@@ -216,7 +232,32 @@ class NCCLCCL(CCL):
         self.token = payload["token"]
         self.validate = payload["validate"]
         self._closed = False
+        self._asks_store = _asks_store(ctx)
+        self._next_ask = 0.0
         self.world, self.group = self._watched(self._make_communicators, payload)
+
+    def _abort_reason(self) -> str | None:
+        """Why the session aborted (a worker died, init_ccl failed), or None.
+
+        Worker 0 reads its process's flag; a worker in another process asks the
+        session's store at most every ``_STORE_POLL_S`` (a round trip to the
+        controller): a peer's death leaves it waiting in NCCL, where no command
+        reaches it, and shutdown then waited its whole timeout before killing it.
+        """
+        reason = _ABORTED.get(self.token)
+        if reason is not None or not self._asks_store:
+            return reason
+        now = time.monotonic()
+        if now < self._next_ask:
+            return None
+        self._next_ask = now + _STORE_POLL_S
+        try:
+            self.ctx.store.wait([f"disco-nccl-never-{self.token}"], timeout=0)
+        except StoreTimeoutError:
+            return None  # not aborted
+        except DiscoError as exc:
+            return str(exc)
+        return None
 
     def _make_communicators(self, payload: dict) -> tuple[Any, Any]:
         ctx = self.ctx
@@ -254,8 +295,9 @@ class NCCLCCL(CCL):
 
         name = f"disco-{self.name}-init-{self.ctx.worker_id}"
         threading.Thread(target=run, name=name, daemon=True).start()
+        self._next_ask = time.monotonic() + _STORE_POLL_S
         while not done.wait(0.02):
-            reason = _ABORTED.get(self.token)
+            reason = self._abort_reason()
             if reason is not None:
                 raise CCLError(
                     f"init_ccl({self.name!r}) on worker {self.ctx.worker_id} aborted: {reason}"
@@ -459,8 +501,9 @@ class NCCLCCL(CCL):
             if stream.done:
                 return
         delay = 1e-5
+        self._next_ask = time.monotonic() + _STORE_POLL_S  # short waits never ask
         while not stream.done:
-            reason = _ABORTED.get(self.token)
+            reason = self._abort_reason()
             if reason is not None:
                 self._abort()
                 raise CCLError(f"{self.name} {what} aborted: {reason}")

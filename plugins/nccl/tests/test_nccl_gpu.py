@@ -104,6 +104,35 @@ def test_two_ranks_allreduce():
         np.testing.assert_array_equal(y.debug_get_from_remote(1), np.full(16, 3, np.float32))
 
 
+@pytest.mark.skipif(
+    NUM_GPUS < 3, reason="needs 3 GPUs (a surviving worker process besides worker 0)"
+)
+def test_a_worker_dying_in_an_allreduce_does_not_hold_up_shutdown():
+    """Worker 1, a process, waits in NCCL for worker 2, which dies: it hears of it from
+    the session's store and aborts NCCL, so shutdown() finds it reading its commands
+    (before, it waited in NCCL until shutdown's timeout ran out and killed it)."""
+    import os
+    import time
+
+    import disco_core.testing.funcs  # noqa: F401  (registers testing.die)
+
+    sess = disco.ProcessSession(3)
+    try:
+        sess.init_ccl("nccl", 0, 1, 2)
+        x = sess.broadcast(np.ones(1 << 16, np.float32))
+        y = sess.empty((1 << 16,), "float32")
+        sess.call_packed("testing.die", "exit", 2, os.getpid(), 0.5)
+        sess.allreduce(x, y, "sum")
+        with pytest.raises(disco.WorkerDiedError) as info:
+            sess.sync_worker_0()
+            y.debug_get_from_remote(1)
+        assert 2 in info.value.worker_ids
+    finally:
+        t0 = time.monotonic()
+        sess.shutdown()
+        assert time.monotonic() - t0 < 3.0, "shutdown waited for a worker stuck in NCCL"
+
+
 # The core's CCL conformance kit on the real thing: one worker per GPU present.
 from _nccl_contract import NCCLContract, threaded_nccl  # noqa: E402
 

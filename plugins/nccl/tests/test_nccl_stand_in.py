@@ -21,8 +21,10 @@ from _nccl_stand_in import NcclCommunicator, make_modules
 import disco_core as disco
 from disco_core import register_func
 from disco_core.errors import CCLError
+from disco_core.spi import ControllerStore
 from disco_core.testing import ccl_funcs  # noqa: F401  (registers ccl_kit.*)
 from disco_core.worker import WorkerContext, current
+from disco_nccl import ccl as nccl_ccl
 from disco_nccl.ccl import NCCLCCL
 
 pytestmark = pytest.mark.timeout(60)
@@ -416,4 +418,69 @@ def test_a_wait_on_the_gpu_gives_up_and_aborts_nccl_when_the_session_aborts(stan
     assert [c.aborted for c in NcclCommunicator.made] == [1]  # ncclCommAbort ends the kernels
     with pytest.raises(CCLError, match="closed"):
         ccl.allreduce(None, None, "sum", False)
+    rv.close()
+
+
+def _in_a_process_of_its_own(monkeypatch, worker_id: int, num_workers: int):
+    """A worker context as a worker process has it, with the session's store.
+
+    The store is the controller's own (``ControllerStore``) rather than the client a
+    worker process reaches it through, and ``_asks_store`` is told the worker is in a
+    process of its own: what is checked is that disco-nccl asks the store, and gives
+    up when the session aborts it (as it does when it loses a worker).
+    """
+    monkeypatch.setattr(nccl_ccl, "_asks_store", lambda ctx: True)
+    ctx = WorkerContext(worker_id, num_workers, 1)
+    ctx.store = ControllerStore()
+    return ctx
+
+
+def test_init_in_another_process_gives_up_when_the_sessions_store_aborts(stand_in, monkeypatch):
+    """The abort flag is per process: a worker process learns of a dead peer from the store."""
+    stand_in(gpus=2)
+    rv = NCCLCCL.rendezvous(_local(2), ())
+    ctx = _in_a_process_of_its_own(monkeypatch, 1, 2)
+    threading.Timer(0.3, ctx.store.abort, ("worker(s) [0] died: killed",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(CCLError, match=r"aborted: .*worker\(s\) \[0\] died"):
+        NCCLCCL(ctx, rv.payload)  # rank 0 never joins
+    assert time.monotonic() - t0 < 5
+    assert rv.token not in nccl_ccl._ABORTED  # the store told it, not the flag
+    rv.close()
+
+
+def test_a_wait_in_another_process_gives_up_when_the_sessions_store_aborts(stand_in, monkeypatch):
+    cupy = stand_in(gpus=1)
+    rv = NCCLCCL.rendezvous(_local(1), ())
+    ctx = _in_a_process_of_its_own(monkeypatch, 0, 1)
+    ccl = NCCLCCL(ctx, rv.payload)
+    never = types.SimpleNamespace(ptr=0, done=False)  # a kernel waiting for a dead peer
+    cupy.cuda.get_current_stream = lambda: never
+    threading.Timer(0.3, ctx.store.abort, ("worker(s) [1] died: killed",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(CCLError, match=r"synchronize aborted: .*worker\(s\) \[1\] died"):
+        ccl.synchronize()
+    assert time.monotonic() - t0 < 5
+    assert [c.aborted for c in NcclCommunicator.made] == [1]  # ncclCommAbort ends the kernels
+    rv.close()
+
+
+def test_a_short_wait_does_not_ask_the_store(stand_in, monkeypatch):
+    """The store is a round trip to the controller: asked only once a wait is long."""
+    cupy = stand_in(gpus=1)
+    rv = NCCLCCL.rendezvous(_local(1), ())
+    ctx = _in_a_process_of_its_own(monkeypatch, 0, 1)
+    asked = []
+    real_wait = ctx.store.wait
+    monkeypatch.setattr(ctx.store, "wait", lambda *a, **k: (asked.append(a), real_wait(*a, **k)))
+    ccl = NCCLCCL(ctx, rv.payload)
+    stream = types.SimpleNamespace(ptr=0, done=False)
+    cupy.cuda.get_current_stream = lambda: stream
+    threading.Timer(0.05, setattr, (stream, "done", True)).start()
+    ccl.synchronize()
+    assert asked == []
+    stream.done = False
+    threading.Timer(0.7, setattr, (stream, "done", True)).start()
+    ccl.synchronize()
+    assert 1 <= len(asked) <= 4  # every 0.25 s, from 0.25 s on
     rv.close()
