@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DiscoValueError
+from .errors import DiscoTypeError, DiscoValueError
 from .net.framing import FrameReader, read_frame
 from .net.framing import frame_head as _frame_head
 from .net.io import write_all
@@ -132,8 +132,33 @@ def register_ref_type(cls: type) -> type:
     return cls
 
 
-def encode(obj: Any) -> Frame:
-    """Serialise ``obj``; handles become :class:`RegRef`; large buffers stay out of band."""
+class _WorkerPickler(pickle.Pickler):
+    """A pickler that refuses what a worker process cannot rebuild: anything of the
+    controller's ``__main__`` (a class or function defined in the script), which a
+    worker process, whose ``__main__`` is its entrypoint, does not have. Unchecked,
+    the worker failed to read the command and ended, and the session with it.
+
+    ``reducer_override`` is not asked about ints, strs, tuples, lists and dicts: the
+    common values cost nothing more.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        named = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)  # fmt: skip
+        if getattr(named, "__module__", None) == "__main__":
+            raise DiscoTypeError(
+                f"cannot send {named.__qualname__} (defined in the script, __main__) to a "
+                "worker process: worker processes do not run the script; define it in a "
+                "module that they import (import_python_module, or on their sys.path)"
+            )
+        return NotImplemented
+
+
+def encode(obj: Any, *, for_worker_process: bool = False) -> Frame:
+    """Serialise ``obj``; handles become :class:`RegRef`; large buffers stay out of band.
+
+    ``for_worker_process``: refuse (``DiscoTypeError``) a value that names the
+    controller's ``__main__``, which a worker process cannot rebuild.
+    """
     buffers: list = []
 
     def keep(pb: pickle.PickleBuffer) -> bool:
@@ -144,7 +169,8 @@ def encode(obj: Any) -> Frame:
         return False
 
     f = io.BytesIO()
-    p = pickle.Pickler(f, protocol=5, buffer_callback=keep)
+    pickler = _WorkerPickler if for_worker_process else pickle.Pickler
+    p = pickler(f, protocol=5, buffer_callback=keep)
     p.dispatch_table = _DISPATCH  # consulted only for non-builtin types: ints and tuples stay fast
     p.dump(obj)
     return f.getvalue(), buffers

@@ -211,3 +211,53 @@ def test_corrupt_size_is_refused():
     finally:
         os.close(r)
         os.close(w)
+
+
+_SCRIPT = """
+import enum, sys
+import disco_core as disco
+
+class Color(enum.IntEnum):
+    RED = 1
+
+class Point:
+    pass
+
+def helper():
+    return 1
+
+with disco.ProcessSession(2) as sess:
+    sess.import_python_module("disco_core.testing.funcs")
+    echo = sess.get_global_func("testing.echo")
+    for value in (Color.RED, Point(), [1, {"f": helper}]):
+        try:
+            echo(value)
+        except disco.DiscoTypeError as exc:
+            print("refused:", str(exc).split(" (")[0])
+        else:
+            print("sent:", value)
+    print("still usable:", echo(7).debug_get_from_remote(1))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_value_of_the_scripts_main_is_refused_at_the_call_not_a_dead_worker(tmp_path):
+    """A worker process does not run the controller's script, so a class or function
+    defined there cannot be rebuilt in it: refused at the call (the worker read the
+    command, failed to unpickle it and ended, and the session with it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "user_script.py"
+    script.write_text(_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [
+        "refused: cannot send Color",
+        "refused: cannot send Point",
+        "refused: cannot send helper",
+        "still usable: 7",
+    ], out.stdout + out.stderr

@@ -133,7 +133,7 @@ class Outgoing:
             else:
                 token = protocol.SENDER.set(self.owner)
                 try:
-                    self._frame = encode(cmds)
+                    self._frame = encode(cmds, for_worker_process=True)
                 finally:
                     protocol.SENDER.reset(token)
         return self._frame
@@ -1296,6 +1296,7 @@ class LinkChannel(Channel):
         self._direct_others: list[WorkerLink] = []  # direct links not in this process
         self._untrusted = False  # some link's workers decode untrusted (set with the links)
         self._deferring_network = self._deferring_pickle = False  # (set with the links)
+        self._pickles = False  # some link's workers are processes that read pickles
         # A subclass with its own send() (it looks at every command) gets every one there.
         self._fast_shared = type(self).send is LinkChannel.send
         # Until a session attaches its store (a channel that wraps this one may not pass
@@ -1544,6 +1545,7 @@ class LinkChannel(Channel):
         # links whose workers decode untrusted: a command with a value other than plain
         # ones is checked before it goes (check_untrusted), only when there are some
         self._untrusted = any(link.untrusted for link in links)
+        self._pickles = any(not link.in_process and not link.untrusted for link in links)
         self._deferring_network = any(link.untrusted for link in self._deferring)
         self._deferring_pickle = any(not link.untrusted for link in self._deferring)
         for link in self.links:
@@ -1707,6 +1709,10 @@ class LinkChannel(Channel):
                 targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
             if self._untrusted and not out.shared:
                 check_untrusted(out, targets)
+            if self._pickles and not out.shared:
+                # encoded before any link gets it: a value a worker process could not
+                # rebuild is a DiscoTypeError here, not a command worker 0 alone ran
+                out.frame  # noqa: B018
             if any(link.defers for link in targets):
                 # What was sent before goes first, also when another thread (the flusher,
                 # a worker's hand_over) has cut the batch and is still writing it out.
