@@ -19,6 +19,7 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import functools
 import logging
 import os
 import queue
@@ -87,6 +88,10 @@ def gather_timeout() -> float:
     return env_seconds("DISCO_GATHER_TIMEOUT", 60.0) or 60.0
 
 
+#: Pickles for worker processes: a value of the controller's ``__main__`` is refused.
+_encode_for_workers = functools.partial(encode, for_worker_process=True)
+
+
 class Outgoing:
     """One command on its way to several workers; encoded at most once.
 
@@ -122,20 +127,23 @@ class Outgoing:
     def flags(self) -> int:
         return FLAG_BATCH if len(self.cmds) > 1 else 0
 
+    def _encoded(self, encoder: Callable[[Any], Frame]) -> Frame:
+        """The command(s) as one frame by ``encoder``, a handle of another session refused."""
+        cmds = self.cmds if len(self.cmds) > 1 else self.cmds[0]
+        if self.shared or self.owner is None:
+            # the hot path (batches of plain commands): no handle nested in a value
+            return encoder(cmds)
+        token = protocol.SENDER.set(self.owner)
+        try:
+            return encoder(cmds)
+        finally:
+            protocol.SENDER.reset(token)
+
     @property
     def frame(self) -> Frame:
         """The serialised command(s) (pickle header + out-of-band buffers), one frame."""
         if self._frame is None:
-            cmds = self.cmds if len(self.cmds) > 1 else self.cmds[0]
-            if self.shared or self.owner is None:
-                # the hot path (batches of plain commands): no handle nested in a value
-                self._frame = encode(cmds)
-            else:
-                token = protocol.SENDER.set(self.owner)
-                try:
-                    self._frame = encode(cmds, for_worker_process=True)
-                finally:
-                    protocol.SENDER.reset(token)
+            self._frame = self._encoded(encode if self.shared else _encode_for_workers)
         return self._frame
 
     @property
@@ -152,15 +160,7 @@ class Outgoing:
             A value in the commands cannot cross a network link (it names the type).
         """
         if self._wire_frame is None:
-            cmds = self.cmds if len(self.cmds) > 1 else self.cmds[0]
-            if self.shared or self.owner is None:
-                self._wire_frame = encode_for_network(cmds)
-            else:
-                token = protocol.SENDER.set(self.owner)
-                try:
-                    self._wire_frame = encode_for_network(cmds)
-                finally:
-                    protocol.SENDER.reset(token)
+            self._wire_frame = self._encoded(encode_for_network)
         return self._wire_frame
 
     def frame_for(self, link: WorkerLink) -> Frame:
@@ -614,7 +614,7 @@ class BatchingLink(WorkerLink):
         self.outbox_bytes = 0
 
     def send(self, out: Outgoing) -> None:
-        frame = out.wire_frame if self.untrusted else out.frame
+        frame = out.frame_for(self)
         self.send_head(frame_head(frame, out.flags), frame[1])
 
     #: A frame (its buffers too) or a batch of at least this many bytes, sent from the main
