@@ -179,7 +179,8 @@ def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool =
     if token is None:
         conn.t.send_parts([bytes(PROOF_BYTES)])  # the server logs a refused client
         raise RPCAuthError(
-            f"authentication failed: the {peer} requires a token: pass token=... or set {TOKEN_ENV}"
+            f"authentication failed: the {peer} requires a token: set {TOKEN_ENV} (or, "
+            "from Python, pass token=...)"
         )
     hs = Handshake(token, "client", LABEL)
     hs.bind(hello, reply)

@@ -315,9 +315,38 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
     if not sep:
         key, ticket = text, None
     deadline = time.monotonic() + (wait if ticket is None else min(wait, TICKET_WAIT))
+    while True:
+        paired = _take_idle_backend(sock, addr, key, ticket, deadline, state)
+        if paired is None:
+            return  # refused or gone: the client was answered or closed
+        b, server_conn = paired
+        if _pair(server_conn):
+            break
+        # the link died between its registration and this client (the server closed it as
+        # another session started, or the server died): not this client's failure, so it
+        # waits for the next idle link within what is left of its wait
+        logger.info("an idle link of server %s (key %r) was gone at pairing", b.server_id, key)
+        _end_link(b, ticket, state)
+    try:
+        sock.settimeout(None)
+        if ticket is not None and b.reg is not None:
+            b.reg.report(T_START, ticket)
+        # bytes either Conn read ahead belong to the relayed stream
+        _relay(sock, server_conn.t.sock, hello_bytes + conn.take_buffered(), server_conn.take_buffered())  # fmt: skip
+    finally:
+        _end_link(b, ticket, state)
+        if ticket is not None and b.reg is not None:
+            b.reg.report(T_END, ticket)
+
+
+def _take_idle_backend(sock: Any, addr: Any, key: str, ticket: str | None, deadline: float, state: _ProxyState) -> tuple[_Backend, wire.Conn] | None:  # fmt: skip
+    """Wait for an idle server of ``key`` (until ``deadline``) and take its link.
+
+    Returns ``(backend, link)``, or None when the client was refused (answered with the
+    status) or left while held (closed).
+    """
     held = False
     next_notice = 0.0
-    server_conn: wire.Conn  # an idle backend's link
     with state.cv:
         try:
             while True:
@@ -325,11 +354,11 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
                 if b is not None:
                     # the link is this thread's now; the server registers another one at
                     # once, so a client that never authenticates cannot keep it busy
-                    server_conn, b.conn = b.conn, None  # type: ignore[assignment]
+                    server_conn, b.conn = b.conn, None
                     b.sessions += 1
                     if ticket is not None:
                         b.ticket = ticket
-                    break
+                    return b, server_conn  # type: ignore[return-value]
                 status = state.refusal(key, ticket)
                 left = deadline - time.monotonic()
                 if status is None and left <= 0:
@@ -344,22 +373,26 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
                 if status is not None:
                     logger.warning("cannot pair %s with a server of key %r (status %d)", addr, key, status)  # fmt: skip
                     _refuse(sock, status)
-                    return
+                    return None
                 now = time.monotonic()
                 if now >= next_notice:  # the client's connect_timeout runs between these
                     next_notice = now + HELD_NOTICE_EVERY
                     if not _notify_held(sock):
                         logger.info("client %s left while held for key %r", addr, key)
                         sock.close()
-                        return
+                        return None
                 state.cv.wait(min(left, 0.2))
                 if _gone(sock):  # the client gave up (its own connect_timeout) or misbehaved
                     logger.info("client %s left while held for key %r", addr, key)
                     sock.close()
-                    return
+                    return None
         finally:
             if held:
                 state.held -= 1
+
+
+def _pair(server_conn: wire.Conn) -> bool:
+    """Tell an idle server's link that a client is paired with it; False if the link is dead."""
     try:
         server_conn.send(REQUEST, P_PAIRED, None)
         server_conn.t.sock.settimeout(10.0)
@@ -367,21 +400,21 @@ def _serve_client(conn, sock, addr, hello_bytes: bytes, kb: bytes, state: _Proxy
         if op != P_ACK:
             raise wire.ProtocolError("the server did not acknowledge the client")
         server_conn.t.sock.settimeout(None)
-        sock.settimeout(None)
-        if ticket is not None and b.reg is not None:
-            b.reg.report(T_START, ticket)
-        # bytes either Conn read ahead belong to the relayed stream
-        _relay(sock, server_conn.t.sock, hello_bytes + conn.take_buffered(), server_conn.take_buffered())  # fmt: skip
-    finally:
-        with state.cv:
-            b.sessions -= 1
-            if ticket is not None and b.ticket == ticket:
-                b.ticket = None
-            if b.conn is None and not b.sessions:
-                b.gone_since = time.monotonic()
-            state.cv.notify_all()
-        if ticket is not None and b.reg is not None:
-            b.reg.report(T_END, ticket)
+    except (OSError, EOFError, wire.ProtocolError):
+        server_conn.close()
+        return False
+    return True
+
+
+def _end_link(b: _Backend, ticket: str | None, state: _ProxyState) -> None:
+    """A link of ``b`` taken by a client is done (relayed to its end, or dead at pairing)."""
+    with state.cv:
+        b.sessions -= 1
+        if ticket is not None and b.ticket == ticket:
+            b.ticket = None
+        if b.conn is None and not b.sessions:
+            b.gone_since = time.monotonic()
+        state.cv.notify_all()
 
 
 def _gone(sock: Any) -> bool:

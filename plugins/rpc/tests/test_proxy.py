@@ -374,3 +374,37 @@ def test_forged_held_notices_cannot_hold_a_client_for_ever(monkeypatch):
         stop.set()
         th.join(5)
         lst.close()
+
+
+def test_a_server_link_dead_at_pairing_hands_the_client_to_the_next_idle_server():
+    """An idle link can die between its registration and a client's arrival (the server
+    closes it when another client's session starts, or the server dies): the client is
+    not failed with "closed during the handshake" but paired with the next idle server.
+
+    CI saw the race with a real server (its spare link closed as a session began, a
+    second client paired with it before the proxy noticed); here a registered link that
+    closes on being paired makes it certain: it registered first, so it is tried first."""
+    from disco_rpc.server import register_with_proxy
+
+    px = rpc.Proxy(port=9800, port_end=9900, timeout_client=20)
+    dying = register_with_proxy("127.0.0.1", px.port, "k2", None, None, "dies-at-pairing")
+    tried = threading.Event()
+
+    def close_on_pairing() -> None:
+        dying.recv()  # the proxy's P_PAIRED
+        tried.set()
+        dying.close()
+
+    th = threading.Thread(target=close_on_pairing, daemon=True)
+    th.start()
+    srv = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="k2", token="t")
+    try:
+        t0 = time.monotonic()
+        with rpc.connect("127.0.0.1", px.port, key="k2", token="t") as s:
+            assert s.get_function("pxy.add")(2, 3) == 5
+        assert tried.is_set()  # the dead link was really tried first
+        assert time.monotonic() - t0 < 10
+    finally:
+        srv.terminate()
+        px.terminate()
+        th.join(5)
