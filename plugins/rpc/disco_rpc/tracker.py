@@ -139,6 +139,10 @@ def _check_host(host: Any) -> str:
 
 
 # --------------------------------------------------------------------------- the tracker's state
+#: What poll() reports for a peer that closed its end (POLLRDHUP: Linux; POLLHUP elsewhere).
+_PEER_CLOSED = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+
+
 class _Link:
     """One authenticated connection to the tracker, with a send lock.
 
@@ -172,6 +176,22 @@ class _Link:
                 except OSError:
                     pass
                 return False
+
+    def peer_left(self) -> bool:
+        """Whether the peer closed its end: a ticket sent now would reach no one.
+
+        Its reader thread cancels its requests when it sees the close, but a server
+        freed first (by a session that client ended just before) would otherwise be
+        matched with its request, and sit out the unused ticket's whole match timeout.
+        """
+        if self.closed:
+            return True
+        try:
+            poller = select.poll()
+            poller.register(self.conn.t.sock.fileno(), _PEER_CLOSED)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # its socket is closed already
+            return True
 
     def close(self) -> None:
         with self.lock:
@@ -320,7 +340,7 @@ class TrackerState:
         q = self.queues.get(key)
         while q:
             _p, _s, w = q[0]
-            if w.link.closed:  # its reader is about to cancel it
+            if w.link.peer_left():  # its reader is about to cancel it
                 heapq.heappop(q)
                 w.link.waiting.discard(w)
                 continue

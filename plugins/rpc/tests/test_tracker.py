@@ -765,6 +765,9 @@ class _FakeLink:
     def send(self, *a):
         return True
 
+    def peer_left(self):
+        return False
+
 
 def test_summary_always_fits_in_a_frame():
     """Thousands of servers and keys of the longest kind: summary() is cut to fit, and says so."""
@@ -794,3 +797,40 @@ def test_summary_always_fits_in_a_frame():
         state.cancel(lk)
     assert state.queues == {} and all(not lk.waiting for lk in links)
     assert "truncated" in state.summary()  # 3000 servers still do not all fit
+
+
+def test_a_server_freed_after_its_waiting_client_left_stays_free():
+    """A client that gave up its request (a timed-out ``request``, as the "rpc" channel's
+    start does) closes its tracker link; a server freed before the tracker's reader saw
+    that close was matched with the dead request, and stayed out of the pool for the
+    unused ticket's whole match timeout (10 s: CI saw test_tracker_pool_too_small time
+    out on it). The match now looks whether the client's end is closed."""
+    import socket
+
+    from disco_rpc import wire
+    from disco_rpc.tracker import TrackerState, _Link
+
+    lst = socket.create_server(("127.0.0.1", 0))
+
+    def link():  # TCP, as a tracker's: a send to a peer that closed succeeds at first
+        b = socket.create_connection(lst.getsockname())
+        a, _ = lst.accept()
+        return _Link(wire.Conn(wire.SocketTransport(a)), ("test", 0)), b
+
+    state = TrackerState(match_timeout=10.0)
+    server_link, server_end = link()
+    client_link, client_end = link()
+    try:
+        sid = state.put(server_link, "k", ("127.0.0.1", 9))
+        state.servers[sid].ticket = "in-session"  # busy: the request waits
+        state.by_ticket["in-session"] = state.servers[sid]
+        state.request(client_link, "k", 1)
+        client_end.close()  # the client gave up; its reader has not run yet
+        state.release("in-session", "its session ended")
+        assert state.servers[sid].ticket is None  # free, not given to the dead request
+        assert not state.queues.get("k")
+    finally:
+        for s in (server_end, client_end, lst):
+            s.close()
+        server_link.close()
+        client_link.close()
