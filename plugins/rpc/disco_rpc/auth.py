@@ -30,6 +30,7 @@ why (no server for the key, servers busy, a tracker ticket required).
 
 from __future__ import annotations
 
+import random
 import socket
 import struct
 import time
@@ -60,6 +61,7 @@ from .protocol import (
     MAX_KEY_BYTES,
     NO_SERVER,
     OK,
+    SERVER_TAKEN,
     SERVERS_BUSY,
     TICKET_REQUIRED,
     VERSION,
@@ -80,6 +82,7 @@ __all__ = [
     "SERVERS_BUSY",
     "TICKET_REQUIRED",
     "HELD",
+    "SERVER_TAKEN",
     "held_notice",
     "resolve_token",
     "client_handshake",
@@ -97,6 +100,10 @@ _HELLO = struct.Struct("<8sII")
 _REPLY = struct.Struct(f"<8sIBB{NONCE_BYTES}s")
 _STATUS = struct.Struct(f"<B{PROOF_BYTES}s")
 _HELD_NOTICE = _REPLY.pack(MAGIC, VERSION, HELD, 0, bytes(NONCE_BYTES))
+
+
+class _ServerTaken(RPCAuthError):
+    """The server behind a proxy started another client's session first: connect again."""
 
 
 def seal(conn: Any, keys: SessionKeys | None) -> None:
@@ -192,6 +199,8 @@ def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool =
             f"the {peer} closed the connection before answering this client's proof (it "
             "refused the token, or dropped the handshake: busy, timed out, or a relay ended)"
         ) from None
+    if status == SERVER_TAKEN:
+        raise _ServerTaken("the server started another client's session first")
     if status != OK:
         raise RPCAuthError("authentication failed: wrong token (the server refused this proof)")
     if not hs.verify(proof):
@@ -204,6 +213,8 @@ def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool =
 def _check_status(status: int, version: int, key: str) -> None:
     if status == OK:
         return
+    if status == SERVER_TAKEN:
+        raise _ServerTaken("the server started another client's session first")
     if status == BAD_VERSION:
         raise RPCAuthError(f"the server speaks protocol version {version}, this client {VERSION}")
     base = key.rpartition("@")[0] or key
@@ -253,6 +264,11 @@ class ServerHandshake:
     without a token). Only fixed-size fields and a key of at most
     :data:`MAX_KEY_BYTES` are ever read. ``key_check(key_bytes)``, when given,
     decides instead of comparing with ``key``.
+
+    Setting :attr:`taken` (a server behind a proxy that started another client's
+    session meanwhile) makes it answer :data:`SERVER_TAKEN` where it would have let
+    the client in: in place of the reply, or of the status once the client's proof
+    checked out (a client without the token still learns only that it failed).
     """
 
     def __init__(self, key: str, token: bytes | None, key_check: Any = None) -> None:
@@ -263,6 +279,7 @@ class ServerHandshake:
         self.ok = False
         self.peer_key = ""
         self.keys: SessionKeys | None = None
+        self.taken = False
         self._stage = self._hello
         self._version = self._keylen = 0
         self._hello_bytes = self._reply = b""
@@ -298,6 +315,8 @@ class ServerHandshake:
             status = OK if self.key_check(kb) else KEY_MISMATCH
         elif self.key and kb != self.key:
             status = KEY_MISMATCH
+        if status == OK and self.taken:
+            return self._done(False, refusal(SERVER_TAKEN))
         reply = _REPLY.pack(MAGIC, VERSION, status, 1 if self.token else 0, new_nonce())
         if status != OK or not self.token:
             return self._done(status == OK, reply)
@@ -311,6 +330,8 @@ class ServerHandshake:
         hs.bind(self._hello_bytes, self._reply)
         if not hs.verify(data):
             return self._done(False, _STATUS.pack(AUTH_FAILED, bytes(PROOF_BYTES)))
+        if self.taken:
+            return self._done(False, _STATUS.pack(SERVER_TAKEN, bytes(PROOF_BYTES)))
         self.keys = hs.keys()
         return self._done(True, _STATUS.pack(OK, hs.proof()))
 
@@ -347,7 +368,30 @@ def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_cont
     ``peer`` names what is at ``url:port`` in error messages ("tracker", "proxy"...).
     ``strict=False`` only offers the token: a peer that requires none is accepted
     (for a service link whose token was defaulted from another's, never a session).
+
+    A server behind a proxy serves one client at a time; one that started another
+    client's session while this client's handshake ran says so (:data:`SERVER_TAKEN`),
+    and this client connects again, to be held by the proxy until the server is free
+    (for at most :data:`MAX_HELD_WAIT` seconds in all, as a held client).
     """
+    give_up = time.monotonic() + MAX_HELD_WAIT
+    pause = 0.01
+    while True:
+        try:
+            return _open_once(url, port, key, token, ssl_context, max_message_bytes, connect_timeout, peer, strict)  # fmt: skip
+        except _ServerTaken:
+            if time.monotonic() + pause > give_up:
+                raise RPCAuthError(
+                    f"the server behind the proxy at {url}:{port} kept starting other "
+                    f"clients' sessions first for {MAX_HELD_WAIT:g} s; giving up"
+                ) from None
+        # the winner's session has begun and the proxy will hold the next attempt; a short
+        # pause that grows keeps the losers of a crowded start from racing in lockstep
+        time.sleep(pause * (1.0 + random.random()))
+        pause = min(pause * 2, 0.5)
+
+
+def _open_once(url: str, port: int, key: str, token: Any, ssl_context: Any, max_message_bytes: int, connect_timeout: float, peer: str, strict: bool) -> wire.Conn:  # fmt: skip
     try:
         sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
     except OSError as exc:

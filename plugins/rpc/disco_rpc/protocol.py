@@ -34,6 +34,7 @@ __all__ = [
     "NO_SERVER",
     "SERVERS_BUSY",
     "TICKET_REQUIRED",
+    "SERVER_TAKEN",
     "REQUEST",
     "REPLY",
     "ERROR",
@@ -88,6 +89,11 @@ NO_SERVER, SERVERS_BUSY, TICKET_REQUIRED = 4, 5, 6
 #: Not a refusal: a proxy holds this client until a server of its key is free, and
 #: says so at once and every :data:`HELD_NOTICE_EVERY` seconds; the real reply follows.
 HELD = 7
+#: Not a refusal either: the server behind a proxy started another client's session while
+#: this client's handshake ran (it serves one at a time); the client connects again, and
+#: the proxy holds it until the server is free. Sent instead of the reply, or instead of
+#: the status after the client's proof checked out.
+SERVER_TAKEN = 8
 #: Seconds between two "held" notices of a proxy.
 HELD_NOTICE_EVERY = 2.0
 #: Seconds a client stays held, at most, whatever a proxy says (TVM's ``timeout_client``

@@ -1145,7 +1145,9 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
     within ``disco_rpc.server.HANDSHAKE_TIMEOUT``). Only a client that proved the token gets a
     session process: a peer that never authenticates costs a socket for a few
     seconds and no process (a flood of them can still crowd out a slow client: the oldest
-    handshake is dropped when all slots are taken).
+    handshake is dropped when all slots are taken). The first client to prove the token
+    gets the session; the others whose handshakes ran beside it are told
+    :data:`~disco_rpc.protocol.SERVER_TAKEN` and connect again, to be held by the proxy.
     """
     server_id = first[1] if first is not None else secrets.token_hex(8)
     idle = first[0] if first is not None else None
@@ -1224,16 +1226,22 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
                 if ok is None:
                     continue
                 if not ok:
-                    _proxy_log.warning("refused a client through the proxy (key, version or authentication)")  # fmt: skip
-                    drop(hs, "refused")
+                    if hs.hs.taken and hs.hs.peer_key:
+                        drop(hs, "told it another client's session started first: it comes back through the proxy")  # fmt: skip
+                    else:
+                        _proxy_log.warning("refused a client through the proxy (key, version or authentication)")  # fmt: skip
+                        drop(hs, "refused")
                     continue
                 pending.remove(hs)
-                if session is not None:  # one session at a time: a late second one is let go
+                if session is not None:  # not reached: a handshake of a taken server never lets in
                     hs.close()
                     continue
                 session = _fork_proxied_session(hs, scfg, watch_fd, where)
-                for other in list(pending):
-                    drop(other, "another client's session started first")
+                for other in pending:
+                    # one session at a time: the others' handshakes go on, and end by
+                    # telling each client that proves the token to connect again (the
+                    # proxy then holds it until this session ends), not by a bare close
+                    other.hs.taken = True
                 if idle is not None:
                     idle.close()  # no pairing while the session runs
                     idle = None

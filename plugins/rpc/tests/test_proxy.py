@@ -408,3 +408,41 @@ def test_a_server_link_dead_at_pairing_hands_the_client_to_the_next_idle_server(
         srv.terminate()
         px.terminate()
         th.join(5)
+
+
+def test_clients_that_reach_a_busy_server_at_once_all_get_it_in_turn():
+    """Clients racing for one server behind the proxy are served one after another, as the
+    proxy's docstring says (held until the server comes back), not failed.
+
+    The server pairs a second client while the first one's handshake runs (so that a peer
+    without the token cannot hold it); before, the first to prove the token got the session
+    and the others were closed mid-handshake ("the peer closed the connection during the
+    handshake", 1 or 2 of 3 clients in every run). Now they are told SERVER_TAKEN and
+    connect again, and the proxy holds them until the session ends."""
+    px = rpc.Proxy(port=9800, port_end=9900, timeout_client=30)
+    srv = rpc.Server(host="127.0.0.1", port=px.port, is_proxy=True, key="k3", token="t")
+    results: dict = {}
+    start = threading.Barrier(5)
+
+    def client(i: int) -> None:
+        start.wait()
+        try:
+            with rpc.connect("127.0.0.1", px.port, key="k3", token="t") as s:
+                results[i] = (s.get_function("pxy.pid")(), s.get_function("pxy.add")(i, 1))
+                time.sleep(0.2)  # the session holds the server a while
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(5)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(40)
+        assert {i: r[1] if isinstance(r, tuple) else r for i, r in results.items()} == {
+            i: i + 1 for i in range(5)
+        }
+        assert len({r[0] for r in results.values()}) == 5  # a session process each, in turn
+    finally:
+        srv.terminate()
+        px.terminate()

@@ -7,6 +7,8 @@ import random
 import socket
 import ssl
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -436,3 +438,62 @@ def test_links_in_the_work_folder_are_not_followed(tmp_path):
         assert (work / "d_old" / "f.bin").read_bytes() == b"x"
     finally:
         h.close()
+
+
+def test_a_taken_server_tells_only_a_client_that_proves_the_token_to_come_again():
+    """SERVER_TAKEN (a server behind a proxy that began another client's session) is said
+    in the reply to a hello that arrives after, and in place of the status to a proof that
+    checked out: a client with a wrong token still learns only that its proof failed."""
+    from disco_core.spi import Handshake, new_nonce
+
+    def run(server_token, client_token, taken_before_hello):
+        hs = auth.ServerHandshake("", server_token)
+        hs.taken = taken_before_hello
+        hello = auth.pack_hello(auth.VERSION, b"", new_nonce())
+        assert hs.step(hello[: hs.want]) == b""
+        reply = hs.step(hello[len(hello) - hs.want :])
+        if not hs.want:
+            return hs, reply, None
+        hs.taken = True  # another client's session began while this one computed its proof
+        client = Handshake(client_token, "client", auth.LABEL)
+        client.bind(hello, reply)
+        return hs, reply, hs.step(client.proof())
+
+    hs, reply, status = run(b"t", b"t", False)
+    assert reply[12] == auth.OK  # the reply itself said nothing of it
+    assert not hs.ok and status[0] == auth.SERVER_TAKEN and hs.keys is None
+    hs, _reply, status = run(b"t", b"wrong", False)
+    assert not hs.ok and status[0] == auth.AUTH_FAILED
+    for token in (b"t", None):
+        hs, reply, status = run(token, token, True)
+        assert not hs.ok and status is None and reply[12] == auth.SERVER_TAKEN
+
+
+def test_a_client_told_again_and_again_that_the_server_is_taken_gives_up_with_the_reason(monkeypatch):  # fmt: skip
+    """A peer that answers SERVER_TAKEN to every attempt cannot keep a client for good:
+    the attempts stop at MAX_HELD_WAIT (shortened here) with a message saying why."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(64)
+    attempts = []
+
+    def fake_server() -> None:
+        while True:
+            try:
+                c, _ = lst.accept()
+            except OSError:
+                return
+            attempts.append(c.recv(4096))
+            c.sendall(auth.refusal(auth.SERVER_TAKEN))
+            c.close()
+
+    threading.Thread(target=fake_server, daemon=True).start()
+    monkeypatch.setattr(auth, "MAX_HELD_WAIT", 1.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(rpc.RPCAuthError, match="kept starting other clients' sessions"):
+            rpc.connect("127.0.0.1", lst.getsockname()[1], key="k")
+    finally:
+        lst.close()
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert 3 <= len(attempts) < 50  # it came back, with pauses, not in a tight loop
