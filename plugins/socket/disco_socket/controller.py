@@ -400,7 +400,9 @@ class NodeLink(BatchingLink):
                     header, buffers, _ = reader.read_frame()
                     reader.settle()
                     self._deliver(gid, header, buffers)
-        except (EOFError, OSError, ValueError, struct.error) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever stops this reader ends the link
+            # (a MemoryError for a declared size, a malformed message...): a reader thread
+            # that died silently left its callers waiting for good (outside check)
             gate.remove(conn.fileno())
             if hub.closing:
                 return
@@ -432,7 +434,7 @@ class NodeLink(BatchingLink):
                 _wait_readable(self.sock, reader, self.tx)
                 with gate.lock:  # the channel's settle() waits for the delivery
                     self._read_one(reader, settle, hub, ids)
-        except (EOFError, OSError, ValueError, RecursionError, struct.error) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever stops this reader ends the link
             gate.remove(self.sock.fileno())
             if isinstance(exc, EOFError) and str(exc) == "connection closed":
                 what = "disconnected (the node agent exited or its machine went away)"

@@ -1197,3 +1197,31 @@ def test_syncs_with_each_worker_of_a_socket_session():
             sess._sync_worker(w)
         sess._sync_all()
         assert [int(r.debug_get_from_remote(w)) for w in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_reply_the_controller_cannot_hold_ends_the_link_not_the_reader(cluster, monkeypatch, direct):  # fmt: skip
+    """A reader thread stopped by anything (here a MemoryError for a reply's declared
+    buffer: a peer can declare up to 1 TiB, or a relay can on a sealed record not yet
+    verified) ends its link, and the waiting call gets a WorkerDiedError. Before, only
+    EOFError, OSError, ValueError and struct.error did: the thread died silently and the
+    call waited for good (outside check, F0/F1)."""
+    real = wire.alloc
+
+    def alloc(n):
+        if n >= 1 << 20:
+            raise MemoryError(f"cannot allocate {n} bytes")
+        return real(n)
+
+    monkeypatch.setattr(wire, "alloc", alloc)
+    sess = cluster.session(2, 1, 1, direct_replies=direct)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        ref = sess.get_global_func("testing.echo")(np.ones(1 << 18))  # 2 MiB on each worker
+        t0 = time.monotonic()
+        with pytest.raises(disco.WorkerDiedError, match="worker 1|node"):
+            ref.debug_get_from_remote(1)
+        assert time.monotonic() - t0 < 5  # at once, not by the heartbeat's silence (10 s)
+    finally:
+        sess.shutdown()
