@@ -280,6 +280,7 @@ class ServerHandshake:
         self.peer_key = ""
         self.keys: SessionKeys | None = None
         self.taken = False
+        self.told_taken = False  # it answered SERVER_TAKEN (not a refusal)
         self._stage = self._hello
         self._version = self._keylen = 0
         self._hello_bytes = self._reply = b""
@@ -316,6 +317,7 @@ class ServerHandshake:
         elif self.key and kb != self.key:
             status = KEY_MISMATCH
         if status == OK and self.taken:
+            self.told_taken = True
             return self._done(False, refusal(SERVER_TAKEN))
         reply = _REPLY.pack(MAGIC, VERSION, status, 1 if self.token else 0, new_nonce())
         if status != OK or not self.token:
@@ -331,6 +333,7 @@ class ServerHandshake:
         if not hs.verify(data):
             return self._done(False, _STATUS.pack(AUTH_FAILED, bytes(PROOF_BYTES)))
         if self.taken:
+            self.told_taken = True
             return self._done(False, _STATUS.pack(SERVER_TAKEN, bytes(PROOF_BYTES)))
         self.keys = hs.keys()
         return self._done(True, _STATUS.pack(OK, hs.proof()))

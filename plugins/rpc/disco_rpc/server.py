@@ -1226,7 +1226,7 @@ def serve_via_proxy(cfg: Any, host: str, port: int, key: str, token: Any, ssl_co
                 if ok is None:
                     continue
                 if not ok:
-                    if hs.hs.taken and hs.hs.peer_key:
+                    if hs.hs.told_taken:  # a wrong token after that is still "refused"
                         drop(hs, "told it another client's session started first: it comes back through the proxy")  # fmt: skip
                     else:
                         _proxy_log.warning("refused a client through the proxy (key, version or authentication)")  # fmt: skip
