@@ -111,7 +111,7 @@ from .net.io import (
     unfilled_bytearray,
     write_all,
 )
-from .net.protect import SealedTransport
+from .net.protect import SEND_RECORD_BYTES, SealedTransport
 from .net.relay import relay
 from .net.security import (
     NONCE_BYTES,
@@ -212,6 +212,7 @@ __all__ = [
     "Handshake",
     "SessionKeys",
     "SealedTransport",
+    "SEND_RECORD_BYTES",
     "SocketTransport",
     "SSLTransport",
     "PipeTransport",

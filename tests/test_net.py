@@ -23,7 +23,7 @@ from disco_core.errors import (
 from disco_core.net import security
 from disco_core.net.framing import FrameReader, frame_head
 from disco_core.net.io import SocketTransport
-from disco_core.net.protect import LARGE_RECORD, SealedTransport
+from disco_core.net.protect import LARGE_RECORD, SEND_RECORD_BYTES, SealedTransport
 from disco_core.net.security import Handshake, check_bind, is_loopback, resolve_token
 
 pytestmark = pytest.mark.timeout(30)
@@ -165,6 +165,40 @@ def test_sealed_array_is_received_in_place(sealed_pair):
         got += rx.recv_into(view[got:])
     t.join()
     np.testing.assert_array_equal(src, dst)
+
+
+def _record_lengths(stream: bytes) -> list[int]:
+    """The payload lengths of the sealed records in ``stream`` (as sent)."""
+    lengths, pos = [], 0
+    while pos < len(stream):
+        (n,) = struct.unpack_from("<Q", stream, pos)
+        lengths.append(n)
+        pos += 8 + n + 16
+    assert pos == len(stream)
+    return lengths
+
+
+def test_a_large_send_puts_its_head_alone_then_records_of_at_most_max_send(sealed_pair):
+    """The head (the small parts before the first large one) is a small record of its
+    own, verified whole before the peer sizes anything from it; the rest leaves in
+    records of at most ``max_send`` bytes, so the peer never holds more than that
+    unverified (an outside check: a relay without the token declared a 1 TiB buffer)."""
+    tx, rx, tap, _ = sealed_pair
+    head, route = os.urandom(40), os.urandom(12)
+    data = np.frombuffer(os.urandom(3 * SEND_RECORD_BYTES + 5), np.uint8)
+    small = os.urandom(100)
+    t = threading.Thread(target=tx.send_parts, args=([route, head, data, small],))
+    t.start()
+    assert _recv(rx, 52 + data.nbytes + 100) == route + head + data.tobytes() + small
+    t.join()
+    lengths = _record_lengths(b"".join(tap.sent))
+    assert lengths == [52, SEND_RECORD_BYTES, SEND_RECORD_BYTES, SEND_RECORD_BYTES, 105]
+    tap.sent.clear()
+    tx.send_parts([head, os.urandom(LARGE_RECORD - 100)])  # under LARGE_RECORD: one record
+    _recv(rx, LARGE_RECORD - 60)
+    assert _record_lengths(b"".join(tap.sent)) == [LARGE_RECORD - 60]
+    with pytest.raises(ValueError, match="max_send must be at least"):
+        SealedTransport(tap, _pair()[0].keys(), max_send=LARGE_RECORD - 1)
 
 
 @pytest.mark.parametrize("attack", ["alter", "replay", "inject", "reorder", "truncate_tag"])

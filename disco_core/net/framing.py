@@ -131,10 +131,16 @@ class FrameReader:
     progress : callable or None
         Called after each read of a large buffer's bytes: a frame still arriving
         is a sign of life of its sender (the channels' liveness watch).
+    verify : callable or None
+        Called once a frame's head and header are read, before memory is sized
+        from its buffer lengths: over a sealed link, it reads on to the end of the
+        record under way, so those lengths are checked first (an attacker on the
+        path sizes nothing).
     """
 
     _CHUNK = 1 << 16
     progress: Callable[[], None] | None = None
+    verify: Callable[[], None] | None = None
 
     def __init__(
         self,
@@ -195,6 +201,8 @@ class FrameReader:
                 return bytes(buf[pos + _PREFIX_SIZE : end]), [], flags
         hlen, lens, flags = read_frame_head(self._take, max_frame=self.max_frame)
         header = self._take(hlen)
+        if lens and self.verify is not None:
+            self.verify()
         return header, [self._read_buffer(n) for n in lens], flags
 
     def _read_buffer(self, n: int) -> bytearray:

@@ -1,9 +1,15 @@
 """Sealed records: integrity, order and freshness for every byte after a handshake.
 
 A :class:`SealedTransport` wraps any transport that has ``send_parts(parts)`` and
-``recv_into(view)``. Each ``send_parts`` call becomes one record::
+``recv_into(view)``. Each ``send_parts`` call becomes one record, or several of
+at most ``max_send`` bytes (1 MiB by default) when it is larger::
 
     u64 length | payload (length bytes) | 16-byte tag
+
+A large send's leading small parts (a frame's head: the bytes its receiver sizes
+memory from) go in a record of their own, so a receiver reads them verified; and
+since no record is larger than ``max_send``, a receiver holds at most that many
+bytes that have not been verified yet, whatever an attacker on the path declares.
 
 The tag covers the record's sequence number (implicit: records are counted in
 each direction), its length and its payload, under the sending direction's key
@@ -40,7 +46,7 @@ from .. import _interrupts
 from ..errors import DiscoError, FrameLimitError, IntegrityError
 from .security import SessionKeys
 
-__all__ = ["SealedTransport", "TAG_BYTES", "LARGE_RECORD"]
+__all__ = ["SealedTransport", "TAG_BYTES", "LARGE_RECORD", "SEND_RECORD_BYTES"]
 
 #: Size of a record's tag.
 TAG_BYTES = 16
@@ -49,6 +55,8 @@ LARGE_RECORD = 64 << 10
 
 #: A large record leaves in pieces of this size (hashed, then sent, one after the other).
 _PIECE = 1 << 20
+#: The largest record a :class:`SealedTransport` sends unless told otherwise.
+SEND_RECORD_BYTES = 1 << 20
 
 _LEN = struct.Struct("<Q")
 _SEQ_LEN = struct.Struct("<QQ")
@@ -126,6 +134,9 @@ class SealedTransport:
     max_record : int
         The largest record accepted from the peer; a larger declared length
         raises :class:`~disco_core.errors.FrameLimitError` before anything is read.
+    max_send : int
+        The largest record this side sends (a larger ``send_parts`` leaves as
+        several); at least :data:`LARGE_RECORD`.
 
     Notes
     -----
@@ -133,9 +144,18 @@ class SealedTransport:
     receives; a send and a receive may run at the same time.
     """
 
-    def __init__(self, inner: Any, keys: SessionKeys, max_record: int = 1 << 40) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        keys: SessionKeys,
+        max_record: int = 1 << 40,
+        max_send: int = SEND_RECORD_BYTES,
+    ) -> None:
+        if max_send < LARGE_RECORD:
+            raise ValueError(f"max_send must be at least {LARGE_RECORD} bytes, got {max_send}")
         self.inner = inner
         self.max_record = int(max_record)
+        self.max_send = int(max_send)
         self._out = _Direction(keys.send)
         self._in = _Direction(keys.recv)
         self._left = 0  # payload bytes still to come in the current (large) record
@@ -170,9 +190,11 @@ class SealedTransport:
     # -- sending --------------------------------------------------------------------
     @_interrupts.protect(blocking=True)
     def send_parts(self, parts: list) -> None:
-        """Send ``parts`` (buffers) as one record.
+        """Send ``parts`` (buffers) as one record, or several when it is over ``max_send``.
 
-        Ctrl-C is held back until the record is out (``disco_core._interrupts``): the
+        When the parts come to a large record (:data:`LARGE_RECORD` or more), the
+        small parts before the first large one are a record of their own: a frame's
+        head, whose lengths the peer sizes memory from, reaches it verified. Ctrl-C is held back until the record is out (``disco_core._interrupts``): the
         record's number is taken before it is written, so a record cut short, or
         never sent after its number was taken, broke the peer's next check and ended
         the session. A second Ctrl-C during a blocked write cuts the stream: later
@@ -181,7 +203,7 @@ class SealedTransport:
         try:
             if self._sent_broken is not None:
                 raise IntegrityError(self._sent_broken)
-            self._send_record(parts)
+            self._send_records(parts)
         except KeyboardInterrupt:
             if _interrupts.state.escalated:
                 self._sent_broken = "a second interrupt cut a sealed record being sent: the stream is broken"  # fmt: skip
@@ -189,7 +211,7 @@ class SealedTransport:
         finally:
             _interrupts.deliver()
 
-    def _send_record(self, parts: list) -> None:
+    def _send_records(self, parts: list) -> None:
         views = []
         total = 0
         for p in parts:
@@ -199,8 +221,38 @@ class SealedTransport:
             if v.nbytes:
                 views.append(v)
                 total += v.nbytes
-        if not total:
+        if total < LARGE_RECORD:
+            if total:
+                self._send_record(views, total)
             return
+        # the head: the small parts before the first large one, in a record of its own
+        head = 0
+        size = 0
+        while head < len(views) and views[head].nbytes < LARGE_RECORD:
+            size += views[head].nbytes
+            head += 1
+        if head and size < LARGE_RECORD:
+            self._send_record(views[:head], size)
+            views = views[head:]
+            total -= size
+        # the rest in records of at most max_send bytes
+        limit = self.max_send
+        group: list = []
+        size = 0
+        for v in views:
+            while v.nbytes:
+                take = v[: limit - size]
+                group.append(take)
+                size += take.nbytes
+                v = v[take.nbytes :]
+                if size == limit:
+                    self._send_record(group, size)
+                    group, size = [], 0
+        if group:
+            self._send_record(group, size)
+
+    def _send_record(self, views: list, total: int) -> None:
+        """One record of the non-empty byte views ``views`` (``total`` bytes in all)."""
         mac = self._out.start(total)
         if total < LARGE_RECORD:
             for v in views:

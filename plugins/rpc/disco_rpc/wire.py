@@ -54,9 +54,7 @@ from disco_core.spi import (
     SocketTransport,
     SSLTransport,
     as_dtype,
-    as_views,
     dtype_name,
-    interrupts,
     new_pipe,
     splice_exact,
     unfilled_bytearray,
@@ -630,55 +628,20 @@ def _real_fd(sink: Any) -> int | None:
 class SealedLink(SealedTransport):
     """A :class:`~disco_core.net.protect.SealedTransport` with records of bounded size.
 
-    A ``send_parts`` larger than :data:`SEND_RECORD_BYTES` leaves as several records,
-    so a receiver (or a relay, which forwards only whole verified records) never
+    A ``send_parts`` larger than :data:`SEND_RECORD_BYTES` leaves as several records
+    (the core's ``max_send``), so a receiver (or a relay, which forwards only whole verified records) never
     holds more than one record's worth of unverified bytes, and records from the
     peer larger than :data:`RECORD_BYTES` are refused before they are read.
     Its :attr:`record_left` tells a reader whether the bytes it has are all verified.
     """
 
     def __init__(self, inner: Any, keys: Any) -> None:
-        super().__init__(inner, keys, max_record=RECORD_BYTES)
+        super().__init__(inner, keys, max_record=RECORD_BYTES, max_send=SEND_RECORD_BYTES)
         if getattr(inner, "spin", 0) > 0:
             # the seal adds about 10 µs of work per frame on each side: with the polling
             # window of an unsealed link ($DISCO_RPC_SPIN_US) the next frame often comes
             # just after the reader went to sleep, and a wake-up costs far more
             inner.spin *= 2
-
-    @interrupts.protect(blocking=True)
-    def send_parts(self, parts: list) -> None:
-        """Send ``parts`` as one record, or as several of at most :data:`SEND_RECORD_BYTES`.
-
-        Ctrl-C waits until all are out (a frame cut between its records left the peer
-        waiting for the rest); a second one while the write blocks breaks the link.
-        """
-        try:
-            self._send_records(parts)
-        except KeyboardInterrupt:
-            if interrupts.state.escalated:
-                self._sent_broken = "a second interrupt cut a frame being sent: the link is broken"
-            raise
-        finally:
-            interrupts.deliver()
-
-    def _send_records(self, parts: list) -> None:
-        if sum(_buffer_size(p) for p in parts) <= SEND_RECORD_BYTES:
-            super().send_parts(parts)
-            return
-        views = as_views(parts)
-        group: list = []
-        size = 0
-        for v in views:
-            while v.nbytes:
-                take = min(v.nbytes, SEND_RECORD_BYTES - size)
-                group.append(v[:take])
-                size += take
-                v = v[take:]
-                if size == SEND_RECORD_BYTES:
-                    super().send_parts(group)
-                    group, size = [], 0
-        if group:
-            super().send_parts(group)
 
 
 def _splices_sealed(t: Any) -> bool:

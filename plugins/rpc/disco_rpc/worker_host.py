@@ -37,7 +37,8 @@ class LinkFrames:
     Every frame :meth:`read` returns has been verified: when a sealed record
     goes on past the frame (several small frames in one record), the rest of
     the record is read into the buffer first, so its tag is checked before
-    anything in it is acted on.
+    anything in it is acted on; and so it is before memory is sized from a
+    frame's buffer lengths.
 
     Parameters
     ----------
@@ -53,8 +54,11 @@ class LinkFrames:
         self._scratch_view = memoryview(self._scratch)
         self.reader = FrameReader(self.fd, read=self._read, readinto=self.t.recv_into)
         self.reader.buf += conn.take_buffered()  # read past the last RPC frame (verified)
+        self.reader.verify = self._settle
 
     def _read(self, n: int) -> bytearray:
+        # at most what the record under way holds: n may come from a length not verified yet
+        n = min(n, max(len(self._scratch), self._left()))
         if n <= len(self._scratch):  # headers: into a reused buffer, copied out as received
             k = self.t.recv_into(self._scratch_view[:n])
             return self._scratch[:k]
@@ -70,16 +74,23 @@ class LinkFrames:
     def read(self) -> tuple:
         """The next frame ``(header, buffers, flags)``; raises ``IntegrityError`` if forged."""
         frame = self.reader.read()
+        self._settle()
+        return frame
+
+    def _settle(self) -> None:
         # the rest of the record under way (so it is verified), and verified bytes the
         # transport holds (so that has_buffered() sees them before select() waits)
-        left = getattr(self.t, "record_left", 0) + getattr(self.t, "pending", 0)
+        left = self._left()
         while left:
             chunk = self._read(left)
             if not chunk:
                 raise EOFError("the peer closed the connection in the middle of a record")
             self.reader.buf += chunk
-            left = self.t.record_left + self.t.pending
-        return frame
+            left = self._left()
+
+    def _left(self) -> int:
+        """Bytes of the sealed record under way not read yet (0 on a plain link)."""
+        return getattr(self.t, "record_left", 0) + getattr(self.t, "pending", 0)
 
 
 def send_frame(t: Any, frame: tuple) -> None:

@@ -656,7 +656,7 @@ else:  # a sender that seals the head with the data: the head's record is large
     conn = wire.Conn(SealedTransport(cap, keys))
     meta, bufs = wire.encode(arr)
     head = wire._HEAD.pack(wire.REQUEST, 1, 0, len(meta), 1) + struct.pack("<Q", len(arr))
-    conn.t.send_parts([head, meta, *bufs])
+    conn.t.send_parts([head + meta + b"".join(bytes(b) for b in bufs)])  # one large part
     first = None
 # on the way, the declared buffer length becomes 3 GiB
 at = 8 + wire._HEAD_SIZE
@@ -697,3 +697,34 @@ def test_an_altered_buffer_length_is_caught_before_anything_is_allocated(sender)
         assert first < 1024, out  # the head alone
     assert "RESULT IntegrityError" in out, out
     assert int(out.split("GREW_MB ")[1].split()[0]) < 500, out
+
+
+def test_a_forged_worker_frame_sizes_no_memory(monkeypatch):
+    """The ``"rpc"`` channel's frames (:class:`disco_rpc.channel.LinkFrames`): a record
+    injected on the path whose frame head declares a 512 GiB buffer fails its tag
+    before anything is sized from it (an outside check: the socket channel's reader
+    allocated such a buffer first; this reader shared the pattern)."""
+    import types
+
+    from disco_core.net import framing
+    from disco_core.net.security import SessionKeys
+    from disco_rpc.worker_host import LinkFrames
+
+    sizes: list[int] = []
+    real = framing.unfilled_bytearray
+    monkeypatch.setattr(framing, "unfilled_bytearray", lambda n: sizes.append(n) or real(1))
+    a, b = socket.socketpair()
+    keys = SessionKeys(send=os.urandom(64), recv=os.urandom(64))
+    t = wire.SealedLink(wire.SocketTransport(b), keys)
+    frames = LinkFrames(types.SimpleNamespace(t=t, take_buffered=lambda: b""))
+    head = framing.PREFIX.pack(2, 1, 0) + struct.pack("<Q", 512 << 30) + b"hh"
+    payload = head + bytes(200_000 - len(head))  # a large record: read before its tag
+    a.sendall(struct.pack("<Q", len(payload)) + payload + os.urandom(16))
+    b.settimeout(10)
+    try:
+        with pytest.raises(disco.IntegrityError):
+            frames.read()
+        assert sizes == []
+    finally:
+        a.close()
+        b.close()

@@ -97,6 +97,7 @@ import numpy as np
 from disco_core import DiscoValueError, NetworkError
 from disco_core.spi import (
     FRAME_PREFIX,
+    SEND_RECORD_BYTES,
     SealedTransport,
     SessionKeys,
     SocketTransport,
@@ -135,10 +136,11 @@ __all__ = [
 
 #: The protocol's version. Version 3 added heartbeats (``PING``) and JSON death
 #: reports, 4 the core's handshake (transcript-bound proofs, ``auth`` flags)
-#: and sealed records with a token, and 5 the fence command (a ``SYNC_WORKER`` with
+#: and sealed records with a token, 5 the fence command (a ``SYNC_WORKER`` with
 #: a token, which a node of version 4 would answer without it: the controller's
-#: waits would then drop every answer).
-PROTOCOL_VERSION = 5
+#: waits would then drop every answer), and 6 sealed records of at most
+#: :data:`MAX_RECORD_BYTES` (a frame's head in a record of its own).
+PROTOCOL_VERSION = 6
 #: The label of this protocol's handshakes (proofs and keys of other protocols never fit).
 LABEL = b"disco-socket/4"
 MAGIC = b"DISCOSOK"
@@ -150,8 +152,11 @@ MAX_HANDSHAKE_BYTES = 64 * 1024
 MSG = struct.Struct("<II")
 U32 = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 40
-#: The largest sealed record a side accepts (a frame with its routing, or a batch).
-MAX_RECORD_BYTES = MAX_FRAME_BYTES + (1 << 20)
+#: The largest sealed record a side accepts, and sends: a larger message leaves as
+#: several records (the core's ``max_send``). A receiver reads at most this many
+#: bytes before their tag is checked, and sizes no memory from them (see
+#: :meth:`StreamReader.read_frame`), whatever an attacker on the path declares.
+MAX_RECORD_BYTES = SEND_RECORD_BYTES
 
 K_FRAME, K_DIED, K_STAT, K_FILE, K_BYE, K_PING = 1, 2, 3, 4, 5, 6
 ALL = 0xFFFFFFFF
@@ -219,7 +224,7 @@ class _Sealed(SealedTransport):
 
 def seal(tx: Any, keys: SessionKeys) -> SealedTransport:
     """``tx`` with every record sealed under ``keys`` (after a token handshake)."""
-    return _Sealed(tx, keys, MAX_RECORD_BYTES)
+    return _Sealed(tx, keys, max_record=MAX_RECORD_BYTES, max_send=MAX_RECORD_BYTES)
 
 
 def recv_exact(tx: Any, n: int) -> bytes:
@@ -333,17 +338,16 @@ class StreamReader:
             n = self.end - self.start
             self.buf[:n] = self.buf[self.start : self.end]
             self.start, self.end = 0, n
-        if need > len(self.buf):
-            self.buf.extend(bytes(need - len(self.buf)))
-        view = memoryview(self.buf)
-        try:
-            while self.end < need:
+        while self.end < need:
+            if self.end == len(self.buf):
+                # grow with what arrives, not with what a length declares: a declared
+                # length may not have been verified yet (a sealed record's tag comes last)
+                self.buf.extend(bytes(min(need - self.end, max(len(self.buf), self._CHUNK))))
+            with memoryview(self.buf) as view:
                 k = self.recv_into(view[self.end :])
-                if not k:
-                    raise EOFError("connection closed")
-                self.end += k
-        finally:
-            view.release()
+            if not k:
+                raise EOFError("connection closed")
+            self.end += k
 
     def settle(self) -> None:
         """Read on to the end of the current sealed record, so what was read is verified.
@@ -397,10 +401,16 @@ class StreamReader:
 
         Every declared count and length is checked before anything is allocated
         for it (:func:`disco_core.spi.read_frame_head`;
-        :class:`~disco_core.errors.FrameLimitError` past a limit).
+        :class:`~disco_core.errors.FrameLimitError` past a limit). Over a sealed
+        transport, buffers are sized from verified bytes only: when the head's
+        record goes on past the header (a sender of this version puts a large
+        frame's head in a record of its own, so only a batch of small frames or a
+        forgery does), the rest of that record is read and checked first.
         """
         hlen, lens, flags = read_frame_head(self.take, max_frame=MAX_FRAME_BYTES)
         header = self.take(hlen)
+        if self.sealed and any(lens) and not self.tx.at_boundary:
+            self.settle()
         buffers = []
         for n in lens:
             b = alloc(n)

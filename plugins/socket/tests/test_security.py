@@ -31,7 +31,9 @@ import disco_core as disco
 from disco_core import protocol as P
 from disco_core.errors import (
     DiscoError,
+    FrameLimitError,
     InsecureBindError,
+    IntegrityError,
     WorkerDiedError,
     WorkerError,
 )
@@ -813,6 +815,47 @@ class _Replay:
 
     def send_parts(self, parts) -> None:
         raise AssertionError("nothing is sent")
+
+
+def _forged_record(payload: bytes) -> bytes:
+    """A large sealed record as an attacker without the keys writes it (a wrong tag)."""
+    return struct.pack("<Q", len(payload)) + payload + os.urandom(16)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("declares", ["a 512 GiB buffer", "a 512 MiB header"])
+def test_a_forged_record_sizes_no_memory(monkeypatch, declares):
+    """An attacker on the path, without the token, injects a large record whose frame
+    head declares a huge buffer or header: the reader sizes nothing from those bytes
+    before their record's tag is checked, and fails on the tag (outside check: the
+    reader allocated the declared 1 TiB first)."""
+    from disco_core.net.security import SessionKeys
+
+    sizes: list[int] = []
+    real_alloc = wire.alloc
+    monkeypatch.setattr(wire, "alloc", lambda n: sizes.append(n) or real_alloc(min(n, 1)))
+    if declares == "a 512 GiB buffer":
+        head = wire.FRAME_PREFIX.pack(2, 1, 0) + struct.pack("<Q", 512 << 30) + b"hh"
+    else:
+        head = wire.FRAME_PREFIX.pack(512 << 20, 0, 0)
+    payload = wire.MSG.pack(wire.K_FRAME, wire.ALL) + head
+    payload += bytes(200_000 - len(payload))  # a large record: read before its tag
+    tx = wire.seal(_Replay(_forged_record(payload)), SessionKeys(os.urandom(64), os.urandom(64)))
+    reader = wire.StreamReader(tx)
+    assert reader.read_msg() == (wire.K_FRAME, wire.ALL)
+    with pytest.raises(IntegrityError):
+        reader.read_frame()
+    assert sizes == []
+    assert len(reader.buf) < 4 << 20  # grew with what came (200 kB), not as declared
+
+
+def test_a_record_over_the_bound_is_refused_before_it_is_read():
+    from disco_core.net.security import SessionKeys
+
+    forged = struct.pack("<Q", wire.MAX_RECORD_BYTES + 1)
+    tx = wire.seal(_Replay(forged), SessionKeys(os.urandom(64), os.urandom(64)))
+    with pytest.raises(FrameLimitError, match="declared a record of"):
+        wire.StreamReader(tx).read_msg()
 
 
 @pytest.mark.timeout(60)
