@@ -645,12 +645,14 @@ class SealedLink(SealedTransport):
 
 
 def _splices_sealed(t: Any) -> bool:
-    """Whether ``t`` is sealed over a plain socket and a large record is under way."""
+    """Whether ``t`` is sealed over a plain socket, with a large record under way or
+    nothing of a record held (a chunk's head travels in a record of its own: its
+    bytes follow in the next records)."""
     return (
         CAN_SPLICE
         and isinstance(t, SealedTransport)
         and type(t.inner) is SocketTransport
-        and t.record_left > 0
+        and (t.record_left > 0 or not t.pending)
     )
 
 

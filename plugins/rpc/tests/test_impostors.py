@@ -445,8 +445,15 @@ def test_altered_upload_leaves_no_file(token_server):
     """An upload whose last chunk is altered on the way leaves neither file nor part file."""
     data = os.urandom(3 << 20)
 
+    large = []
+
     def flip_last_chunk(i: int, r: bytes) -> bytes:
-        return _flip(r, len(r) - 100) if i == 2 else r  # record 1: the request, 2: the chunk
+        # the request, the chunk's head, then its bytes in records of 1 MiB: alter the last
+        if len(r) >= 1 << 20:
+            large.append(i)
+            if len(large) == 3:
+                return _flip(r, len(r) - 100)
+        return r
 
     mitm = _Mitm(token_server.port, 0, c2s=flip_last_chunk)
     try:
@@ -455,6 +462,7 @@ def test_altered_upload_leaves_no_file(token_server):
             s.upload(data, "big.bin")
     finally:
         mitm.close()
+    assert len(large) == 3, large  # the altered record was sent
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and os.listdir(token_server.work):
         time.sleep(0.05)
