@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -393,11 +394,23 @@ class _Malformed(ValueError):
 class _Reads:
     """The out-of-band buffers of one frame, each taken by exactly one array."""
 
-    __slots__ = ("buffers", "used")
+    __slots__ = ("buffers", "used", "budget")
 
-    def __init__(self, buffers: Sequence[Any]) -> None:
+    def __init__(self, buffers: Sequence[Any], budget: int = 0) -> None:
         self.buffers = buffers
         self.used = [False] * len(buffers)
+        #: bytes of dicts and sets this frame may still make (see :data:`_BUDGET_PER_BYTE`)
+        self.budget = budget
+
+    def charge(self, obj: Any) -> Any:
+        """``obj`` (a dict or a set just made), once its memory is within the budget."""
+        self.budget -= sys.getsizeof(obj)
+        if self.budget < 0:
+            raise _Malformed(
+                "more memory in dicts and sets than a frame of its size may make "
+                f"({_BUDGET_PER_BYTE} bytes per byte of its header)"
+            )
+        return obj
 
     def take(self, idx: int, nbytes: int) -> Any:
         if idx >= len(self.buffers) or self.used[idx]:
@@ -410,6 +423,13 @@ class _Reads:
         self.used[idx] = True
         return buf
 
+
+#: The memory a frame's dicts and sets may take, per byte of its header (plus
+#: :data:`_BUDGET_FLOOR`). An empty set is 216 bytes of memory and 5 of a frame:
+#: a header of them cost 47 times its size (an outside check); every other value
+#: costs at most about 13 times its bytes, so no frame costs much more than this.
+_BUDGET_PER_BYTE = 16
+_BUDGET_FLOOR = 1 << 16
 
 #: Dicts and sets with more keys than this are checked for keys that share a hash.
 _HASH_CHECK_FROM = 32
@@ -496,7 +516,7 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
             pairs.append((k, x))
         if n > _HASH_CHECK_FROM:
             _check_hashes([k for k, _ in pairs])  # before the dict is built
-        return dict(pairs), p
+        return r.charge(dict(pairs)), p
     if tag == T_SET or tag == T_FROZENSET:
         n = _count(meta, p)
         p += 4
@@ -506,7 +526,7 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
             keys.append(k)
         if n > _HASH_CHECK_FROM:
             _check_hashes(keys)
-        return (set(keys) if tag == T_SET else frozenset(keys)), p
+        return r.charge(set(keys) if tag == T_SET else frozenset(keys)), p
     if tag == T_COMPLEX:
         re_, im = _dd_from(meta, p)
         return complex(re_, im), p + 16
@@ -517,7 +537,7 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
         e = _span(meta, p + 1, meta[p])
         dt = _parse_dtype(meta[p + 1 : e])
         end = _span(meta, e, dt.itemsize)
-        return np.frombuffer(meta, dt, 1, e)[0].copy(), end
+        return _checked_text(np.frombuffer(meta, dt, 1, e))[0].copy(), end
     if tag == T_DTYPE or tag == T_SCALAR_TYPE:
         e = _span(meta, p + 1, meta[p])
         dt = _parse_dtype(meta[p + 1 : e])
@@ -566,7 +586,25 @@ def _array(meta: bytes, p: int, r: _Reads) -> tuple[np.ndarray, int]:
         raise _Malformed("bad array storage")
     if order > 1:
         raise _Malformed("bad array order")
-    return flat.reshape(shape, order="F" if order else "C"), end
+    return _checked_text(flat).reshape(shape, order="F" if order else "C"), end
+
+
+_MAX_CODE_POINT = 0x10FFFF
+
+
+def _checked_text(flat: np.ndarray) -> np.ndarray:
+    """``flat`` (1-d), once a string array's characters are all code points.
+
+    NumPy builds a ``<U`` array from any bytes, but a character past U+10FFFF
+    fails only when it is read (a ``SystemError`` or ``ValueError``, far from the
+    frame that brought it: an outside check).
+    """
+    dt = flat.dtype
+    if dt.kind == "U" and flat.size:
+        units = flat.view(np.dtype("u4").newbyteorder(dt.byteorder))
+        if int(units.max()) > _MAX_CODE_POINT:
+            raise _Malformed("a string with a character past U+10FFFF")
+    return flat
 
 
 def _object_array(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[np.ndarray, int]:
@@ -598,7 +636,7 @@ def decode_untrusted(header: bytes | bytearray | memoryview, buffers: Sequence[A
             "refused a frame from a network peer: not a Disco network frame"
             + (" (a pickle: is the peer an older release of Disco?)" if meta[:1] == b"\x80" else "")
         )
-    r = _Reads(buffers)
+    r = _Reads(buffers, _BUDGET_PER_BYTE * len(meta) + _BUDGET_FLOOR)
     try:
         value, end = _value(meta, 2, 0, r)
         if end != len(meta):

@@ -173,3 +173,44 @@ def test_sealed_stream_unchanged_passes():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("dtype", ["<U2", ">U2"])
+@pytest.mark.parametrize("shape", [(), (3,), (40_000,)])  # a scalar, inline, out of band
+def test_a_string_past_the_last_code_point_is_refused(dtype, shape):
+    """NumPy builds a string array from any bytes; a character past U+10FFFF failed
+    only when read (a SystemError, out of the decoder's refusals: an outside check)."""
+    import numpy as np
+
+    value = np.full(shape, "ab", dtype) if shape else np.array("ab", dtype)[()]
+    header, buffers = wire_values.encode_for_network(("reply", value))
+    good = wire_values.decode_untrusted(header, buffers)[1]
+    assert np.all(good == value) and (not shape or good.dtype == np.dtype(dtype))
+    # (a NumPy scalar is in native order whatever it was made from)
+    order = "little" if dtype[0] == "<" or not shape else "big"
+    a, bad = (ord("a")).to_bytes(4, order), (0x110000).to_bytes(4, order)
+    if buffers:
+        buffers = [bytearray(buffers[0])]
+        buffers[0][-8:-4] = bad
+    else:
+        at = bytes(header).rindex(a)
+        header = bytes(header)[:at] + bad + bytes(header)[at + 4 :]
+    with pytest.raises(UntrustedValueError, match="past U\\+10FFFF"):
+        wire_values.decode_untrusted(header, buffers)
+
+
+def test_dicts_and_sets_cost_a_bounded_multiple_of_their_frame():
+    """A header of empty sets made 47 times its size in memory (an outside check):
+    dicts and sets may take at most ``_BUDGET_PER_BYTE`` bytes per header byte."""
+    many = [frozenset()] * 100_000  # 216 bytes of memory for 5 of the frame, each
+    header, buffers = wire_values.encode_for_network(many)
+    with pytest.raises(UntrustedValueError, match="more memory in dicts and sets"):
+        wire_values.decode_untrusted(header, buffers)
+    for fine in (
+        [frozenset()] * 100,  # within the floor
+        {f"key{i}": i for i in range(100_000)},
+        [{"a": 1, "b": (2, 3)}] * 10_000,
+        {i: {i} for i in range(10_000)},
+    ):
+        header, buffers = wire_values.encode_for_network(fine)
+        assert wire_values.decode_untrusted(header, buffers) == fine
