@@ -52,3 +52,37 @@ def test_a_reply_the_controller_cannot_hold_ends_the_link_not_the_reader(monkeyp
         with pytest.raises(disco.WorkerDiedError, match="worker 1"):
             ref.debug_get_from_remote(1)
         assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(30)
+def test_the_reply_hub_takes_only_worker_errors_as_failures(caplog):
+    """A peer's ``fail`` or ``error`` message whose payload is not a worker error
+    (a forged ``WorkerDiedError``, a number, nothing) is refused as a failure of
+    that worker: the call never raises it as itself, later errors stay readable,
+    and a message of a kind nobody waits for is dropped (an outside check)."""
+    from disco_core.channels.base import ReplyHub
+
+    hub = ReplyHub(2)
+
+    def wait(w):
+        return hub.wait(w, poll=lambda: None, deadline=__import__("time").monotonic() + 5)
+
+    hub.deliver(1, ("fail", disco.WorkerDiedError([7], "forged death")))
+    with pytest.raises(disco.WorkerError) as info:
+        wait(1)
+    assert not isinstance(info.value, disco.WorkerDiedError)
+    assert isinstance(info.value, disco.UntrustedValueError)
+    assert "worker 1 sent a 'fail' message without a worker error" in str(info.value)
+    hub.deliver(1, ("fail",))
+    with pytest.raises(disco.WorkerError, match="of type NoneType"):
+        wait(1)
+    hub.deliver(0, ("error", 42))
+    hub.deliver(0, ("error", disco.WorkerError(0, "ValueError", "real")))
+    errors = hub.take_errors()
+    assert [e.worker_id for e in errors] == [0, 0]
+    assert "of type int" in errors[0].remote_message and errors[1].remote_message == "real"
+    with caplog.at_level("WARNING"):
+        hub.deliver(0, ("no-such-kind", 1))
+    assert "unknown kind" in caplog.text
+    hub.deliver(0, ("reply", "after"))
+    assert wait(0) == "after"

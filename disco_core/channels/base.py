@@ -329,6 +329,24 @@ ANSWERED = frozenset(
 )
 
 
+def _worker_error(worker_id: int, payload: Any, kind: str) -> WorkerError:
+    """``payload`` of a ``fail`` or ``error`` message, if it is a worker error.
+
+    Anything else (from a peer across a network: a forged ``WorkerDiedError``, a
+    value that is not an exception) becomes a worker error that says so: it is
+    raised at the caller as a failure of that worker, never as itself, and the
+    errors of later calls stay readable (an outside check).
+    """
+    if isinstance(payload, WorkerError):
+        return payload
+    return WorkerError(
+        worker_id,
+        "UntrustedValueError",
+        f"worker {worker_id} sent a {kind!r} message without a worker error in it "
+        f"(it held a value of type {type(payload).__name__}): the message was refused",
+    )
+
+
 class ReplyHub:
     """Where replies and asynchronous error reports of all workers arrive.
 
@@ -392,16 +410,21 @@ class ReplyHub:
             logger.warning("dropped a malformed message from worker %d", worker_id)
             return
         kind = msg[0]
-        if kind == "reply" or kind == "fail":
-            self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, 1))
+        payload = msg[1] if len(msg) > 1 else None
+        if kind == "reply":
+            self.replies[worker_id].put((kind, payload, 1))
+        elif kind == "fail":  # raised by the wait: a worker error and nothing else
+            self.replies[worker_id].put((kind, _worker_error(worker_id, payload, kind), 1))
         elif kind == "error":
-            self.errors.append(msg[1])
+            self.errors.append(_worker_error(worker_id, payload, kind))
         elif kind == "alive":  # a heartbeat is only a sign of life, and says the worker sends them
             self.beating.add(worker_id)
         elif kind == "store":  # a rendezvous store request: answered by the store's own thread
             self.store_handler(worker_id, msg)
-        else:
-            self.replies[worker_id].put((kind, msg[1] if len(msg) > 1 else None, 0))
+        elif kind == "ready":
+            self.replies[worker_id].put((kind, payload, 0))
+        else:  # nothing waits for it (a peer's garbage: an outside check)
+            logger.warning("dropped a message of unknown kind from worker %d", worker_id)
 
     def abandon(self, worker_ids: Iterable[int] | None = None) -> None:
         """Nobody waits for the answers of ``worker_ids`` (None: every worker) still to
