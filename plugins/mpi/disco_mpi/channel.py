@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Any
 
-from disco_core import DiscoError, DiscoValueError, WorkerError
+from disco_core import DiscoError, DiscoValueError, FrameLimitError, WorkerError
 from disco_core.spi import (
     FLAG_BATCH,
     LinkChannel,
@@ -39,9 +39,11 @@ from disco_core.spi import (
     ThreadWorkerLink,
     Worker,
     WorkerLink,
+    check_frame,
     decode_untrusted,
     encode_for_network,
     frame_head,
+    unfilled_bytearray,
 )
 
 from . import _runtime
@@ -75,21 +77,44 @@ def _send_frame(comm: Any, dest: int, tag: int, frame: tuple, flags: int, reqs: 
 
 
 def _recv_frame(comm: Any, source: int, tag: int) -> tuple[Any, int, bytes, list, int]:
-    """Receive one frame (blocking); returns (source, tag, header, buffers, flags)."""
+    """Receive one frame (blocking); returns (source, tag, header, buffers, flags).
+
+    Its head is checked against the core's frame limits (``check_frame``), and
+    each buffer is sized from the message that actually came, which must match
+    its declared length: nothing is allocated from a length alone.
+
+    Raises
+    ------
+    FrameLimitError
+        The head is malformed or over a limit, or a buffer is not as declared.
+    """
     MPI = _runtime.mpi()
     status = MPI.Status()
     msg = comm.Mprobe(source, tag, status)
     head = bytearray(status.Get_count(MPI.BYTE))
     msg.Recv([head, MPI.BYTE])
     src = status.Get_source()
+    if len(head) < _PREFIX.size:
+        raise FrameLimitError(f"a frame head of {len(head)} bytes from rank {src}")
     hlen, nbuf, flags = _PREFIX.unpack_from(head)
-    lens = struct.unpack_from(f"<{nbuf}Q", head, _PREFIX.size) if nbuf else ()
+    check_frame(hlen, nbuf)
     start = _PREFIX.size + 8 * nbuf
-    header = bytes(head[start : start + hlen])
+    if len(head) != start + hlen:
+        raise FrameLimitError(
+            f"a frame head of {len(head)} bytes from rank {src} declares {start + hlen}"
+        )
+    lens = struct.unpack_from(f"<{nbuf}Q", head, _PREFIX.size) if nbuf else ()
+    check_frame(hlen, nbuf, lens)
+    header = bytes(head[start:])
     buffers = []
     for n in lens:
-        out = bytearray(n)
-        comm.Recv([out, MPI.BYTE], src, _BUF_TAG)
+        part = comm.Mprobe(src, _BUF_TAG, status)
+        got = status.Get_count(MPI.BYTE)
+        if got != n:
+            part.Recv([bytearray(got), MPI.BYTE])  # taken off the queue all the same
+            raise FrameLimitError(f"a buffer of {got} bytes from rank {src}, declared {n}")
+        out = unfilled_bytearray(n)  # filled whole by the receive
+        part.Recv([out, MPI.BYTE])
         buffers.append(out)
     return src, status.Get_tag(), header, buffers, flags
 
@@ -168,22 +193,36 @@ class MPIChannel(LinkChannel):
         self._reader.start()
 
     def _read_replies(self) -> None:
-        remaining = self.num_workers - 1
-        while remaining:
-            src, _, header, buffers, flags = _recv_frame(
-                self.comm, _runtime.mpi().ANY_SOURCE, _REPLY_TAG
-            )
-            try:
-                msg = decode_untrusted(header, buffers)  # MPI traffic may cross sockets
-            except Exception as exc:  # noqa: BLE001 - a whole frame this rank does not accept
-                msg = (
-                    "fail",
-                    WorkerError(src, type(exc).__name__, f"the worker's reply was refused: {exc}"),
+        """Deliver the other ranks' replies until each has said goodbye.
+
+        Whatever stops this thread (a malformed frame, a failed receive) ends the
+        session's links to the ranks still here, with the reason: a reader that
+        died silently left every caller waiting for good.
+        """
+        here = set(range(1, self.num_workers))
+        try:
+            while here:
+                src, _, header, buffers, flags = _recv_frame(
+                    self.comm, _runtime.mpi().ANY_SOURCE, _REPLY_TAG
                 )
-            if msg[0] == "bye":
-                remaining -= 1
-                continue
-            self.hub.deliver(src, msg)
+                try:
+                    msg = decode_untrusted(header, buffers)  # MPI traffic may cross sockets
+                except Exception as exc:  # noqa: BLE001 - a whole frame this rank does not accept
+                    msg = (
+                        "fail",
+                        WorkerError(
+                            src, type(exc).__name__, f"the worker's reply was refused: {exc}"
+                        ),
+                    )
+                if type(msg) is tuple and msg and msg[0] == "bye":
+                    here.discard(src)  # (once per rank: another's goodbye ends nothing)
+                    continue
+                self.hub.deliver(src, msg)  # (it drops what is not a message)
+        except Exception as exc:  # noqa: BLE001 - whatever stops this reader ends the links
+            if not self.hub.closing:
+                self.hub.mark_dead(
+                    sorted(here), f"the replies of MPI ranks could not be read any more: {exc!r}"
+                )
 
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)

@@ -68,3 +68,22 @@ def test_plugin_registered():
 
     assert plugins.lookup("ccl", "mpi") is disco_mpi.MPICCL
     assert plugins.lookup("channel", "mpi") is disco_mpi.MPIChannel
+
+
+ROGUE = os.path.join(HERE, "rogue_script.py")
+
+
+@pytest.mark.timeout(120)
+def test_replies_no_worker_sends_are_dropped_and_one_goodbye_counts_per_rank():
+    """An empty reply and a rank's second goodbye once killed the reply reader, or
+    stopped it while other ranks still answered: every later call waited for good."""
+    r = _run([disco_mpi.launcher(), "-n", "3", sys.executable, ROGUE, "garbage"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ROGUE GARBAGE DROPPED" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_malformed_reply_head_ends_the_session_with_the_reason():
+    r = _run([disco_mpi.launcher(), "-n", "3", sys.executable, ROGUE, "bad-head"])
+    assert "ROGUE HEAD REFUSED" in r.stdout, r.stdout + r.stderr
+    assert "4294967295 buffers" in r.stdout, r.stdout

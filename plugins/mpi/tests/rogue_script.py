@@ -1,0 +1,63 @@
+"""Rank 1 sends rank 0 replies no worker sends (an outside check of the reply reader).
+
+Run with ``mpiexec -n 3``. ``MODE`` (argv[1]):
+
+``garbage``
+    an empty message and two goodbyes, then worker 2 is asked something: rank 0
+    drops the garbage, counts one goodbye per rank, and still hears worker 2.
+``bad-head``
+    a head that declares 2**32-1 buffers: rank 0 ends the session's links with
+    the reason, and the waiting call raises WorkerDiedError.
+"""
+
+import struct
+import sys
+
+import disco_core as disco
+from disco_core.spi import encode_for_network, frame_head
+from disco_core.worker import current
+from disco_mpi import channel
+
+MODE = sys.argv[1]
+_comm = []
+_serve = channel._serve
+
+
+def serve(comm, me, size, num_groups):
+    _comm.append(comm)  # the channel's private communicator, for the function below
+    _serve(comm, me, size, num_groups)
+
+
+channel._serve = serve
+
+
+@disco.register_func("rogue.send")
+def rogue_send() -> None:
+    if current().worker_id != 1:
+        return
+    comm = _comm[0]
+    if MODE == "garbage":
+        frames = [frame_head(encode_for_network(m)) for m in [(), ("bye", None), ("bye", None)]]
+    else:
+        frames = [struct.pack("<QII", 0, 0xFFFFFFFF, 0)]
+    for head in frames:
+        comm.Send([head, channel._runtime.mpi().BYTE], 0, channel._REPLY_TAG)
+
+
+sess = disco.Session.create("mpi")
+sess.get_global_func("rogue.send")()
+ask = sess.get_global_func("disco.worker_id")
+if MODE == "garbage":
+    sess.sync_worker_0()
+    assert ask().debug_get_from_remote(2) == 2
+    assert ask().debug_get_from_remote(1) == 1
+    print("ROGUE GARBAGE DROPPED")
+    sess.shutdown()
+else:
+    try:
+        for _ in range(50):
+            ask().debug_get_from_remote(2)
+    except disco.WorkerDiedError as exc:
+        print("ROGUE HEAD REFUSED", exc)
+        sys.stdout.flush()
+    channel._runtime.mpi().COMM_WORLD.Abort(0)  # the other ranks wait for commands
