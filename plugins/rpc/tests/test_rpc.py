@@ -987,7 +987,15 @@ def test_a_call_cut_anywhere_gives_its_answer_or_a_closed_session_never_another_
                         signal.setitimer(signal.ITIMER_REAL, 0.0002 * (1 + (trial + k) % 13))
                         if k % 2:
                             x = rpc.tensor(payload + k, s.cpu())
-                            assert np.array_equal(x.numpy(), payload + k)
+                            got, want = x.numpy(), payload + k
+                            if not np.array_equal(got, want):  # (rare: say where, to find why)
+                                signal.setitimer(signal.ITIMER_REAL, 0)
+                                d = np.flatnonzero(got != want)
+                                raise AssertionError(
+                                    f"trial {trial} call {k}: {d.size} values differ, at "
+                                    f"{d[0]}..{d[-1]}: got {got[d[:4]]}, expected {want[d[:4]]} "
+                                    f"(outcomes so far {outcomes})"
+                                )
                         else:
                             assert echo(k) == (k,)
                     finally:
