@@ -856,7 +856,7 @@ class Agent:
         except (EOFError, OSError, ValueError, struct.error) as exc:
             log.error(
                 "disco-socket: node %d lost the controller at %s (%s); stopping its workers",
-                self.node_id, self.peer, self.lost or exc,
+                self.node_id, self.peer, self.lost or reader.blame(exc),
             )  # fmt: skip
         except _Interrupted as exc:
             log.warning(

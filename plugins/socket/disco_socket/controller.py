@@ -403,6 +403,7 @@ class NodeLink(BatchingLink):
         except Exception as exc:  # noqa: BLE001 - whatever stops this reader ends the link
             # (a MemoryError for a declared size, a malformed message...): a reader thread
             # that died silently left its callers waiting for good (outside check)
+            exc = reader.blame(exc)
             gate.remove(conn.fileno())
             if hub.closing:
                 return
@@ -435,6 +436,7 @@ class NodeLink(BatchingLink):
                 with gate.lock:  # the channel's settle() waits for the delivery
                     self._read_one(reader, settle, hub, ids)
         except Exception as exc:  # noqa: BLE001 - whatever stops this reader ends the link
+            exc = reader.blame(exc)
             gate.remove(self.sock.fileno())
             if isinstance(exc, EOFError) and str(exc) == "connection closed":
                 what = "disconnected (the node agent exited or its machine went away)"

@@ -94,7 +94,7 @@ from typing import Any
 
 import numpy as np
 
-from disco_core import DiscoValueError, NetworkError
+from disco_core import DiscoValueError, IntegrityError, NetworkError
 from disco_core.spi import (
     FRAME_PREFIX,
     SEND_RECORD_BYTES,
@@ -374,6 +374,25 @@ class StreamReader:
             if not k:
                 raise EOFError("connection closed")
             self.end += k
+
+    def blame(self, exc: BaseException) -> BaseException:
+        """What to report for ``exc``, raised while this reader's bytes were acted on.
+
+        Over a sealed transport, bytes of a large record are parsed before its tag
+        comes: when ``exc`` (a malformed message, an unknown kind) came from such
+        bytes, the rest of the record is read, and a forged record is reported as
+        the :class:`~disco_core.errors.IntegrityError` it is, not as a protocol error
+        of the peer's. Otherwise ``exc`` itself.
+        """
+        if not self.sealed or isinstance(exc, OSError) or self.tx.at_boundary:
+            return exc  # (a link error already: IntegrityError is one too)
+        try:
+            self.settle()
+        except IntegrityError as forged:
+            return forged
+        except Exception:  # noqa: BLE001 - the link broke meanwhile: the first error stands
+            pass
+        return exc
 
     def take(self, n: int) -> bytes:
         self._fill(n)

@@ -849,6 +849,24 @@ def test_a_forged_record_sizes_no_memory(monkeypatch, declares):
     assert len(reader.buf) < 4 << 20  # grew with what came (200 kB), not as declared
 
 
+def test_garbage_in_a_forged_record_is_reported_as_forged():
+    """Bytes of a large record are parsed before its tag: a message of unknown kind
+    injected there is reported as the forgery it is (IntegrityError), not as the
+    peer's protocol error (an outside check)."""
+    from disco_core.net.security import SessionKeys
+
+    payload = wire.MSG.pack(99, 0) + os.urandom(100_000)
+    tx = wire.seal(_Replay(_forged_record(payload)), SessionKeys(os.urandom(64), os.urandom(64)))
+    reader = wire.StreamReader(tx)
+    assert reader.read_msg() == (99, 0)  # (acted on only once settled: see settle())
+    error = reader.blame(EOFError("protocol error: unknown message kind 99"))
+    assert isinstance(error, IntegrityError)
+    plain = wire.StreamReader(_Replay(payload))
+    plain.read_msg()
+    unknown = EOFError("protocol error: unknown message kind 99")
+    assert plain.blame(unknown) is unknown  # nothing to verify on a plain link
+
+
 def test_a_record_over_the_bound_is_refused_before_it_is_read():
     from disco_core.net.security import SessionKeys
 
