@@ -403,14 +403,18 @@ class _Reads:
         self.budget = budget
 
     def charge(self, obj: Any) -> Any:
-        """``obj`` (a dict or a set just made), once its memory is within the budget."""
-        self.budget -= sys.getsizeof(obj)
+        """``obj`` (a container or an array just made), once its memory is within the budget."""
+        self.spend(sys.getsizeof(obj))
+        return obj
+
+    def spend(self, nbytes: int) -> None:
+        """Count ``nbytes`` of memory about to be made against the frame's budget."""
+        self.budget -= nbytes
         if self.budget < 0:
             raise _Malformed(
-                "more memory in dicts and sets than a frame of its size may make "
-                f"({_BUDGET_PER_BYTE} bytes per byte of its header)"
+                "more memory in containers, strings and arrays than a frame of its size "
+                f"may make ({_BUDGET_PER_BYTE} bytes per byte of its header)"
             )
-        return obj
 
     def take(self, idx: int, nbytes: int) -> Any:
         if idx >= len(self.buffers) or self.used[idx]:
@@ -424,12 +428,15 @@ class _Reads:
         return buf
 
 
-#: The memory a frame's dicts and sets may take, per byte of its header (plus
-#: :data:`_BUDGET_FLOOR`). An empty set is 216 bytes of memory and 5 of a frame:
-#: a header of them cost 47 times its size (an outside check); every other value
-#: costs at most about 13 times its bytes, so no frame costs much more than this.
+#: The memory a frame's containers, strings, bytes, arrays and registered types may
+#: take, per byte of its header (plus :data:`_BUDGET_FLOOR`). An empty set is 216
+#: bytes of memory and 5 of a frame, a 0-d array about 250 and 9: headers of them
+#: cost 47 and 29 times their size (outside checks). What is not counted (numbers,
+#: None, registers) costs at most about 5 times its bytes.
 _BUDGET_PER_BYTE = 16
 _BUDGET_FLOOR = 1 << 16
+#: What an array costs besides its data (the decoder makes two array objects).
+_ARRAY_COST = 256
 
 #: Dicts and sets with more keys than this are checked for keys that share a hash.
 _HASH_CHECK_FROM = 32
@@ -471,6 +478,9 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
     if tag == T_TUPLE or tag == T_LIST:
         n = _count(meta, p)
         p += 4
+        r.budget -= 64 + 8 * n  # the container and its pointers (spend(), inline: hot)
+        if r.budget < 0:
+            r.spend(0)
         items = []
         for _ in range(n):
             t = meta[p]  # plain ints, None and registers inline: most of a command
@@ -489,6 +499,7 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
         return (tuple(items) if tag == T_TUPLE else items), p
     if tag == T_STR:
         e = _span(meta, p + 4, _I_from(meta, p)[0])
+        r.spend(80 + 4 * (e - p - 4))  # (the object, and at most 4 bytes a character)
         return meta[p + 4 : e].decode("utf-8", "surrogatepass"), e
     if tag == T_NONE:
         return None, p
@@ -501,9 +512,11 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
     if tag == T_FLOAT:
         return _d_from(meta, p)[0], p + 8
     if tag == T_ARRAY:
+        r.spend(_ARRAY_COST)  # (its data: inline, counted in the header; else out of band)
         return _array(meta, p, r)
     if tag == T_BYTES or tag == T_BYTEARRAY:
         e = _span(meta, p + 4, _I_from(meta, p)[0])
+        r.spend(64 + e - p)
         b = meta[p + 4 : e]
         return (b if tag == T_BYTES else bytearray(b)), e
     if tag == T_DICT:
@@ -537,12 +550,13 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
         e = _span(meta, p + 1, meta[p])
         dt = _parse_dtype(meta[p + 1 : e])
         end = _span(meta, e, dt.itemsize)
-        return _checked_text(np.frombuffer(meta, dt, 1, e))[0].copy(), end
+        return r.charge(_checked_text(np.frombuffer(meta, dt, 1, e))[0].copy()), end
     if tag == T_DTYPE or tag == T_SCALAR_TYPE:
         e = _span(meta, p + 1, meta[p])
         dt = _parse_dtype(meta[p + 1 : e])
         return (dt if tag == T_DTYPE else dt.type), e
     if tag == T_OBJARRAY:
+        r.spend(_ARRAY_COST)  # (its items: a list, counted as one)
         return _object_array(meta, p, depth, r)
     if tag == T_EXT:
         e = _span(meta, p + 1, meta[p])
@@ -551,7 +565,9 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
             raise _Malformed(f"unknown type {meta[p + 1 : e][:40]!r}")
         fields, p = _value(meta, e, depth + 1, r)
         try:
-            return entry.from_plain(fields), p
+            return r.charge(entry.from_plain(fields)), p
+        except _Malformed:
+            raise
         except Exception as exc:  # noqa: BLE001 - a registered type's check refused the fields
             raise _Malformed(f"bad {entry.name.decode()}: {type(exc).__name__}: {exc}") from None
     raise _Malformed(f"unknown value tag {tag}")
