@@ -948,6 +948,10 @@ class Conn:
             meta = bytes(self.view[s : s + meta_len])
             self.start = s + meta_len
         else:
+            if getattr(self.t, "record_left", 0):
+                # The head's record goes on unverified: verify it before the header is
+                # sized from the head (an on-path attacker declared 4 GiB: outside check)
+                self.settle()
             meta = self.read_exact(meta_len)  # decode() makes it bytes
         if nbuf and getattr(self.t, "record_left", 0):
             # The head's record goes on unverified: verify it before anything is sized

@@ -736,3 +736,27 @@ def test_a_forged_worker_frame_sizes_no_memory(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_a_forged_request_head_sizes_no_header(monkeypatch):
+    """A record injected on the path whose RPC head declares a 4 GiB header: the head's
+    record is verified before the header is sized from it (an outside check: 4 GiB of
+    address space reserved, or a bare MemoryError where it could not be)."""
+    from disco_core.net.security import SessionKeys
+
+    sizes: list[int] = []
+    real = wire.unfilled_bytearray
+    monkeypatch.setattr(wire, "unfilled_bytearray", lambda n: sizes.append(n) or real(n))
+    a, b = socket.socketpair()
+    rx = wire.Conn(wire.SealedLink(wire.SocketTransport(b), SessionKeys(os.urandom(64), os.urandom(64))))  # fmt: skip
+    head = wire._HEAD.pack(wire.REQUEST, 1, 0, (4 << 30) - 100, 0)
+    payload = head + os.urandom(200_000 - len(head))  # a large record: read before its tag
+    a.sendall(struct.pack("<Q", len(payload)) + payload + os.urandom(16))
+    b.settimeout(10)
+    try:
+        with pytest.raises(disco.IntegrityError):
+            rx.recv()
+        assert all(n < 1 << 20 for n in sizes), sizes
+    finally:
+        a.close()
+        b.close()
