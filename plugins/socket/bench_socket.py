@@ -19,7 +19,11 @@ Measures, in one run:
 The socket session runs twice: without a token (plain records, ``splice``) and
 with one (every record sealed, see the README's Security section).
 
-Usage: ``python bench_socket.py [--mib 64] [--repeat 5] [--json out.json]``
+Everything runs in each CPU placement of ``bench/_placement.py`` (unpinned;
+everything on one CPU; the controller on one CPU and every worker and agent on
+the others): a ratio measured in one placement only is not a result.
+
+Usage: ``python bench_socket.py [--mib 64] [--repeat 5] [--placements unpinned,one-cpu,split] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
+import sys
 import time
 import warnings
 
@@ -35,6 +41,9 @@ import numpy as np
 
 import disco_core as disco
 from disco_socket import start_local_agents
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from _placement import PLACEMENTS, Placement, load_average, placements  # noqa: E402
 
 
 def _best(fn, repeat: int) -> float:
@@ -55,12 +64,14 @@ def _sender(port: int, nbytes: int, rounds: int) -> None:
             s.recv(1)  # the receiver's go-ahead: one transfer at a time, like a reply
 
 
-def raw_loopback_bandwidth(nbytes: int, rounds: int) -> float:
-    """Best GB/s of one ``nbytes`` transfer between two processes over loopback TCP."""
+def raw_loopback_bandwidth(nbytes: int, rounds: int, place: Placement) -> float:
+    """Best GB/s of one ``nbytes`` transfer between two processes over loopback TCP
+    (the sender where ``place`` puts workers, the receiver where the controller is)."""
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
         proc = mp.get_context("spawn").Process(target=_sender, args=(port, nbytes, rounds))
-        proc.start()
+        with place.spawning():
+            proc.start()
         conn, _ = srv.accept()
         buf = bytearray(nbytes)
         view = memoryview(buf)
@@ -132,56 +143,69 @@ def bench_session(name: str, sess: disco.Session, nbytes: int, repeat: int) -> d
     return out
 
 
+def bench_placement(place: Placement, nbytes: int, repeat: int) -> dict:
+    """Every session's figures and the raw loopback bandwidth, in one placement."""
+    results = []
+    with place:
+        with place.spawning():
+            sess = disco.ProcessSession(4)
+        with sess:
+            results.append(bench_session("process (4 workers)", sess, nbytes, repeat))
+        for token, name in ((None, "socket (2x2, loopback)"), ("bench", "socket + token (sealed)")):
+            agents: list = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # loopback without a token
+                with place.spawning():  # the local workers and the agent's, where workers go
+                    sess = disco.SocketSession(
+                        2,
+                        2,
+                        1,
+                        "127.0.0.1",
+                        0,
+                        token=token,
+                        on_listen=lambda h, p, t=token, a=agents: a.extend(
+                            start_local_agents(h, p, 1, 2, token=t, extra_args=("-q",))
+                        ),
+                    )
+                with sess:
+                    results.append(bench_session(name, sess, nbytes, repeat))
+            for a in agents:
+                a.wait(10)
+        raw = raw_loopback_bandwidth(nbytes, repeat, place)
+    return {"sessions": results, "raw_loopback_GBps": raw}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args()
     nbytes = args.mib << 20
-
-    results = []
-    with disco.ProcessSession(4) as sess:
-        results.append(bench_session("process (4 workers)", sess, nbytes, args.repeat))
-    for token, name in ((None, "socket (2x2, loopback)"), ("bench", "socket + token (sealed)")):
-        agents: list = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # loopback without a token
-            with disco.SocketSession(
-                2,
-                2,
-                1,
-                "127.0.0.1",
-                0,
-                token=token,
-                on_listen=lambda h, p, t=token, a=agents: a.extend(
-                    start_local_agents(h, p, 1, 2, token=t, extra_args=("-q",))
-                ),
-            ) as sess:
-                results.append(bench_session(name, sess, nbytes, args.repeat))
-        for a in agents:
-            a.wait(10)
-    raw = raw_loopback_bandwidth(nbytes, args.repeat)
-
-    keys = [k for k in results[0] if k != "session"]
-    width = max(len(k) for k in keys) + 2
-    print(f"{'':{width}}" + "".join(f"{r['session']:>26}" for r in results))
-    for k in keys:
-        print(f"{k:{width}}" + "".join(f"{r[k]:>26.3f}" for r in results))
-    ratio = results[1]["debug_get_worker2_GBps"] / raw
-    print(f"\nraw loopback TCP bandwidth ({args.mib} MiB, best of {args.repeat}): {raw:.3f} GB/s")
-    print(
-        f"socket debug_get_from_remote(worker on the remote node), {args.mib} MiB: "
-        f"{results[1]['debug_get_worker2_GBps']:.3f} GB/s = {ratio:.2f} x raw loopback "
-        f"({'meets' if ratio >= 0.5 else 'BELOW'} the 0.5 x target)"
-    )
+    print(f"bench_socket: {os.cpu_count()} CPUs; {load_average()}; {args.mib} MiB")
+    out = {}
+    for place in placements(args.placements.split(",")):
+        got = bench_placement(place, nbytes, args.repeat)
+        out[place.name] = got
+        results, raw = got["sessions"], got["raw_loopback_GBps"]
+        keys = [k for k in results[0] if k != "session"]
+        width = max(len(k) for k in keys) + 2
+        print(f"\n== {place.describe()}; {load_average()}")
+        print(f"{'':{width}}" + "".join(f"{r['session']:>26}" for r in results))
+        for k in keys:
+            print(f"{k:{width}}" + "".join(f"{r[k]:>26.3f}" for r in results))
+        ratio = results[1]["debug_get_worker2_GBps"] / raw
+        got["ratio"] = ratio
+        print(f"raw loopback TCP bandwidth ({args.mib} MiB, best of {args.repeat}): {raw:.3f} GB/s")
+        print(
+            f"socket debug_get_from_remote(worker on the remote node), {args.mib} MiB: "
+            f"{results[1]['debug_get_worker2_GBps']:.3f} GB/s = {ratio:.2f} x raw loopback "
+            f"({'meets' if ratio >= 0.5 else 'BELOW'} the 0.5 x target)"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"sessions": results, "raw_loopback_GBps": raw, "ratio": ratio},
-                f,
-                indent=2,
-            )
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":
