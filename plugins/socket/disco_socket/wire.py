@@ -379,13 +379,14 @@ class StreamReader:
         """What to report for ``exc``, raised while this reader's bytes were acted on.
 
         Over a sealed transport, bytes of a large record are parsed before its tag
-        comes: when ``exc`` (a malformed message, an unknown kind) came from such
-        bytes, the rest of the record is read, and a forged record is reported as
-        the :class:`~disco_core.errors.IntegrityError` it is, not as a protocol error
-        of the peer's. Otherwise ``exc`` itself.
+        comes: when ``exc`` (a malformed message, an unknown kind, a declared size
+        over a limit) came from such bytes, the rest of the record is read, and a
+        forged record is reported as the :class:`~disco_core.errors.IntegrityError`
+        it is, not as a protocol error of the peer's. Otherwise ``exc`` itself (a
+        link that broke meanwhile ends the read at once).
         """
-        if not self.sealed or isinstance(exc, OSError) or self.tx.at_boundary:
-            return exc  # (a link error already: IntegrityError is one too)
+        if not self.sealed or isinstance(exc, IntegrityError) or self.tx.at_boundary:
+            return exc
         try:
             self.settle()
         except IntegrityError as forged:
