@@ -136,7 +136,7 @@ class SealedTransport:
         raises :class:`~disco_core.errors.FrameLimitError` before anything is read.
     max_send : int
         The largest record this side sends (a larger ``send_parts`` leaves as
-        several); at least :data:`LARGE_RECORD`.
+        several); at least ``LARGE_RECORD``.
 
     Notes
     -----
@@ -192,7 +192,7 @@ class SealedTransport:
     def send_parts(self, parts: list) -> None:
         """Send ``parts`` (buffers) as one record, or several when it is over ``max_send``.
 
-        When the parts come to a large record (:data:`LARGE_RECORD` or more), the
+        When the parts come to a large record (``LARGE_RECORD`` or more), the
         small parts before the first large one are a record of their own: a frame's
         head, whose lengths the peer sizes memory from, reaches it verified. Ctrl-C is held back until the record is out (``disco_core._interrupts``): the
         record's number is taken before it is written, so a record cut short, or

@@ -139,7 +139,7 @@ __all__ = [
 #: and sealed records with a token, 5 the fence command (a ``SYNC_WORKER`` with
 #: a token, which a node of version 4 would answer without it: the controller's
 #: waits would then drop every answer), and 6 sealed records of at most
-#: :data:`MAX_RECORD_BYTES` (a frame's head in a record of its own).
+#: ``MAX_RECORD_BYTES`` (a frame's head in a record of its own).
 PROTOCOL_VERSION = 6
 #: The label of this protocol's handshakes (proofs and keys of other protocols never fit).
 LABEL = b"disco-socket/4"
