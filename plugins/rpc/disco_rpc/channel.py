@@ -20,6 +20,7 @@ on this channel (its reader waits on the raw socket).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -56,6 +57,8 @@ from .worker_host import LinkFrames, run_worker
 
 __all__ = ["RPCChannel", "RPCWorkerLink", "run_worker", "LinkFrames"]
 
+logger = logging.getLogger("disco_rpc.channel")
+
 
 def _start_timeout() -> float:
     return env_seconds("DISCO_START_TIMEOUT", 60.0)
@@ -82,7 +85,8 @@ class RPCWorkerLink(BatchingLink):
         self.reader = LinkFrames(conn)
         self.out_fd = self.fd
         self.dead_reason: str | None = None
-        self.pid: int | None = None
+        self.pid: int | None = None  # the worker's process, once checked (set_pid)
+        self._peer_inode: int | None = None
         self.eof = threading.Event()
 
     def _died(self, exc: OSError) -> WorkerDiedError:
@@ -104,13 +108,35 @@ class RPCWorkerLink(BatchingLink):
     def _write_views(self, head: bytes, buffers: Any) -> None:
         self.t.send_parts([head, *buffers])  # a frame with its buffers: one record
 
-    def kill(self) -> None:
-        """Cut the link to a worker that stopped answering (a write stuck on it ends)."""
-        if self.pid and _loopback(self.host):
+    def set_pid(self, pid: Any) -> None:
+        """The worker's process, as its ``ready`` message names it: kept only when that
+        process holds the other end of this link (on this machine).
+
+        The pid comes from a peer: a forged one (another process of this user, ``-1``:
+        all of them) would be what :meth:`kill` kills (an outside check).
+        """
+        if type(pid) is not int or pid <= 1 or not _loopback(self.host):
+            return
+        inode = _peer_socket_inode(self.sock)
+        if inode is not None and _holds_socket(pid, inode):
+            self.pid, self._peer_inode = pid, inode
+        else:
+            logger.warning(
+                "worker %d on %s named process %d, which does not hold its connection: "
+                "it will not be killed if it stops answering", self.worker_ids[0], self.host, pid,
+            )  # fmt: skip
+
+    def _kill_process(self) -> None:
+        # still that process (not another that took its pid since), and still holding the link
+        if self.pid and self._peer_inode and _holds_socket(self.pid, self._peer_inode):
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def kill(self) -> None:
+        """Cut the link to a worker that stopped answering (a write stuck on it ends)."""
+        self._kill_process()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -122,11 +148,7 @@ class RPCWorkerLink(BatchingLink):
         except OSError:
             pass
         if not self.eof.wait(max(0.0, deadline - time.monotonic())):
-            if self.pid and _loopback(self.host):  # a laggard on this machine: end it
-                try:
-                    os.kill(self.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            self._kill_process()  # a laggard on this machine: end it
         self.sess.close()
 
 
@@ -142,8 +164,8 @@ class _ReplyReader(ReplyReader):
         return link.fd
 
     def on_message(self, link: RPCWorkerLink, msg: tuple) -> None:
-        if msg[0] == "ready":
-            link.pid = msg[1]
+        if type(msg) is tuple and len(msg) > 1 and type(msg[0]) is str and msg[0] == "ready":
+            link.set_pid(msg[1])
 
     def refused(self, worker_id: int, exc: UntrustedValueError) -> tuple:
         # A whole frame this process does not rebuild (a remote function's result that
@@ -171,6 +193,56 @@ class _ReplyReader(ReplyReader):
 
 def _loopback(host: str) -> bool:
     return is_loopback(host)
+
+
+def _proc_net_address(addr: tuple) -> str:
+    """``(host, port, ...)`` as ``/proc/net/tcp[6]`` writes it (each 32-bit word in host order)."""
+    host, port = addr[0], addr[1]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    raw = socket.inet_pton(family, host)
+    words = "".join(
+        f"{int.from_bytes(raw[i : i + 4], sys.byteorder):08X}" for i in range(0, len(raw), 4)
+    )
+    return f"{words}:{port:04X}"
+
+
+def _peer_socket_inode(sock: socket.socket) -> int | None:
+    """The inode of the other end of ``sock``, a loopback TCP connection (None: not found).
+
+    ``/proc/net/tcp`` lists both ends of a loopback connection: the peer's is the one
+    whose local address is this end's peer address, and the other way round.
+    """
+    try:
+        here, there = _proc_net_address(sock.getsockname()), _proc_net_address(sock.getpeername())
+    except (OSError, ValueError):
+        return None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[1] == there and fields[2] == here:
+                        return int(fields[9])
+        except (OSError, IndexError, ValueError, StopIteration):
+            continue
+    return None
+
+
+def _holds_socket(pid: int, inode: int) -> bool:
+    """Whether process ``pid`` (of this user) has the socket ``inode`` open."""
+    want = f"socket:[{inode}]"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == want:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _from_tracker(tsess: Any, key: str, priority: int, session_timeout: float, deadline: float, limit: float, have: int, need: int) -> Any:  # fmt: skip

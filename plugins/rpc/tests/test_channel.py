@@ -269,3 +269,41 @@ def test_a_long_command_is_not_taken_for_a_silent_server(monkeypatch):
             sess.shutdown()
     finally:
         srv.terminate()
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
+    """The ``ready`` message's pid came from the peer, and the link killed it when the
+    worker stopped answering: a forged one killed another process of this user (an
+    outside check; ``-1`` would have been all of them)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from disco_rpc.channel import RPCWorkerLink
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    here = socket.create_connection(lst.getsockname())
+    there, _ = lst.accept()
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    link = RPCWorkerLink.__new__(RPCWorkerLink)  # (its session is not needed here)
+    link.worker_ids, link.host, link.sock = (1,), "127.0.0.1", here
+    link.pid = link._peer_inode = None
+    try:
+        for forged in (decoy.pid, -1, 0, 1, "123", 2.5, None):
+            link.set_pid(forged)
+            assert link.pid is None, forged
+        link._kill_process()
+        assert decoy.poll() is None  # untouched
+        link.set_pid(os.getpid())  # this process holds the other end (``there``)
+        assert link.pid == os.getpid() and link._peer_inode == os.fstat(there.fileno()).st_ino
+        link.host = "10.0.0.1"  # a worker on another machine is never killed from here
+        link.pid = link._peer_inode = None
+        link.set_pid(os.getpid())
+        assert link.pid is None
+    finally:
+        decoy.kill()
+        decoy.wait()
+        for s in (here, there, lst):
+            s.close()
