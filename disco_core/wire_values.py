@@ -609,17 +609,23 @@ _MAX_CODE_POINT = 0x10FFFF
 
 
 def _checked_text(flat: np.ndarray) -> np.ndarray:
-    """``flat`` (1-d), once a string array's characters are all code points.
+    """``flat`` (1-d), once a string array's characters are all code points, and a
+    time array without a unit holds only NaT.
 
-    NumPy builds a ``<U`` array from any bytes, but a character past U+10FFFF
-    fails only when it is read (a ``SystemError`` or ``ValueError``, far from the
-    frame that brought it: an outside check).
+    NumPy builds such arrays from any bytes, but a character past U+10FFFF, or a
+    unitless time that is not NaT, fails only when it is read or printed (a
+    ``SystemError`` or ``ValueError``, far from the frame that brought it: outside
+    checks).
     """
     dt = flat.dtype
     if dt.kind == "U" and flat.size:
         units = flat.view(np.dtype("u4").newbyteorder(dt.byteorder))
         if int(units.max()) > _MAX_CODE_POINT:
             raise _Malformed("a string with a character past U+10FFFF")
+    elif dt.kind in "mM" and flat.size and np.datetime_data(dt)[0] == "generic":
+        # a time without a unit is NaT or nothing: anything else fails when printed
+        if not np.isnat(flat).all():
+            raise _Malformed("a time without a unit that is not NaT")
     return flat
 
 

@@ -83,6 +83,7 @@ def test_the_reply_hub_takes_only_worker_errors_as_failures(caplog):
     assert "of type int" in errors[0].remote_message and errors[1].remote_message == "real"
     with caplog.at_level("WARNING"):
         hub.deliver(0, ("no-such-kind", 1))
-    assert "unknown kind" in caplog.text
+        hub.deliver(0, (__import__("numpy").arange(3), 1))  # a kind that cannot be compared
+    assert "unknown kind" in caplog.text and "malformed message" in caplog.text
     hub.deliver(0, ("reply", "after"))
     assert wait(0) == "after"

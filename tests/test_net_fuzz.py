@@ -223,3 +223,21 @@ def test_a_frame_costs_a_bounded_multiple_of_its_size_in_memory():
     header, buffers = wire_values.encode_for_network(arrays)
     back = wire_values.decode_untrusted(header, buffers)
     assert all(np.array_equal(a, b) for a, b in zip(arrays, back))
+
+
+@pytest.mark.parametrize("code", [b"<M8", b"<m8"])
+def test_a_time_without_a_unit_is_nat_or_refused(code):
+    """NumPy builds a unitless datetime64 or timedelta64 holding any value, and printing
+    it fails later (an outside check): only NaT crosses."""
+    import numpy as np
+
+    head = wire_values.MAGIC + bytes([wire_values.T_ARRAY, len(code)]) + code
+    head += bytes([1]) + struct.pack("<Q", 2) + bytes([0, 0])
+    for body in (struct.pack("<qq", 1, 2), struct.pack("<qq", np.iinfo(np.int64).min, 5)):
+        with pytest.raises(UntrustedValueError, match="without a unit that is not NaT"):
+            wire_values.decode_untrusted(head + body)
+    scalar = wire_values.MAGIC + bytes([wire_values.T_SCALAR, len(code)]) + code
+    with pytest.raises(UntrustedValueError, match="not NaT"):
+        wire_values.decode_untrusted(scalar + struct.pack("<q", 5))
+    nat = wire_values.decode_untrusted(head + struct.pack("<qq", *[np.iinfo(np.int64).min] * 2))
+    assert np.isnat(nat).all() and repr(nat)

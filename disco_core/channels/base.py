@@ -406,7 +406,9 @@ class ReplyHub:
 
     def deliver(self, worker_id: int, msg: tuple) -> None:
         self.seen[worker_id] = time.monotonic()
-        if type(msg) is not tuple or not msg:  # a peer's garbage must not end the reader
+        if type(msg) is not tuple or not msg or type(msg[0]) is not str:
+            # a peer's garbage must not end the reader (a kind that is an array cannot
+            # even be compared: an outside check)
             logger.warning("dropped a malformed message from worker %d", worker_id)
             return
         kind = msg[0]
