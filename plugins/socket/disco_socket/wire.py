@@ -375,7 +375,7 @@ class StreamReader:
                 raise EOFError("connection closed")
             self.end += k
 
-    def blame(self, exc: BaseException) -> BaseException:
+    def blame(self, exc: Exception) -> Exception:
         """What to report for ``exc``, raised while this reader's bytes were acted on.
 
         Over a sealed transport, bytes of a large record are parsed before its tag
