@@ -113,7 +113,9 @@ class RPCWorkerLink(BatchingLink):
         process holds the other end of this link (on this machine).
 
         The pid comes from a peer: a forged one (another process of this user, ``-1``:
-        all of them) would be what :meth:`kill` kills (an outside check).
+        all of them) would be what :meth:`kill` kills (an outside check). A worker
+        behind a local relay (a proxy, a tunnel) does not hold this link either: it is
+        not killed from here, its server ends it.
         """
         if type(pid) is not int or pid <= 1 or not _loopback(self.host):
             return
@@ -121,9 +123,10 @@ class RPCWorkerLink(BatchingLink):
         if inode is not None and _holds_socket(pid, inode):
             self.pid, self._peer_inode = pid, inode
         else:
-            logger.warning(
+            logger.info(  # (behind a relay too: not a warning)
                 "worker %d on %s named process %d, which does not hold its connection: "
-                "it will not be killed if it stops answering", self.worker_ids[0], self.host, pid,
+                "it will not be killed from here if it stops answering",
+                self.worker_ids[0], self.host, pid,
             )  # fmt: skip
 
     def _kill_process(self) -> None:
