@@ -87,6 +87,7 @@ class RPCWorkerLink(BatchingLink):
         self.dead_reason: str | None = None
         self.pid: int | None = None  # the worker's process, once checked (set_pid)
         self._peer_inode: int | None = None
+        self._pid_named = False
         self.eof = threading.Event()
 
     def _died(self, exc: OSError) -> WorkerDiedError:
@@ -113,11 +114,21 @@ class RPCWorkerLink(BatchingLink):
         process holds the other end of this link (on this machine).
 
         The pid comes from a peer: a forged one (another process of this user, ``-1``:
-        all of them) would be what :meth:`kill` kills (an outside check). A worker
-        behind a local relay (a proxy, a tunnel) does not hold this link either: it is
-        not killed from here, its server ends it.
+        all of them) would be what :meth:`kill` kills (an outside check). So only the
+        first ``ready`` counts, and never for this process or a thread's id. A worker
+        behind a local relay (a proxy, a tunnel) does not hold this link: it is not
+        killed from here, its server ends it; the relay itself holds it, so a peer that
+        speaks for the worker (the server, which holds the token) could name the
+        relay. A ``no_fork`` server's workers are the server's own process.
         """
+        if self._pid_named:
+            return  # only the first: later ones may only try their luck (an outside check)
+        self._pid_named = True
         if type(pid) is not int or pid <= 1 or not _loopback(self.host):
+            return
+        if pid == os.getpid() or os.path.exists(f"/proc/self/task/{pid}") or not _is_process(pid):
+            # this process (an in-process relay holds the other end), or a thread's id
+            logger.info("worker %d named process %d: not believed", self.worker_ids[0], pid)
             return
         inode = _peer_socket_inode(self.sock)
         if inode is not None and _holds_socket(pid, inode):
@@ -230,6 +241,18 @@ def _peer_socket_inode(sock: socket.socket) -> int | None:
         except (OSError, IndexError, ValueError, StopIteration):
             continue
     return None
+
+
+def _is_process(pid: int) -> bool:
+    """Whether ``pid`` is a process, not one of its threads (whose ids ``/proc`` lists too)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1]) == pid
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _holds_socket(pid: int, inode: int) -> bool:

@@ -280,6 +280,7 @@ def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
     import socket
     import subprocess
     import sys
+    import threading
 
     from disco_rpc.channel import RPCWorkerLink
 
@@ -287,23 +288,48 @@ def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
     here = socket.create_connection(lst.getsockname())
     there, _ = lst.accept()
     decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    link = RPCWorkerLink.__new__(RPCWorkerLink)  # (its session is not needed here)
-    link.worker_ids, link.host, link.sock = (1,), "127.0.0.1", here
-    link.pid = link._peer_inode = None
+
+    def fresh_link(host="127.0.0.1"):
+        link = RPCWorkerLink.__new__(RPCWorkerLink)  # (its session is not needed here)
+        link.worker_ids, link.host, link.sock = (1,), host, here
+        link.pid = link._peer_inode = None
+        link._pid_named = False
+        return link
+
+    # the other end of ``here``, held by a child (as a server's session process holds it)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(there.fileno(),)
+    )
     try:
-        for forged in (decoy.pid, -1, 0, 1, "123", 2.5, None):
+        for forged in (
+            decoy.pid,
+            -1,
+            0,
+            1,
+            "123",
+            2.5,
+            None,
+            os.getpid(),
+            threading.get_native_id(),
+        ):
+            link = fresh_link()
             link.set_pid(forged)
             assert link.pid is None, forged
-        link._kill_process()
+            link._kill_process()
         assert decoy.poll() is None  # untouched
-        link.set_pid(os.getpid())  # this process holds the other end (``there``)
-        assert link.pid == os.getpid() and link._peer_inode == os.fstat(there.fileno()).st_ino
-        link.host = "10.0.0.1"  # a worker on another machine is never killed from here
-        link.pid = link._peer_inode = None
-        link.set_pid(os.getpid())
+        link = fresh_link()
+        link.set_pid(holder.pid)
+        assert link.pid == holder.pid and link._peer_inode == os.fstat(there.fileno()).st_ino
+        link = fresh_link()
+        link.set_pid(decoy.pid)  # the first ready counts, and only it
+        link.set_pid(holder.pid)
+        assert link.pid is None
+        link = fresh_link("10.0.0.1")  # a worker on another machine is never killed from here
+        link.set_pid(holder.pid)
         assert link.pid is None
     finally:
-        decoy.kill()
-        decoy.wait()
+        for p in (decoy, holder):
+            p.kill()
+            p.wait()
         for s in (here, there, lst):
             s.close()
