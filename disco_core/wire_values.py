@@ -193,7 +193,8 @@ def _parse_dtype(code: bytes) -> np.dtype:
     except (TypeError, ValueError, SyntaxError, OverflowError) as exc:
         # (DiscoTypeError is a TypeError; NumPy's parser may raise SyntaxError)
         raise _Malformed(f"bad dtype {text[:40]!r}: {exc}") from None
-    if dt.hasobject or dt.itemsize == 0:
+    if dt.hasobject or dt.itemsize == 0 or (dt.kind in "mM" and np.datetime_data(dt)[1] == 0):
+        # (a time unit of 0 seconds, say, fails only when its values are compared or shown)
         raise _Malformed(f"bad dtype {text[:40]!r}")
     if len(_DTYPES) < _MAX_CACHED:
         _DTYPES[code] = dt
@@ -430,13 +431,22 @@ class _Reads:
 
 #: The memory a frame's containers, strings, bytes, arrays and registered types may
 #: take, per byte of its header (plus :data:`_BUDGET_FLOOR`). An empty set is 216
-#: bytes of memory and 5 of a frame, a 0-d array about 250 and 9: headers of them
-#: cost 47 and 29 times their size (outside checks). What is not counted (numbers,
-#: None, registers) costs at most about 5 times its bytes.
-_BUDGET_PER_BYTE = 16
+#: bytes of memory and 5 of a frame, a 0-d array about 250 and 9, a dict's entry of a
+#: register and True about 240 and 10: headers of them cost 47, 29 and 28 times their
+#: size (outside checks). What is not counted (numbers, None, registers) costs at
+#: most about 5 times its bytes. 20, not 16: a set of 100,000 ints takes 19 times its
+#: header, and it must cross.
+_BUDGET_PER_BYTE = 20
 _BUDGET_FLOOR = 1 << 16
 #: What an array costs besides its data (the decoder makes two array objects).
 _ARRAY_COST = 256
+#: What a dict's pair costs while the dict is made (a 2-tuple in a list, its key's
+#: object, the dict's own entry), and an entry of the table that checks the keys'
+#: hashes: charged before they are made, so a frame of them is refused before.
+_PAIR_COST = 176
+_HASH_CHECK_COST = 48
+#: What a set's key costs besides the set's own table (the key's object, as a share).
+_KEY_COST = 48
 
 #: Dicts and sets with more keys than this are checked for keys that share a hash.
 _HASH_CHECK_FROM = 32
@@ -444,13 +454,16 @@ _MAX_SHARED_HASH = 8
 
 
 def _check_hashes(keys: Any) -> None:
-    counts: dict[int, int] = {}
-    for k in keys:
-        h = hash(k)
-        seen = counts.get(h, 0) + 1
-        if seen > _MAX_SHARED_HASH:
-            raise _Malformed(f"more than {_MAX_SHARED_HASH} keys of one hash value")
-        counts[h] = seen
+    # sorted, not counted in a dict: a list of the hashes is half the memory
+    hashes = sorted(map(hash, keys))
+    run = 1
+    for i in range(1, len(hashes)):
+        if hashes[i] == hashes[i - 1]:
+            run += 1
+            if run > _MAX_SHARED_HASH:
+                raise _Malformed(f"more than {_MAX_SHARED_HASH} keys of one hash value")
+        else:
+            run = 1
 
 
 def _span(meta: bytes, p: int, n: int) -> int:
@@ -499,8 +512,7 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
         return (tuple(items) if tag == T_TUPLE else items), p
     if tag == T_STR:
         e = _span(meta, p + 4, _I_from(meta, p)[0])
-        r.spend(80 + 4 * (e - p - 4))  # (the object, and at most 4 bytes a character)
-        return meta[p + 4 : e].decode("utf-8", "surrogatepass"), e
+        return r.charge(meta[p + 4 : e].decode("utf-8", "surrogatepass")), e
     if tag == T_NONE:
         return None, p
     if tag == T_REGREF:
@@ -522,6 +534,8 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
     if tag == T_DICT:
         n = _count(meta, p)
         p += 4
+        # the pairs (a 2-tuple each, in a list) and the hash check's table, before they exist
+        r.spend(n * (_PAIR_COST + (_HASH_CHECK_COST if n > _HASH_CHECK_FROM else 0)))
         pairs = []
         for _ in range(n):
             k, p = _value(meta, p, depth + 1, r)
@@ -533,6 +547,7 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
     if tag == T_SET or tag == T_FROZENSET:
         n = _count(meta, p)
         p += 4
+        r.spend(n * (_KEY_COST + (_HASH_CHECK_COST if n > _HASH_CHECK_FROM else 0)))
         keys = []
         for _ in range(n):
             k, p = _value(meta, p, depth + 1, r)

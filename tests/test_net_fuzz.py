@@ -200,12 +200,13 @@ def test_a_string_past_the_last_code_point_is_refused(dtype, shape):
 
 
 def test_a_frame_costs_a_bounded_multiple_of_its_size_in_memory():
-    """Headers of empty sets, or of 0-d arrays, made 47 and 29 times their size in
-    memory (outside checks): containers, strings, bytes and arrays may take at most
-    ``_BUDGET_PER_BYTE`` bytes per header byte."""
+    """Headers of empty sets, of 0-d arrays, or of a dict of registers, made 47, 29 and
+    28 times their size in memory (outside checks): containers, strings, bytes and
+    arrays may take at most ``_BUDGET_PER_BYTE`` bytes per header byte."""
     import numpy as np
 
-    for costly in ([frozenset()] * 100_000, [np.array(True)] * 100_000):
+    regref_dict = {wire_values.RegRef(k): True for k in range(100_000)}  # 28x, refused at once
+    for costly in ([frozenset()] * 100_000, [np.array(True)] * 100_000, regref_dict):
         header, buffers = wire_values.encode_for_network(costly)
         with pytest.raises(UntrustedValueError, match="more memory in containers"):
             wire_values.decode_untrusted(header, buffers)
@@ -213,7 +214,9 @@ def test_a_frame_costs_a_bounded_multiple_of_its_size_in_memory():
         [frozenset()] * 100,  # within the floor
         {f"key{i}": i for i in range(100_000)},
         [{"a": 1, "b": (2, 3)}] * 10_000,
-        {i: {i} for i in range(10_000)},
+        {i: (i, "x") for i in range(10_000)},
+        set(range(100_000)),  # 19 times its header in memory: it must cross all the same
+        {f"k{i}" for i in range(100_000)},
         [f"name {i}" for i in range(100_000)],
         [(i, None, "x") for i in range(100_000)],
     ):
@@ -241,3 +244,12 @@ def test_a_time_without_a_unit_is_nat_or_refused(code):
         wire_values.decode_untrusted(scalar + struct.pack("<q", 5))
     nat = wire_values.decode_untrusted(head + struct.pack("<qq", *[np.iinfo(np.int64).min] * 2))
     assert np.isnat(nat).all() and repr(nat)
+
+
+@pytest.mark.parametrize("code", [b"<M8[0s]", b"<m8[0ns]", b"|M8[0Y]"])
+def test_a_time_unit_of_zero_is_refused(code):
+    """A datetime64 of unit ``[0s]`` is built, then fails when compared or printed
+    (OverflowError: an outside check)."""
+    head = wire_values.MAGIC + bytes([wire_values.T_SCALAR, len(code)]) + code
+    with pytest.raises(UntrustedValueError, match="bad dtype"):
+        wire_values.decode_untrusted(head + struct.pack("<q", 5))
