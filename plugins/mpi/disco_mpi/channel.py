@@ -29,6 +29,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from typing import Any
 
 from disco_core import DiscoError, DiscoValueError, FrameLimitError, WorkerError
@@ -76,6 +77,34 @@ def _send_frame(comm: Any, dest: int, tag: int, frame: tuple, flags: int, reqs: 
         reqs.append((comm.Isend([data, MPI.BYTE], dest, _BUF_TAG), data))
 
 
+#: Seconds a frame's buffer may come after its head (the sender posts them together).
+_BUFFER_WAIT = 10.0
+
+
+def _probe_buffer(comm: Any, src: int, status: Any) -> Any:
+    """The next buffer message of ``src``, which its frame's head announced.
+
+    A head that declares buffers that never come left the one reply reader
+    waiting for good, and every rank's replies with it (an outside check):
+    after :data:`_BUFFER_WAIT` seconds it is a :class:`FrameLimitError`.
+    """
+    msg = comm.Improbe(src, _BUF_TAG, status)
+    if msg is not None:  # the common case: it came with the head
+        return msg
+    deadline = time.monotonic() + _BUFFER_WAIT
+    pause = 1e-4
+    while True:
+        time.sleep(pause)
+        msg = comm.Improbe(src, _BUF_TAG, status)
+        if msg is not None:
+            return msg
+        if time.monotonic() > deadline:
+            raise FrameLimitError(
+                f"rank {src} announced a buffer that did not come within {_BUFFER_WAIT:g} s"
+            )
+        pause = min(pause * 2, 0.01)
+
+
 def _recv_frame(comm: Any, source: int, tag: int) -> tuple[Any, int, bytes, list, int]:
     """Receive one frame (blocking); returns (source, tag, header, buffers, flags).
 
@@ -108,7 +137,7 @@ def _recv_frame(comm: Any, source: int, tag: int) -> tuple[Any, int, bytes, list
     header = bytes(head[start:])
     buffers = []
     for n in lens:
-        part = comm.Mprobe(src, _BUF_TAG, status)
+        part = _probe_buffer(comm, src, status)
         got = status.Get_count(MPI.BYTE)
         if got != n:
             part.Recv([bytearray(got), MPI.BYTE])  # taken off the queue all the same

@@ -8,6 +8,9 @@ Run with ``mpiexec -n 3``. ``MODE`` (argv[1]):
 ``bad-head``
     a head that declares 2**32-1 buffers: rank 0 ends the session's links with
     the reason, and the waiting call raises WorkerDiedError.
+``missing-buffer``
+    a head that declares a buffer which never comes: the same, once the buffer's
+    wait (``_BUFFER_WAIT``, 1 s here) is over.
 """
 
 import struct
@@ -19,6 +22,7 @@ from disco_core.worker import current
 from disco_mpi import channel
 
 MODE = sys.argv[1]
+channel._BUFFER_WAIT = 1.0
 _comm = []
 _serve = channel._serve
 
@@ -38,8 +42,11 @@ def rogue_send() -> None:
     comm = _comm[0]
     if MODE == "garbage":
         frames = [frame_head(encode_for_network(m)) for m in [(), ("bye", None), ("bye", None)]]
-    else:
+    elif MODE == "bad-head":
         frames = [struct.pack("<QII", 0, 0xFFFFFFFF, 0)]
+    else:  # a head announcing one 16-byte buffer, and no buffer
+        header, _ = encode_for_network(("reply", None))
+        frames = [struct.pack("<QIIQ", len(header), 1, 0, 16) + header]
     for head in frames:
         comm.Send([head, channel._runtime.mpi().BYTE], 0, channel._REPLY_TAG)
 

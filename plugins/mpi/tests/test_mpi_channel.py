@@ -87,3 +87,12 @@ def test_a_malformed_reply_head_ends_the_session_with_the_reason():
     r = _run([disco_mpi.launcher(), "-n", "3", sys.executable, ROGUE, "bad-head"])
     assert "ROGUE HEAD REFUSED" in r.stdout, r.stdout + r.stderr
     assert "4294967295 buffers" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_reply_whose_buffer_never_comes_ends_the_session_with_the_reason():
+    """The reader waited for the announced buffer for good, and every rank's replies
+    with it (an outside check)."""
+    r = _run([disco_mpi.launcher(), "-n", "3", sys.executable, ROGUE, "missing-buffer"])
+    assert "ROGUE HEAD REFUSED" in r.stdout, r.stdout + r.stderr
+    assert "did not come within 1 s" in r.stdout, r.stdout
