@@ -87,3 +87,15 @@ def test_the_reply_hub_takes_only_worker_errors_as_failures(caplog):
     assert "unknown kind" in caplog.text and "malformed message" in caplog.text
     hub.deliver(0, ("reply", "after"))
     assert wait(0) == "after"
+    # an error in another worker's name is the sender's own failure
+    hub.deliver(1, ("fail", disco.WorkerError(0, "ValueError", "worker 0 broke it")))
+    with pytest.raises(disco.WorkerError) as info:
+        wait(1)
+    assert info.value.worker_id == 1 and "in the name of worker 0" in str(info.value)
+    # a second ready is dropped: it was taken for the next answer
+    hub.deliver(1, ("ready", 4242))
+    assert wait(1) == 4242
+    with caplog.at_level("WARNING"):
+        hub.deliver(1, ("ready", "FORGED"))
+    hub.deliver(1, ("reply", "mine"))
+    assert wait(1) == "mine" and "second ready" in caplog.text

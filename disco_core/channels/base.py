@@ -333,17 +333,19 @@ def _worker_error(worker_id: int, payload: Any, kind: str) -> WorkerError:
     """``payload`` of a ``fail`` or ``error`` message, if it is a worker error.
 
     Anything else (from a peer across a network: a forged ``WorkerDiedError``, a
-    value that is not an exception) becomes a worker error that says so: it is
-    raised at the caller as a failure of that worker, never as itself, and the
-    errors of later calls stay readable (an outside check).
+    value that is not an exception, an error in another worker's name) becomes a
+    worker error of the sender's that says so: it is raised at the caller as a
+    failure of that worker, never as itself, and the errors of later calls stay
+    readable (outside checks).
     """
     if isinstance(payload, WorkerError):
-        return payload
+        if payload.worker_id == worker_id:
+            return payload
+        what = f"an error in the name of worker {payload.worker_id}"
+    else:
+        what = f"a {kind!r} message without a worker error in it (it held a value of type {type(payload).__name__})"  # fmt: skip
     return WorkerError(
-        worker_id,
-        "UntrustedValueError",
-        f"worker {worker_id} sent a {kind!r} message without a worker error in it "
-        f"(it held a value of type {type(payload).__name__}): the message was refused",
+        worker_id, "UntrustedValueError", f"worker {worker_id} sent {what}: the message was refused"
     )
 
 
@@ -388,6 +390,8 @@ class ReplyHub:
         #: workers that said they send heartbeats (their first ``alive`` message): only
         #: they are judged by their silence (a worker of an older version never beats)
         self.beating: set[int] = set()
+        #: workers whose ``ready`` message came (a second one is dropped)
+        self.ready: set[int] = set()
         #: ``time.monotonic()`` of the last sign of life of each worker
         self.seen = [time.monotonic()] * num_workers
         #: how many controller threads wait for a reply right now
@@ -423,8 +427,12 @@ class ReplyHub:
             self.beating.add(worker_id)
         elif kind == "store":  # a rendezvous store request: answered by the store's own thread
             self.store_handler(worker_id, msg)
-        elif kind == "ready":
-            self.replies[worker_id].put((kind, payload, 0))
+        elif kind == "ready":  # once: a later one would be taken for an answer
+            if worker_id in self.ready:
+                logger.warning("dropped a second ready message from worker %d", worker_id)
+            else:
+                self.ready.add(worker_id)
+                self.replies[worker_id].put((kind, payload, 0))
         else:  # nothing waits for it (a peer's garbage: an outside check)
             logger.warning("dropped a message of unknown kind from worker %d", worker_id)
 
