@@ -434,19 +434,21 @@ class _Reads:
 #: bytes of memory and 5 of a frame, a 0-d array about 250 and 9, a dict's entry of a
 #: register and True about 240 and 10: headers of them cost 47, 29 and 28 times their
 #: size (outside checks). What is not counted (numbers, None, registers) costs at
-#: most about 5 times its bytes. 20, not 16: a set of 100,000 ints takes 19 times its
-#: header, and it must cross.
-_BUDGET_PER_BYTE = 20
+#: most about 5 times its bytes. 24, not 16: ordinary values take up to about 19 times
+#: their header (a set of 100,000 ints, a list of small dicts with str keys), and they
+#: must cross (a receiver refuses a frame past its budget: a remote worker then exits).
+_BUDGET_PER_BYTE = 24
 _BUDGET_FLOOR = 1 << 16
 #: What an array costs besides its data (the decoder makes two array objects).
 _ARRAY_COST = 256
-#: What a dict's pair costs while the dict is made (a 2-tuple in a list, its key's
-#: object, the dict's own entry), and an entry of the table that checks the keys'
-#: hashes: charged before they are made, so a frame of them is refused before.
-_PAIR_COST = 176
+#: What a dict's pair costs while the dict is made (a 2-tuple in a list), and an entry
+#: of the table that checks the keys' hashes: spent before they are made (a frame of
+#: them is refused before), given back once the dict is (a frame of many small dicts
+#: is not charged as if all their pairs lived at once: an outside check).
+_PAIR_COST = 72
 _HASH_CHECK_COST = 48
-#: What a set's key costs besides the set's own table (the key's object, as a share).
-_KEY_COST = 48
+#: What a set's key costs while the set is made (its place in a list).
+_KEY_COST = 8
 
 #: Dicts and sets with more keys than this are checked for keys that share a hash.
 _HASH_CHECK_FROM = 32
@@ -534,8 +536,10 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
     if tag == T_DICT:
         n = _count(meta, p)
         p += 4
-        # the pairs (a 2-tuple each, in a list) and the hash check's table, before they exist
-        r.spend(n * (_PAIR_COST + (_HASH_CHECK_COST if n > _HASH_CHECK_FROM else 0)))
+        # what the making takes (the pairs, the hash check's table) is spent before it is
+        # made and given back once the dict is: only the dict's own memory stays counted
+        passing = n * (_PAIR_COST + (_HASH_CHECK_COST if n > _HASH_CHECK_FROM else 0))
+        r.spend(passing)
         pairs = []
         for _ in range(n):
             k, p = _value(meta, p, depth + 1, r)
@@ -543,18 +547,23 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
             pairs.append((k, x))
         if n > _HASH_CHECK_FROM:
             _check_hashes([k for k, _ in pairs])  # before the dict is built
-        return r.charge(dict(pairs)), p
+        d = dict(pairs)
+        r.budget += passing
+        return r.charge(d), p
     if tag == T_SET or tag == T_FROZENSET:
         n = _count(meta, p)
         p += 4
-        r.spend(n * (_KEY_COST + (_HASH_CHECK_COST if n > _HASH_CHECK_FROM else 0)))
+        passing = n * (_KEY_COST + (_HASH_CHECK_COST if n > _HASH_CHECK_FROM else 0))
+        r.spend(passing)  # (as for a dict)
         keys = []
         for _ in range(n):
             k, p = _value(meta, p, depth + 1, r)
             keys.append(k)
         if n > _HASH_CHECK_FROM:
             _check_hashes(keys)
-        return r.charge(set(keys) if tag == T_SET else frozenset(keys)), p
+        made = set(keys) if tag == T_SET else frozenset(keys)
+        r.budget += passing
+        return r.charge(made), p
     if tag == T_COMPLEX:
         re_, im = _dd_from(meta, p)
         return complex(re_, im), p + 16
