@@ -82,17 +82,23 @@ def test_replies_no_worker_sends_are_dropped_and_one_goodbye_counts_per_rank():
     assert "ROGUE GARBAGE DROPPED" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.timeout(120)
-def test_a_malformed_reply_head_ends_the_session_with_the_reason():
-    r = _run([disco_mpi.launcher(), "-n", "3", sys.executable, ROGUE, "bad-head"])
-    assert "ROGUE HEAD REFUSED" in r.stdout, r.stdout + r.stderr
-    assert "4294967295 buffers" in r.stdout, r.stdout
+def _refused(tmp_path, mode: str) -> str:
+    """What rank 0's call raised when rank 1 sent ``mode``'s reply (rogue_script.py)."""
+    out = tmp_path / "raised.txt"
+    r = _run([disco_mpi.launcher(), "-n", "3", sys.executable, ROGUE, mode, str(out)])
+    assert out.exists(), r.stdout + r.stderr
+    return out.read_text()
 
 
 @pytest.mark.timeout(120)
-def test_a_reply_whose_buffer_never_comes_ends_the_session_with_the_reason():
+def test_a_malformed_reply_head_ends_the_session_with_the_reason(tmp_path):
+    raised = _refused(tmp_path, "bad-head")
+    assert raised.startswith("ROGUE HEAD REFUSED") and "4294967295 buffers" in raised, raised
+
+
+@pytest.mark.timeout(120)
+def test_a_reply_whose_buffer_never_comes_ends_the_session_with_the_reason(tmp_path):
     """The reader waited for the announced buffer for good, and every rank's replies
     with it (an outside check)."""
-    r = _run([disco_mpi.launcher(), "-n", "3", sys.executable, ROGUE, "missing-buffer"])
-    assert "ROGUE HEAD REFUSED" in r.stdout, r.stdout + r.stderr
-    assert "did not come within 1 s" in r.stdout, r.stdout
+    raised = _refused(tmp_path, "missing-buffer")
+    assert "announced buffers that did not come within 1 s" in raised, raised
