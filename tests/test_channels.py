@@ -85,6 +85,11 @@ def test_the_reply_hub_takes_only_worker_errors_as_failures(caplog):
         hub.deliver(0, ("no-such-kind", 1))
         hub.deliver(0, (__import__("numpy").arange(3), 1))  # a kind that cannot be compared
     assert "unknown kind" in caplog.text and "malformed message" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(999):
+            hub.deliver(0, ("no-such-kind", 1))  # a flood: its 1000th is logged, no other
+    assert caplog.text.count("unknown kind") == 1 and "(1000 so far)" in caplog.text
     hub.deliver(0, ("reply", "after"))
     assert wait(0) == "after"
     # an error in another worker's name is the sender's own failure

@@ -392,6 +392,7 @@ class ReplyHub:
         self.beating: set[int] = set()
         #: workers whose ``ready`` message came (a second one is dropped)
         self.ready: set[int] = set()
+        self._drops: dict[tuple[int, str], int] = {}  # messages dropped, per worker and sort
         #: ``time.monotonic()`` of the last sign of life of each worker
         self.seen = [time.monotonic()] * num_workers
         #: how many controller threads wait for a reply right now
@@ -408,12 +409,20 @@ class ReplyHub:
         for q in self.replies:
             q.put(self._WAKE)
 
+    def _dropped(self, worker_id: int, what: str) -> None:
+        """Log a message dropped from ``worker_id``: the first of each sort per worker
+        (a peer sending thousands must not flood the log), then every 1000th."""
+        key = (worker_id, what)
+        n = self._drops[key] = self._drops.get(key, 0) + 1
+        if n == 1 or n % 1000 == 0:
+            logger.warning("dropped %s from worker %d (%d so far)", what, worker_id, n)
+
     def deliver(self, worker_id: int, msg: tuple) -> None:
         self.seen[worker_id] = time.monotonic()
         if type(msg) is not tuple or not msg or type(msg[0]) is not str:
             # a peer's garbage must not end the reader (a kind that is an array cannot
             # even be compared: an outside check)
-            logger.warning("dropped a malformed message from worker %d", worker_id)
+            self._dropped(worker_id, "a malformed message")
             return
         kind = msg[0]
         payload = msg[1] if len(msg) > 1 else None
@@ -429,12 +438,12 @@ class ReplyHub:
             self.store_handler(worker_id, msg)
         elif kind == "ready":  # once: a later one would be taken for an answer
             if worker_id in self.ready:
-                logger.warning("dropped a second ready message from worker %d", worker_id)
+                self._dropped(worker_id, "a second ready message")
             else:
                 self.ready.add(worker_id)
                 self.replies[worker_id].put((kind, payload, 0))
         else:  # nothing waits for it (a peer's garbage: an outside check)
-            logger.warning("dropped a message of unknown kind from worker %d", worker_id)
+            self._dropped(worker_id, "a message of unknown kind")
 
     def abandon(self, worker_ids: Iterable[int] | None = None) -> None:
         """Nobody waits for the answers of ``worker_ids`` (None: every worker) still to
