@@ -97,6 +97,11 @@ def test_the_reply_hub_takes_only_worker_errors_as_failures(caplog):
     with pytest.raises(disco.WorkerError) as info:
         wait(1)
     assert info.value.worker_id == 1 and "in the name of worker 0" in str(info.value)
+    forged = disco.WorkerError(1, "ValueError", "mine", others=[disco.WorkerError(0, "E", "x")])
+    hub.deliver(1, ("fail", forged))
+    with pytest.raises(disco.WorkerError, match="carrying other workers' errors") as info:
+        wait(1)
+    assert info.value.others == []
     # a second ready is dropped: it was taken for the next answer
     hub.deliver(1, ("ready", 4242))
     assert wait(1) == 4242

@@ -339,9 +339,12 @@ def _worker_error(worker_id: int, payload: Any, kind: str) -> WorkerError:
     readable (outside checks).
     """
     if isinstance(payload, WorkerError):
-        if payload.worker_id == worker_id:
-            return payload
-        what = f"an error in the name of worker {payload.worker_id}"
+        if payload.worker_id == worker_id and not payload.others:
+            return payload  # (a worker reports its own error; others are joined here)
+        if payload.worker_id != worker_id:
+            what = f"an error in the name of worker {payload.worker_id}"
+        else:
+            what = "an error carrying other workers' errors"
     else:
         what = f"a {kind!r} message without a worker error in it (it held a value of type {type(payload).__name__})"  # fmt: skip
     return WorkerError(
