@@ -219,6 +219,9 @@ class MPIChannel(LinkChannel):
         links: list[WorkerLink] = [ThreadWorkerLink(0, size, num_groups, self.hub)]
         links += [MPIRankLink(comm, r) for r in range(1, size)]
         self._set_links(links)
+        # the ranks started with the job and send no "ready": one from a rank would be
+        # taken for its next answer (an outside check)
+        self.hub.ready.update(range(size))
         self._reader = threading.Thread(
             target=self._read_replies, name="disco-mpi-replies", daemon=True
         )

@@ -4,8 +4,9 @@ Run with ``mpiexec -n 3``. ``MODE`` (argv[1]); argv[2], in the modes that end th
 session, is the file where rank 0 writes what the call raised:
 
 ``garbage``
-    an empty message and two goodbyes, then worker 2 is asked something: rank 0
-    drops the garbage, counts one goodbye per rank, and still hears worker 2.
+    an empty message, two goodbyes and a ready, then workers 2 and 1 are asked
+    something: rank 0 drops the garbage, counts one goodbye per rank, and hears
+    both (worker 1's answer is its own, not the ready's 99).
 ``bad-head``
     a head that declares 2**32-1 buffers: rank 0 ends the session's links with
     the reason, and the waiting call raises WorkerDiedError.
@@ -41,8 +42,9 @@ def rogue_send() -> None:
     if current().worker_id != 1:
         return
     comm = _comm[0]
-    if MODE == "garbage":
-        frames = [frame_head(encode_for_network(m)) for m in [(), ("bye", None), ("bye", None)]]
+    if MODE == "garbage":  # (and a ready, which a rank never sends: not an answer)
+        msgs = [(), ("bye", None), ("bye", None), ("ready", 99)]
+        frames = [frame_head(encode_for_network(m)) for m in msgs]
     elif MODE == "bad-head":
         frames = [struct.pack("<QII", 0, 0xFFFFFFFF, 0)]
     else:  # a head announcing one 16-byte buffer, and no buffer
