@@ -400,7 +400,7 @@ class _Reads:
     def __init__(self, buffers: Sequence[Any], budget: int = 0) -> None:
         self.buffers = buffers
         self.used = [False] * len(buffers)
-        #: bytes of dicts and sets this frame may still make (see :data:`_BUDGET_PER_BYTE`)
+        #: bytes of memory this frame's values may still take (see ``_BUDGET_PER_BYTE``)
         self.budget = budget
 
     def charge(self, obj: Any) -> Any:

@@ -194,7 +194,9 @@ class SealedTransport:
 
         When the parts come to a large record (``LARGE_RECORD`` or more), the
         small parts before the first large one are a record of their own: a frame's
-        head, whose lengths the peer sizes memory from, reaches it verified. Ctrl-C is held back until the record is out (``disco_core._interrupts``): the
+        head, whose lengths the peer sizes memory from, reaches it verified.
+
+        Ctrl-C is held back until the records are out (``disco_core._interrupts``): a
         record's number is taken before it is written, so a record cut short, or
         never sent after its number was taken, broke the peer's next check and ended
         the session. A second Ctrl-C during a blocked write cuts the stream: later

@@ -81,26 +81,24 @@ def _send_frame(comm: Any, dest: int, tag: int, frame: tuple, flags: int, reqs: 
 _BUFFER_WAIT = 10.0
 
 
-def _probe_buffer(comm: Any, src: int, status: Any, deadline: list) -> Any:
+def _probe_buffer(comm: Any, src: int, status: Any, deadline: float) -> Any:
     """The next buffer message of ``src``, which its frame's head announced.
 
     A head that declares buffers that never come left the one reply reader
     waiting for good, and every rank's replies with it (an outside check): past
-    ``deadline[0]`` (set at the first wait: :data:`_BUFFER_WAIT` seconds for all of
-    a frame's buffers, not for each) it is a :class:`FrameLimitError`.
+    ``deadline`` (``time.monotonic()``: :data:`_BUFFER_WAIT` seconds after the head,
+    for all of a frame's buffers) it is a :class:`FrameLimitError`.
     """
     msg = comm.Improbe(src, _BUF_TAG, status)
     if msg is not None:  # the common case: it came with the head
         return msg
-    if deadline[0] is None:
-        deadline[0] = time.monotonic() + _BUFFER_WAIT
     pause = 1e-4
     while True:
         time.sleep(pause)
         msg = comm.Improbe(src, _BUF_TAG, status)
         if msg is not None:
             return msg
-        if time.monotonic() > deadline[0]:
+        if time.monotonic() > deadline:
             raise FrameLimitError(
                 f"rank {src} announced buffers that did not come within {_BUFFER_WAIT:g} s"
             )
@@ -138,7 +136,7 @@ def _recv_frame(comm: Any, source: int, tag: int) -> tuple[Any, int, bytes, list
     check_frame(hlen, nbuf, lens)
     header = bytes(head[start:])
     buffers = []
-    deadline: list = [None]  # one wait for all of the frame's buffers
+    deadline = time.monotonic() + _BUFFER_WAIT  # one wait for all of the frame's buffers
     for n in lens:
         part = _probe_buffer(comm, src, status, deadline)
         got = status.Get_count(MPI.BYTE)

@@ -126,7 +126,7 @@ class RPCWorkerLink(BatchingLink):
         self._pid_named = True
         if type(pid) is not int or pid <= 1 or not _loopback(self.host):
             return
-        if pid == os.getpid() or os.path.exists(f"/proc/self/task/{pid}") or not _is_process(pid):
+        if pid == os.getpid() or not _is_process(pid):
             # this process (an in-process relay holds the other end), or a thread's id
             logger.info("worker %d named process %d: not believed", self.worker_ids[0], pid)
             return
