@@ -162,6 +162,8 @@ K_FRAME, K_DIED, K_STAT, K_FILE, K_BYE, K_PING = 1, 2, 3, 4, 5, 6
 ALL = 0xFFFFFFFF
 PING = MSG.pack(K_PING, 0)
 
+#: Seconds :meth:`StreamReader.blame` waits for the rest of a record it reads on.
+BLAME_WAIT = 2.0
 #: Seconds of silence after which a peer is declared dead (``DISCO_HEARTBEAT_TIMEOUT``).
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 #: ``TCP_USER_TIMEOUT`` when heartbeats are off (unacknowledged data for this long).
@@ -383,11 +385,16 @@ class StreamReader:
         over a limit) came from such bytes, the rest of the record is read, and a
         forged record is reported as the :class:`~disco_core.errors.IntegrityError`
         it is, not as a protocol error of the peer's. Otherwise ``exc`` itself (a
-        link that broke meanwhile ends the read at once).
+        link that broke meanwhile ends the read at once, and a peer that stopped
+        sending, frozen or not, after :data:`BLAME_WAIT` seconds: the link is
+        being given up anyway).
         """
         if not self.sealed or isinstance(exc, IntegrityError) or self.tx.at_boundary:
             return exc
+        sock = getattr(self.tx, "sock", None)
         try:
+            if sock is not None:
+                sock.settimeout(BLAME_WAIT)
             self.settle()
         except IntegrityError as forged:
             return forged

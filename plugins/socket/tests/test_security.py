@@ -871,6 +871,28 @@ def test_garbage_in_a_forged_record_is_reported_as_forged():
     assert plain.blame(unknown) is unknown  # nothing to verify on a plain link
 
 
+@pytest.mark.timeout(30)
+def test_blame_waits_a_bounded_time_for_a_record_that_stops():
+    """A forged record whose sender stops in the middle (frozen, or never sending the
+    rest) holds the reader's report for ``BLAME_WAIT`` seconds, not for good."""
+    from disco_core.net.security import SessionKeys
+
+    a, b = socket.socketpair()
+    try:
+        payload = wire.MSG.pack(99, 0) + os.urandom(100_000)
+        a.sendall(struct.pack("<Q", len(payload) + 50_000) + payload)  # the rest never comes
+        tx = wire.seal(wire.transport(b), SessionKeys(os.urandom(64), os.urandom(64)))
+        reader = wire.StreamReader(tx)
+        assert reader.read_msg() == (99, 0)
+        unknown = EOFError("protocol error: unknown message kind 99")
+        t0 = time.monotonic()
+        assert reader.blame(unknown) is unknown
+        assert wire.BLAME_WAIT - 0.1 < time.monotonic() - t0 < wire.BLAME_WAIT + 3
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_record_over_the_bound_is_refused_before_it_is_read():
     from disco_core.net.security import SessionKeys
 
