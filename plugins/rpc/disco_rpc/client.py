@@ -111,8 +111,10 @@ class RemoteObject:
     __slots__ = ("_rpc_sess", "_rpc_ref", "__weakref__")
 
     def __init__(self, sess: RPCSession, ref: HandleRef) -> None:
-        self._rpc_sess = sess
+        # the handle first: an __init__ cut by a signal handler's exception between the
+        # two leaves nothing for __del__ to free (the handle goes with the session)
         self._rpc_ref = HandleRef(ref.kind, ref.hid)
+        self._rpc_sess = sess
 
     def __del__(self) -> None:
         sess = getattr(self, "_rpc_sess", None)
