@@ -53,7 +53,7 @@ from disco_core.spi import (
 from . import wire
 from .client import connect
 from .protocol import OP_DISCO_WORKER
-from .worker_host import LinkFrames, run_worker
+from .worker_host import WORKER_PROCESS_NAME, LinkFrames, run_worker
 
 __all__ = ["RPCChannel", "RPCWorkerLink", "run_worker", "LinkFrames"]
 
@@ -111,15 +111,18 @@ class RPCWorkerLink(BatchingLink):
 
     def set_pid(self, pid: Any) -> None:
         """The worker's process, as its ``ready`` message names it: kept only when that
-        process holds the other end of this link (on this machine).
+        process holds the other end of this link (on this machine) and is named as a
+        worker (``WORKER_PROCESS_NAME``, which a worker host takes before ``ready``).
 
         The pid comes from a peer: a forged one (another process of this user, ``-1``:
         all of them) would be what :meth:`kill` kills (an outside check). So only the
         first ``ready`` counts, and never for this process or a thread's id. A worker
         behind a local relay (a proxy, a tunnel) does not hold this link: it is not
-        killed from here, its server ends it; the relay itself holds it, so a peer that
+        killed from here, its server ends it. The relay holds it, and a peer that
         speaks for the worker (the server, which holds the token) could name the
-        relay. A ``no_fork`` server's workers are the server's own process.
+        relay (a second check): it is not named as a worker, and a process can name
+        only itself. A ``no_fork`` server's workers are threads of the server's
+        process, which is not named either: a client never kills a server.
         """
         if self._pid_named:
             return  # only the first: later ones may only try their luck (an outside check)
@@ -131,20 +134,21 @@ class RPCWorkerLink(BatchingLink):
             logger.info("worker %d named process %d: not believed", self.worker_ids[0], pid)
             return
         inode = _peer_socket_inode(self.sock)
-        if inode is not None and _holds_socket(pid, inode):
+        if inode is not None and _holds_socket(pid, inode) and _named_worker(pid):
             self.pid, self._peer_inode = pid, inode
         else:
             logger.info(  # (behind a relay too: not a warning)
-                "worker %d on %s named process %d, which does not hold its connection: "
-                "it will not be killed from here if it stops answering",
+                "worker %d on %s named process %d, which is not a worker process holding "
+                "its connection: it will not be killed from here if it stops answering",
                 self.worker_ids[0], self.host, pid,
             )  # fmt: skip
 
     def _kill_process(self) -> None:
-        # still that process (not another that took its pid since), and still holding the link
-        if self.pid and self._peer_inode and _holds_socket(self.pid, self._peer_inode):
+        # still that process (not another that took its pid since), still holding the link
+        pid = self.pid
+        if pid and self._peer_inode and _holds_socket(pid, self._peer_inode) and _named_worker(pid):
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
@@ -253,6 +257,15 @@ def _is_process(pid: int) -> bool:
     except (OSError, ValueError):
         pass
     return False
+
+
+def _named_worker(pid: int) -> bool:
+    """Whether process ``pid`` named itself a Disco worker (``/proc/<pid>/comm``)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().rstrip("\n") == WORKER_PROCESS_NAME
+    except OSError:
+        return False
 
 
 def _holds_socket(pid: int, inode: int) -> bool:

@@ -28,7 +28,30 @@ from disco_core.spi import (
 
 from . import wire
 
-__all__ = ["LinkFrames", "send_frame", "run_worker"]
+__all__ = ["LinkFrames", "WORKER_PROCESS_NAME", "mark_worker_process", "send_frame", "run_worker"]
+
+#: The name (``/proc/<pid>/comm``) a session process takes when it becomes a Disco
+#: worker. The controller kills a worker that stopped answering on this machine only
+#: when the process holding the other end of its link has this name: a process can
+#: name only its own threads, so a peer cannot have a relay that carries the link
+#: (an ssh tunnel, a shared ``rpc.Proxy``) taken for the worker and killed.
+WORKER_PROCESS_NAME = "disco-worker"
+
+
+def mark_worker_process() -> bool:
+    """Name this process :data:`WORKER_PROCESS_NAME`, when the calling thread leads it.
+
+    A session served by a thread (a ``no_fork`` server) names nothing: the process is
+    the server's, and is never to be killed by a client. Returns whether it was named.
+    """
+    if threading.current_thread() is not threading.main_thread() or threading.get_native_id() != os.getpid():  # fmt: skip
+        return False
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(WORKER_PROCESS_NAME)
+        return True
+    except OSError:  # (no /proc: nothing is killed from the controller's side then)
+        return False
 
 
 class LinkFrames:
@@ -116,6 +139,7 @@ def run_worker(conn: wire.Conn, worker_id: int, num_workers: int, num_groups: in
     worker = Worker(int(worker_id), int(num_workers), int(num_groups), send)
     reader = LinkFrames(conn)
     send.start()  # the first heartbeat goes before "ready": the controller knows to expect them
+    mark_worker_process()  # before "ready": the controller checks the name then
     send(("ready", os.getpid()))
 
     try:

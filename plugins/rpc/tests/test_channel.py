@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -172,6 +173,8 @@ def test_stopped_worker_with_a_full_socket_is_unresponsive(servers, monkeypatch)
     try:
         sess.import_python_module("disco_core.testing.funcs")
         pid = sess.call_packed("testing.pid").debug_get_from_remote(1)
+        with open(f"/proc/{pid}/comm") as f:
+            assert f.read().strip() == "disco-worker"  # (ps shows it)
         freeze(pid)
         t0 = time.monotonic()
         with pytest.raises(disco.WorkerUnresponsiveError) as info:
@@ -184,6 +187,20 @@ def test_stopped_worker_with_a_full_socket_is_unresponsive(servers, monkeypatch)
         t0 = time.monotonic()
         sess.shutdown()
         assert time.monotonic() - t0 < 6
+    # killed from here (its process holds the link and named itself a worker), not
+    # left stopped for its server's own watch (which waits twice its liveness timeout)
+    deadline = time.monotonic() + 3.0
+    while os.path.exists(f"/proc/{pid}") and not _zombie(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 class _NotAllowed:
@@ -275,7 +292,9 @@ def test_a_long_command_is_not_taken_for_a_silent_server(monkeypatch):
 def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
     """The ``ready`` message's pid came from the peer, and the link killed it when the
     worker stopped answering: a forged one killed another process of this user (an
-    outside check; ``-1`` would have been all of them)."""
+    outside check; ``-1`` would have been all of them). A process that holds the link
+    but is not named a worker (a relay: an ssh tunnel, a shared proxy) is not believed
+    either (a second check: the server could name the relay that carries its link)."""
     import os
     import socket
     import subprocess
@@ -296,11 +315,38 @@ def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
         link._pid_named = False
         return link
 
-    # the other end of ``here``, held by a child (as a server's session process holds it)
+    # the other end of ``here``, held by a child (as a server's session process holds
+    # it) that names itself a worker, as a worker host does before its "ready"
+    from disco_rpc.worker_host import WORKER_PROCESS_NAME
+
     holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from disco_rpc.worker_host import mark_worker_process as m; import time; "
+            "print(m(), flush=True); time.sleep(60)",
+        ],
+        pass_fds=(there.fileno(),),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    # and by a relay (no name of a worker)
+    relay = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(there.fileno(),)
     )
     try:
+        assert holder.stdout.readline().strip() == "True"
+        with open(f"/proc/{holder.pid}/comm") as f:
+            assert f.read().strip() == WORKER_PROCESS_NAME
+        # a process cannot name another (so a peer cannot have a relay named a worker)
+        fd = os.open(f"/proc/{relay.pid}/comm", os.O_WRONLY)
+        try:
+            with pytest.raises(OSError):  # EINVAL: not a thread of this process
+                os.write(fd, WORKER_PROCESS_NAME.encode())
+        finally:
+            os.close(fd)
+        with open(f"/proc/{relay.pid}/comm") as f:
+            assert f.read().strip() != WORKER_PROCESS_NAME
         for forged in (
             decoy.pid,
             -1,
@@ -311,12 +357,13 @@ def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
             None,
             os.getpid(),
             threading.get_native_id(),
+            relay.pid,
         ):
             link = fresh_link()
             link.set_pid(forged)
             assert link.pid is None, forged
             link._kill_process()
-        assert decoy.poll() is None  # untouched
+        assert decoy.poll() is None and relay.poll() is None  # untouched
         link = fresh_link()
         link.set_pid(holder.pid)
         assert link.pid == holder.pid and link._peer_inode == os.fstat(there.fileno()).st_ino
@@ -328,7 +375,7 @@ def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
         link.set_pid(holder.pid)
         assert link.pid is None
     finally:
-        for p in (decoy, holder):
+        for p in (decoy, holder, relay):
             p.kill()
             p.wait()
         for s in (here, there, lst):
