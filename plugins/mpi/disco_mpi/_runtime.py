@@ -35,6 +35,7 @@ whatever way the process ends.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -174,6 +175,31 @@ def release_shm(all_attached: bool = False) -> list[str]:
         except (OSError, ValueError):
             continue
     return removed
+
+
+_ABORT_REASON: list[str] = []
+
+
+def abort_at_exit(reason: str) -> None:
+    """End the MPI job with ``MPI_Abort`` (code 1) when this process exits, saying why.
+
+    For rank 0 of a job with a rank that stopped answering: ``MPI_Finalize`` waits for
+    it, and so does the launcher, for good. Registered after MPI's own finalizer, so
+    it runs first (``atexit`` runs the last registered first); the program's code after
+    the session still runs.
+    """
+    if not _ABORT_REASON:
+        atexit.register(_abort_now)
+    _ABORT_REASON[:] = [reason]
+
+
+def _abort_now() -> None:
+    MPI = _MPI
+    if MPI is None or not _ABORT_REASON:
+        return
+    print(f"disco-mpi: aborting the MPI job: {_ABORT_REASON[0]}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Abort(1)
 
 
 def thread_level_ok(MPI: Any) -> bool:

@@ -20,6 +20,13 @@ sockets) sent as MPI messages on a private duplicate of ``MPI_COMM_WORLD``.
 
 A rank that dies ends the whole MPI job (that is what ``mpiexec`` and ``srun`` do;
 MPI cannot recover a communicator after a member died), so rank 0 does not hang.
+A rank that stops answering without dying (stopped, frozen, or a thread holding its
+GIL) is found by its heartbeats, as the other channels' workers are: each rank sends
+one whenever it sent nothing for a second, and rank 0 raises
+:class:`~disco_core.WorkerUnresponsiveError` for it after ``DISCO_LIVENESS_TIMEOUT``
+of silence while it waits. MPI cannot finalize a job with such a member, and the
+launcher waits for every rank: rank 0 then ends the job with ``MPI_Abort`` when its
+program exits (exit code 1), after saying why.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 from disco_core import DiscoError, DiscoValueError, FrameLimitError, WorkerError
 from disco_core.spi import (
     FLAG_BATCH,
+    HeartbeatSender,
     LinkChannel,
     Outgoing,
     ThreadWorkerLink,
@@ -153,6 +161,7 @@ class MPIRankLink(WorkerLink):
     """Rank 0's link to worker ``rank`` (another MPI process)."""
 
     untrusted = True  # the rank rebuilds commands with decode_untrusted
+    heartbeats = True  # a rank beats (HeartbeatSender) when its MPI is THREAD_MULTIPLE
 
     def __init__(self, comm: Any, worker_id: int) -> None:
         self.worker_ids = (worker_id,)
@@ -220,6 +229,7 @@ class MPIChannel(LinkChannel):
         # the ranks started with the job and send no "ready": one from a rank would be
         # taken for its next answer (an outside check)
         self.hub.ready.update(range(size))
+        self._here = set(range(1, size))  # the ranks that have not said goodbye
         self._reader = threading.Thread(
             target=self._read_replies, name="disco-mpi-replies", daemon=True
         )
@@ -232,7 +242,7 @@ class MPIChannel(LinkChannel):
         session's links to the ranks still here, with the reason: a reader that
         died silently left every caller waiting for good.
         """
-        here = set(range(1, self.num_workers))
+        here = self._here
         try:
             while here:
                 src, _, header, buffers, flags = _recv_frame(
@@ -258,14 +268,35 @@ class MPIChannel(LinkChannel):
                 )
 
     def close(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
         super().close(timeout)
-        self._reader.join(timeout)
+        # the goodbyes of the ranks still answering (one declared dead says none)
+        while self._here - self.hub.dead.keys() and time.monotonic() < deadline:
+            self._reader.join(0.01)
+            if not self._reader.is_alive():
+                break
+        MPI = _runtime.mpi()
+        unsent = []
         for link in self.links:
             if isinstance(link, MPIRankLink):
                 with link.lock:
-                    if link.pending:
-                        _runtime.mpi().Request.Waitall([r for r, _ in link.pending])
+                    # bounded: a large command to a stopped rank is never taken
+                    while link.pending and not MPI.Request.Testall([r for r, _ in link.pending]):
+                        if time.monotonic() > deadline:
+                            unsent.append(link.worker_ids[0])
+                            break
+                        time.sleep(0.001)
+                    else:
                         link.pending.clear()
+        gone = sorted(self._here | set(unsent))
+        if gone:
+            # A rank that said no goodbye (stopped, frozen) never reaches MPI_Finalize,
+            # and the launcher waits for it: the job would never end.
+            _runtime.abort_at_exit(
+                f"the session ended without an answer from MPI rank(s) {gone} "
+                f"({self.hub.dead.get(gone[0], 'no goodbye within the shutdown timeout')})"
+            )
+            return
         try:
             self.comm.Free()
         except Exception:
@@ -275,14 +306,20 @@ class MPIChannel(LinkChannel):
 def _serve(comm: Any, me: int, size: int, num_groups: int) -> None:
     """Run worker ``me`` until the session shuts down, then end the process."""
     reqs: list = []
+    MPI = _runtime.mpi()
 
-    def send(msg: tuple) -> None:
+    def post(msg: tuple) -> None:
         _send_frame(comm, 0, _REPLY_TAG, encode_for_network(msg), 0, reqs)
-        MPI = _runtime.mpi()
         MPI.Request.Waitall([r for r, _ in reqs])
         reqs.clear()
 
-    worker = Worker(me, size, num_groups, send)
+    # Heartbeats go from a thread of their own, beside the worker's MPI calls (a
+    # collective that waits for a stopped peer included): only with THREAD_MULTIPLE.
+    beats = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    send = HeartbeatSender(post) if beats else None
+    worker = Worker(me, size, num_groups, send or post)
+    if send is not None:
+        send.start()
 
     def commands():
         while True:
@@ -302,9 +339,13 @@ def _serve(comm: Any, me: int, size: int, num_groups: int) -> None:
         traceback.print_exc()
         code = 1
     try:
-        send(("bye", None))
+        if send is not None:
+            send(("bye", None))
+            send.lock.acquire()  # no heartbeat after the goodbye (the communicator goes)
+        else:
+            post(("bye", None))
         comm.Free()
-        _runtime.mpi().Finalize()
+        MPI.Finalize()
     except Exception as exc:
         print(f"disco-mpi worker {me}: finalize failed: {exc}", file=sys.stderr)
     sys.stdout.flush()

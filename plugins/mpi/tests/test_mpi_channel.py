@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,6 +72,7 @@ def test_plugin_registered():
 
 
 ROGUE = os.path.join(HERE, "rogue_script.py")
+FREEZE = os.path.join(HERE, "freeze_script.py")
 
 
 @pytest.mark.timeout(120)
@@ -102,3 +104,36 @@ def test_a_reply_whose_buffer_never_comes_ends_the_session_with_the_reason(tmp_p
     with it (an outside check)."""
     raised = _refused(tmp_path, "missing-buffer")
     assert "announced buffers that did not come within 1 s" in raised, raised
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_unresponsive_and_the_job_is_aborted_at_exit(tmp_path):
+    """A rank stopped (SIGSTOP) while rank 0 waited for it hung the job for good: MPI
+    ends a job only when a rank dies. Its heartbeats stop now: the call raises
+    WorkerUnresponsiveError, the shutdown does not wait for it, and rank 0 ends the
+    job with MPI_Abort when it exits, saying why; no process is left behind."""
+    out = tmp_path / "raised.txt"
+    r = _run(
+        [disco_mpi.launcher(), "-n", "3", sys.executable, FREEZE, str(out)],
+        DISCO_LIVENESS_TIMEOUT="2",
+    )
+    assert out.exists(), r.stdout + r.stderr
+    raised, shutdown, pids = out.read_text().splitlines()
+    assert raised.startswith("WorkerUnresponsiveError [1] after "), raised
+    assert float(raised.split(" after ")[1].split()[0]) < 2 + 4, raised
+    assert float(shutdown.split()[1]) < 2.0, shutdown
+    assert r.returncode != 0
+    assert "disco-mpi: aborting the MPI job" in r.stderr and "MPI rank(s) [1]" in r.stderr
+    deadline = time.monotonic() + 10.0  # (the launcher's SIGKILLs land as it returns)
+    for pid in pids.split()[1:]:
+        while os.path.exists(f"/proc/{pid}") and not _zombie(int(pid)):
+            assert time.monotonic() < deadline, f"rank process {pid} is left behind"
+            time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
