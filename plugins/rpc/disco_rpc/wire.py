@@ -926,6 +926,7 @@ class Conn:
         if on_begin is not None:
             on_begin()
         if nbuf > MAX_BUFFERS or meta_len + 8 * nbuf > self.max:
+            self._blame()
             raise FrameTooLargeError(
                 f"frame declares {meta_len} header bytes and {nbuf} buffers; "
                 f"the limit is {self.max} bytes"
@@ -936,6 +937,7 @@ class Conn:
         else:
             lens, total = (), meta_len
         if total > self.max:
+            self._blame()
             raise FrameTooLargeError(
                 f"frame of {total} bytes is over the limit of {self.max} bytes (max_message_bytes)"
             )
@@ -970,6 +972,17 @@ class Conn:
             self.read_into(view)
         self.settle()
         return kind, op, (_freeze(value) if has_bytes else value)
+
+    def _blame(self) -> None:
+        """Before a head's sizes are reported as the peer's: verify the record it came in.
+
+        On a sealed link a head at the start of a large record is handed out before
+        the record's tag is checked; an on-path attacker who wrote it is then an
+        :class:`~disco_core.errors.IntegrityError`, not the peer's oversize frame
+        (the rest of the record is at most a record's bound).
+        """
+        if getattr(self.t, "record_left", 0):
+            self.settle()
 
     # -- file streams ---------------------------------------------------------
     def chunk_size(self) -> int:

@@ -760,3 +760,31 @@ def test_a_forged_request_head_sizes_no_header(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("sealed_by", ["attacker", "peer"])
+def test_an_oversize_head_is_blamed_on_whoever_wrote_it(sealed_by):
+    """A head over the receiver's limit, at the start of a large record: written on the
+    path (no valid tag) it is an IntegrityError, not the peer's oversize frame (which
+    named the peer, or a release mismatch, for an attacker's bytes); sealed by the peer
+    it is the peer's FrameTooLargeError."""
+    from disco_core.net.security import SessionKeys
+
+    keys = SessionKeys(os.urandom(64), os.urandom(64))
+    a, b = socket.socketpair()
+    rx = wire.Conn(wire.SealedLink(wire.SocketTransport(b), keys), max_message_bytes=1 << 20)
+    head = wire._HEAD.pack(wire.REQUEST, 1, 0, 8 << 20, 0)  # an 8 MiB header, over 1 MiB
+    payload = head + os.urandom(200_000 - len(head))  # a large record: read before its tag
+    if sealed_by == "peer":
+        tx = wire.SealedLink(wire.SocketTransport(a), SessionKeys(send=keys.recv, recv=keys.send))
+        tx.send_parts([payload])
+    else:
+        a.sendall(struct.pack("<Q", len(payload)) + payload + os.urandom(16))
+    b.settimeout(10)
+    try:
+        expected = disco.IntegrityError if sealed_by == "attacker" else wire.FrameTooLargeError
+        with pytest.raises(expected):
+            rx.recv()
+    finally:
+        a.close()
+        b.close()
