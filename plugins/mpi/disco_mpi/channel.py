@@ -52,6 +52,7 @@ from disco_core.spi import (
     decode_untrusted,
     encode_for_network,
     frame_head,
+    liveness_timeout,
     unfilled_bytearray,
 )
 
@@ -162,6 +163,7 @@ class MPIRankLink(WorkerLink):
 
     untrusted = True  # the rank rebuilds commands with decode_untrusted
     heartbeats = True  # a rank beats (HeartbeatSender) when its MPI is THREAD_MULTIPLE
+    writing_since = None  # (the liveness watch asks: a send is posted, never blocks)
 
     def __init__(self, comm: Any, worker_id: int) -> None:
         self.worker_ids = (worker_id,)
@@ -276,31 +278,45 @@ class MPIChannel(LinkChannel):
             if not self._reader.is_alive():
                 break
         MPI = _runtime.mpi()
-        unsent = []
+        lost = set()
         for link in self.links:
             if isinstance(link, MPIRankLink):
+                rank_ = link.worker_ids[0]
                 with link.lock:
-                    # bounded: a large command to a stopped rank is never taken
+                    # a command a busy rank has not taken yet is waited for (as before);
+                    # one to a stopped rank never is taken: given up once it is silent
                     while link.pending and not MPI.Request.Testall([r for r, _ in link.pending]):
-                        if time.monotonic() > deadline:
-                            unsent.append(link.worker_ids[0])
+                        if self._silent(rank_, link.liveness):
+                            lost.add(rank_)
                             break
                         time.sleep(0.001)
                     else:
                         link.pending.clear()
-        gone = sorted(self._here | set(unsent))
+        # A rank that stopped answering never reaches MPI_Finalize, and the launcher
+        # waits for it: the job would never end. (One only slow to say goodbye, still
+        # beating, is waited for at the finalize, as before.)
+        gone = sorted(lost | {r for r in self._here if self._silent(r, liveness_timeout())})
         if gone:
-            # A rank that said no goodbye (stopped, frozen) never reaches MPI_Finalize,
-            # and the launcher waits for it: the job would never end.
             _runtime.abort_at_exit(
                 f"the session ended without an answer from MPI rank(s) {gone} "
-                f"({self.hub.dead.get(gone[0], 'no goodbye within the shutdown timeout')})"
+                f"({self.hub.dead.get(gone[0], 'silent for longer than DISCO_LIVENESS_TIMEOUT')})"
             )
             return
         try:
             self.comm.Free()
         except Exception:
             pass
+
+    def _silent(self, rank_: int, liveness: float) -> bool:
+        """Whether ``rank_`` is dead or stopped answering (its heartbeats stopped)."""
+        hub = self.hub
+        if rank_ in hub.dead:
+            return True
+        return (
+            bool(liveness)
+            and rank_ in hub.beating
+            and time.monotonic() - hub.seen[rank_] > liveness
+        )
 
 
 def _serve(comm: Any, me: int, size: int, num_groups: int) -> None:

@@ -124,6 +124,7 @@ def test_a_stopped_rank_is_unresponsive_and_the_job_is_aborted_at_exit(tmp_path)
     assert float(shutdown.split()[1]) < 2.0, shutdown
     assert r.returncode != 0
     assert "disco-mpi: aborting the MPI job" in r.stderr and "MPI rank(s) [1]" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr  # (no thread of rank 0's died)
     deadline = time.monotonic() + 10.0  # (the launcher's SIGKILLs land as it returns)
     for pid in pids.split()[1:]:
         while os.path.exists(f"/proc/{pid}") and not _zombie(int(pid)):
@@ -137,3 +138,17 @@ def _zombie(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] == "Z"
     except OSError:
         return True
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_busy_at_the_shutdown_is_waited_for_not_aborted(tmp_path):
+    """A rank still running a long function as the session shuts down keeps its
+    heartbeat: the job waits for it and ends normally (only a silent rank aborts it)."""
+    out = tmp_path / "busy.txt"
+    r = _run(
+        [disco_mpi.launcher(), "-n", "3", sys.executable, FREEZE, str(out), "busy"],
+        DISCO_LIVENESS_TIMEOUT="2",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_text().startswith("busy"), r.stdout + r.stderr
+    assert "aborting" not in r.stderr and "Traceback" not in r.stderr, r.stderr
