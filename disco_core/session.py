@@ -233,6 +233,11 @@ register_ref_type(DPackedFunc)
 register_ref_type(DModule)
 
 
+#: The most workers a session may have: its controller keeps per-worker state, so a
+#: session of 10**9 workers took memory until the process was killed (an outside check).
+MAX_WORKERS = 1 << 16
+
+
 def check_session_shape(num_workers: Any, num_groups: Any) -> None:
     """Validate ``num_workers`` and ``num_groups`` with a clear error."""
     for name, value in (("num_workers", num_workers), ("num_groups", num_groups)):
@@ -240,6 +245,8 @@ def check_session_shape(num_workers: Any, num_groups: Any) -> None:
             raise DiscoTypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 1:
             raise DiscoValueError(f"{name} must be >= 1, got {value}")
+        if value > MAX_WORKERS:
+            raise DiscoValueError(f"{name} must be at most {MAX_WORKERS}, got {value}")
     if num_workers % num_groups:
         raise DiscoValueError(
             f"num_workers ({num_workers}) must be a multiple of num_groups ({num_groups}): "

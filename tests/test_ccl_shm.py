@@ -414,3 +414,23 @@ def test_a_kept_small_allreduce_checks_its_arrays_again():
         for a, b in pairs:
             sess.allreduce(a, b, "max", in_group=False)
         assert 1 <= sess.call_packed("test_shm.kept").debug_get_from_remote(0) <= 32
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["process", "threaded"])
+def test_a_call_checked_in_a_group_is_checked_again_for_the_world(kind):
+    """The checked-calls cache did not say which communicator: an allgather that was
+    right within a group of 2 skipped the check for the 4 workers of the world, and
+    failed with a bare ValueError (an outside check)."""
+    sess = disco.Session.create(kind, num_workers=4, num_groups=2)
+    try:
+        sess.init_ccl("shm")
+        a = sess.broadcast(np.arange(4, dtype="float32"))
+        g = sess.empty((8,), "float32")
+        sess.allgather(a, g, in_group=True)
+        assert g.debug_get_from_remote(3).tolist() == [0, 1, 2, 3] * 2
+        with pytest.raises(disco.CCLError, match="must hold 4 x src"):
+            sess.allgather(a, g, in_group=False)
+            sess.sync_worker_0()
+    finally:
+        sess.shutdown()

@@ -72,3 +72,88 @@ def test_no_bare_float_of_an_environment_variable():
     # not durations of a wait: spin budgets, and a command-line default (argparse says why)
     allowed = ("DISCO_SHM_SPIN_US", "DISCO_RPC_SPIN_US", "DISCO_CONNECT_TIMEOUT", "DISCO_LIVENESS")
     assert [o for o in offenders if not any(a in o for a in allowed)] == [], offenders
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["process", "threaded"])
+def test_a_bad_gather_timeout_is_refused_when_the_session_starts(monkeypatch, kind, no_leftover_children):  # fmt: skip
+    """It was read only after a worker failed, and the error about the setting took the
+    worker's own error's place: the failure was never reported (an outside check)."""
+    monkeypatch.setenv("DISCO_GATHER_TIMEOUT", "x")
+    with pytest.raises(disco.DiscoValueError, match="DISCO_GATHER_TIMEOUT"):
+        disco.Session.create(kind, num_workers=2)
+
+
+def test_a_gather_timeout_changed_later_still_reports_the_worker_error(monkeypatch):
+    sess = disco.ThreadedSession(2)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        monkeypatch.setenv("DISCO_GATHER_TIMEOUT", "x")
+        with pytest.warns(RuntimeWarning, match="DISCO_GATHER_TIMEOUT"):
+            with pytest.raises(disco.WorkerError, match="ValueError"):
+                sess.get_global_func("testing.raise_")().debug_get_from_remote(0)
+    finally:
+        sess.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_start_timeout_of_zero_is_refused(monkeypatch, no_leftover_children):
+    monkeypatch.setenv("DISCO_START_TIMEOUT", "0")
+    with pytest.raises(disco.DiscoValueError, match="DISCO_START_TIMEOUT"):
+        disco.ProcessSession(2)
+
+
+def test_a_session_of_too_many_workers_is_refused_before_anything_is_made():
+    """ThreadedSession(10**9) took memory until the process was killed."""
+    from disco_core.session import MAX_WORKERS
+
+    with pytest.raises(disco.DiscoValueError, match=f"at most {MAX_WORKERS}"):
+        disco.ThreadedSession(10**9)
+
+
+@pytest.mark.timeout(60)
+def test_threads_that_cannot_start_leave_none_behind():
+    """Past what the process may start, the threads started so far stayed (an outside
+    check); now they are stopped and the error says what failed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, threading, time, disco_core as disco\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2_000_000_000, 2_000_000_000))\n"
+        "n = threading.active_count()\n"
+        "try:\n"
+        "    disco.ThreadedSession(60000)\n"
+        "except disco.DiscoError as exc:\n"
+        "    print('REFUSED', 'could not be started' in str(exc))\n"
+        "time.sleep(1.5)\n"
+        "print('THREADS', threading.active_count() - n)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert "REFUSED True" in r.stdout and "THREADS 0" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("var, raw", [("DISCO_CCL_TIMEOUT", "abc")])
+def test_a_bad_ccl_variable_is_named(monkeypatch, var, raw):
+    monkeypatch.setenv(var, raw)
+    sess = disco.ThreadedSession(2)
+    try:
+        with pytest.raises(disco.DiscoValueError, match=var):
+            sess.init_ccl("shm")
+    finally:
+        sess.shutdown()
+
+
+def test_a_bad_shm_spin_warns_naming_it(monkeypatch):
+    monkeypatch.setenv("DISCO_SHM_SPIN_US", "x")
+    from disco_core.ccl.shm import _spin_us
+
+    with pytest.warns(RuntimeWarning, match="DISCO_SHM_SPIN_US"):
+        assert _spin_us() == 200.0
+
+
+def test_a_listen_host_that_does_not_resolve_is_named_not_called_insecure():
+    from disco_core.net.security import check_bind
+
+    with pytest.raises(disco.DiscoValueError, match="does not resolve"):
+        check_bind("no.such.host.invalid", token=None, tls=False, what="test")

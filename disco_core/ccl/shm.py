@@ -27,6 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,34 @@ _HOT_SPIN = 0.0
 
 def _align(n: int, a: int = 4096) -> int:
     return (n + a - 1) // a * a
+
+
+def _number(raw: Any, what: str) -> float:
+    """``raw`` as a float, or a :class:`DiscoValueError` naming ``what`` (an option, a variable)."""
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        raise DiscoValueError(f"{what} must be a number of seconds, got {raw!r}") from None
+
+
+def _spin_us() -> float:
+    """``$DISCO_SHM_SPIN_US`` (200): microseconds a wait polls before it sleeps; a bad
+    value warns, naming it, and gives the default (it is read on every worker)."""
+    raw = os.environ.get("DISCO_SHM_SPIN_US", "").strip()
+    if not raw:
+        return 200.0
+    try:
+        value = float(raw)
+        if not 0 <= value < 1e9:
+            raise ValueError
+        return value
+    except ValueError:
+        warnings.warn(
+            f"DISCO_SHM_SPIN_US={raw!r} is not a number of microseconds >= 0; using 200",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return 200.0
 
 
 class Layout:
@@ -220,12 +249,11 @@ class ShmCCL(CCL):
         unknown = set(options) - {"timeout", "slot_bytes", "mailbox_bytes", "arena_bytes"}
         if unknown:
             raise DiscoTypeError(f"init_ccl('shm'): unknown options {sorted(unknown)}")
-        opts: dict[str, Any] = {
-            "arena_bytes": options.get("arena_bytes"),
-            "timeout": float(
-                options.get("timeout", os.environ.get("DISCO_CCL_TIMEOUT", _DEFAULT_TIMEOUT))
-            ),
-        }
+        if "timeout" in options:
+            timeout = _number(options["timeout"], "init_ccl('shm'): timeout")
+        else:
+            timeout = _number(os.environ.get("DISCO_CCL_TIMEOUT", _DEFAULT_TIMEOUT), "DISCO_CCL_TIMEOUT")  # fmt: skip
+        opts: dict[str, Any] = {"arena_bytes": options.get("arena_bytes"), "timeout": timeout}
         slot = int(options.get("slot_bytes", _DEFAULT_SLOT))
         mbox = int(options.get("mailbox_bytes", _DEFAULT_MBOX))
         for name, value, ok, rule in (
@@ -248,8 +276,7 @@ class ShmCCL(CCL):
         # sleeper costs tens of microseconds. Threads too: each poll's sched_yield lets
         # go of the GIL, so the peer it waits for runs meanwhile (4 KiB allreduce of two
         # threads: 29 -> 14 us on one CPU, 50-56 -> 38-40 us on two).
-        spin_us = float(os.environ.get("DISCO_SHM_SPIN_US", "200"))
-        self.spin = spin_us * 1e-6
+        self.spin = _spin_us() * 1e-6
         fd = os.open(f"/proc/{payload['pid']}/fd/{payload['fd']}", os.O_RDWR)
         try:
             self.map = mmap.mmap(fd, self.layout.size)
@@ -260,7 +287,7 @@ class ShmCCL(CCL):
         self.i = memoryview(self.map).cast("i")
         self.base_addr = _futex.address_of(self.map, 0)
         self._stamp = 0
-        self._checked: set[bytes] = set()  # descriptors of calls already found consistent
+        self._checked: set[tuple[int, bytes]] = set()  # (members, descriptor) found consistent
         self._desc_cache: dict[tuple, bytes] = {}
         #: small allreduces already run, by their arrays: what each call would rebuild
         #: (views of the arrays and of the slots, the descriptor), see _allreduce_again
@@ -441,14 +468,18 @@ class ShmCCL(CCL):
         self._barrier(comm, op)
         everyone = self.map[start : start + comm.n * size]
         uniform = everyone == mine * comm.n
-        if uniform and mine in self._checked:
+        # keyed by the communicator's size too: a call checked within a group of 2 is
+        # not checked for the 4 workers of the world (an outside check: an allgather
+        # whose dst held 2 x src got past, and failed as a bare ValueError)
+        key = (comm.n, mine)
+        if uniform and key in self._checked:
             return  # the same call as one already checked, by every member alike
         raw = [everyone[k * size : (k + 1) * size] for k in range(comm.n)]
         validate.check(op, [validate.unpack(r) for r in raw], comm.members)
         if uniform:
             if len(self._checked) > 256:
                 self._checked.clear()
-            self._checked.add(mine)
+            self._checked.add(key)
 
     def _comm(self, in_group: bool) -> _Comm:
         if self.i[0] and not self.broken:

@@ -83,9 +83,12 @@ def gather_timeout() -> float:
     """Seconds the controller gathers the workers' reports after a failure.
 
     ``$DISCO_GATHER_TIMEOUT``, default 60: long enough for collectives that are
-    legitimately slow; a worker that has not caught up by then is unresponsive.
+    legitimately slow; a worker that has not caught up by then is unresponsive. A
+    bad value is refused when a session starts (:meth:`LinkChannel._set_links`);
+    here, in the middle of a failure's report, it warns and gives the default: an
+    error about the setting raised there lost the workers' own (an outside check).
     """
-    return env_seconds("DISCO_GATHER_TIMEOUT", 60.0) or 60.0
+    return env_seconds_or_default("DISCO_GATHER_TIMEOUT", 60.0) or 60.0
 
 
 #: Pickles for worker processes: a value of the controller's ``__main__`` is refused.
@@ -589,6 +592,11 @@ class WorkerLink(abc.ABC):
     #: The channel's hub and liveness timeout (set by ``LinkChannel._set_links``).
     hub: ReplyHub | None = None
     liveness: float = 0.0
+    #: ``time.monotonic()`` when a write to this link that has not ended began (None:
+    #: none under way); links whose writes can block keep it (:class:`BatchingLink`).
+    #: The liveness watch reads it for every link whose workers send heartbeats: a
+    #: plugin's link without it killed the watch (an outside check).
+    writing_since: float | None = None
 
     def input_fd(self, worker_id: int) -> int | None:
         """The descriptor ``worker_id``'s replies arrive on (None: unknown).
@@ -1379,7 +1387,8 @@ class LinkChannel(Channel):
     def wait_ready(self, worker_ids: Iterable[int], deadline: float, what: str = "workers") -> None:
         """Wait for the ``ready`` message of each of ``worker_ids`` until ``deadline``.
 
-        Raises :class:`TimeoutError` (naming ``DISCO_START_TIMEOUT``) past the deadline,
+        Raises :class:`~disco_core.errors.DiscoTimeoutError` (a ``TimeoutError``, naming
+        ``DISCO_START_TIMEOUT``) past the deadline,
         and :class:`WorkerDiedError` ("failed to start: ...") when one of them died.
         """
         limit = max(0.0, deadline - time.monotonic())
@@ -1387,8 +1396,8 @@ class LinkChannel(Channel):
         def poll() -> None:
             self.check_alive()
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{what} did not start within {limit:.0f} s (DISCO_START_TIMEOUT)"
+                raise DiscoTimeoutError(
+                    f"{what} did not start within {limit:g} s (DISCO_START_TIMEOUT)"
                 )
 
         for w in worker_ids:
@@ -1605,6 +1614,7 @@ class LinkChannel(Channel):
             raise DiscoError(f"channel has no link for workers {sorted(missing)}")
         self._link_of = [by_worker[w] for w in range(self.num_workers)]
         timeout = liveness_timeout()
+        env_seconds("DISCO_GATHER_TIMEOUT", 60.0)  # a bad value: refused now, not at a failure
         for link in links:
             if link.hub is None:
                 link.hub = self.hub
@@ -1646,7 +1656,7 @@ class LinkChannel(Channel):
                 else [
                     link
                     for link in links
-                    if link.writing_since is not None and now - link.writing_since > tick  # type: ignore[attr-defined]
+                    if link.writing_since is not None and now - link.writing_since > tick
                 ]
             )
             silent = []
@@ -1673,7 +1683,7 @@ class LinkChannel(Channel):
                 )
                 for link in links:  # a write stuck on them ends (their link is cut)
                     kill = getattr(link, "kill", None)
-                    if kill is not None and link.writing_since is not None:  # type: ignore[attr-defined]
+                    if kill is not None and link.writing_since is not None:
                         if set(link.worker_ids) & set(silent):
                             kill()
 

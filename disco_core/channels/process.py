@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import _interrupts
 from ..commandline import level_for_workers
-from ..errors import UntrustedValueError, WorkerDiedError, WorkerError
+from ..errors import DiscoValueError, UntrustedValueError, WorkerDiedError, WorkerError
 from ..net.io import grow_pipe
 from ..net.spawn import spawn_worker, worker_argv
 from ..protocol import FrameReader, decode
@@ -45,8 +45,11 @@ __all__ = [
 
 
 def start_timeout() -> float:
-    """Seconds to wait for workers to start (``DISCO_START_TIMEOUT``, default 60)."""
-    return env_seconds("DISCO_START_TIMEOUT", 60.0)
+    """Seconds to wait for workers to start (``DISCO_START_TIMEOUT``, default 60; > 0)."""
+    value = env_seconds("DISCO_START_TIMEOUT", 60.0)
+    if not value > 0:  # (no worker starts in no time: refused before one is started)
+        raise DiscoValueError("DISCO_START_TIMEOUT=0: workers need a number of seconds > 0")
+    return value
 
 
 def describe_exit(code: int | None) -> str:

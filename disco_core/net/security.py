@@ -35,7 +35,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 
-from ..errors import DiscoError, DiscoTypeError, InsecureBindError
+from ..errors import DiscoError, DiscoTypeError, DiscoValueError, InsecureBindError
 
 __all__ = [
     "TOKEN_ENV",
@@ -79,7 +79,7 @@ def resolve_token(token: str | bytes | bytearray | None = None) -> bytes | None:
     if isinstance(token, str):
         token = token.encode("utf-8")
     elif not isinstance(token, (bytes, bytearray)):
-        raise TypeError(f"token must be str or bytes, not {type(token).__name__}")
+        raise DiscoTypeError(f"token must be str or bytes, not {type(token).__name__}")
     return bytes(token) or None
 
 
@@ -141,7 +141,21 @@ def check_bind(
     InsecureBindError
         ``host`` is reachable from other machines and the service has neither a
         token nor TLS, and ``allow_insecure_bind`` is false.
+    DiscoValueError
+        ``host`` is a name that does not resolve (it was reported as an insecure bind,
+        and told the user to add a token: an outside check).
     """
+    if isinstance(host, str) and host and host not in ("localhost", "ip6-localhost", "ip6-loopback"):  # fmt: skip
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            try:
+                socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+            except OSError as exc:
+                raise DiscoValueError(
+                    f"cannot listen on {host!r} for the {what}: the name does not resolve "
+                    f"({exc.strerror or exc})"
+                ) from None
     if is_loopback(host):
         if token is None and what not in _warned_loopback:
             _warned_loopback.add(what)
