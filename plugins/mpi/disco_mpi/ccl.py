@@ -352,7 +352,7 @@ class MPICCL(CCL):
             inbuf = bytearray(size * validate.DESC_BYTES)
             self._xch[id(c)] = (size, out, inbuf, [out, MPI.BYTE], [inbuf, MPI.BYTE])
         self._desc_cache: dict[tuple, bytes] = {}  # packed descriptors of plain arrays
-        self._checked: set[bytes] = set()  # descriptors of calls already found consistent
+        self._checked: set[tuple[int, bytes]] = set()  # (members, descriptor) found consistent
         self._plans: dict[tuple, tuple[Any, str]] = {}  # (dtype, op) -> _plan()
         if self._me == 0:
             _WORKER0[self.token] = self
@@ -585,7 +585,8 @@ class MPICCL(CCL):
         if self._alarmed():  # matched what a member that failed left behind
             raise CCLError(f"{op} aborted: {self.broken}; {_UNRECOVERABLE}")
         uniform = inbuf == mine * n
-        if uniform and mine in self._checked:
+        key = (n, mine)  # (a call checked within a group is not checked for the world)
+        if uniform and key in self._checked:
             return  # the same call as one already checked, by every member alike
         size = validate.DESC_BYTES
         raw = [bytes(inbuf[k * size : (k + 1) * size]) for k in range(n)]
@@ -594,7 +595,7 @@ class MPICCL(CCL):
         if uniform:
             if len(self._checked) > 256:
                 self._checked.clear()
-            self._checked.add(mine)
+            self._checked.add(key)
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, in_group: bool = False) -> None:

@@ -163,7 +163,6 @@ class MPIRankLink(WorkerLink):
 
     untrusted = True  # the rank rebuilds commands with decode_untrusted
     heartbeats = True  # a rank beats (HeartbeatSender) when its MPI is THREAD_MULTIPLE
-    writing_since = None  # (the liveness watch asks: a send is posted, never blocks)
 
     def __init__(self, comm: Any, worker_id: int) -> None:
         self.worker_ids = (worker_id,)
@@ -307,16 +306,31 @@ class MPIChannel(LinkChannel):
         except Exception:
             pass
 
+    def _input_waiting(self, link: WorkerLink, worker_id: int) -> bool:
+        """True when a message of ``worker_id`` waits unread: the one reply reader may be
+        held by another rank's large reply (a rank stopped in the middle of sending
+        one), and the messages of the others, heartbeats included, then wait behind
+        it; their ranks are not silent (an outside check blamed them too)."""
+        if not isinstance(link, MPIRankLink):
+            return super()._input_waiting(link, worker_id)
+        try:
+            waiting = bool(self.comm.Iprobe(worker_id, _REPLY_TAG))
+        except Exception:  # noqa: BLE001 - a communicator being freed: not a sign of life
+            return False
+        if waiting:
+            self.hub.touch(worker_id)
+        return waiting
+
     def _silent(self, rank_: int, liveness: float) -> bool:
         """Whether ``rank_`` is dead or stopped answering (its heartbeats stopped)."""
         hub = self.hub
         if rank_ in hub.dead:
             return True
-        return (
-            bool(liveness)
-            and rank_ in hub.beating
-            and time.monotonic() - hub.seen[rank_] > liveness
-        )
+        if not liveness or rank_ not in hub.beating:
+            return False
+        if time.monotonic() - hub.seen[rank_] <= liveness:
+            return False
+        return not self._input_waiting(self._link_of[rank_], rank_)  # (behind another's)
 
 
 def _serve(comm: Any, me: int, size: int, num_groups: int) -> None:

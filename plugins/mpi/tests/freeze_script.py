@@ -25,6 +25,7 @@ if sys.argv[2:] == ["busy"]:
     with open(sys.argv[1], "w") as f:
         f.write(f"busy\nshutdown {time.monotonic() - t0:.1f} s\npids {pid} {worker2}\n")
     sys.exit(0)
+time.sleep(1.0)  # idle a while: the liveness watch runs between calls too
 os.kill(pid, signal.SIGSTOP)
 t0 = time.monotonic()
 try:

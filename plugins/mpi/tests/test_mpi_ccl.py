@@ -326,3 +326,20 @@ def test_workers_left_in_a_collective_are_not_only_blamed(monkeypatch):
         assert "waiting in a collective that worker 0 left" in text and "'mpi'" in text, text
     finally:
         s.shutdown()
+
+
+def test_a_call_checked_in_a_group_is_checked_again_for_the_world():
+    """The checked-calls cache did not say which communicator: a call right within a
+    group of 2 skipped the check for the 4 workers of the world (an outside check of
+    the shm CCL, whose cache this one shares the pattern of)."""
+    sess = _session(4, 2)
+    try:
+        a = sess.broadcast(np.arange(4, dtype="float32"))
+        g = sess.empty((8,), "float32")
+        sess.allgather(a, g, in_group=True)
+        assert g.debug_get_from_remote(3).tolist() == [0, 1, 2, 3] * 2
+        with pytest.raises(WorkerError, match="must hold 4 x src"):
+            sess.allgather(a, g, in_group=False)
+            sess.sync_worker_0()
+    finally:
+        sess.shutdown()
