@@ -467,12 +467,14 @@ def _server(args) -> int:
         bind_listener,
         check_bind,
         load_libraries,
+        prepare_work_dir,
         resolve_liveness_timeout,
         serve_forever,
     )
     from .server import (
         handshake_timeout as resolve_handshake_timeout,
     )
+    from .wire import check_message_limit
 
     token = auth.resolve_token(None)
     ctx = _tls_server(args.tls_cert, args.tls_key)
@@ -485,6 +487,8 @@ def _server(args) -> int:
         liveness = resolve_liveness_timeout(args.liveness_timeout)
         session_timeout = _positive_or_none(args.session_timeout, "--session-timeout")
         handshake_timeout = resolve_handshake_timeout(args.timeout)
+        work_dir = prepare_work_dir(args.work_dir, "--work-dir") if args.work_dir else ""
+        max_bytes = check_message_limit(args.max_message_bytes, "--max-message-bytes")
         sock = bind_listener(args.host, args.port, args.port_end)
     except (RPCError, ValueError, TypeError) as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)
@@ -493,8 +497,8 @@ def _server(args) -> int:
         key=args.key,
         token=token,
         ssl_context=ctx,
-        work_dir=os.path.abspath(args.work_dir) if args.work_dir else "",
-        max_message_bytes=args.max_message_bytes,
+        work_dir=work_dir,
+        max_message_bytes=max_bytes,
         session_timeout=session_timeout,
         handshake_timeout=handshake_timeout,
         no_fork=args.no_fork,

@@ -10,6 +10,7 @@ import os
 import secrets
 import select
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -159,6 +160,8 @@ class RemoteModule(RemoteObject):
             The module has no function ``name`` (an :class:`RPCError` and, as in
             TVM, an ``AttributeError``).
         """
+        if not isinstance(name, str):
+            raise DiscoTypeError(f"get_function: name must be a str, got {type(name).__name__} {name!r}")  # fmt: skip
         try:
             fn = _expect(
                 self._rpc_sess._request(OP_MOD_FUNC, self, name, restype),
@@ -849,6 +852,8 @@ class RPCSession:
 
     def get_function(self, name: str) -> RemoteFunction:
         """A global function of the server (``disco_core.register_func`` there)."""
+        if not isinstance(name, str):
+            raise DiscoTypeError(f"get_function: name must be a str, got {type(name).__name__} {name!r}")  # fmt: skip
         fn = self._funcs.get(name)
         if fn is None:
             fn = _expect(
@@ -876,10 +881,23 @@ class RPCSession:
             view = memoryview(data).cast("B")
             self._upload(target, view, view.nbytes, progress)
             return
-        path = os.fspath(data)
+        try:
+            path = os.fspath(data)
+        except TypeError:
+            raise DiscoTypeError(
+                f"upload: data must be a local file's path or bytes, got {type(data).__name__}"
+            ) from None
         if not target:
             target = os.path.basename(path)
-        with open(path, "rb") as f:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise DiscoFileNotFoundError(f"upload: no local file {path!r}") from None
+        except IsADirectoryError:
+            raise DiscoValueError(f"upload: {path!r} is a folder; upload its files one by one") from None  # fmt: skip
+        except PermissionError:
+            raise DiscoPermissionError(f"upload: the local file {path!r} cannot be read") from None
+        with f:
             size = os.fstat(f.fileno()).st_size
             self._upload(target, FileSource(f, size), size, progress)
 
@@ -1327,6 +1345,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HEARTBEATS.after_fork)
 
 
+def _seconds(value: Any, name: str, zero_ok: bool = False) -> float:
+    """``value`` as seconds (> 0, or >= 0 with ``zero_ok``), or a Disco error naming ``name``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise DiscoTypeError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not (seconds >= 0 if zero_ok else seconds > 0) or math.isinf(seconds):
+        rule = ">= 0 (0: no limit)" if zero_ok else "> 0"
+        raise DiscoValueError(f"{name} must be a number of seconds {rule}, got {value!r}")
+    return seconds
+
+
 def connect(url: str, port: int, key: str = "", session_timeout: float = 0, session_constructor_args: list | None = None, enable_logging: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0) -> RPCSession:  # fmt: skip
     """Connect to an RPC server, as ``tvm.rpc.connect``.
 
@@ -1358,6 +1390,14 @@ def connect(url: str, port: int, key: str = "", session_timeout: float = 0, sess
     connect_timeout : float
         Seconds to connect and complete the handshake.
     """
+    port = service._port("port", port)
+    _seconds(session_timeout, "session_timeout", zero_ok=True)
+    _seconds(connect_timeout, "connect_timeout")
+    if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+        raise DiscoTypeError(f"ssl_context must be an ssl.SSLContext, got {type(ssl_context).__name__}")  # fmt: skip
+    max_message_bytes = wire.check_message_limit(max_message_bytes)
+    if token is not None and not isinstance(token, (str, bytes, bytearray)):
+        raise DiscoTypeError(f"token must be str or bytes, not {type(token).__name__}")
     conn = open_conn(
         url,
         port,

@@ -77,6 +77,7 @@ from .service import (
 )
 
 __all__ = [
+    "prepare_work_dir",
     "Server",
     "serve_stdio",
     "serve_forever",
@@ -173,6 +174,26 @@ def load_libraries(load_library: Any) -> list:
         else:
             libs.append(ctypes.CDLL(path, mode=getattr(ctypes, "RTLD_GLOBAL", 0)))
     return libs
+
+
+def prepare_work_dir(path: Any, name: str = "work_dir") -> str:
+    """``path`` made (with its parents) and checked as a writable folder; its absolute path.
+
+    Before anything is started (a server process, a scratch folder): a path that was a
+    file was accepted, and the server process died with a raw traceback after its
+    constructor had returned (an outside check).
+    """
+    try:
+        where = os.path.abspath(os.fspath(path))
+    except TypeError:
+        raise DiscoTypeError(f"{name} must be a path, got {type(path).__name__} {path!r}") from None
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as exc:
+        raise DiscoValueError(f"{name} {where!r} cannot be made: {exc.strerror or exc}") from None
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise DiscoValueError(f"{name} {where!r} is not a folder this user can write to")
+    return where
 
 
 def _positive_or_none(value: Any, name: str) -> float | None:
@@ -803,7 +824,7 @@ def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int |
     if not cfg.temp_root:
         cfg.temp_root, lock = owned_scratch_dir(TEMP_PREFIX)
     if cfg.work_dir:
-        os.makedirs(cfg.work_dir, exist_ok=True)
+        os.makedirs(cfg.work_dir, exist_ok=True)  # (checked by the callers: prepare_work_dir)
     listen_sock.setblocking(True)
     listener = _Listener(listen_sock, cfg, watch_fd)
     try:
@@ -966,8 +987,8 @@ class Server(ServiceProcess):
             key=key,
             token=token_b,
             ssl_context=ssl_context,
-            work_dir=os.path.abspath(os.fspath(work_dir)) if work_dir else "",
-            max_message_bytes=int(max_message_bytes),
+            work_dir=prepare_work_dir(work_dir) if work_dir else "",
+            max_message_bytes=wire.check_message_limit(max_message_bytes),
             session_timeout=_positive_or_none(session_timeout, "session_timeout"),
             handshake_timeout=handshake_timeout(timeout),
             no_fork=no_fork,

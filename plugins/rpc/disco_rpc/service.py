@@ -38,6 +38,7 @@ from disco_core.spi import check_bind as _check_bind
 
 from . import auth, wire
 from .errors import RPCError
+from .procname import name_process
 from .protocol import (
     BEATS_ALWAYS,
     BEATS_IDLE,
@@ -136,6 +137,7 @@ class ServiceProcess:
         if pid == 0:
             code = 0
             try:
+                name_process(f"disco-{self._kind.lower()}")  # (not its parent's name)
                 os.close(watch_w)
                 wire.close_inherited()
                 os.setpgid(0, 0)
@@ -201,6 +203,7 @@ def fork_session(run: Callable[[], None]) -> tuple[int, int | None]:
     if pid == 0:
         code = 0
         try:
+            name_process("disco-session")  # a worker host renames it (before "ready")
             run()
         except BaseException:
             code = 1

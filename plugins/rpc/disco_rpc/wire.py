@@ -34,6 +34,7 @@ request's work runs (before its reply; never during a file stream).
 from __future__ import annotations
 
 import fcntl
+import operator
 import os
 import select
 import socket
@@ -117,6 +118,8 @@ __all__ = [
     "PipeTransport",
     "SealedLink",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MIN_MAX_MESSAGE_BYTES",
+    "check_message_limit",
     "RECORD_BYTES",
     "SEND_RECORD_BYTES",
     # the frame kinds, from disco_rpc.protocol
@@ -129,6 +132,25 @@ __all__ = [
 
 #: Default bound on one frame (header plus buffers).
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
+#: The smallest ``max_message_bytes`` a side may set: the session's own frames (its
+#: INIT, a call with its arguments) must fit.
+MIN_MAX_MESSAGE_BYTES = 1 << 16
+
+
+def check_message_limit(value: Any, name: str = "max_message_bytes") -> int:
+    """``value`` as a frame bound, or a Disco error naming ``name`` (at the call, before a
+    connection or server exists: a bound of -1 or 10 made every call fail remotely)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise DiscoTypeError(f"{name} must be an int (bytes), got {value!r}") from None
+    if n < MIN_MAX_MESSAGE_BYTES:
+        raise DiscoValueError(f"{name} must be at least {MIN_MAX_MESSAGE_BYTES} bytes, got {n}")
+    return n
+
+
 #: The largest sealed record a disco-rpc peer accepts (a file chunk with its frame heads
 #: fits in one: what releases before 2026-11-28 sent).
 RECORD_BYTES = CHUNK + (1 << 12)

@@ -27,8 +27,16 @@ from disco_core.spi import (
 )
 
 from . import wire
+from .procname import name_process
 
-__all__ = ["LinkFrames", "WORKER_PROCESS_NAME", "mark_worker_process", "send_frame", "run_worker"]
+__all__ = [
+    "LinkFrames",
+    "WORKER_PROCESS_NAME",
+    "mark_worker_process",
+    "name_process",
+    "send_frame",
+    "run_worker",
+]
 
 #: The name (``/proc/<pid>/comm``) a session process takes when it becomes a Disco
 #: worker. The controller kills a worker that stopped answering on this machine only
@@ -44,14 +52,7 @@ def mark_worker_process() -> bool:
     A session served by a thread (a ``no_fork`` server) names nothing: the process is
     the server's, and is never to be killed by a client. Returns whether it was named.
     """
-    if threading.current_thread() is not threading.main_thread() or threading.get_native_id() != os.getpid():  # fmt: skip
-        return False
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write(WORKER_PROCESS_NAME)
-        return True
-    except OSError:  # (no /proc: nothing is killed from the controller's side then)
-        return False
+    return name_process(WORKER_PROCESS_NAME)
 
 
 class LinkFrames:

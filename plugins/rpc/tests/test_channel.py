@@ -380,3 +380,24 @@ def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
             p.wait()
         for s in (here, there, lst):
             s.close()
+
+
+@pytest.mark.timeout(60)
+def test_processes_forked_by_disco_rpc_do_not_inherit_the_worker_name():
+    """A process inherits its parent's name across fork: a server started from inside a
+    Disco worker was named a worker too, so a client whose worker in it (a ``no_fork``
+    server) stopped answering killed the whole shared server (an outside check)."""
+    from disco_rpc.worker_host import WORKER_PROCESS_NAME, name_process
+
+    with open("/proc/self/comm") as f:
+        mine = f.read().strip()
+    assert name_process(WORKER_PROCESS_NAME)  # as inside a worker host
+    try:
+        srv = rpc.Server(port=9700, port_end=9800, token="disco-secret", no_fork=True)
+    finally:
+        name_process(mine)
+    try:
+        with open(f"/proc/{srv.pid}/comm") as f:
+            assert f.read().strip() == "disco-server"
+    finally:
+        srv.terminate()

@@ -1,0 +1,75 @@
+"""Wrong arguments at disco_rpc's public call sites: a Disco error at the call, naming
+what was wrong (an outside check found built-in errors, a server that reported success
+and then died, and limits that made every later call fail on the server)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import disco_core as disco
+import disco_rpc as rpc
+
+pytestmark = pytest.mark.filterwarnings("ignore:the RPC server listens")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"port": "x"}, disco.DiscoTypeError, "port must be an int"),
+        ({"port": -1}, disco.DiscoValueError, "port must be an int 0-65535"),
+        ({"connect_timeout": -1}, disco.DiscoValueError, "connect_timeout"),
+        ({"connect_timeout": "soon"}, disco.DiscoTypeError, "connect_timeout"),
+        ({"session_timeout": -1}, disco.DiscoValueError, "session_timeout"),
+        ({"ssl_context": "x"}, disco.DiscoTypeError, "ssl_context must be an ssl.SSLContext"),
+        ({"token": 123}, disco.DiscoTypeError, "token must be str or bytes"),
+        ({"max_message_bytes": -1}, disco.DiscoValueError, "max_message_bytes must be at least"),
+    ],
+)
+def test_connect_refuses_bad_arguments_before_it_connects(kwargs, error, words):
+    args = {"port": 9}  # nothing listens there: a bad argument is named first
+    args.update(kwargs)
+    port = args.pop("port")
+    with pytest.raises(error, match=words):
+        rpc.connect("127.0.0.1", port, **args)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_refuses_a_work_dir_or_limit_it_cannot_use(tmp_path):
+    """A file as work_dir was accepted, and the server process died with a raw
+    traceback after the constructor returned; a limit of -1 failed every call."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(disco.DiscoValueError, match="work_dir .*a-file.* cannot be made"):
+        rpc.Server(port=9700, port_end=9800, work_dir=str(a_file))
+    with pytest.raises(disco.DiscoValueError, match="max_message_bytes must be at least"):
+        rpc.Server(port=9700, port_end=9800, max_message_bytes=-1)
+    # the command line says so before it listens, and leaves no scratch folder
+    r = subprocess.run(
+        [sys.executable, "-m", "disco_rpc", "server", "--port", "9700", "--work-dir", str(a_file)],
+        capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        env={**os.environ, "DISCO_TOKEN": "t"},
+    )  # fmt: skip
+    assert r.returncode == 1 and "--work-dir" in r.stderr and "listening" not in r.stdout, r
+
+
+@pytest.mark.timeout(60)
+def test_upload_and_get_function_name_what_was_wrong(tmp_path):
+    srv = rpc.Server(port=9700, port_end=9800)
+    try:
+        s = rpc.connect("127.0.0.1", srv.port)
+        with pytest.raises(disco.DiscoFileNotFoundError, match="no local file"):
+            s.upload(str(tmp_path / "missing.txt"))
+        with pytest.raises(disco.DiscoValueError, match="is a folder"):
+            s.upload(str(tmp_path))
+        with pytest.raises(disco.DiscoTypeError, match="a local file's path or bytes"):
+            s.upload(123, "x")
+        with pytest.raises(disco.DiscoTypeError, match="name must be a str"):
+            s.get_function(123)
+        assert s.cpu().exist  # the session goes on
+        s.close()
+    finally:
+        srv.terminate()
