@@ -94,7 +94,7 @@ from typing import Any
 
 import numpy as np
 
-from disco_core import DiscoValueError, IntegrityError, NetworkError
+from disco_core import DiscoTypeError, DiscoValueError, IntegrityError, NetworkError
 from disco_core.spi import (
     FRAME_PREFIX,
     SEND_RECORD_BYTES,
@@ -504,10 +504,17 @@ def heartbeat_timeout(value: float | None = None) -> float:
     """
     if value is None:
         return env_seconds("DISCO_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT)
-    value = float(value)
-    if value < 0 or value != value:
-        raise DiscoValueError(f"heartbeat timeout must be >= 0 seconds, got {value}")
-    return value
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise DiscoTypeError(
+            f"heartbeat_timeout must be a number of seconds, got {value!r}"
+        ) from None
+    if seconds < 0 or seconds != seconds:
+        raise DiscoValueError(f"heartbeat_timeout must be >= 0 seconds, got {value!r}")
+    return seconds
 
 
 def heartbeat_interval(timeout: float) -> float:
