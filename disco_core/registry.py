@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
+from .errors import DiscoTypeError, DiscoValueError
+
 __all__ = ["register_func", "get_global_func", "list_global_func_names", "remove_global_func"]
 
 _FUNCS: dict[str, Callable[..., Any]] = {}
@@ -57,15 +59,15 @@ def register_func(name, func=None, override=False):
         fn = name
         return register_func(fn.__qualname__, fn, override)
     if not isinstance(name, str) or not name:
-        raise TypeError(f"register_func: name must be a non-empty str, got {name!r}")
+        raise DiscoTypeError(f"register_func: name must be a non-empty str, got {name!r}")
 
     def _register(fn: Callable) -> Callable:
         if not callable(fn):
-            raise TypeError(f"register_func({name!r}): {fn!r} is not callable")
+            raise DiscoTypeError(f"register_func({name!r}): {fn!r} is not callable")
         with _LOCK:
             old = _FUNCS.get(name)
             if old is not None and not override and old is not fn:
-                raise ValueError(
+                raise DiscoValueError(
                     f"global function {name!r} is already registered ({_describe(old)}); "
                     "pass override=True to replace it"
                 )
@@ -93,7 +95,7 @@ def get_global_func(name: str, allow_missing: bool = False) -> Callable[..., Any
     """
     fn = _FUNCS.get(name)
     if fn is None and not allow_missing:
-        raise ValueError(missing_message(name))
+        raise ValueError(missing_message(name))  # (TVM's type: a worker's error says ValueError)
     return fn
 
 

@@ -434,3 +434,14 @@ def test_a_call_checked_in_a_group_is_checked_again_for_the_world(kind):
             sess.sync_worker_0()
     finally:
         sess.shutdown()
+
+
+def test_a_segment_too_large_to_make_names_its_sizes():
+    """slot_bytes=10**15 raised a bare OSError (an outside check); the session goes on."""
+    sess = disco.ThreadedSession(2)
+    try:
+        with pytest.raises(disco.CCLError, match="slot_bytes=1000000000000000"):
+            sess.init_ccl("shm", slot_bytes=10**15)
+        sess.init_ccl("shm")
+    finally:
+        sess.shutdown()

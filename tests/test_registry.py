@@ -103,3 +103,12 @@ def test_sessions_use_the_registry(names):
             sess.sync_worker_0()
         assert isinstance(err.value, ValueError) or err.value.exc_type == "ValueError"
         del missing
+
+
+def test_bad_registrations_are_disco_errors():
+    import disco_core as disco
+
+    with pytest.raises(disco.DiscoTypeError, match="name must be a non-empty str"):
+        disco.register_func(123)
+    with pytest.raises(disco.DiscoTypeError, match="is not callable"):
+        disco.register_func("testing.not_callable", 5)

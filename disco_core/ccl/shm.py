@@ -152,8 +152,16 @@ class ShmRendezvous(Rendezvous):
     def __init__(self, layout: Layout, options: dict) -> None:
         self.layout = layout
         self.fd = os.memfd_create("disco-shm", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, layout.size)
-        self.map = mmap.mmap(self.fd, layout.size)
+        try:
+            os.ftruncate(self.fd, layout.size)
+            self.map = mmap.mmap(self.fd, layout.size)
+        except (OSError, OverflowError, ValueError) as exc:
+            os.close(self.fd)
+            raise CCLError(
+                f"init_ccl('shm'): its segment of {layout.size} bytes cannot be made "
+                f"({exc}): slot_bytes={layout.slot_bytes}, mailbox_bytes={layout.mbox_bytes} "
+                f"for {layout.num_workers} workers; give smaller ones"
+            ) from None
         # the layout as its four ints: plain values cross any link (the rpc channel's workers
         # rebuild commands from a network format that makes no object of this module)
         fields = (layout.num_workers, layout.num_groups, layout.slot_bytes, layout.mbox_bytes)
