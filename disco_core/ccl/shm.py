@@ -67,7 +67,9 @@ def _number(raw: Any, what: str) -> float:
     """``raw`` as a float, or a :class:`DiscoValueError` naming ``what`` (an option, a variable)."""
     try:
         return float(raw)
-    except (TypeError, ValueError):
+    except TypeError:
+        raise DiscoTypeError(f"{what} must be a number of seconds, got {raw!r}") from None
+    except ValueError:
         raise DiscoValueError(f"{what} must be a number of seconds, got {raw!r}") from None
 
 
