@@ -79,9 +79,13 @@ def test_no_bare_float_of_an_environment_variable():
 def test_a_bad_gather_timeout_is_refused_when_the_session_starts(monkeypatch, kind, no_leftover_children):  # fmt: skip
     """It was read only after a worker failed, and the error about the setting took the
     worker's own error's place: the failure was never reported (an outside check)."""
+    import threading
+
     monkeypatch.setenv("DISCO_GATHER_TIMEOUT", "x")
+    before = threading.active_count()
     with pytest.raises(disco.DiscoValueError, match="DISCO_GATHER_TIMEOUT"):
         disco.Session.create(kind, num_workers=2)
+    assert threading.active_count() == before  # refused before a worker thread started
 
 
 def test_a_gather_timeout_changed_later_still_reports_the_worker_error(monkeypatch):

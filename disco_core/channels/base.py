@@ -1324,6 +1324,10 @@ class LinkChannel(Channel):
         )
 
     def __init__(self, num_workers: int, num_groups: int) -> None:
+        # the settings a session reads later, refused before any worker is started (a
+        # session refused after its links were made left its worker threads behind)
+        liveness_timeout()
+        env_seconds("DISCO_GATHER_TIMEOUT", 60.0)
         self.num_workers = num_workers
         self.num_groups = num_groups
         self.hub = ReplyHub(num_workers)
@@ -1614,7 +1618,6 @@ class LinkChannel(Channel):
             raise DiscoError(f"channel has no link for workers {sorted(missing)}")
         self._link_of = [by_worker[w] for w in range(self.num_workers)]
         timeout = liveness_timeout()
-        env_seconds("DISCO_GATHER_TIMEOUT", 60.0)  # a bad value: refused now, not at a failure
         for link in links:
             if link.hub is None:
                 link.hub = self.hub
