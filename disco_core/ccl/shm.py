@@ -269,7 +269,12 @@ class ShmCCL(CCL):
         for name, value, ok, rule in (
             ("slot_bytes", slot, slot >= 4096, ">= 4096"),
             ("mailbox_bytes", mbox, mbox >= 4096, ">= 4096"),
-            ("timeout", opts["timeout"], opts["timeout"] > 0, "> 0 seconds"),  # NaN too
+            (
+                "timeout" if "timeout" in options else "timeout (DISCO_CCL_TIMEOUT)",
+                opts["timeout"],
+                opts["timeout"] > 0,
+                "> 0 seconds",
+            ),  # NaN too
         ):
             if not ok:
                 raise DiscoValueError(f"init_ccl('shm'): {name} must be {rule}, got {value}")
