@@ -1359,6 +1359,25 @@ def _seconds(value: Any, name: str, zero_ok: bool = False) -> float:
     return seconds
 
 
+def check_connect_args(session_timeout: Any = 0, **connect_args: Any) -> float:
+    """Check :func:`connect`'s options before anything is asked of a server or a tracker
+    (a tracker's server was held for a request whose options were refused after it);
+    return ``session_timeout`` as seconds (``None`` or 0: no limit, as TVM's)."""
+    seconds = 0.0 if session_timeout is None else _seconds(session_timeout, "session_timeout", zero_ok=True)  # fmt: skip
+    timeout = connect_args.get("connect_timeout")
+    if timeout is not None:
+        _seconds(timeout, "connect_timeout")
+    ssl_context = connect_args.get("ssl_context")
+    if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+        raise DiscoTypeError(f"ssl_context must be an ssl.SSLContext, got {type(ssl_context).__name__}")  # fmt: skip
+    if "max_message_bytes" in connect_args:
+        wire.check_message_limit(connect_args["max_message_bytes"])
+    token = connect_args.get("token")
+    if token is not None and not isinstance(token, (str, bytes, bytearray)):
+        raise DiscoTypeError(f"token must be str or bytes, not {type(token).__name__}")
+    return seconds
+
+
 def connect(url: str, port: int, key: str = "", session_timeout: float = 0, session_constructor_args: list | None = None, enable_logging: bool = False, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0) -> RPCSession:  # fmt: skip
     """Connect to an RPC server, as ``tvm.rpc.connect``.
 
@@ -1390,14 +1409,16 @@ def connect(url: str, port: int, key: str = "", session_timeout: float = 0, sess
     connect_timeout : float
         Seconds to connect and complete the handshake.
     """
+    if isinstance(port, str) and port.strip().isdigit():
+        port = int(port)  # (as before: "9091" was taken)
     port = service._port("port", port)
-    _seconds(session_timeout, "session_timeout", zero_ok=True)
-    _seconds(connect_timeout, "connect_timeout")
-    if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
-        raise DiscoTypeError(f"ssl_context must be an ssl.SSLContext, got {type(ssl_context).__name__}")  # fmt: skip
-    max_message_bytes = wire.check_message_limit(max_message_bytes)
-    if token is not None and not isinstance(token, (str, bytes, bytearray)):
-        raise DiscoTypeError(f"token must be str or bytes, not {type(token).__name__}")
+    session_timeout = check_connect_args(
+        session_timeout,
+        token=token,
+        ssl_context=ssl_context,
+        max_message_bytes=max_message_bytes,
+        connect_timeout=connect_timeout,
+    )
     conn = open_conn(
         url,
         port,

@@ -184,7 +184,7 @@ def prepare_work_dir(path: Any, name: str = "work_dir") -> str:
     constructor had returned (an outside check).
     """
     try:
-        where = os.path.abspath(os.fspath(path))
+        where = os.path.abspath(os.path.expanduser(os.fspath(path)))
     except TypeError:
         raise DiscoTypeError(f"{name} must be a path, got {type(path).__name__} {path!r}") from None
     try:

@@ -48,7 +48,7 @@ from disco_core import DiscoTimeoutError, DiscoValueError
 from disco_core.spi import AcceptLoop, Drain, Slots, SocketHandshake, is_loopback
 
 from . import auth, wire
-from .client import connect
+from .client import check_connect_args, connect
 from .errors import RPCError, RPCRequestTimeoutError, RPCSessionTimeoutError
 from .protocol import (  # noqa: F401 (the tracker's codes, also names of this module)
     CLIENT_KEY,
@@ -812,6 +812,7 @@ class TrackerSession:
         connect_args.setdefault("token", self._server_token)
         if self._server_ssl is not None:
             connect_args.setdefault("ssl_context", self._server_ssl)
+        check_connect_args(session_timeout, **connect_args)  # before a server is held for it
         deadline = None if wait_timeout is None else time.monotonic() + float(wait_timeout)
         # the last failure as text, logged as text: the exception refers to this frame and
         # its callers' (their sessions) through its traceback, so keeping it (here, or in a

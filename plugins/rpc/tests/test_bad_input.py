@@ -73,3 +73,40 @@ def test_upload_and_get_function_name_what_was_wrong(tmp_path):
         s.close()
     finally:
         srv.terminate()
+
+
+@pytest.mark.timeout(60)
+def test_a_tracker_request_refused_for_its_options_holds_no_server():
+    """Its options were checked only after the tracker had handed it a server, whose
+    ticket was never given back: the next request waited ~10 s (re-check 55)."""
+    import time
+
+    tr = rpc.Tracker(port=9190, port_end=9299, token="t")
+    srv = rpc.Server(port=9700, port_end=9800, tracker_addr=("127.0.0.1", tr.port), key="k", token="t")  # fmt: skip
+    try:
+        tc = rpc.connect_tracker("127.0.0.1", tr.port, token="t")
+        deadline = time.monotonic() + 10
+        while not tc.summary()["queue_info"].get("k", {}).get("free"):
+            assert time.monotonic() < deadline, "the server never registered"
+            time.sleep(0.05)
+        with pytest.raises(disco.DiscoValueError, match="session_timeout"):
+            tc.request("k", session_timeout=-1, wait_timeout=3)
+        t0 = time.monotonic()
+        s = tc.request("k", wait_timeout=3)
+        assert time.monotonic() - t0 < 1.0
+        s.close()
+    finally:
+        srv.terminate()
+        tr.terminate()
+
+
+@pytest.mark.timeout(60)
+def test_connect_still_takes_what_it_took_before():
+    """None for session_timeout (no limit, as TVM's) and connect_timeout, a port as digits."""
+    srv = rpc.Server(port=9700, port_end=9800)
+    try:
+        s = rpc.connect("127.0.0.1", str(srv.port), session_timeout=None, connect_timeout=None)
+        assert s.cpu().exist
+        s.close()
+    finally:
+        srv.terminate()
