@@ -14,7 +14,8 @@ Channels
     :func:`stop_worker`, :func:`start_timeout`, :func:`tee_stderr`,
     :func:`start_worker_processes`,
     :class:`StderrTee`) and the worker loop itself (:class:`Worker`,
-    :func:`command_stream`, :class:`HeartbeatSender`).
+    :func:`command_stream`, :class:`HeartbeatSender`, :func:`worker_spin_seconds`:
+    how long a worker polls for its next command before it sleeps).
 Commands on the wire
     :func:`encode`, :func:`decode` (pickles: pipes from processes you started),
     :func:`encode_for_network` and :func:`decode_untrusted` (the tagged format of
@@ -146,6 +147,7 @@ from .store import (
 )
 from .wire_values import decode_untrusted, encode_for_network, register_wire_type
 from .worker import HeartbeatSender, Worker, command_stream
+from .worker._poll_first import spin_seconds as worker_spin_seconds
 
 __all__ = [
     # Ctrl-C held back in steps that must not be cut (protect, deliver)
@@ -174,6 +176,7 @@ __all__ = [
     "StderrTee",
     "Worker",
     "HeartbeatSender",
+    "worker_spin_seconds",
     "command_stream",
     # commands on the wire
     "encode",
