@@ -44,6 +44,12 @@ __all__ = [
 ]
 
 
+#: Seconds a dead worker's report waits for the end of its stderr (its last words):
+#: at once when the tee thread runs; 0.5 s was too short on a loaded 2-CPU machine (a
+#: suite run beside two chaos runs reported a worker that failed to start without why).
+_STDERR_WAIT = 2.0
+
+
 def start_timeout() -> float:
     """Seconds to wait for workers to start (``DISCO_START_TIMEOUT``, default 60; > 0)."""
     value = env_seconds("DISCO_START_TIMEOUT", 60.0)
@@ -146,7 +152,7 @@ class ProcessWorkerLink(BatchingLink):
             return WorkerDiedError(
                 self.worker_ids, f"worker {self.worker_ids[0]} command pipe broke ({exc})"
             )
-        return WorkerDiedError(self.worker_ids, with_stderr(reason, self.stderr_tail(0.5)))
+        return WorkerDiedError(self.worker_ids, with_stderr(reason, self.stderr_tail(_STDERR_WAIT)))
 
     def exit_reason(self, wait: float = 0.0) -> str | None:
         return exit_reason(self.proc, self.worker_ids[0], wait)
@@ -307,7 +313,7 @@ class ReplyReader(threading.Thread):
             elif reason is None:
                 reason = f"worker {link.worker_ids[0]} closed its reply pipe"
             else:
-                reason = with_stderr(reason, link.stderr_tail(0.5))
+                reason = with_stderr(reason, link.stderr_tail(_STDERR_WAIT))
             link.dead_reason = reason
             self.hub.mark_dead(link.worker_ids, reason)
 

@@ -116,14 +116,17 @@ def _probe_buffer(comm: Any, src: int, status: Any, deadline: float) -> Any:
 
 
 #: The longest sleep between two looks for a message once the spin is over: what a rank
-#: that sat idle adds, at most, to the wait for its next command (rank 0: for a reply).
+#: that sat idle adds, at most, to the wait for its next command.
 _MAX_PAUSE = 5e-4
+#: The same for rank 0's reply reader while the controller waits for a reply.
+_MAX_PAUSE_AWAITED = 1e-4
 
 
-def _wait_message(comm: Any, source: int, tag: int, status: Any) -> Any:
+def _wait_message(comm: Any, source: int, tag: int, status: Any, awaited: Any = None) -> Any:
     """The next message from ``source`` with ``tag`` (as ``Mprobe`` gives it), found by
     looking (``Improbe``): for ``DISCO_WORKER_SPIN_US`` yielding the CPU, then sleeping
-    from 20 us up to :data:`_MAX_PAUSE` between looks.
+    from 20 us up to :data:`_MAX_PAUSE` between looks (:data:`_MAX_PAUSE_AWAITED` while
+    ``awaited()``, when given, says someone waits for it).
 
     MPICH's blocking probe polls inside the library for good, holding a CPU and its
     lock (rank 0's sends waited for it): a round trip to a rank took about 200 us on
@@ -135,17 +138,24 @@ def _wait_message(comm: Any, source: int, tag: int, status: Any) -> Any:
     while True:
         if pause:
             time.sleep(pause)
-            pause = min(pause * 2, _MAX_PAUSE)
+            cap = _MAX_PAUSE_AWAITED if awaited is not None and awaited() else _MAX_PAUSE
+            pause = min(pause * 2, cap)
         else:
             os.sched_yield()  # (the GIL too: rank 0's reader shares it with the caller)
             if time.perf_counter() > spin_until:
                 pause = 2e-5
         msg = comm.Improbe(source, tag, status)
+        if msg is None and pause:
+            # MPICH (5.0) shows a message that came during a sleep only at the second
+            # probe after it (the first runs the progress that takes it in): without this
+            # look, each hop after an idle spell waited a sleep more (an outside check:
+            # the first call after idle took about 2 ms, not 0.5)
+            msg = comm.Improbe(source, tag, status)
         if msg is not None:
             return msg
 
 
-def _recv_frame(comm: Any, source: int, tag: int) -> tuple[Any, int, bytes, list, int]:
+def _recv_frame(comm: Any, source: int, tag: int, awaited: Any = None) -> tuple[Any, int, bytes, list, int]:  # fmt: skip
     """Receive one frame (blocking); returns (source, tag, header, buffers, flags).
 
     Its head is checked against the core's frame limits (``check_frame``), and
@@ -161,7 +171,7 @@ def _recv_frame(comm: Any, source: int, tag: int) -> tuple[Any, int, bytes, list
     status = MPI.Status()
     msg = comm.Improbe(source, tag, status)
     if msg is None:
-        msg = _wait_message(comm, source, tag, status)
+        msg = _wait_message(comm, source, tag, status, awaited)
     head = bytearray(status.Get_count(MPI.BYTE))
     msg.Recv([head, MPI.BYTE])
     src = status.Get_source()
@@ -280,7 +290,7 @@ class MPIChannel(LinkChannel):
         try:
             while here:
                 src, _, header, buffers, flags = _recv_frame(
-                    self.comm, _runtime.mpi().ANY_SOURCE, _REPLY_TAG
+                    self.comm, _runtime.mpi().ANY_SOURCE, _REPLY_TAG, self._awaited
                 )
                 try:
                     msg = decode_untrusted(header, buffers)  # MPI traffic may cross sockets
@@ -338,6 +348,10 @@ class MPIChannel(LinkChannel):
             self.comm.Free()
         except Exception:
             pass
+
+    def _awaited(self) -> bool:
+        """Whether a thread of the controller waits for a reply now."""
+        return self.hub.waiting > 0
 
     def _input_waiting(self, link: WorkerLink, worker_id: int) -> bool:
         """True when a message of ``worker_id`` waits unread: the one reply reader may be
