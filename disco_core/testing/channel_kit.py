@@ -37,7 +37,7 @@ import pytest
 import disco_core as disco
 from disco_core import plugins
 from disco_core.testing.funcs import DLPackOnly, machine_identity
-from disco_core.testing.procfs import freeze
+from disco_core.testing.procfs import freeze, gone, wait_gone
 from disco_core.testing.trace_checks import check_streams, load_trace, worker_events
 
 __all__ = ["ChannelContract", "FUNCS_MODULE"]
@@ -71,34 +71,6 @@ def _sync_all(sess: disco.Session) -> None:
     ref = sess.call_packed(sess.get_global_func("testing.echo"), None)
     for w in range(sess.num_workers):
         assert ref.debug_get_from_remote(w) is None
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state in ("Z", "X")
-    except (
-        FileNotFoundError,
-        ProcessLookupError,
-    ):  # reaped before the open, or between open and read
-        return True
-    except OSError:  # no /proc: fall back to a signal 0 probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if not _pid_gone(p)]
-        if alive:
-            time.sleep(0.05)
-    return alive
 
 
 SCALARS = [
@@ -813,7 +785,7 @@ class ChannelContract:
         sess.shutdown()
         assert time.monotonic() - t2 < 10
         sess.shutdown()
-        assert _wait_gone([pids[target]], 5) == []
+        assert wait_gone([pids[target]], 5) == []
 
     @pytest.mark.timeout(30)
     def test_worker_death_while_waiting_on_another(self, sess):
@@ -855,7 +827,7 @@ class ChannelContract:
         with pytest.raises(disco.WorkerDiedError):
             sess.sync_worker_0()
         sess.shutdown()
-        assert _wait_gone([pids[target]], 10) == []
+        assert wait_gone([pids[target]], 10) == []
 
     def test_recv_with_timeout_ends(self, sess):
         """``Channel.recv(worker, timeout)`` (the gathering after a failure) has an end."""
@@ -871,10 +843,10 @@ class ChannelContract:
         if not ids:
             pytest.skip("this channel's workers are not separate processes")
         pids = _values(sess.get_global_func("testing.pid")(), 3)
-        assert all(not _pid_gone(pids[w]) for w in ids)
+        assert all(not gone(pids[w]) for w in ids)
         sess.get_global_func("testing.sleep")(0.5)  # shutdown while commands are pending
         sess.shutdown()
-        assert _wait_gone([pids[w] for w in ids], 5) == []
+        assert wait_gone([pids[w] for w in ids], 5) == []
 
     # ------------------------------------------------------------------ shutdown
     @pytest.mark.timeout(30)

@@ -8,7 +8,7 @@ import time
 
 from disco_core._procfs import children_of, thread_states
 
-__all__ = ["children_of", "freeze", "shm_in_use"]
+__all__ = ["children_of", "freeze", "gone", "shm_in_use", "wait_gone"]
 
 #: States of a thread that runs no more of its own code: stopped, traced, dead.
 _STILL = frozenset("TtZX")
@@ -36,6 +36,33 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid}: threads {running} did not stop in {timeout:g} s")
         time.sleep(0.001)
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (no more, or a zombie not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or the read
+        return True
+    except OSError:  # no /proc: fall back to a signal 0 probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for ``pids`` to end; return those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if not gone(p)]
+        if alive:
+            time.sleep(0.05)
+    return alive
 
 
 def shm_in_use(names: set[str]) -> set[str]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 import disco_mpi
+from disco_core.testing.procfs import wait_gone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "channel_script.py")
@@ -125,19 +125,8 @@ def test_a_stopped_rank_is_unresponsive_and_the_job_is_aborted_at_exit(tmp_path)
     assert r.returncode != 0
     assert "disco-mpi: aborting the MPI job" in r.stderr and "MPI rank(s) [1]" in r.stderr
     assert "Traceback" not in r.stderr, r.stderr  # (no thread of rank 0's died)
-    deadline = time.monotonic() + 10.0  # (the launcher's SIGKILLs land as it returns)
-    for pid in pids.split()[1:]:
-        while os.path.exists(f"/proc/{pid}") and not _zombie(int(pid)):
-            assert time.monotonic() < deadline, f"rank process {pid} is left behind"
-            time.sleep(0.05)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
+    # (the launcher's SIGKILLs land as it returns)
+    assert wait_gone([int(p) for p in pids.split()[1:]], 10.0) == [], "rank processes left behind"
 
 
 @pytest.mark.timeout(120)

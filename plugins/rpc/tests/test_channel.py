@@ -11,7 +11,7 @@ import pytest
 import disco_core as disco
 import disco_rpc as rpc
 from disco_core.testing import ChannelContract
-from disco_core.testing.procfs import freeze
+from disco_core.testing.procfs import freeze, wait_gone
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -189,18 +189,7 @@ def test_stopped_worker_with_a_full_socket_is_unresponsive(servers, monkeypatch)
         assert time.monotonic() - t0 < 6
     # killed from here (its process holds the link and named itself a worker), not
     # left stopped for its server's own watch (which waits twice its liveness timeout)
-    deadline = time.monotonic() + 3.0
-    while os.path.exists(f"/proc/{pid}") and not _zombie(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
+    assert wait_gone([pid], 3.0) == []
 
 
 class _NotAllowed:
@@ -295,7 +284,6 @@ def test_a_worker_pid_is_believed_only_when_that_process_holds_the_link():
     outside check; ``-1`` would have been all of them). A process that holds the link
     but is not named a worker (a relay: an ssh tunnel, a shared proxy) is not believed
     either (a second check: the server could name the relay that carries its link)."""
-    import os
     import socket
     import subprocess
     import sys
