@@ -227,9 +227,9 @@ def test_shutdown_releases_remote_waiters():
     t0 = time.monotonic()
     sess.shutdown()
     assert time.monotonic() - t0 < 4  # no kill after the shutdown timeout
-    from disco_core.testing.channel_kit import _wait_gone
+    from disco_core.testing.procfs import wait_gone
 
-    assert not _wait_gone(pids[1:], 5)
+    assert not wait_gone(pids[1:], 5)
 
 
 # ---------------------------------------------------------------------------- the store itself
