@@ -38,7 +38,7 @@ Network layer
     :mod:`net` (:mod:`~disco_core.net.io`, :mod:`~disco_core.net.framing`,
     :mod:`~disco_core.net.security`, :mod:`~disco_core.net.protect`,
     :mod:`~disco_core.net.accept`): the one security policy
-    (:func:`resolve_token`, :func:`check_bind`, :class:`Handshake`,
+    (:func:`resolve_token`, :func:`check_bind`, :func:`listen_family`, :class:`Handshake`,
     :func:`new_nonce`, :data:`TOKEN_ENV`), sealed records
     (:class:`SealedTransport`), transports, byte I/O (:func:`send_all`,
     :func:`write_all`, :func:`recv_exact`, :func:`new_pipe`, :func:`grow_pipe`,
@@ -122,6 +122,7 @@ from .net.security import (
     SessionKeys,
     check_bind,
     is_loopback,
+    listen_family,
     new_nonce,
     resolve_token,
 )
@@ -212,6 +213,7 @@ __all__ = [
     "resolve_token",
     "is_loopback",
     "check_bind",
+    "listen_family",
     "Handshake",
     "SessionKeys",
     "SealedTransport",

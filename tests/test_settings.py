@@ -161,3 +161,36 @@ def test_a_listen_host_that_does_not_resolve_is_named_not_called_insecure():
 
     with pytest.raises(disco.DiscoValueError, match="does not resolve"):
         check_bind("no.such.host.invalid", token=None, tls=False, what="test")
+
+
+def test_the_listen_family_follows_what_the_host_resolves_to(monkeypatch):
+    import socket
+
+    from disco_core.net import security
+
+    assert security.listen_family("") == socket.AF_INET
+    assert security.listen_family("127.0.0.1") == socket.AF_INET
+    assert security.listen_family("::1") == socket.AF_INET6
+    assert security.listen_family("[::1]") == socket.AF_INET6
+    assert security.listen_family("localhost") == socket.AF_INET  # keeps meaning 127.0.0.1
+
+    # a name with only an IPv6 address (ip6-localhost where /etc/hosts has it)
+    v6 = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: v6)
+    assert security.listen_family("ip6-localhost") == socket.AF_INET6
+
+
+def test_a_special_loopback_name_that_does_not_resolve_is_named(monkeypatch):
+    import socket
+
+    from disco_core.net import security
+
+    def fail(*a, **k):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    # before: taken as loopback by its name, then a raw socket.gaierror from bind
+    with pytest.raises(
+        disco.DiscoValueError, match="'ip6-localhost' for the test: the name does not resolve"
+    ):
+        security.check_bind("ip6-localhost", token=None, tls=False, what="test")

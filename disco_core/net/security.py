@@ -44,6 +44,7 @@ __all__ = [
     "resolve_token",
     "is_loopback",
     "check_bind",
+    "listen_family",
     "new_nonce",
     "SessionKeys",
     "Handshake",
@@ -145,17 +146,8 @@ def check_bind(
         ``host`` is a name that does not resolve (it was reported as an insecure bind,
         and told the user to add a token: an outside check).
     """
-    if isinstance(host, str) and host and host not in ("localhost", "ip6-localhost", "ip6-loopback"):  # fmt: skip
-        try:
-            ipaddress.ip_address(host.strip("[]"))
-        except ValueError:
-            try:
-                socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-            except OSError as exc:
-                raise DiscoValueError(
-                    f"cannot listen on {host!r} for the {what}: the name does not resolve "
-                    f"({exc.strerror or exc})"
-                ) from None
+    if isinstance(host, str):
+        listen_family(host, what)  # a name that does not resolve is named here
     if is_loopback(host):
         if token is None and what not in _warned_loopback:
             _warned_loopback.add(what)
@@ -180,6 +172,39 @@ def check_bind(
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+def listen_family(host: str, what: str = "service") -> int:
+    """The address family a service listening on ``host`` binds with.
+
+    An IPv6 literal is ``AF_INET6``; an IPv4 literal or ``""`` (every interface)
+    ``AF_INET``; a name is resolved, and is ``AF_INET`` when it has an IPv4 address
+    (``localhost`` keeps meaning 127.0.0.1), else ``AF_INET6`` (a name such as
+    ``ip6-localhost`` that only has ``::1``).
+
+    Raises
+    ------
+    DiscoValueError
+        ``host`` is a name that does not resolve (before, a raw ``socket.gaierror``
+        from ``bind``, or an insecure-bind error telling the user to add a token).
+    """
+    if not host:
+        return socket.AF_INET
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        pass
+    else:
+        return socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        raise DiscoValueError(
+            f"cannot listen on {host!r} for the {what}: the name does not resolve "
+            f"({exc.strerror or exc})"
+        ) from None
+    families = {info[0] for info in infos}
+    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
 
 
 def new_nonce() -> bytes:

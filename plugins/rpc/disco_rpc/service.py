@@ -35,6 +35,7 @@ from typing import Any
 
 from disco_core import DiscoTypeError, DiscoValueError
 from disco_core.spi import check_bind as _check_bind
+from disco_core.spi import listen_family
 
 from . import auth, wire
 from .errors import RPCError
@@ -256,7 +257,7 @@ def _port(name: str, value: Any) -> int:
 def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) -> socket.socket:
     """Bind the first free port in ``[port, port_end)`` (``port`` alone when ``port_end <= port``)."""
     port, port_end = _port("port", port), _port("port_end", port_end)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family = listen_family(host)
     last = None
     for p in range(port, max(port_end, port + 1)):
         sock = socket.socket(family, socket.SOCK_STREAM)

@@ -56,6 +56,7 @@ from disco_core.spi import (
     check_untrusted,
     decode_untrusted,
     frame_head,
+    listen_family,
     liveness_timeout,
     new_nonce,
     resolve_token,
@@ -979,7 +980,6 @@ class SocketChannel(LinkChannel):
 
     # ------------------------------------------------------------------ start-up
     def _start(self, host: str, port: int, on_listen: Callable | None) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         if self.num_nodes > 1:
             # The core's one bind policy: beyond loopback, a token or TLS (or the
             # explicit, warned-about opt-out); on loopback without a token, one warning.
@@ -990,6 +990,7 @@ class SocketChannel(LinkChannel):
                 allow_insecure_bind=self._allow_insecure_bind,
                 what="disco-socket controller",
             )
+            family = listen_family(host, "disco-socket controller")
             self._listener = socket.create_server((host, port), family=family, backlog=64)
             self.address: tuple[str, int] = self._listener.getsockname()[:2]
         else:
