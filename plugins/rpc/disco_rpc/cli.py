@@ -212,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_tls_server(s)
     _add_insecure(s)
-    s.add_argument("--tracker", metavar="HOST:PORT", help="a tracker to register with")
+    s.add_argument(
+        "--tracker", metavar="HOST:PORT", type=_hostport, help="a tracker to register with"
+    )
     s.add_argument(
         "--custom-addr", metavar="HOST", help="the host the tracker tells clients (default: --host)"
     )
@@ -252,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_TOKEN_NOTE,
     )  # fmt: skip
     _add_listen(px, 9090, "proxy")
-    px.add_argument("--tracker", metavar="HOST:PORT", help="a tracker to register with")
+    px.add_argument(
+        "--tracker", metavar="HOST:PORT", type=_hostport, help="a tracker to register with"
+    )
     _add_insecure(px)
 
     st = _sub(
@@ -377,11 +381,12 @@ def _files(args) -> int:
     return 0
 
 
-def _hostport(text: str | None):
-    if not text:
-        return None
-    host, _, port = text.rpartition(":")
-    return (host or "127.0.0.1", int(port))
+def _hostport(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``:PORT``, or ``[::1]:PORT``) as an address, for argparse."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 1-65535, got {text!r}")
+    return (host.strip("[]") or "127.0.0.1", int(port))
 
 
 def _interrupt(*_args) -> None:
@@ -424,7 +429,7 @@ def _tracker_or_proxy(args) -> int:
             from .proxy import Proxy
 
             obj = Proxy(  # type: ignore[assignment]
-                args.host, args.port, args.port_end, tracker_addr=_hostport(args.tracker),
+                args.host, args.port, args.port_end, tracker_addr=args.tracker,
                 allow_insecure_bind=args.allow_insecure_bind,
             )  # fmt: skip
     except RPCError as exc:
@@ -441,7 +446,7 @@ def _managed_server(args) -> int:
     try:
         srv = Server(
             args.host, args.port, args.port_end, is_proxy=args.through_proxy,
-            tracker_addr=_hostport(args.tracker), key=args.key,
+            tracker_addr=args.tracker, key=args.key,
             load_library=args.load_library, custom_addr=args.custom_addr, no_fork=args.no_fork,
             timeout=args.timeout, session_timeout=args.session_timeout, work_dir=args.work_dir,
             max_message_bytes=args.max_message_bytes,

@@ -74,6 +74,24 @@ def test_bad_log_level_is_a_usage_error():
     assert r.returncode == 2 and "unknown log level 'loud'" in r.stderr
 
 
+def test_a_tracker_address_without_a_port_is_a_usage_error_naming_the_option():
+    p = cli.build_parser()
+    for cmd in ("server", "proxy"):
+        assert p.parse_args([cmd, "--tracker", "[::1]:9190"]).tracker == ("::1", 9190)
+        assert p.parse_args([cmd, "--tracker", ":9190"]).tracker == ("127.0.0.1", 9190)
+    # before: "disco-rpc: invalid literal for int() with base 10: 'nohostport'", rc 1
+    for bad in ("nohostport", "host:0", "host:x", "host:70000"):
+        with pytest.raises(SystemExit) as exc:
+            p.parse_args(["server", "--tracker", bad])
+        assert exc.value.code == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_tracker_address_names_the_option():
+    r = _run("server", "--tracker", "nohostport")
+    assert r.returncode == 2 and "argument --tracker: expected HOST:PORT" in r.stderr, r.stderr
+
+
 @pytest.mark.timeout(60)
 def test_verbose_logs_the_client_side(server):
     # -vv: DEBUG; the session's work goes through the core's logging configuration
