@@ -340,7 +340,13 @@ class RemoteTensor(RemoteObject):
         """Overwrite the contents with ``source`` (an array of the same size and dtype)."""
         arr = np.asarray(to_host(source))
         if arr.dtype != as_dtype(self.dtype):
-            arr = arr.astype(self.dtype)
+            try:
+                arr = arr.astype(self.dtype)
+            except (TypeError, ValueError) as exc:  # an object or string array, say
+                raise DiscoTypeError(
+                    f"copyfrom: cannot convert a {arr.dtype} array to this tensor's "
+                    f"{self.dtype}: {exc}"
+                ) from None
         self._rpc_sess._request(OP_TENSOR_SET, self, arr)
         return self
 
@@ -714,6 +720,7 @@ class RPCSession:
     def _shutdown_transport(self) -> None:
         self._closed = True
         self._stop_heartbeats()
+        _HEARTBEATS.wake()  # its thread ends now if this was the last session
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -1270,6 +1277,7 @@ class PopenSession(RPCSession):
     def _shutdown_transport(self) -> None:
         self._closed = True
         self._stop_heartbeats()
+        _HEARTBEATS.wake()
         if self._child is not None:
             self._child.close()
 
@@ -1299,6 +1307,11 @@ class _Heartbeats:
                 self.thread = threading.Thread(target=self._run, name="disco-rpc-heartbeats", daemon=True)  # fmt: skip
                 self.woke = time.monotonic()
                 self.thread.start()
+            self.cond.notify()
+
+    def wake(self) -> None:
+        """Look at the sessions now (one closed: the thread ends when none is left)."""
+        with self.cond:
             self.cond.notify()
 
     def _run(self) -> None:

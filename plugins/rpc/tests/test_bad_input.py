@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import disco_core as disco
@@ -69,6 +70,11 @@ def test_upload_and_get_function_name_what_was_wrong(tmp_path):
             s.upload(123, "x")
         with pytest.raises(disco.DiscoTypeError, match="name must be a str"):
             s.get_function(123)
+        t = rpc.empty((4,), "float32", device=s.cpu())
+        with pytest.raises(disco.DiscoTypeError, match="copyfrom: cannot convert a object array"):
+            t.copyfrom(np.array([object()] * 4))
+        t.copyfrom(np.arange(4))  # a number array is converted, as TVM's copyfrom does
+        assert t.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
         assert s.cpu().exist  # the session goes on
         s.close()
     finally:

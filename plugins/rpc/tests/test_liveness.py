@@ -257,6 +257,30 @@ def test_idle_client_kept(server):
         assert s.get_function("live.pid")() == pid
 
 
+def test_the_heartbeat_thread_ends_when_the_last_session_closes():
+    """No thread is left in the client once its sessions are closed (an outside check saw
+    ``disco-rpc-heartbeats`` alive after every session and server was gone)."""
+
+    def beating() -> bool:
+        return any(t.name == "disco-rpc-heartbeats" for t in threading.enumerate())
+
+    srv = rpc.Server(port=10200, port_end=10300, liveness_timeout=40)  # a beat every 10 s
+    try:
+        a = rpc.connect("127.0.0.1", srv.port)
+        b = rpc.connect("127.0.0.1", srv.port)
+        assert beating()
+        a.close()
+        time.sleep(0.2)
+        assert beating(), "b still needs its heartbeats"
+        b.close()
+        deadline = time.monotonic() + 3.0  # before: at its next look, 10 s later
+        while beating() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not beating()
+    finally:
+        srv.terminate()
+
+
 def test_long_call_kept(server):
     """A call lasting 2.5 bounds returns; the session stays usable."""
     with rpc.connect("127.0.0.1", server.port) as s:
