@@ -104,6 +104,36 @@ def test_worker_that_cannot_start(no_leftover_children):
         disco.ProcessSession(2, entrypoint="")
 
 
+_FEW_FILES = r"""
+import os, resource, subprocess, time
+import disco_core as disco
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+before = len(os.listdir("/proc/self/fd"))
+try:
+    disco.ProcessSession(30)
+except disco.DiscoError as exc:
+    print("ERROR", type(exc).__name__, exc)
+time.sleep(0.5)
+children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+print("LEFT", len(children), len(os.listdir("/proc/self/fd")) - before)
+sess = disco.ProcessSession(2)  # the session that fits still starts
+print("OK", sess.num_workers)
+sess.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_running_out_of_files_is_named_and_leaves_nothing():
+    """Before: a raw ``OSError: Too many open files: '/dev/null'`` (an outside check)."""
+    r = subprocess.run(
+        [sys.executable, "-c", _FEW_FILES], capture_output=True, text=True, timeout=50
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ERROR DiscoError cannot start worker process" in r.stdout, r.stdout
+    assert "Too many open files" in r.stdout and "ulimit -n" in r.stdout, r.stdout
+    assert "LEFT 0 0" in r.stdout and "OK 2" in r.stdout, r.stdout
+
+
 _LAST_WORDS = r"""
 import os, sys
 import disco_core as disco

@@ -9,10 +9,12 @@ full reply pipe, and a pipe's end of file is a dead worker, seen at once.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
 import pickletools
+import resource
 import selectors
 import signal
 import subprocess
@@ -23,7 +25,7 @@ from typing import Any
 
 from .. import _interrupts
 from ..commandline import level_for_workers
-from ..errors import DiscoValueError, UntrustedValueError, WorkerDiedError, WorkerError
+from ..errors import DiscoError, DiscoValueError, UntrustedValueError, WorkerDiedError, WorkerError
 from ..net.io import grow_pipe
 from ..net.spawn import spawn_worker, worker_argv
 from ..protocol import FrameReader, decode
@@ -122,10 +124,17 @@ class ProcessWorkerLink(BatchingLink):
     ) -> None:
         super().__init__()
         self.worker_ids = (worker_id,)
-        cmd_r, self.cmd_w = os.pipe()
-        self.reply_r, reply_w = os.pipe()
+        opened: list[int] = []
+        try:  # out of descriptors part way: close the pipes already made
+            for _ in range(3):
+                opened += os.pipe()
+        except BaseException:
+            for fd in opened:
+                os.close(fd)
+            raise
+        cmd_r, self.cmd_w, self.reply_r, reply_w = opened[:4]
         self.err_r: int | None  # the stderr pipe until tee_stderr takes it
-        self.err_r, err_w = os.pipe()
+        self.err_r, err_w = opened[4:]
         for fd in (self.cmd_w, reply_w):
             grow_pipe(fd)
         # Writes wait for room in poll(), checking the worker meanwhile (BatchingLink._stalled)
@@ -134,7 +143,8 @@ class ProcessWorkerLink(BatchingLink):
         try:
             self.proc = spawn_worker(argv, (cmd_r, reply_w), env, err_w)
         except BaseException:
-            os.close(self.err_r)
+            for fd in (self.err_r, self.cmd_w, self.reply_r):  # no link to close them later
+                os.close(fd)
             raise
         finally:
             os.close(cmd_r)
@@ -189,6 +199,23 @@ def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
     return tee
 
 
+#: errno values that mean this process or the machine ran out of something, not a bug
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
+
+
+def _cannot_start(worker_id: int, count: int, exc: OSError) -> str:
+    """Why worker ``worker_id`` (of ``count`` to start here) could not start, and what to do."""
+    hint = ""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        hint = (
+            f"; this process may have {soft} open files (ulimit -n), and each worker "
+            "process takes 3 pipes (6 descriptors) while it starts and 3 afterwards: "
+            "raise the limit or start fewer workers"
+        )
+    return f"cannot start worker process {worker_id} ({count} to start here): {exc.strerror or exc}{hint}"
+
+
 def start_worker_processes(
     hub: ReplyHub,
     worker_ids: range,
@@ -209,10 +236,20 @@ def start_worker_processes(
     later workers (outside check).
     """
     with _interrupts.sigint_blocked():
-        for w in worker_ids:
-            procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
-        tee = tee_stderr(procs)
-        reader = ReplyReader(procs, hub)
+        try:
+            for w in worker_ids:
+                try:
+                    procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
+                except OSError as exc:
+                    if exc.errno not in _OUT_OF_RESOURCES:
+                        raise
+                    raise DiscoError(_cannot_start(w, len(worker_ids), exc)) from exc
+            tee = tee_stderr(procs)
+            reader = ReplyReader(procs, hub)
+        except BaseException:
+            for link in procs:  # the reply pipes are the reader's to close; there is none
+                os.close(link.reply_r)
+            raise
         reader.start()
     return tee, reader
 
