@@ -432,6 +432,45 @@ def test_a_value_a_network_peer_would_refuse_is_refused_before_it_leaves():
         wire_values.encode_for_network(np.zeros(2, dtype=[("a", "i4")]))
 
 
+def test_a_value_a_network_peer_would_refuse_for_its_memory_is_refused_before_it_leaves():
+    """A long list of empty sets (or 0-d arrays) takes more memory per byte than a
+    receiver allows: a remote worker refused the command and exited (exit code 3, the
+    session over). ``check_untrusted`` rebuilds a large header as the worker would, and
+    the mistake is a DiscoValueError at the call."""
+    from disco_core.channels.base import Outgoing, WorkerLink, check_untrusted
+
+    class Remote(WorkerLink):
+        untrusted = True
+
+        def send(self, out):
+            raise AssertionError("a checked command is not sent")
+
+        def close(self, deadline):
+            pass
+
+    costly = Outgoing((protocol.CALL_PACKED, 1, 2, ([set() for _ in range(100_000)],)))
+    with pytest.raises(disco.DiscoValueError, match="more than 24 bytes of memory per byte"):
+        check_untrusted(costly, [Remote()])
+    fine = Outgoing((protocol.CALL_PACKED, 1, 2, ([{i} for i in range(100_000)],)))
+    check_untrusted(fine, [Remote()])
+    # A header of at most 2 KiB is not rebuilt: the dearest value per byte fits its floor.
+    small = [frozenset()] * ((wire_values._REBUILD_CHECK_FROM - 16) // 5)
+    header, buffers = wire_values.encode_for_network(small)
+    assert len(header) <= wire_values._REBUILD_CHECK_FROM
+    assert wire_values.decode_untrusted(header, buffers) == small
+    for item in (np.array(True), np.array(1, np.int8), set(), b"", {}):
+        size = len(wire_values.encode_for_network([item, item])[0]) - len(
+            wire_values.encode_for_network([item])[0]
+        )
+        empty = len(wire_values.encode_for_network([])[0])
+        dear = [item] * ((wire_values._REBUILD_CHECK_FROM - empty) // size)
+        header, buffers = wire_values.encode_for_network(dear)
+        assert (
+            wire_values._REBUILD_CHECK_FROM - size < len(header) <= wire_values._REBUILD_CHECK_FROM
+        )
+        wire_values.decode_untrusted(header, buffers)  # not refused
+
+
 def test_small_record_is_checked_before_any_byte_is_handed_over(sealed_pair):
     """A small record is read whole and verified first; what the caller did not take waits."""
     tx, rx, tap, raw = sealed_pair

@@ -48,7 +48,7 @@ from ..net.io import STALL_CHECK
 from ..protocol import FLAG_BATCH, Frame, encode, frame_head, isolate, isolate_command, write_all
 from ..settings import env_seconds, env_seconds_or_default
 from ..store import ControllerStore, NoStore
-from ..wire_values import encode_for_network
+from ..wire_values import check_rebuildable, encode_for_network
 from ..worker import Worker, set_current
 
 logger = logging.getLogger("disco_core.channels")
@@ -188,12 +188,14 @@ def check_untrusted(out: Outgoing, links: Iterable[WorkerLink]) -> None:
     Such a worker cannot skip a command it cannot read (what follows may use the
     register it never filled): it ends, and the session with it. Checked here, before
     any link gets the command (by encoding it: :attr:`Outgoing.wire_frame`), the
-    mistake is a :class:`DiscoTypeError` at the call. Values that are all plain
+    mistake is a :class:`DiscoTypeError` at the call, and a value that the worker would
+    refuse for the memory it takes (:func:`~disco_core.wire_values.check_rebuildable`)
+    a :class:`DiscoValueError`. Values that are all plain
     (``out.shared``) need no check.
     """
     if out.shared or not any(link.untrusted for link in links):
         return
-    out.wire_frame  # noqa: B018 - raises DiscoTypeError, naming the type
+    check_rebuildable(out.wire_frame)  # encoding raises DiscoTypeError, naming the type
 
 
 class Channel(abc.ABC):

@@ -573,6 +573,21 @@ def test_replies_are_never_unpickled(cluster, sec_module, tmp_path, token):
     assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(3) == 3
 
 
+@pytest.mark.timeout(90)
+def test_a_command_a_remote_worker_would_refuse_is_refused_at_the_call(cluster):
+    """A list of 100,000 empty sets takes 43 times its encoded size in memory, past what a
+    receiver allows: the remote worker refused the command and exited (code 3), and the
+    session was over. Now the call raises, nothing is sent, and the session goes on."""
+    sess = cluster.session(2, 1, token="t")
+    sess.import_python_module(FUNCS)
+    echo = sess.get_global_func("testing.echo")
+    with pytest.raises(disco.DiscoValueError, match="more than 24 bytes of memory per byte"):
+        echo([set() for _ in range(100_000)])
+    sets = [{i} for i in range(100_000)]  # 19 times its size: it crosses
+    assert echo(sets).debug_get_from_remote(1) == sets
+    assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
+
+
 @pytest.mark.timeout(60)
 def test_agent_starts_workers_untrusted(cluster):
     sess = cluster.session(2, 1, token="t")
