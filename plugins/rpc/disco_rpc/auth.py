@@ -223,8 +223,9 @@ def _check_status(status: int, version: int, key: str) -> None:
         NO_SERVER: f"the proxy has no server registered for key {base!r}",
         SERVERS_BUSY: f"every server for key {base!r} behind the proxy stayed busy",
         TICKET_REQUIRED: (
-            f"the servers for key {base!r} behind the proxy are managed by a tracker: "
-            "a ticket from the tracker is required (use connect_tracker(...).request(key))"
+            f"the servers for key {base!r} are managed by a tracker: a ticket from the "
+            "tracker is required (use connect_tracker(...).request(key), or the command "
+            "line's --tracker HOST:PORT)"
         ),
     }
     raise RPCAuthError(messages.get(status, f"the server refused the connection (status {status})"))
@@ -263,7 +264,8 @@ class ServerHandshake:
     client may proceed, :attr:`keys` what to seal the connection with (None
     without a token). Only fixed-size fields and a key of at most
     :data:`MAX_KEY_BYTES` are ever read. ``key_check(key_bytes)``, when given,
-    decides instead of comparing with ``key``.
+    decides instead of comparing with ``key``: true, false, or the status of its
+    refusal (:data:`TICKET_REQUIRED` for a tracker's server asked without a ticket).
 
     Setting :attr:`taken` (a server behind a proxy that started another client's
     session meanwhile) makes it answer :data:`SERVER_TAKEN` where it would have let
@@ -313,7 +315,8 @@ class ServerHandshake:
         if self._version != VERSION:
             status = BAD_VERSION
         elif self.key_check is not None:
-            status = OK if self.key_check(kb) else KEY_MISMATCH
+            verdict = self.key_check(kb)  # True, False, or the status of a refusal
+            status = verdict if type(verdict) is int else OK if verdict else KEY_MISMATCH
         elif self.key and kb != self.key:
             status = KEY_MISMATCH
         if status == OK and self.taken:

@@ -703,7 +703,7 @@ class _Listener:
         reg = self.reg
         if reg is None:
             return None
-        return lambda kb: reg.accepts(kb) is not None
+        return lambda kb: True if reg.accepts(kb) is not None else reg.refusal(kb)
 
     def _advance(self, hs: _Handshake) -> None:
         ok = hs.advance()

@@ -44,6 +44,7 @@ from .protocol import (
     BEATS_ALWAYS,
     BEATS_IDLE,
     BEATS_NONE,
+    KEY_MISMATCH,
     REGISTRANT_KEY,
     REPLY,
     REQUEST,
@@ -51,6 +52,7 @@ from .protocol import (
     T_PUT,
     T_REVOKE,
     T_START,
+    TICKET_REQUIRED,
     TICKET_SEP,
     TRACKER_MAX_MESSAGE_BYTES,
 )
@@ -714,6 +716,13 @@ class Registration:
         if sep and key == self.key and ticket in self.tickets:
             return ticket
         return None
+
+    def refusal(self, presented: bytes) -> int:
+        """The handshake status for a key :meth:`accepts` refused: this server's own key
+        without a ticket is told that a ticket is required (as a proxy tells it), not
+        that the key is wrong (an outside check: ``disco-rpc ls --key gpu`` said "key
+        mismatch" to a server whose key was ``gpu``)."""
+        return TICKET_REQUIRED if presented == self.key.encode() else KEY_MISMATCH
 
     def close(self) -> None:
         if self.conn is not None:

@@ -138,10 +138,13 @@ def test_key_isolation_and_tickets(tracker):
     try:
         ts = rpc.connect_tracker(*tracker.addr)
         # a tracker-managed server refuses clients without a ticket
-        with pytest.raises(rpc.RPCAuthError):
+        # its own key without a ticket is told so (it was "key mismatch"), others are not
+        with pytest.raises(rpc.RPCAuthError, match="a ticket from the tracker is required"):
             rpc.connect("127.0.0.1", srv.port, key="gpu")
-        with pytest.raises(rpc.RPCAuthError):
+        with pytest.raises(rpc.RPCAuthError, match="key mismatch"):
             rpc.connect("127.0.0.1", srv.port, key="gpu@forged")
+        with pytest.raises(rpc.RPCAuthError, match="key mismatch"):
+            rpc.connect("127.0.0.1", srv.port, key="cpu")
         s = ts.request("gpu")
         assert s.get_function("trk.pid")() > 0
         s.close()
