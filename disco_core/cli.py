@@ -36,7 +36,13 @@ import sys
 import warnings
 from typing import Any
 
-from .commandline import HelpFormatter, add_common_options, configure_logging, level_from_args
+from .commandline import (
+    HelpFormatter,
+    add_common_options,
+    configure_logging,
+    level_from_args,
+    plain_warnings,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -328,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         level = level_from_args(args, logging.WARNING)
     except ValueError as exc:
         parser.error(str(exc))
+    plain_warnings("disco")
     configure_logging(level)
     handler = getattr(args, "handler", None)
     if handler is None:

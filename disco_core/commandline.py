@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import textwrap
+import warnings
 from typing import TextIO
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "parse_level",
     "level_from_args",
     "configure_logging",
+    "plain_warnings",
     "configure_from_env",
     "level_for_workers",
 ]
@@ -205,6 +207,21 @@ def configure_logging(
     # Workers stay silent unless asked; an option given here overrides the variable.
     if pass_to_workers and (level < logging.WARNING or os.environ.get(LOG_LEVEL_ENV)):
         os.environ[LOG_LEVEL_ENV] = logging.getLevelName(level)
+
+
+def plain_warnings(prog: str) -> None:
+    """Print this command's warnings as ``PROG: warning: MESSAGE``, one line each.
+
+    Python's default shows the file and source line that warned (``.../cli.py:487:
+    RuntimeWarning: ...`` and the code), which a command's user has no use for (an
+    outside check). Call it from a command's ``main`` only: it changes the process's
+    :func:`warnings.formatwarning`.
+    """
+
+    def one_line(message, category, filename, lineno, line=None) -> str:  # noqa: ARG001
+        return f"{prog}: warning: {message}\n"
+
+    warnings.formatwarning = one_line  # type: ignore[assignment]
 
 
 def configure_from_env() -> bool:

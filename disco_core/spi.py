@@ -87,7 +87,13 @@ from .channels.process import (
     worker_env,
 )
 from .channels.stderr_tee import StderrTee
-from .commandline import HelpFormatter, add_common_options, configure_logging, level_from_args
+from .commandline import (
+    HelpFormatter,
+    add_common_options,
+    configure_logging,
+    level_from_args,
+    plain_warnings,
+)
 from .device import Device, as_device, as_dtype, as_shape, dtype_name, empty, to_host
 from .loaders import load_py
 from .net import accept
@@ -262,5 +268,6 @@ __all__ = [
     "HelpFormatter",
     "add_common_options",
     "level_from_args",
+    "plain_warnings",
     "configure_logging",
 ]

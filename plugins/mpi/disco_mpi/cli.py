@@ -16,7 +16,13 @@ import shlex
 import shutil
 import sys
 
-from disco_core.spi import HelpFormatter, add_common_options, configure_logging, level_from_args
+from disco_core.spi import (
+    HelpFormatter,
+    add_common_options,
+    configure_logging,
+    level_from_args,
+    plain_warnings,
+)
 
 from . import _runtime
 
@@ -135,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "n", 1) < 1:
         p.error("-n must be >= 1")
     try:
+        plain_warnings("disco-mpi")
         configure_logging(level_from_args(args))
     except ValueError as exc:
         p.error(str(exc))

@@ -13,7 +13,13 @@ import os
 import ssl
 import sys
 
-from disco_core.spi import HelpFormatter, add_common_options, configure_logging, level_from_args
+from disco_core.spi import (
+    HelpFormatter,
+    add_common_options,
+    configure_logging,
+    level_from_args,
+    plain_warnings,
+)
 
 from .wire import PROTOCOL_VERSION
 
@@ -198,6 +204,7 @@ def main(argv: list[str] | None = None, prog: str = "disco-socket") -> int:
     # The agent's own INFO lines are its default; its workers' lifecycle lines only
     # when the user asked for records (-v, --log-level or $DISCO_LOG_LEVEL).
     asked = bool(getattr(args, "verbose", 0)) or getattr(args, "log_level", None) is not None
+    plain_warnings("disco-socket")
     configure_logging(level, pass_to_workers=asked or bool(os.environ.get("DISCO_LOG_LEVEL")))
     from .agent import client_ssl_context, run_agent
 
