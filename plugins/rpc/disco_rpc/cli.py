@@ -15,7 +15,13 @@ import time
 from typing import Any, TextIO
 
 from disco_core import DiscoError
-from disco_core.spi import HelpFormatter, add_common_options, configure_logging, level_from_args
+from disco_core.spi import (
+    HelpFormatter,
+    add_common_options,
+    configure_logging,
+    level_from_args,
+    plain_warnings,
+)
 
 from . import wire
 
@@ -288,12 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
         )  # fmt: skip
         _add_connect(c, 9091, "server")
         c.add_argument("--key", default="", help="the server's key (default: none)")
+        c.add_argument(
+            "--tracker",
+            metavar="HOST:PORT",
+            type=_hostport,
+            help="ask this tracker for a server of --key (then --host and --port are not used)",
+        )
         if name == "upload":
             c.add_argument("file", help="the local file")
             c.add_argument("target", nargs="?", help="the remote name (default: the file's name)")
         elif name == "download":
             c.add_argument("path", help="the remote file")
-            c.add_argument("out", help="the local file to write (its folder must exist)")
+            c.add_argument(
+                "out",
+                nargs="?",
+                help="the local file to write, or a folder to write it into (default: the "
+                "remote file's name, in the current folder)",
+            )
         else:
             c.add_argument("path", nargs="?", default=".", help="the remote folder")
     return p
@@ -313,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if getattr(args, "silent", False) and getattr(args, "log_level", None) is None:
         level = max(level, logging.ERROR)  # --silent wins over $DISCO_LOG_LEVEL, not --log-level
+    plain_warnings("disco-rpc")
     configure_logging(level)
     from .errors import RPCError
 
@@ -321,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RPCError, OSError, DiscoError) as exc:
         print(f"disco-rpc: {_short(exc)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # outside a service's wait (which stops what it started)
+        print("disco-rpc: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _short(exc: BaseException) -> str:
@@ -363,8 +384,16 @@ def _files(args) -> int:
 
     ctx = _tls_client(args.tls_ca, args.tls_insecure)
     tls = "TLS" if ctx is not None else "no TLS"
-    log.info("%s: connecting to %s:%d (key %r, %s)", args.cmd, args.host, args.port, args.key, tls)
-    with connect(args.host, args.port, args.key, ssl_context=ctx) as sess:
+    if args.tracker is not None:
+        from .tracker import connect_tracker
+
+        log.info("%s: asking the tracker at %s:%d for key %r (%s)", args.cmd, *args.tracker, args.key, tls)  # fmt: skip
+        with connect_tracker(*args.tracker, ssl_context=ctx) as tracker:
+            sess = tracker.request(args.key)
+    else:
+        log.info("%s: connecting to %s:%d (key %r, %s)", args.cmd, args.host, args.port, args.key, tls)  # fmt: skip
+        sess = connect(args.host, args.port, args.key, ssl_context=ctx)
+    with sess:
         log.debug("session open: work folder %s", sess.info.get("work_dir", "?"))
         if args.cmd == "upload":
             bar = _Bar(f"upload {args.file}")
@@ -372,13 +401,22 @@ def _files(args) -> int:
             bar.done()
         elif args.cmd == "download":
             bar = _Bar(f"download {args.path}")
-            sess.download(args.path, target=args.out, progress=bar)
+            sess.download(args.path, target=_local_target(args.path, args.out), progress=bar)
             bar.done()
         else:
             names = sess.listdir_names(args.path)
             if names:
                 print("\n".join(names))
     return 0
+
+
+def _local_target(remote: str, out: str | None) -> str:
+    """Where ``download`` writes ``remote``: ``out``, or the remote name in ``out`` when
+    it is a folder (``.`` when not given), as ``cp`` and ``scp`` do."""
+    name = os.path.basename(remote.rstrip("/")) or remote
+    if out is None:
+        return name
+    return os.path.join(out, name) if os.path.isdir(out) else out
 
 
 def _hostport(text: str) -> tuple[str, int]:
@@ -389,16 +427,21 @@ def _hostport(text: str) -> tuple[str, int]:
     return (host.strip("[]") or "127.0.0.1", int(port))
 
 
-def _interrupt(*_args) -> None:
-    raise KeyboardInterrupt
+#: The exit status after Ctrl-C, as ``disco demo`` and ``disco-socket join`` (128 + SIGINT);
+#: a SIGTERM is a requested stop: 0.
+EXIT_INTERRUPTED = 130
 
 
-def _wait_forever(obj) -> int:
+def _wait_forever(obj, banner: str) -> int:
+    """Print ``banner``, then wait until ``obj``'s process ends or a signal stops us."""
     import signal
     import time
 
-    signal.signal(signal.SIGTERM, _interrupt)
+    from .service import exit_on_term
+
+    signal.signal(signal.SIGTERM, exit_on_term)
     try:
+        print(banner, flush=True)  # (a Ctrl-C here still stops obj's process)
         while obj.pid is not None:
             pid, _ = os.waitpid(obj.pid, os.WNOHANG)
             if pid:
@@ -406,7 +449,9 @@ def _wait_forever(obj) -> int:
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
-        pass
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0
     finally:
         obj.terminate()
     return 0
@@ -435,8 +480,7 @@ def _tracker_or_proxy(args) -> int:
     except RPCError as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)
         return 1
-    print(f"disco-rpc {args.cmd} listening on {obj.host}:{obj.port}", flush=True)
-    return _wait_forever(obj)
+    return _wait_forever(obj, f"disco-rpc {args.cmd} listening on {obj.host}:{obj.port}")
 
 
 def _managed_server(args) -> int:
@@ -457,8 +501,7 @@ def _managed_server(args) -> int:
     except (RPCError, ValueError) as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)
         return 1
-    print(f"disco-rpc server on {srv.host}:{srv.port}", flush=True)
-    return _wait_forever(srv)
+    return _wait_forever(srv, f"disco-rpc server on {srv.host}:{srv.port}")
 
 
 def _server(args) -> int:
@@ -511,11 +554,18 @@ def _server(args) -> int:
         liveness_timeout=liveness,
     )
     host, port = sock.getsockname()[:2]
-    print(f"disco-rpc server listening on {host}:{port}", flush=True)
+    import signal
+
+    from .service import exit_on_term
+
+    signal.signal(signal.SIGTERM, exit_on_term)  # before the line a supervisor waits for
     try:
+        print(f"disco-rpc server listening on {host}:{port}", flush=True)
         serve_forever(sock, cfg)
-    except (KeyboardInterrupt, SystemExit):
-        pass
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # SIGTERM
+        return exc.code if isinstance(exc.code, int) else 0
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -86,6 +87,77 @@ def test_a_tracker_address_without_a_port_is_a_usage_error_naming_the_option():
         assert exc.value.code == 2
 
 
+@pytest.mark.timeout(90)
+def test_the_file_commands_reach_a_server_through_its_tracker(tmp_path):
+    """``ls``/``upload``/``download --tracker``: a tracker's servers take only clients
+    with a ticket, and the file commands had no way to get one (an outside check)."""
+    tracker = rpc.Tracker(port=10460, port_end=10480, token=TOKEN)
+    srv = rpc.Server(
+        port=10480, port_end=10500, token=TOKEN, key="board", work_dir=str(tmp_path),
+        tracker_addr=tracker.addr,
+    )  # fmt: skip
+    try:
+        where = ("--tracker", f"127.0.0.1:{tracker.port}", "--key", "board")
+        src = tmp_path / "local.txt"
+        src.write_text("through the tracker")
+        r = _run("upload", *where, str(src), "up.txt")
+        assert r.returncode == 0, r.stderr
+        r = _run("ls", *where)
+        assert r.returncode == 0 and "up.txt" in r.stdout.split(), r
+        out = tmp_path / "back.txt"
+        r = _run("download", *where, "up.txt", str(out))
+        assert r.returncode == 0 and out.read_text() == "through the tracker", r
+        r = _run("ls", "--port", str(srv.port), "--key", "board")  # straight to the server
+        assert r.returncode == 1 and "a ticket from the tracker is required" in r.stderr, r
+        assert "--tracker HOST:PORT" in r.stderr
+    finally:
+        srv.terminate()
+        tracker.terminate()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("cmd", [["server", "--port", "10510", "--port-end", "10530"],
+                                 ["tracker", "--port", "10550", "--port-end", "10570"]])  # fmt: skip
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_a_service_stopped_by_ctrl_c_exits_130_and_by_sigterm_0(cmd, sig, code):
+    """As ``disco demo`` and ``disco-socket join``: an interrupted run is told from a
+    requested stop by its status (both were 0: an outside check)."""
+    p = subprocess.Popen(
+        [PY, "-m", "disco_rpc", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "DISCO_TOKEN": TOKEN},
+    )  # fmt: skip
+    try:
+        line = p.stdout.readline()
+        assert "listening on" in line or "server on" in line, p.stderr.read()
+        p.send_signal(sig)
+        assert p.wait(30) == code, p.stderr.read()
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.timeout(60)
+def test_the_no_token_warning_is_one_plain_line():
+    """Not Python's ``.../cli.py:487: RuntimeWarning: ...`` and the source line."""
+    env = {k: v for k, v in os.environ.items() if k != "DISCO_TOKEN"}
+    p = subprocess.Popen(
+        [PY, "-m", "disco_rpc", "server", "--port", "10570", "--port-end", "10590"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert "listening on" in p.stdout.readline()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        err = p.stderr.read()
+        assert err.startswith(
+            "disco-rpc: warning: the RPC server listens on 127.0.0.1 without a token"
+        )
+        assert err.count("\n") == 1 and ".py:" not in err, err
+    finally:
+        p.kill()
+        p.wait()
+
+
 @pytest.mark.timeout(60)
 def test_a_bad_tracker_address_names_the_option():
     r = _run("server", "--tracker", "nohostport")
@@ -119,6 +191,27 @@ def test_download_into_a_missing_local_folder(server, tmp_path):
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and "does not exist" in r.stderr, r.stderr
     assert "lost the connection" not in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_download_defaults_to_the_remote_name_and_takes_a_folder(server, tmp_path):
+    """As ``cp`` and ``scp``: no local name writes the remote file's name here, a
+    folder gets it inside (both were refused: an outside check)."""
+    with rpc.connect("127.0.0.1", server.port, token=TOKEN) as s:
+        s.upload(b"named", "named.txt")
+    here = tmp_path / "here"
+    here.mkdir()
+    r = subprocess.run(
+        [PY, "-m", "disco_rpc", "download", "--port", str(server.port), "named.txt"],
+        capture_output=True, text=True, timeout=30, cwd=here,
+        env={**os.environ, "DISCO_TOKEN": TOKEN},
+    )  # fmt: skip
+    assert r.returncode == 0 and (here / "named.txt").read_bytes() == b"named", r
+    into = tmp_path / "into"
+    into.mkdir()
+    r = _run("download", "--port", str(server.port), "named.txt", str(into))
+    assert r.returncode == 0 and (into / "named.txt").read_bytes() == b"named", r
+    assert cli._local_target("a/b.bin", None) == "b.bin"
 
 
 @pytest.mark.timeout(60)
