@@ -991,7 +991,13 @@ class SocketChannel(LinkChannel):
                 what="disco-socket controller",
             )
             family = listen_family(host, "disco-socket controller")
-            self._listener = socket.create_server((host, port), family=family, backlog=64)
+            try:
+                self._listener = socket.create_server((host, port), family=family, backlog=64)
+            except OSError as exc:  # in use, not an address of this machine, a low port
+                raise DiscoError(
+                    f"SocketSession: cannot listen on {host}:{port}: {exc.strerror or exc}"
+                    + (" (port=0 picks a free port)" if port else "")
+                ) from exc
             self.address: tuple[str, int] = self._listener.getsockname()[:2]
         else:
             self.address = (host, port)

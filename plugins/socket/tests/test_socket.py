@@ -436,6 +436,15 @@ def test_wrong_token_is_dropped_and_logged(cluster, caplog):
 
 
 @pytest.mark.timeout(60)
+def test_a_port_in_use_is_a_disco_error_naming_it():
+    """It was a bare ``OSError: [Errno 98]`` (not a DiscoError, as the README promises)."""
+    with socket.create_server((HOST, 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(disco.DiscoError, match=f"cannot listen on {HOST}:{port}: .*port=0"):
+            disco.SocketSession(2, 1, 1, HOST, port, token="t", timeout=5)
+
+
+@pytest.mark.timeout(60)
 def test_wrong_token_only_times_out_naming_the_rejection():
     def action(host, port):
         subprocess.run(
