@@ -39,8 +39,10 @@ from typing import Any
 from .commandline import (
     HelpFormatter,
     add_common_options,
+    chosen_parser,
     configure_logging,
     level_from_args,
+    parse_command_line,
     plain_warnings,
 )
 
@@ -292,8 +294,25 @@ def _load_trace(args: argparse.Namespace, action: str) -> Any:
     try:
         return load(args.file)
     except DiscoError as exc:
-        print(f"disco trace {action}: {exc}", file=sys.stderr)
+        print(f"disco trace {action}: {exc}{_traces_beside(args.file)}", file=sys.stderr)
         return None
+
+
+def _traces_beside(name: str) -> str:
+    """For a trace file that does not exist: the ones named after it that do (``disco demo
+    --trace out.json`` writes ``out.1w.json``, ``out.2w.json``...; ``DISCO_TRACE`` a
+    numbered file per later session)."""
+    import glob
+    from pathlib import Path
+
+    path = Path(name)
+    if path.exists():
+        return ""
+    near = sorted(glob.glob(glob.escape(str(path.with_suffix(""))) + ".*" + path.suffix))
+    if not near:
+        return ""
+    more = f" and {len(near) - 4} more" if len(near) > 4 else ""
+    return f"; traces named after it: {', '.join(near[:4])}{more}"
 
 
 def _cmd_trace_summary(args: argparse.Namespace) -> int:
@@ -329,11 +348,11 @@ def _cmd_trace_plot(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``disco`` command with ``argv`` (``sys.argv[1:]`` when None); return its exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         level = level_from_args(args, logging.WARNING)
     except ValueError as exc:
-        parser.error(str(exc))
+        chosen_parser(parser, args).error(str(exc))
     plain_warnings("disco")
     configure_logging(level)
     handler = getattr(args, "handler", None)

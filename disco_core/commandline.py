@@ -30,6 +30,8 @@ __all__ = [
     "level_from_args",
     "configure_logging",
     "plain_warnings",
+    "parse_command_line",
+    "chosen_parser",
     "configure_from_env",
     "level_for_workers",
 ]
@@ -207,6 +209,28 @@ def configure_logging(
     # Workers stay silent unless asked; an option given here overrides the variable.
     if pass_to_workers and (level < logging.WARNING or os.environ.get(LOG_LEVEL_ENV)):
         os.environ[LOG_LEVEL_ENV] = logging.getLevelName(level)
+
+
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:  # fmt: skip
+    """The (sub)parser of the command ``args`` chose (``disco trace summary``'s for
+    ``disco trace summary ...``), so that its usage goes with an error about it."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name is None or name not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[name]
+
+
+def parse_command_line(
+    parser: argparse.ArgumentParser, argv: list[str] | None = None
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but an unknown option is reported with the usage of
+    the command it was given to (argparse reports it with the top-level usage)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def plain_warnings(prog: str) -> None:

@@ -90,8 +90,10 @@ from .channels.stderr_tee import StderrTee
 from .commandline import (
     HelpFormatter,
     add_common_options,
+    chosen_parser,
     configure_logging,
     level_from_args,
+    parse_command_line,
     plain_warnings,
 )
 from .device import Device, as_device, as_dtype, as_shape, dtype_name, empty, to_host
@@ -269,5 +271,7 @@ __all__ = [
     "add_common_options",
     "level_from_args",
     "plain_warnings",
+    "parse_command_line",
+    "chosen_parser",
     "configure_logging",
 ]

@@ -135,3 +135,29 @@ def test_configure_logging_passes_the_level_to_workers_only_when_asked(monkeypat
     assert os.environ[commandline.LOG_LEVEL_ENV] == "DEBUG"
     commandline.configure_logging(logging.ERROR)  # an explicit level overrides the variable
     assert os.environ[commandline.LOG_LEVEL_ENV] == "ERROR"
+
+
+@pytest.mark.parametrize(
+    "argv, usage",
+    [
+        (["trace", "summary", "x.json", "--bogus"], "usage: disco trace summary"),
+        (["demo", "--bogus"], "usage: disco demo"),
+        (["--bogus", "plugins"], "usage: disco "),
+    ],
+)
+def test_an_unknown_option_gets_the_usage_of_its_command(argv, usage, capsys):
+    """argparse reports an unknown option with the top-level usage (an outside check)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and "unrecognized arguments: --bogus" in err, err
+
+
+def test_plain_warnings_are_one_line(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    commandline.plain_warnings("prog")
+    text = warnings.formatwarning("be careful", RuntimeWarning, "/a/file.py", 12, "code()")
+    assert text == "prog: warning: be careful\n"

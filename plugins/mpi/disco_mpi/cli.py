@@ -19,8 +19,10 @@ import sys
 from disco_core.spi import (
     HelpFormatter,
     add_common_options,
+    chosen_parser,
     configure_logging,
     level_from_args,
+    parse_command_line,
     plain_warnings,
 )
 
@@ -120,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--launcher-args", help="extra launcher arguments, one quoted string")
     r.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
-    r.add_argument("script", help="the Python script to run on every rank")
+    # optional to argparse (with REMAINDER after it, argparse would say "script, args"
+    # are required), required by main()
+    r.add_argument("script", nargs="?", help="the Python script to run on every rank")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     r.set_defaults(func=_run)
     i = sub.add_parser(
@@ -137,14 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``disco-mpi`` with ``argv`` (``sys.argv[1:]`` when None); return its exit code."""
     p = build_parser()
-    args = p.parse_args(argv)
+    args = parse_command_line(p, argv)
     if getattr(args, "n", 1) < 1:
-        p.error("-n must be >= 1")
+        chosen_parser(p, args).error("-n must be >= 1")
+    if args.command == "run" and args.script is None:
+        chosen_parser(p, args).error("the following arguments are required: script")
     try:
         plain_warnings("disco-mpi")
         configure_logging(level_from_args(args))
     except ValueError as exc:
-        p.error(str(exc))
+        chosen_parser(p, args).error(str(exc))
     return args.func(args)
 
 

@@ -65,3 +65,16 @@ def test_common_options_before_and_after_run(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith(sys.executable)
     r = _run("run", "-n", "1", "--log-level", "loud", str(script))
     assert r.returncode == 2 and "unknown log level 'loud'" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_run_usage_errors_name_run_and_only_what_is_missing():
+    """``run -n 2`` said "script, args" were required (args are optional), and ``-n 0``
+    came with the top-level usage (an outside check)."""
+    r = _run("run", "-n", "2")
+    assert r.returncode == 2 and "required: script\n" in r.stderr, r.stderr
+    assert r.stderr.startswith("usage: disco-mpi run")
+    r = _run("run", "-n", "0", "x.py")
+    assert r.returncode == 2 and r.stderr.startswith("usage: disco-mpi run"), r.stderr
+    r = _run("run", "-n", "2", "--dry-run", "x.py", "a", "--b")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("x.py a --b"), r

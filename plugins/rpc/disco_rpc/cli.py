@@ -18,8 +18,10 @@ from disco_core import DiscoError
 from disco_core.spi import (
     HelpFormatter,
     add_common_options,
+    chosen_parser,
     configure_logging,
     level_from_args,
+    parse_command_line,
     plain_warnings,
 )
 
@@ -319,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``disco-rpc`` with ``argv`` (``sys.argv[1:]`` when None); return its exit code."""
     p = build_parser()
-    args = p.parse_args(argv)
+    args = parse_command_line(p, argv)
     if args.cmd in _SERVICES:
         default = logging.ERROR if args.silent else logging.INFO
     else:
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         level = level_from_args(args, default)
     except ValueError as exc:
-        p.error(str(exc))
+        chosen_parser(p, args).error(str(exc))
     if getattr(args, "silent", False) and getattr(args, "log_level", None) is None:
         level = max(level, logging.ERROR)  # --silent wins over $DISCO_LOG_LEVEL, not --log-level
     plain_warnings("disco-rpc")

@@ -8,6 +8,7 @@ Also ``disco-socket HOST PORT N [options]`` and ``python -m disco_socket HOST PO
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import ssl
@@ -18,6 +19,7 @@ from disco_core.spi import (
     add_common_options,
     configure_logging,
     level_from_args,
+    parse_command_line,
     plain_warnings,
 )
 
@@ -174,6 +176,14 @@ def _expand_short_form(parser: argparse.ArgumentParser, argv: list[str]) -> list
     if not rest or rest[0].startswith("-"):
         parser.error(f"missing PORT after {host!r}: run {parser.prog} HOST PORT N")
     port, rest = rest[0], rest[1:]
+    if not port.isdigit():  # a mistyped command ("jion 10.0.0.1 9192") is not a host
+        close = difflib.get_close_matches(host, _COMMANDS, n=1)
+        if close:
+            parser.error(f"unknown command {host!r}: did you mean {close[0]!r}?")
+        parser.error(
+            f"{host!r} is not a command ({', '.join(_COMMANDS)}), and as the short form's "
+            f"HOST it needs a PORT number after it, not {port!r}: run {parser.prog} HOST PORT N"
+        )
     if rest and not rest[0].startswith("-"):
         return ["join", host, port, "--workers", rest[0], *rest[1:]]
     if not any(a in ("--workers", "-n") or a.startswith("--workers=") for a in rest):
@@ -191,7 +201,7 @@ def main(argv: list[str] | None = None, prog: str = "disco-socket") -> int:
     first = _first_word(argv)
     if first < len(argv) and argv[first] not in _COMMANDS and not argv[first].startswith("-"):
         argv = argv[:first] + _expand_short_form(parser, argv[first:])
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     if args.command == "version":
         print(_version_text())
         return 0
