@@ -1075,6 +1075,11 @@ def test_cli_short_form_is_documented_and_checked():
         r = run(*args)
         assert r.returncode == 2 and missing in r.stderr, r.stderr
         assert "invalid choice" not in r.stderr
+    # A mistyped command is not taken for a host (it blamed the port: an outside check).
+    r = run("jion", HOST, port, "--workers", "2")
+    assert r.returncode == 2 and "unknown command 'jion': did you mean 'join'?" in r.stderr
+    r = run(HOST, "x", "2")
+    assert r.returncode == 2 and "needs a PORT number after it, not 'x'" in r.stderr
     # Both spellings of the worker count parse (then find no controller: exit code 3).
     assert run(HOST, port, "1", "--connect-timeout", "0.3", "-q").returncode == 3
     assert run(HOST, port, "--workers", "1", "--connect-timeout", "0.3", "-q").returncode == 3
