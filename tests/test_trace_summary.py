@@ -464,6 +464,13 @@ def test_cli_bad_file_exit_2(tmp_path: Path):
         assert proc.stderr.count("\n") == 1 and "not a Disco trace" in proc.stderr
     proc = run_disco("summary", str(tmp_path / "absent.json"))
     assert proc.returncode == 2 and "no such file" in proc.stderr
+    assert "named after it" not in proc.stderr
+    # `disco demo --trace out.json` writes out.1w.json, out.2w.json: say so
+    for n in (1, 2):
+        (tmp_path / f"out.{n}w.json").write_text("{}")
+    proc = run_disco("summary", str(tmp_path / "out.json"))
+    assert proc.returncode == 2 and "traces named after it: " in proc.stderr, proc.stderr
+    assert "out.1w.json, " in proc.stderr and proc.stderr.rstrip().endswith("out.2w.json")
 
 
 def test_trace_parsers_take_the_common_options():
