@@ -84,6 +84,7 @@ __all__ = [
     "HELD",
     "SERVER_TAKEN",
     "held_notice",
+    "refusal_text",
     "resolve_token",
     "client_handshake",
     "server_handshake",
@@ -217,6 +218,11 @@ def _check_status(status: int, version: int, key: str) -> None:
         raise _ServerTaken("the server started another client's session first")
     if status == BAD_VERSION:
         raise RPCAuthError(f"the server speaks protocol version {version}, this client {VERSION}")
+    raise RPCAuthError(refusal_text(status, key))
+
+
+def refusal_text(status: int, key: str) -> str:
+    """What a handshake's refusal ``status`` of a client asking with ``key`` means."""
     base = key.rpartition("@")[0] or key
     messages = {
         KEY_MISMATCH: f"key mismatch: the server does not accept the key {key!r}",
@@ -228,7 +234,7 @@ def _check_status(status: int, version: int, key: str) -> None:
             "line's --tracker HOST:PORT)"
         ),
     }
-    raise RPCAuthError(messages.get(status, f"the server refused the connection (status {status})"))
+    return messages.get(status, f"the server refused the connection (status {status})")
 
 
 def held_notice() -> bytes:

@@ -371,7 +371,7 @@ def _take_idle_backend(sock: Any, addr: Any, key: str, ticket: str | None, deadl
                         held = True
                         state.held += 1
                 if status is not None:
-                    logger.warning("cannot pair %s with a server of key %r (status %d)", addr, key, status)  # fmt: skip
+                    logger.warning("cannot pair %s with a server of key %r: %s", addr, key, auth.refusal_text(status, key))  # fmt: skip
                     _refuse(sock, status)
                     return None
                 now = time.monotonic()

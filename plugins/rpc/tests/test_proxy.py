@@ -446,3 +446,14 @@ def test_clients_that_reach_a_busy_server_at_once_all_get_it_in_turn():
     finally:
         srv.terminate()
         px.terminate()
+
+
+def test_a_refusal_is_told_in_words_in_the_proxy_log_too():
+    """The proxy logged "(status 6)"; it logs what the client is told."""
+    from disco_rpc import auth
+
+    assert "a ticket from the tracker is required" in auth.refusal_text(
+        auth.TICKET_REQUIRED, "board"
+    )
+    assert "no server registered for key 'board'" in auth.refusal_text(auth.NO_SERVER, "board@t")
+    assert "status 99" in auth.refusal_text(99, "board")
