@@ -17,6 +17,7 @@ import sys
 from disco_core.spi import (
     HelpFormatter,
     add_common_options,
+    chosen_parser,
     configure_logging,
     level_from_args,
     parse_command_line,
@@ -114,7 +115,7 @@ def _parser(prog: str = "disco-socket") -> argparse.ArgumentParser:
         "--connect-timeout",
         metavar="SECONDS",
         type=_seconds,
-        default=float(os.environ.get("DISCO_CONNECT_TIMEOUT", "60")),
+        default=None,  # $DISCO_CONNECT_TIMEOUT, else 60: read in main(), naming the variable
         help="seconds to keep retrying while nothing answers at HOST PORT (default: "
         "$DISCO_CONNECT_TIMEOUT, else 60)",
     )
@@ -202,6 +203,12 @@ def main(argv: list[str] | None = None, prog: str = "disco-socket") -> int:
     if first < len(argv) and argv[first] not in _COMMANDS and not argv[first].startswith("-"):
         argv = argv[:first] + _expand_short_form(parser, argv[first:])
     args = parse_command_line(parser, argv)
+    if getattr(args, "connect_timeout", 0) is None:
+        text = os.environ.get("DISCO_CONNECT_TIMEOUT", "60")
+        try:
+            args.connect_timeout = _seconds(text)
+        except argparse.ArgumentTypeError as exc:  # was a raw ValueError traceback
+            chosen_parser(parser, args).error(f"$DISCO_CONNECT_TIMEOUT: {exc}")
     if args.command == "version":
         print(_version_text())
         return 0

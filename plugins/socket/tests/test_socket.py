@@ -1080,6 +1080,16 @@ def test_cli_short_form_is_documented_and_checked():
     assert r.returncode == 2 and "unknown command 'jion': did you mean 'join'?" in r.stderr
     r = run(HOST, "x", "2")
     assert r.returncode == 2 and "needs a PORT number after it, not 'x'" in r.stderr
+    # $DISCO_CONNECT_TIMEOUT: a bad one is a usage error naming it (was a traceback),
+    # a good one is the default of --connect-timeout
+    env = {**os.environ, "DISCO_CONNECT_TIMEOUT": "x"}
+    r = subprocess.run([sys.executable, "-m", "disco_socket", HOST, port, "1"],
+                       capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+    assert r.returncode == 2 and "$DISCO_CONNECT_TIMEOUT: not a number of seconds: 'x'" in r.stderr
+    env["DISCO_CONNECT_TIMEOUT"] = "0.3"
+    r = subprocess.run([sys.executable, "-m", "disco_socket", HOST, port, "1", "-q"],
+                       capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+    assert r.returncode == 3 and "after 0.3 s" in r.stderr, r.stderr
     # Both spellings of the worker count parse (then find no controller: exit code 3).
     assert run(HOST, port, "1", "--connect-timeout", "0.3", "-q").returncode == 3
     assert run(HOST, port, "--workers", "1", "--connect-timeout", "0.3", "-q").returncode == 3
