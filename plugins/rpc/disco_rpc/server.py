@@ -1050,7 +1050,9 @@ class Server(ServiceProcess):
                 first = _first_proxy_link(proxy_args, self._proxy_strict) if proxy_args is not None else None  # fmt: skip
             except BaseException as exc:
                 _report_ready(ready_w, exc)
-                raise
+                # The constructor raises it with this traceback: printing it here too
+                # put a second, raw copy on stderr (an outside check).
+                os._exit(1)
             _report_ready(ready_w, None)
             if proxy_args is not None:
                 serve_via_proxy(cfg, *proxy_args, watch_fd=watch_fd, first=first, strict=self._proxy_strict)  # fmt: skip

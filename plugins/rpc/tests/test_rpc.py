@@ -649,8 +649,9 @@ def test_cli_server_and_upload(tmp_path):
 
 
 # --------------------------------------------------------------------------- audit findings
-def test_server_start_failure_raises(tmp_path):
-    """A server process that cannot start makes the constructor raise (issue 7, 1)."""
+def test_server_start_failure_raises(tmp_path, capfd):
+    """A server process that cannot start makes the constructor raise (issue 7, 1), once:
+    the server process printed its raw traceback on stderr too (an outside check)."""
 
     def bad_init():
         raise RuntimeError("no GPU here")
@@ -662,6 +663,7 @@ def test_server_start_failure_raises(tmp_path):
     with pytest.raises(rpc.RPCError, match="failed to start.*OSError.*missing.so"):
         rpc.Server(port=9400, port_end=9500, load_library=[str(tmp_path / "missing.so")])
     assert time.time() - t0 < 10
+    assert "Traceback" not in capfd.readouterr().err
     srv = rpc.Server(port=9400, port_end=9500, server_init_callback=lambda: None)
     try:  # the port of the failed servers was released
         with rpc.connect("127.0.0.1", srv.port) as s:
