@@ -113,12 +113,19 @@ def _sub(sub: Any, name: str, help: str, description: str, **kw: Any) -> argpars
     return p
 
 
+def _port_number(text: str) -> int:
+    """A port 0-65535, for argparse (refused before anything starts or warns)."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}")
+    return int(text)
+
+
 def _add_listen(p: argparse.ArgumentParser, port: int, what: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help=f"the address the {what} listens on")
-    p.add_argument("--port", type=int, default=port, help="the first port to try")
+    p.add_argument("--port", type=_port_number, default=port, help="the first port to try")
     p.add_argument(
         "--port-end",
-        type=int,
+        type=_port_number,
         default=9199,
         help="the end of the range of ports to try, not included: the first free port in "
         "[port, port-end) is used (the port alone when port-end <= port)",
@@ -141,7 +148,7 @@ def _add_tls_server(p: argparse.ArgumentParser) -> None:
 
 def _add_connect(p: argparse.ArgumentParser, port: int, what: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help=f"the {what}'s address")
-    p.add_argument("--port", type=int, default=port, help=f"the {what}'s port")
+    p.add_argument("--port", type=_port_number, default=port, help=f"the {what}'s port")
     p.add_argument(
         "--tls-ca",
         metavar="FILE",

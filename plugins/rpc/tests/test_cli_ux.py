@@ -158,6 +158,17 @@ def test_the_no_token_warning_is_one_plain_line():
         p.wait()
 
 
+@pytest.mark.parametrize("cmd", ["server", "tracker", "proxy", "ls", "query"])
+@pytest.mark.parametrize("port", ["99999", "-3", "x"])
+def test_a_bad_port_is_a_usage_error_before_anything_warns(cmd, port, capsys):
+    """It warned that the service had no token, then refused the port."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([cmd, "--port", port])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --port: expected a port 0-65535" in err and "warning" not in err, err
+
+
 @pytest.mark.timeout(60)
 def test_a_bad_tracker_address_names_the_option():
     r = _run("server", "--tracker", "nohostport")
