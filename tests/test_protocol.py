@@ -261,3 +261,33 @@ def test_a_value_of_the_scripts_main_is_refused_at_the_call_not_a_dead_worker(tm
         "refused: cannot send helper",
         "still usable: 7",
     ], out.stdout + out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_command_for_worker_0_alone_is_never_pickled(monkeypatch):
+    """The check for the script's values (above) pickled every command with an array as
+    it was sent, also those for worker 0 alone, which runs in the controller's process:
+    a 1 MiB ``copy_to_worker_0`` was copied into the pickle, and process copies of 1 MiB
+    fell from 36 to 24 GB/s (bench_core, found in a run_all on 2026-11-29)."""
+    from disco_core.channels import base
+
+    pickled = []
+    real = base._encode_for_workers
+    monkeypatch.setattr(
+        base, "_encode_for_workers", lambda cmds: pickled.append(cmds) or real(cmds)
+    )
+    with disco.ProcessSession(2) as sess:
+        host = np.arange(1 << 18, dtype=np.float32)
+        d = sess.empty(host.shape, "float32", worker0_only=True)
+        pickled.clear()
+        sess.copy_to_worker_0(host, d)
+        out = np.empty_like(host)
+        sess.copy_from_worker_0(out, d)
+        sess.sync_worker_0()
+        assert np.array_equal(out, host)
+        assert pickled == []
+        sess.import_python_module("disco_core.testing.funcs")
+        echo = sess.get_global_func("testing.echo")
+        pickled.clear()
+        assert np.array_equal(echo(host).debug_get_from_remote(1), host)
+        assert pickled  # a command for the worker processes still is
