@@ -712,3 +712,35 @@ def test_readers_poll_unless_both_sides_are_pinned_to_one_cpu():
             assert may_poll_beside([kernel, sorted(before)]) is True
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.timeout(60)
+def test_a_network_worker_that_cannot_read_a_command_says_so_and_exits():
+    """A command a network worker refuses (a peer that skipped the sender's check) ends
+    it, with the reason on its stderr: it said "its reply link to the controller is
+    gone" (UntrustedValueError is a ConnectionError), and only with logging on."""
+    import subprocess
+    import sys
+
+    cmd_r, cmd_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    argv = [sys.executable, "-m", "disco_core.worker", "--worker-id", "1", "--num-workers", "2",
+            "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w), "--untrusted"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "DISCO_LOG_LEVEL"}
+    proc = subprocess.Popen(argv, pass_fds=(cmd_r, reply_w), stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    os.close(cmd_r)
+    os.close(reply_w)
+    try:
+        costly = wire_values.encode_for_network((protocol.CALL_PACKED, 2, 1, ([set()] * 100_000,)))  # fmt: skip
+        protocol.write_frame(cmd_w, costly)
+        assert proc.wait(30) == 3
+        err = proc.stderr.read()
+        assert "disco worker 1: exiting: a command from the controller could not be read" in err, (
+            err
+        )
+        assert "more memory in containers" in err and "reply link" not in err, err
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(cmd_w)
+        os.close(reply_r)

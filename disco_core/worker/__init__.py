@@ -27,7 +27,7 @@ from .. import _interrupts, registry
 from .. import protocol as P
 from ..commandline import configure_from_env
 from ..device import Device, as_array, to_host
-from ..errors import FOLLOW_ON_NOTE, DiscoError, WorkerError
+from ..errors import FOLLOW_ON_NOTE, DiscoError, UntrustedValueError, WorkerError
 from ..protocol import (
     _REF_TYPES,
     FLAG_BATCH,
@@ -851,6 +851,14 @@ def main(argv: list[str] | None = None) -> None:
     except EOFError:
         why = "its controller is gone (end of the command pipe)"
         worker.close()
+    except UntrustedValueError as exc:  # (a ConnectionError too: caught first)
+        # A command it cannot read cannot be skipped (a later one may use the register
+        # it would have set). The controller refuses such values before they leave
+        # (check_untrusted), so this is a peer that did not: say what, not "the reply
+        # link is gone", which the ConnectionError below would have said.
+        print(f"disco worker {args.worker_id}: exiting: a command from the controller could "
+              f"not be read: {exc}", file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(3)
     except ConnectionError as exc:  # a reply or report that could not be written
         _replies_lost(exc)
     logger.info("worker %d exiting: %s", args.worker_id, why)
