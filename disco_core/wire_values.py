@@ -177,7 +177,9 @@ def _dtype_code(dt: np.dtype) -> bytes:
     return code
 
 
-def _parse_dtype(code: bytes) -> np.dtype:
+def _parse_dtype(code: bytes, data: bool = True) -> np.dtype:
+    """The dtype of ``code``; ``data``: of values that come with it (an array, a scalar),
+    so never of size 0 (a dtype or a scalar type alone may be ``<U0``: ``np.str_``)."""
     dt = _DTYPES.get(code)
     if dt is not None:
         return dt
@@ -194,6 +196,8 @@ def _parse_dtype(code: bytes) -> np.dtype:
     except (TypeError, ValueError, SyntaxError, OverflowError) as exc:
         # (DiscoTypeError is a TypeError; NumPy's parser may raise SyntaxError)
         raise _Malformed(f"bad dtype {text[:40]!r}: {exc}") from None
+    if not data and dt.itemsize == 0 and dt.kind in "SU":
+        return dt  # (not cached: the cache is of dtypes that may carry data)
     if dt.hasobject or dt.itemsize == 0 or (dt.kind in "mM" and np.datetime_data(dt)[1] == 0):
         # (a time unit of 0 seconds, say, fails only when its values are compared or shown)
         raise _Malformed(f"bad dtype {text[:40]!r}")
@@ -285,6 +289,8 @@ def _enc(v: Any, out: bytearray, bufs: list, depth: int) -> None:
     elif t is dict or t is set or t is frozenset:
         if depth >= MAX_DEPTH:
             raise DiscoValueError(f"value nested more than {MAX_DEPTH} deep for a network link")
+        if len(v) > _HASH_CHECK_FROM:
+            _check_sendable_keys(v)
         if t is dict:
             out += _TI.pack(T_DICT, len(v))
             for k, x in v.items():
@@ -309,11 +315,12 @@ def _enc_other(v: Any, t: type, out: bytearray, bufs: list, depth: int) -> None:
         out += entry.name
         _enc(entry.to_plain(v), out, bufs, depth + 1)
     elif isinstance(v, np.generic):
-        code = _dtype_code(v.dtype)
+        arr = _sendable(np.asarray(v))
+        code = _dtype_code(arr.dtype)
         out.append(T_SCALAR)
         out.append(len(code))
         out += code
-        out += np.asarray(v).tobytes()
+        out += arr.tobytes()
     elif isinstance(v, np.dtype):
         code = _dtype_code(v)
         out.append(T_DTYPE)
@@ -364,7 +371,9 @@ def _enc_array(a: np.ndarray, out: bytearray, bufs: list, depth: int) -> None:
             out += _Q.pack(d)
         _enc(a.reshape(-1).tolist() if a.ndim else [a.item()], out, bufs, depth + 1)
         return
-    code = _dtype_code(dt)
+    if dt.kind in "SUmM":
+        a = _sendable(a)
+    code = _dtype_code(a.dtype)
     order = 0
     if not a.flags.c_contiguous:
         if a.flags.f_contiguous:
@@ -386,6 +395,39 @@ def _enc_array(a: np.ndarray, out: bytearray, bufs: list, depth: int) -> None:
         out.append(_OUT_OF_BAND)
         out += _I.pack(len(bufs))
         bufs.append(flat.data)
+
+
+def _sendable(a: np.ndarray) -> np.ndarray:
+    """``a`` as a receiver accepts it, or a Disco error saying why not.
+
+    Refused here because :func:`decode_untrusted` refuses them (a remote worker that
+    cannot read a command cannot skip it, and ends: an outside check): a time without a
+    unit that is not NaT, a character past U+10FFFF. An empty string dtype (``<U0``,
+    ``|S0``: ``np.str_("")``) is widened to one character, which reads back as ``''``.
+    """
+    dt = a.dtype
+    if dt.kind in "SU" and dt.itemsize == 0:
+        return a.astype(f"{dt.byteorder if dt.byteorder in '<>' else ''}{dt.kind}1")
+    if dt.kind in "UmM" and a.size:
+        try:
+            _checked_text(a.reshape(-1))
+        except _Malformed as exc:
+            raise DiscoValueError(
+                f"cannot send {dt} data over a network link: {exc} (a receiver refuses it)"
+                + ("; give the time a unit, e.g. np.timedelta64(5, 's')" if dt.kind in "mM" else "")
+            ) from None
+    return a
+
+
+def _check_sendable_keys(keys: Any) -> None:
+    """The receiver's check of a large dict's or set's keys, made by the sender."""
+    try:
+        _check_hashes(keys)
+    except _Malformed as exc:
+        raise DiscoValueError(
+            f"cannot send this dict or set over a network link: {exc} (a receiver refuses "
+            "keys that share a hash: they make a dict take quadratic time)"
+        ) from None
 
 
 # --------------------------------------------------------------------------- decoding
@@ -582,7 +624,7 @@ def _value(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[Any, int]:
         return r.charge(_checked_text(np.frombuffer(meta, dt, 1, e))[0].copy()), end
     if tag == T_DTYPE or tag == T_SCALAR_TYPE:
         e = _span(meta, p + 1, meta[p])
-        dt = _parse_dtype(meta[p + 1 : e])
+        dt = _parse_dtype(meta[p + 1 : e], data=False)
         return (dt if tag == T_DTYPE else dt.type), e
     if tag == T_OBJARRAY:
         r.spend(_ARRAY_COST)  # (its items: a list, counted as one)
@@ -701,6 +743,10 @@ def check_rebuildable(frame: Frame) -> None:
             f"({len(header)} bytes), the limit that keeps a small message from taking much "
             "memory on its receiver (many empty sets or 0-d arrays in one value do); send "
             "the data as a NumPy array, or in smaller values"
+        ) from None
+    except _Malformed as exc:  # what the encoder does not check itself
+        raise DiscoValueError(
+            f"cannot send this value over a network link: a receiver would refuse it: {exc}"
         ) from None
 
 

@@ -385,10 +385,14 @@ def test_decode_untrusted_refuses_pickles_objects_and_garbage():
         wire_values.decode_untrusted(header + b"\x00")
 
 
-def test_decode_untrusted_refuses_keys_of_one_hash():
+def test_decode_untrusted_refuses_keys_of_one_hash(monkeypatch):
     """Int hashes are not randomised: many keys of one hash would make the rebuild quadratic."""
     step = (1 << 61) - 1  # ints that differ by this share a hash
-    header, _ = wire_values.encode_for_network({i * step: 0 for i in range(100)})
+    colliding = {i * step: 0 for i in range(100)}
+    with pytest.raises(disco.DiscoValueError, match="keys of one hash value"):
+        wire_values.encode_for_network(colliding)  # our sender refuses it; a peer may not:
+    monkeypatch.setattr(wire_values, "_check_sendable_keys", lambda keys: None)
+    header, _ = wire_values.encode_for_network(colliding)
     with pytest.raises(UntrustedValueError, match="keys of one hash value"):
         wire_values.decode_untrusted(header)
     header, _ = wire_values.encode_for_network({i: 0 for i in range(100)})  # distinct: fine
@@ -744,3 +748,29 @@ def test_a_network_worker_that_cannot_read_a_command_says_so_and_exits():
         proc.wait()
         os.close(cmd_w)
         os.close(reply_r)
+
+
+def test_the_sender_refuses_or_mends_what_a_receiver_refuses_whatever_the_size():
+    """Headers of at most 2 KiB are not rebuilt by the sender, and a receiver refused
+    some of them: keys sharing a hash, an empty string scalar (``<U0``), a time without
+    a unit, ``np.str_`` itself. A remote worker sent one exited (outside check 58)."""
+    colliding = {2.0 ** (61 * k): None for k in range(-8, 9)}
+    colliding.update({i + 0.5: None for i in range(20)})  # > 32 keys: checked
+    header, _ = wire_values.encode_for_network(list(range(5)))
+    assert len(header) < 2048
+    for bad, words in (
+        (colliding, "keys of one hash value"),
+        (set(colliding), "keys of one hash value"),
+        (np.timedelta64(5), "time without a unit"),
+        (np.zeros(2, "M8"), "time without a unit"),
+    ):
+        with pytest.raises(disco.DiscoValueError, match=words):
+            wire_values.encode_for_network([bad])
+    for fine in (np.str_(""), np.bytes_(b""), np.zeros(2, "U0"), np.dtype("U"), np.dtype("S"),
+                 np.str_, np.bytes_, np.array(["NaT"], "M8"), np.timedelta64(5, "s")):  # fmt: skip
+        header, buffers = wire_values.encode_for_network([fine])
+        (back,) = wire_values.decode_untrusted(header, buffers)
+        if isinstance(fine, np.ndarray):
+            assert np.array_equal(back, fine) or np.isnat(back).all() and np.isnat(fine).all()
+        else:
+            assert back == fine

@@ -583,6 +583,13 @@ def test_a_command_a_remote_worker_would_refuse_is_refused_at_the_call(cluster):
     echo = sess.get_global_func("testing.echo")
     with pytest.raises(disco.DiscoValueError, match="more than 24 bytes of memory per byte"):
         echo([set() for _ in range(100_000)])
+    # small ones too (not rebuilt by the sender: its encoder checks them; check 58)
+    step = (1 << 61) - 1  # ints that differ by this share a hash
+    with pytest.raises(disco.DiscoValueError, match="keys of one hash value"):
+        echo({i * step: None for i in range(-4, 5)} | {i: None for i in range(30)})
+    with pytest.raises(disco.DiscoValueError, match="time without a unit"):
+        echo(np.timedelta64(5))
+    assert echo([np.str_(""), np.str_]).debug_get_from_remote(1) == ["", np.str_]
     sets = [{i} for i in range(100_000)]  # 19 times its size: it crosses
     assert echo(sets).debug_get_from_remote(1) == sets
     assert sess.get_global_func("disco.worker_id")().debug_get_from_remote(1) == 1
