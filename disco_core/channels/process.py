@@ -203,17 +203,27 @@ def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
 
 
-def _cannot_start(worker_id: int, count: int, exc: OSError) -> str:
+def start_failure(worker_id: int | None, count: int, exc: OSError) -> DiscoError | None:
+    """The error to raise when starting worker ``worker_id`` (of ``count`` to start here)
+    failed with ``exc`` for want of descriptors, processes or memory (None for any other
+    ``exc``): it names the limit and what to do (the socket agent's workers use it too)."""
+    if exc.errno not in _OUT_OF_RESOURCES:
+        return None
+    return DiscoError(_cannot_start(worker_id, count, exc))
+
+
+def _cannot_start(worker_id: int | None, count: int, exc: OSError) -> str:
     """Why worker ``worker_id`` (of ``count`` to start here) could not start, and what to do."""
     hint = ""
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         hint = (
             f"; this process may have {soft} open files (ulimit -n), and each worker "
-            "process takes 3 pipes (6 descriptors) while it starts and 3 afterwards: "
-            "raise the limit or start fewer workers"
+            "process takes a few (its pipes) while it starts and while it runs: raise "
+            "the limit or start fewer workers"
         )
-    return f"cannot start worker process {worker_id} ({count} to start here): {exc.strerror or exc}{hint}"
+    which = "the worker processes" if worker_id is None else f"worker process {worker_id}"
+    return f"cannot start {which} ({count} to start here): {exc.strerror or exc}{hint}"
 
 
 def start_worker_processes(
@@ -241,9 +251,10 @@ def start_worker_processes(
                 try:
                     procs.append(ProcessWorkerLink(w, num_workers, num_groups, entrypoint, env))
                 except OSError as exc:
-                    if exc.errno not in _OUT_OF_RESOURCES:
+                    error = start_failure(w, len(worker_ids), exc)
+                    if error is None:
                         raise
-                    raise DiscoError(_cannot_start(w, len(worker_ids), exc)) from exc
+                    raise error from exc
             tee = tee_stderr(procs)
             reader = ReplyReader(procs, hub)
         except BaseException:

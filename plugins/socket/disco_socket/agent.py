@@ -59,6 +59,7 @@ from disco_core.spi import (
     resolve_token,
     send_all,
     spawn_worker,
+    start_failure,
     stop_worker,
     worker_argv,
     worker_env,
@@ -1026,4 +1027,11 @@ def _join(
         host, port, welcome["node_id"], welcome["worker_ids"],
         ", direct replies" if reply_socks else "",
     )  # fmt: skip
-    return Agent(sock, welcome, f"{host}:{port}", reply_socks, tx, reply_keys)
+    try:
+        return Agent(sock, welcome, f"{host}:{port}", reply_socks, tx, reply_keys)
+    except OSError as exc:  # out of descriptors or processes while starting the workers
+        error = start_failure(None, len(welcome["worker_ids"]), exc)
+        if error is None:
+            raise
+        sock.close()
+        raise AgentError(str(error), EXIT_LOST) from None

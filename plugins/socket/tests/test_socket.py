@@ -514,6 +514,37 @@ def test_wrong_protocol_version_and_hostile_peers(cluster, tmp_path, caplog):
 
 
 @pytest.mark.timeout(60)
+def test_an_agent_out_of_descriptors_says_so_in_one_line():
+    """A node agent that cannot start its workers for its open-files limit printed a
+    raw OSError traceback (outside check 58); the controller's start fails."""
+    import resource
+
+    results = {}
+
+    def limited():
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (16, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
+
+    def action(host, port):
+        results["agent"] = subprocess.run(
+            agent_cmd(host, port, 3), capture_output=True, text=True, timeout=30,
+            preexec_fn=limited,
+        )  # fmt: skip
+
+    on_listen, done = _on_listen_then(action)
+    with pytest.raises(disco.WorkerDiedError, match="failed to start"):
+        disco.SocketSession(2, 3, 1, HOST, 0, on_listen=on_listen, timeout=30)
+    assert done.wait(30)
+    agent = results["agent"]
+    assert agent.returncode == 1, agent.stderr
+    assert (
+        "cannot start the worker processes (3 to start here): Too many open files" in agent.stderr
+    )
+    assert "ulimit -n" in agent.stderr and "Traceback" not in agent.stderr, agent.stderr
+
+
+@pytest.mark.timeout(60)
 def test_wrong_worker_count_is_refused(cluster):
     results = {}
 
