@@ -239,7 +239,7 @@ def plain_warnings(prog: str) -> None:
     Python's default shows the file and source line that warned (``.../cli.py:487:
     RuntimeWarning: ...`` and the code), which a command's user has no use for (an
     outside check). Call it from a command's ``main`` only: it changes the process's
-    :func:`warnings.formatwarning`.
+    ``warnings.formatwarning``.
     """
 
     def one_line(message, category, filename, lineno, line=None) -> str:  # noqa: ARG001
