@@ -1037,13 +1037,20 @@ class _replacing:
 
     def __exit__(self, exc_type: Any, *_exc: Any) -> None:
         self.file.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.target)
-        else:
-            try:
-                os.unlink(self.tmp)
-            except OSError:
-                pass
+        try:
+            if exc_type is None:
+                os.replace(self.tmp, self.target)
+                return
+        except BaseException:
+            self._discard()  # (the target changed meanwhile: a folder made there, say)
+            raise
+        self._discard()
+
+    def _discard(self) -> None:
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
 
 
 def _check_local_target(target: str) -> None:
@@ -1051,6 +1058,10 @@ def _check_local_target(target: str) -> None:
     folder = os.path.dirname(os.path.abspath(target))
     if os.path.isdir(target):
         raise DiscoValueError(f"download: the local target {target!r} is a folder; name a file")
+    if target.endswith((os.sep, "/")):  # a folder meant, which is not there
+        raise DiscoFileNotFoundError(
+            f"download: the local folder {target!r} does not exist; nothing was downloaded"
+        )
     if not os.path.isdir(folder):
         raise DiscoFileNotFoundError(
             f"download: the local folder {folder!r} does not exist (target {target!r}); "

@@ -223,6 +223,12 @@ def test_download_defaults_to_the_remote_name_and_takes_a_folder(server, tmp_pat
     r = _run("download", "--port", str(server.port), "named.txt", str(into))
     assert r.returncode == 0 and (into / "named.txt").read_bytes() == b"named", r
     assert cli._local_target("a/b.bin", None) == "b.bin"
+    # a folder that is not there: said at once, no server blamed, nothing left
+    # (it said "lost the connection ... the server process died", and left a .part file)
+    missing = tmp_path / "missing"
+    r = _run("download", "--port", str(server.port), "named.txt", f"{missing}/")
+    assert r.returncode == 1 and "does not exist" in r.stderr and "lost" not in r.stderr, r
+    assert not missing.exists() and not list(tmp_path.glob(".missing*"))
 
 
 @pytest.mark.timeout(60)
@@ -389,3 +395,13 @@ def test_a_port_that_is_no_port_is_named(server):
         rpc.Server(port=server.port, port_end=server.port + 1, token=TOKEN)
     r = _run("server", "--help")
     assert "not included" in r.stdout and "[port, port-end)" in r.stdout
+
+
+def test_a_download_that_cannot_be_renamed_into_place_leaves_no_part_file(tmp_path):
+    target = tmp_path / "t.bin"
+    with pytest.raises(OSError):
+        with client._replacing(str(target)) as f:
+            f.write(b"data")
+            target.mkdir()  # the target became a folder meanwhile: the rename fails
+            (target / "x").write_text("not empty")
+    assert [p.name for p in tmp_path.iterdir()] == ["t.bin"]
