@@ -186,22 +186,28 @@ def listen_family(host: str, what: str = "service") -> int:
     ------
     DiscoValueError
         ``host`` is a name that does not resolve (before, a raw ``socket.gaierror``
-        from ``bind``, or an insecure-bind error telling the user to add a token).
+        from ``bind``, or an insecure-bind error telling the user to add a token), or an
+        address in brackets (``[::1]``), which ``bind`` does not take.
     """
     if not host:
         return socket.AF_INET
+    if host.startswith("["):  # a URL's form of an IPv6 address: bind() takes it bare
+        raise DiscoValueError(
+            f"cannot listen on {host!r} for the {what}: give the address without brackets "
+            f"({host.strip('[]')!r})"
+        )
     try:
-        ip = ipaddress.ip_address(host.strip("[]"))
+        ip = ipaddress.ip_address(host)
     except ValueError:
         pass
     else:
         return socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:  # (a label over 63 characters: UnicodeError)
         raise DiscoValueError(
             f"cannot listen on {host!r} for the {what}: the name does not resolve "
-            f"({exc.strerror or exc})"
+            f"({getattr(exc, 'strerror', None) or exc})"
         ) from None
     families = {info[0] for info in infos}
     return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6

@@ -274,7 +274,8 @@ def bind_listener(host: str, port: int, port_end: int, reuse_addr: bool = True) 
             last = exc
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 continue
-            raise
+            # not this machine's address, say: named, as a port in use is (outside check)
+            raise RPCError(f"cannot listen on {host}:{p}: {exc.strerror or exc}") from exc
     where = f"any port in [{port}, {port_end})" if port_end > port + 1 else f"port {port}"
     raise RPCError(f"cannot bind to {where} on {host}: {last}")
 

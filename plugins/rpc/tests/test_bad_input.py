@@ -116,3 +116,13 @@ def test_connect_still_takes_what_it_took_before():
         s.close()
     finally:
         srv.terminate()
+
+
+def test_a_listen_address_that_is_not_usable_is_named():
+    """Raw OSError / gaierror / UnicodeError before (outside check 58)."""
+    with pytest.raises(rpc.RPCError, match=r"cannot listen on 10\.255\.255\.1:9100: Cannot assign"):
+        rpc.Server(host="10.255.255.1", port=9100, token="t")  # not this machine's
+    with pytest.raises(disco.DiscoValueError, match="without brackets"):
+        rpc.Server(host="[::1]", port=9100, token="t")
+    with pytest.raises(disco.DiscoValueError, match="does not resolve"):
+        rpc.Server(host="a" * 64 + ".com", port=9100, token="t")

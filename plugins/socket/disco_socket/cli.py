@@ -174,11 +174,12 @@ def _expand_short_form(parser: argparse.ArgumentParser, argv: list[str]) -> list
     error that says what is missing (not argparse's "invalid choice").
     """
     host, rest = argv[0], argv[1:]
+    close = difflib.get_close_matches(host.lower(), _COMMANDS, n=1)
     if not rest or rest[0].startswith("-"):
-        parser.error(f"missing PORT after {host!r}: run {parser.prog} HOST PORT N")
+        maybe = f" (or did you mean the command {close[0]!r}?)" if close else ""
+        parser.error(f"missing PORT after {host!r}{maybe}: run {parser.prog} HOST PORT N")
     port, rest = rest[0], rest[1:]
     if not port.isdigit():  # a mistyped command ("jion 10.0.0.1 9192") is not a host
-        close = difflib.get_close_matches(host, _COMMANDS, n=1)
         if close:
             parser.error(f"unknown command {host!r}: did you mean {close[0]!r}?")
         parser.error(
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None, prog: str = "disco-socket") -> int:
         argv = argv[:first] + _expand_short_form(parser, argv[first:])
     args = parse_command_line(parser, argv)
     if getattr(args, "connect_timeout", 0) is None:
-        text = os.environ.get("DISCO_CONNECT_TIMEOUT", "60")
+        text = os.environ.get("DISCO_CONNECT_TIMEOUT", "").strip() or "60"  # empty: unset
         try:
             args.connect_timeout = _seconds(text)
         except argparse.ArgumentTypeError as exc:  # was a raw ValueError traceback

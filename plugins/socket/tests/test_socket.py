@@ -1111,6 +1111,9 @@ def test_cli_short_form_is_documented_and_checked():
     assert r.returncode == 2 and "unknown command 'jion': did you mean 'join'?" in r.stderr
     r = run(HOST, "x", "2")
     assert r.returncode == 2 and "needs a PORT number after it, not 'x'" in r.stderr
+    for typo in (("jion",), ("JOIN", HOST, port)):  # alone, or in capitals
+        r = run(*typo)
+        assert r.returncode == 2 and "did you mean" in r.stderr and "'join'" in r.stderr, r.stderr
     # $DISCO_CONNECT_TIMEOUT: a bad one is a usage error naming it (was a traceback),
     # a good one is the default of --connect-timeout
     env = {**os.environ, "DISCO_CONNECT_TIMEOUT": "x"}
@@ -1280,3 +1283,15 @@ def test_a_reply_the_controller_cannot_hold_ends_the_link_not_the_reader(cluster
         assert time.monotonic() - t0 < 5  # at once, not by the heartbeat's silence (10 s)
     finally:
         sess.shutdown()
+
+
+def test_an_empty_connect_timeout_variable_is_unset(monkeypatch):
+    """As for the other DISCO_* variables (it was a usage error: outside check 58)."""
+    from disco_socket import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "run_agent", lambda *a, **kw: seen.update(kw) or 0)
+    for value, want in (("", 60.0), (" ", 60.0), ("2.5", 2.5)):
+        monkeypatch.setenv("DISCO_CONNECT_TIMEOUT", value)
+        assert cli.main(["join", "127.0.0.1", "9", "--workers", "1"]) == 0
+        assert seen["connect_timeout"] == want
