@@ -1287,10 +1287,10 @@ def test_a_reply_the_controller_cannot_hold_ends_the_link_not_the_reader(cluster
 
 def test_an_empty_connect_timeout_variable_is_unset(monkeypatch):
     """As for the other DISCO_* variables (it was a usage error: outside check 58)."""
-    from disco_socket import cli
+    from disco_socket import agent, cli
 
     seen = {}
-    monkeypatch.setattr(cli, "run_agent", lambda *a, **kw: seen.update(kw) or 0)
+    monkeypatch.setattr(agent, "run_agent", lambda *a, **kw: seen.update(kw) or 0)
     for value, want in (("", 60.0), (" ", 60.0), ("2.5", 2.5)):
         monkeypatch.setenv("DISCO_CONNECT_TIMEOUT", value)
         assert cli.main(["join", "127.0.0.1", "9", "--workers", "1"]) == 0
