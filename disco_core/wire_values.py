@@ -289,8 +289,8 @@ def _enc(v: Any, out: bytearray, bufs: list, depth: int) -> None:
     elif t is dict or t is set or t is frozenset:
         if depth >= MAX_DEPTH:
             raise DiscoValueError(f"value nested more than {MAX_DEPTH} deep for a network link")
-        if len(v) > _HASH_CHECK_FROM:
-            _check_sendable_keys(v)
+        if _HASH_CHECK_FROM < len(v) <= _MOST_KEYS_UNDER_CHECK:
+            _check_sendable_keys(v)  # (in a header the sender rebuilds: checked there)
         if t is dict:
             out += _TI.pack(T_DICT, len(v))
             for k, x in v.items():
@@ -715,6 +715,13 @@ def _object_array(meta: bytes, p: int, depth: int, r: _Reads) -> tuple[np.ndarra
 #: dearest value per byte, costs 43 times its 5 bytes: a header of 2 KiB costs at most
 #: about 88 KiB, under 24 x 2 KiB + the 64 KiB floor); larger ones are checked.
 _REBUILD_CHECK_FROM = 2048
+
+
+#: More distinct keys than this cannot fit in a header that is not rebuilt (a key takes 5
+#: bytes at least: a tag and a length, or a tag and 8 bytes), so the encoder checks the
+#: keys' hashes only of dicts and sets up to this size: a larger one is checked by the
+#: rebuild (checking every dict of 100,000 keys at the encoder cost +75 % of encoding it).
+_MOST_KEYS_UNDER_CHECK = _REBUILD_CHECK_FROM // 5
 
 
 def check_rebuildable(frame: Frame) -> None:

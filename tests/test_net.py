@@ -766,6 +766,14 @@ def test_the_sender_refuses_or_mends_what_a_receiver_refuses_whatever_the_size()
     ):
         with pytest.raises(disco.DiscoValueError, match=words):
             wire_values.encode_for_network([bad])
+    # a larger dict is not checked by the encoder (+75 % on a dict of 100,000 keys) but by
+    # the sender's rebuild of its header, over 2 KiB
+    step = (1 << 61) - 1
+    big = {i * step: 0 for i in range(-4, 5)} | {i: 0 for i in range(1000)}
+    frame = wire_values.encode_for_network([big])
+    assert len(frame[0]) > 2048
+    with pytest.raises(disco.DiscoValueError, match="keys of one hash value"):
+        wire_values.check_rebuildable(frame)
     for fine in (np.str_(""), np.bytes_(b""), np.zeros(2, "U0"), np.dtype("U"), np.dtype("S"),
                  np.str_, np.bytes_, np.array(["NaT"], "M8"), np.timedelta64(5, "s")):  # fmt: skip
         header, buffers = wire_values.encode_for_network([fine])
