@@ -623,14 +623,26 @@ class Agent:
                 self.links.append(
                     WorkerProc(gid, nw, ng, entrypoint, env, socks.pop(gid, None), key)
                 )
-        except BaseException:
+        except BaseException as exc:
             for s in socks.values():
                 s.close()
             for link in self.links:
                 link.proc.kill()
                 link.close(time.monotonic() + 1)
                 os.close(link.err_r)
-            raise
+            error = start_failure(None, len(self.ids), exc) if isinstance(exc, OSError) else None
+            if error is None:
+                raise
+            # out of descriptors or processes: the controller is told why, as for a
+            # worker that died (its user may not see this machine's log)
+            for gid in self.ids:
+                report = {"reason": str(error), "stderr": ""}
+                try:
+                    self._send([MSG.pack(K_DIED, gid), wire.blob(json.dumps(report).encode())])
+                except OSError:
+                    break
+            sock.close()
+            raise AgentError(str(error), EXIT_LOST) from None
         self.stderr = StderrTee([link.err_r for link in self.links])
         self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.links]
         self.writers = [
@@ -1027,11 +1039,4 @@ def _join(
         host, port, welcome["node_id"], welcome["worker_ids"],
         ", direct replies" if reply_socks else "",
     )  # fmt: skip
-    try:
-        return Agent(sock, welcome, f"{host}:{port}", reply_socks, tx, reply_keys)
-    except OSError as exc:  # out of descriptors or processes while starting the workers
-        error = start_failure(None, len(welcome["worker_ids"]), exc)
-        if error is None:
-            raise
-        sock.close()
-        raise AgentError(str(error), EXIT_LOST) from None
+    return Agent(sock, welcome, f"{host}:{port}", reply_socks, tx, reply_keys)

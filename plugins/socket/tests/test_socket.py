@@ -533,7 +533,8 @@ def test_an_agent_out_of_descriptors_says_so_in_one_line():
         )  # fmt: skip
 
     on_listen, done = _on_listen_then(action)
-    with pytest.raises(disco.WorkerDiedError, match="failed to start"):
+    # the controller is told why (it said only "the node agent exited")
+    with pytest.raises(disco.WorkerDiedError, match="failed to start: cannot start the worker processes"):  # fmt: skip
         disco.SocketSession(2, 3, 1, HOST, 0, on_listen=on_listen, timeout=30)
     assert done.wait(30)
     agent = results["agent"]
