@@ -718,10 +718,11 @@ _REBUILD_CHECK_FROM = 2048
 
 
 #: More distinct keys than this cannot fit in a header that is not rebuilt (a key takes 5
-#: bytes at least: a tag and a length, or a tag and 8 bytes), so the encoder checks the
-#: keys' hashes only of dicts and sets up to this size: a larger one is checked by the
-#: rebuild (checking every dict of 100,000 keys at the encoder cost +75 % of encoding it).
-_MOST_KEYS_UNDER_CHECK = _REBUILD_CHECK_FROM // 5
+#: bytes at least, a tag and a length or a tag and 8 bytes, but for None, True and
+#: False), so the encoder checks the keys' hashes only of dicts and sets up to this size:
+#: a larger one is checked by the rebuild (checking every dict of 100,000 keys at the
+#: encoder cost +75 % of encoding it).
+_MOST_KEYS_UNDER_CHECK = _REBUILD_CHECK_FROM // 5 + 3
 
 
 def check_rebuildable(frame: Frame) -> None:
