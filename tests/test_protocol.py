@@ -267,8 +267,8 @@ def test_a_value_of_the_scripts_main_is_refused_at_the_call_not_a_dead_worker(tm
 def test_a_command_for_worker_0_alone_is_never_pickled(monkeypatch):
     """The check for the script's values (above) pickled every command with an array as
     it was sent, also those for worker 0 alone, which runs in the controller's process:
-    a 1 MiB ``copy_to_worker_0`` was copied into the pickle, and process copies of 1 MiB
-    fell from 36 to 24 GB/s (bench_core, found in a run_all on 2026-11-29)."""
+    a pickle of each ``copy_to_worker_0`` (about 10 us, the array out of band) took process
+    copies of 1 MiB from 36 to 24 GB/s (bench_core, found in a run_all on 2026-11-29)."""
     from disco_core.channels import base
 
     pickled = []
