@@ -10,6 +10,7 @@ import time
 import pytest
 
 import disco_core  # noqa: F401  (the built-ins are registered before any test runs)
+from disco_core.testing import procfs
 from disco_core.testing.leftovers import (  # noqa: F401  (hooks: a run's own TMPDIR; leftovers fail it)
     pytest_configure,
     pytest_sessionfinish,
@@ -17,29 +18,9 @@ from disco_core.testing.leftovers import (  # noqa: F401  (hooks: a run's own TM
 )
 from disco_core.testing.procfs import children_of
 
-
-def pid_gone(pid: int) -> bool:
-    """True when ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (
-        FileNotFoundError,
-        ProcessLookupError,
-    ):  # reaped before the open, or between open and read
-        return True
-    return state in ("Z", "X")
-
-
-def wait_gone(pids, timeout: float) -> list[int]:
-    """Wait until every pid is gone; return those still running after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if not pid_gone(p)]
-        if alive:
-            time.sleep(0.05)
-    return alive
+#: the core's own process probes (tests and the chaos harness use them by these names)
+pid_gone = procfs.gone
+wait_gone = procfs.wait_gone
 
 
 def run_python(

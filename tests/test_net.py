@@ -14,6 +14,7 @@ import pytest
 
 import disco_core as disco
 from disco_core import protocol, wire_values
+from disco_core.channels.base import WorkerLink
 from disco_core.errors import (
     FrameLimitError,
     InsecureBindError,
@@ -403,33 +404,37 @@ class _Plain:
     """A user's class, harmless but not data: no network peer rebuilds it."""
 
 
+class _RemoteLink(WorkerLink):
+    """A link whose workers decode untrusted; a command ``check_untrusted`` refuses never
+    reaches it."""
+
+    untrusted = True
+
+    def send(self, out):
+        raise AssertionError("a checked command is not sent")
+
+    def close(self, deadline):
+        pass
+
+
 def test_a_value_a_network_peer_would_refuse_is_refused_before_it_leaves():
     """``check_untrusted``: a command for a link whose workers decode untrusted is
     refused (DiscoTypeError, naming the type) when a value in it cannot cross a network
     link; other links, and commands of plain values, are not looked at."""
-    from disco_core.channels.base import Outgoing, WorkerLink, check_untrusted
+    from disco_core.channels.base import Outgoing, check_untrusted
 
-    class Remote(WorkerLink):
-        untrusted = True
-
-        def send(self, out):
-            raise AssertionError("a checked command is not sent")
-
-        def close(self, deadline):
-            pass
-
-    class Local(Remote):
+    class Local(_RemoteLink):
         untrusted = False
 
     ok = Outgoing(
         (protocol.CALL_PACKED, 1, 2, (np.arange(3), [1, (2.5, "s")], disco.Device("cpu", 0)))
     )
     bad = Outgoing((protocol.CALL_PACKED, 1, 2, ([1, _Plain()],)))
-    check_untrusted(ok, [Remote()])
-    assert ok.frame_for(Remote()) is ok.wire_frame and ok.frame_for(Local()) is ok.frame
+    check_untrusted(ok, [_RemoteLink()])
+    assert ok.frame_for(_RemoteLink()) is ok.wire_frame and ok.frame_for(Local()) is ok.frame
     check_untrusted(bad, [Local()])  # a pipe to a process this one started: anything pickled
     with pytest.raises(disco.DiscoTypeError, match=r"cannot send \S*_Plain over a network link"):
-        check_untrusted(bad, [Local(), Remote()])
+        check_untrusted(bad, [Local(), _RemoteLink()])
     with pytest.raises(disco.DiscoTypeError, match=r"cannot send \S*_Evil over a network link"):
         wire_values.encode_for_network(_Evil())
     with pytest.raises(disco.DiscoTypeError, match="cannot send dtype"):
@@ -441,22 +446,13 @@ def test_a_value_a_network_peer_would_refuse_for_its_memory_is_refused_before_it
     receiver allows: a remote worker refused the command and exited (exit code 3, the
     session over). ``check_untrusted`` rebuilds a large header as the worker would, and
     the mistake is a DiscoValueError at the call."""
-    from disco_core.channels.base import Outgoing, WorkerLink, check_untrusted
-
-    class Remote(WorkerLink):
-        untrusted = True
-
-        def send(self, out):
-            raise AssertionError("a checked command is not sent")
-
-        def close(self, deadline):
-            pass
+    from disco_core.channels.base import Outgoing, check_untrusted
 
     costly = Outgoing((protocol.CALL_PACKED, 1, 2, ([set() for _ in range(100_000)],)))
     with pytest.raises(disco.DiscoValueError, match="more than 24 bytes of memory per byte"):
-        check_untrusted(costly, [Remote()])
+        check_untrusted(costly, [_RemoteLink()])
     fine = Outgoing((protocol.CALL_PACKED, 1, 2, ([{i} for i in range(100_000)],)))
-    check_untrusted(fine, [Remote()])
+    check_untrusted(fine, [_RemoteLink()])
     # A header of at most 2 KiB is not rebuilt: the dearest value per byte fits its floor.
     small = [frozenset()] * ((wire_values._REBUILD_CHECK_FROM - 16) // 5)
     header, buffers = wire_values.encode_for_network(small)

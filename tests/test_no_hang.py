@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import disco_core as disco
+from disco_core.testing import procfs
 from disco_core.testing.procfs import freeze
 from disco_core.wire_values import decode_untrusted, encode_for_network
 
@@ -40,28 +41,11 @@ def _stop_worker(sess: disco.Session, worker_id: int) -> int:
     return pid
 
 
-def _wait_gone(pids, timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and not _zombie(p)]
-        time.sleep(0.05)
-    return alive
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 def _shutdown_promptly(sess: disco.Session, pids: list[int]) -> None:
     start = time.monotonic()
     sess.shutdown()
     assert time.monotonic() - start < 3.0, "shutdown waited for a worker that answers nothing"
-    assert _wait_gone(pids, 5.0) == [], "a stopped worker outlived its session"
+    assert procfs.wait_gone(pids, 5.0) == [], "a stopped worker outlived its session"
 
 
 def test_frozen_worker_in_a_collective_is_unresponsive(liveness, no_leftover_children):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import disco_core as disco
 from disco_core.testing import procfs
@@ -13,27 +12,8 @@ from disco_socket import start_local_agents
 HOST = "127.0.0.1"
 
 
-def pid_gone(pid: int) -> bool:
-    """True when ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (
-        FileNotFoundError,
-        ProcessLookupError,
-    ):  # reaped before the open, or between open and read
-        return True
-    return state in ("Z", "X")
-
-
-def wait_gone(pids, timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if not pid_gone(p)]
-        if alive:
-            time.sleep(0.05)
-    return alive
+pid_gone = procfs.gone
+wait_gone = procfs.wait_gone
 
 
 def children_of(pid: int) -> list[int]:
