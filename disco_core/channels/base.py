@@ -1774,7 +1774,11 @@ class LinkChannel(Channel):
                 targets = list({id(self._link_of[w]): self._link_of[w] for w in workers}.values())
             if self._untrusted and not out.shared:
                 check_untrusted(out, targets)
-            if self._pickles and not out.shared and any(_reads_pickles(link) for link in targets):  # fmt: skip
+            if (
+                self._pickles
+                and not out.shared
+                and (workers is None or any(_reads_pickles(link) for link in targets))
+            ):
                 # encoded before any link gets it: a value a worker process could not
                 # rebuild is a DiscoTypeError here, not a command worker 0 alone ran.
                 # Only then: a command for worker 0 alone (copy_to_worker_0) is never
