@@ -405,3 +405,27 @@ def test_a_download_that_cannot_be_renamed_into_place_leaves_no_part_file(tmp_pa
             target.mkdir()  # the target became a folder meanwhile: the rename fails
             (target / "x").write_text("not empty")
     assert [p.name for p in tmp_path.iterdir()] == ["t.bin"]
+
+
+@pytest.mark.timeout(90)
+def test_the_readmes_first_example_stops_when_its_server_cannot_start(tmp_path):
+    """The README's shell example, as printed, with its port taken: it waited for ever
+    (an outside check); it ends once the server has exited."""
+    import pathlib
+    import re
+    import time
+
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    blocks = re.findall(r"```bash\n(.*?)```", readme.read_text(), re.S)
+    block = next(b for b in blocks if "until disco-rpc ls" in b)
+    script = tmp_path / "example.sh"
+    script.write_text(block)
+    env = {**os.environ, "PATH": os.path.dirname(PY) + os.pathsep + os.environ["PATH"]}
+    with socket.socket() as taken:  # bound, not listening: the server cannot bind, ls is refused
+        taken.bind(("127.0.0.1", 9098))
+        t0 = time.monotonic()
+        r = subprocess.run(
+            ["bash", str(script)], capture_output=True, text=True, timeout=60, env=env
+        )
+    assert time.monotonic() - t0 < 30, r
+    assert "cannot bind to port 9098" in r.stderr, r.stderr
