@@ -1107,18 +1107,20 @@ class Session:
         self._collective_ready(name)
         self.call_packed(self._get_cached_method(f"disco.{name}"), *args)
 
-    def _check_buffers(self, name: str, target: str, dst: Any, source: str = "", src: Any = None) -> None:  # fmt: skip
-        """Refuse, at the call, buffers a collective cannot use (before its CCL is asked for).
+    def _check_buffers(self, name: str, target: str, dst: Any, source: str = "", src: Any = None) -> Any:  # fmt: skip
+        """Refuse, at the call, buffers a collective cannot use (before its CCL is asked
+        for); returns ``src`` as the workers should get it.
 
         The target ``dst`` must be a register of this session: a host array would be
         sent to every worker by value, written there and dropped, and the caller's array
         left as it was, silently. The source ``src`` (none when ``source`` is empty) may
         also be a host array, sent by value to every worker as any ``call_packed``
-        argument; anything else (a list, a number) failed only on the workers, at the
-        next sync.
+        argument, in this machine's byte order (as ``copy_to_worker_0`` puts one: a
+        collective moves bytes, so ``>f4`` data reduced as ``float32`` was garbage);
+        anything else (a list, a number) failed only on the workers, at the next sync.
         """
         if type(dst) is DRef and dst.session is self and (not source or (type(src) is DRef and src.session is self)):  # fmt: skip
-            return  # the usual call: two registers of this session
+            return src  # the usual call: two registers of this session
         for param, value, kind in ((target, dst, "DRef"), (source, src, "DRef or an array")):
             if not param:
                 continue
@@ -1136,6 +1138,9 @@ class Session:
                 raise DiscoTypeError(
                     f"{name}: {param} must be a {kind} of this session, got {type(value).__name__}{hint}"
                 )
+        if isinstance(src, np.ndarray) and not src.dtype.isnative:
+            return src.astype(src.dtype.newbyteorder("="))
+        return src
 
     def _host_to_roots(self, name: str, host: np.ndarray, in_group: bool) -> DRef:
         """``host`` on worker 0 (``in_group=False``) or on every group's first worker.
@@ -1198,7 +1203,7 @@ class Session:
 
     def broadcast_from_worker0(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
         """Broadcast ``src`` of worker 0 (of each group's first worker if ``in_group``) into ``dst``."""
-        self._check_buffers("broadcast_from_worker0", "dst", dst, "src", src)
+        src = self._check_buffers("broadcast_from_worker0", "dst", dst, "src", src)
         self._collective(
             "broadcast_from_worker0",
             src,
@@ -1244,7 +1249,9 @@ class Session:
 
     def scatter_from_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
         """Split ``from_array`` of worker 0 (each group root) evenly into every worker's ``to_array``."""
-        self._check_buffers("scatter_from_worker0", "to_array", to_array, "from_array", from_array)
+        from_array = self._check_buffers(
+            "scatter_from_worker0", "to_array", to_array, "from_array", from_array
+        )
         self._collective(
             "scatter_from_worker0",
             from_array,
@@ -1254,7 +1261,9 @@ class Session:
 
     def gather_to_worker0(self, from_array: DRef, to_array: DRef, in_group: bool = True) -> None:
         """Concatenate every worker's ``from_array`` into ``to_array`` of worker 0 (each group root)."""
-        self._check_buffers("gather_to_worker0", "to_array", to_array, "from_array", from_array)
+        from_array = self._check_buffers(
+            "gather_to_worker0", "to_array", to_array, "from_array", from_array
+        )
         self._collective(
             "gather_to_worker0",
             from_array,
@@ -1271,13 +1280,13 @@ class Session:
             raise DiscoValueError(
                 f"allreduce: unsupported op {op!r}; expected one of {', '.join(REDUCE_OPS)}"
             )
-        self._check_buffers("allreduce", "dst", dst, "src", src)
+        src = self._check_buffers("allreduce", "dst", dst, "src", src)
         self._collective("allreduce", src, op, _flag("allreduce", "in_group", in_group), dst)
         return dst
 
     def allgather(self, src: DRef, dst: DRef, in_group: bool = True) -> DRef:
         """Concatenate every worker's ``src`` along the first axis into ``dst`` on all of them."""
-        self._check_buffers("allgather", "dst", dst, "src", src)
+        src = self._check_buffers("allgather", "dst", dst, "src", src)
         self._collective("allgather", src, _flag("allgather", "in_group", in_group), dst)
         return dst
 

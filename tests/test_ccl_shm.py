@@ -11,6 +11,7 @@ import os
 import signal
 import time
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -414,6 +415,59 @@ def test_a_kept_small_allreduce_checks_its_arrays_again():
         for a, b in pairs:
             sess.allreduce(a, b, "max", in_group=False)
         assert 1 <= sess.call_packed("test_shm.kept").debug_get_from_remote(0) <= 32
+
+
+@disco.register_func("test_shm.change_in_place", override=True)
+def _change_in_place(arr: np.ndarray, how: str) -> None:
+    with warnings.catch_warnings():  # NumPy 2.4 deprecates setting strides
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if how == "dtype":
+            arr.dtype = np.dtype(np.int32)  # the same itemsize: NumPy says nothing
+        else:
+            arr.strides = (0,)  # every element is the first: no longer contiguous
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["dtype", "strides"])
+def test_a_kept_small_allreduce_sees_its_dst_changed_in_place(how):
+    """``dst.dtype = int32`` on a kept float32 pair (an outside check): the next call
+    wrote float32 bits into the int32 array, where a fresh pair is refused. Changed
+    strides would have been written through the old layout. Now both are refused on
+    every worker."""
+    with disco.ThreadedSession(2) as sess:
+        sess.init_ccl("shm")
+        src = sess.broadcast(np.full(8, 1.5, np.float32))
+        dst = sess.empty((8,), "float32")
+        for _ in range(2):
+            sess.allreduce(src, dst, "sum", in_group=False)
+        sess.call_packed("test_shm.change_in_place", dst, how)
+        with pytest.raises(disco.WorkerError, match="does not match|C-contiguous") as info:
+            sess.allreduce(src, dst, "sum", in_group=False)
+            sess._sync_all()
+        assert {info.value.worker_id, *(e.worker_id for e in info.value.others)} == {0, 1}
+        want = np.full(8, 3.0, np.float32)  # untouched (with strides 0: its first, 8 times)
+        got = dst.debug_get_from_remote(1)
+        np.testing.assert_array_equal(got, want.view(np.int32) if how == "dtype" else want)
+
+
+@pytest.mark.timeout(60)
+def test_a_host_array_in_the_other_byte_order_as_a_collectives_src():
+    """``sess.allreduce(np.arange(4, dtype=">f4"), dst)`` reduced the big-endian bytes
+    as float32 (an outside check): garbage, silently. The controller now sends a host
+    src in this machine's byte order, as ``broadcast`` and ``copy_to_worker_0`` do."""
+    with disco.ProcessSession(2) as sess:
+        sess.init_ccl("shm")
+        x = np.arange(4, dtype=">f4")
+        y = sess.empty((4,), "float32")
+        sess.allreduce(x, y, "sum")
+        np.testing.assert_array_equal(y.debug_get_from_remote(1), [0, 2, 4, 6])
+        g = sess.empty((8,), "float32")
+        sess.allgather(x, g)
+        np.testing.assert_array_equal(g.debug_get_from_remote(1), [0, 1, 2, 3] * 2)
+        d = sess.empty((4,), "float32")
+        sess.broadcast_from_worker0(x, d)
+        np.testing.assert_array_equal(d.debug_get_from_remote(1), [0, 1, 2, 3])
+        assert x.dtype.str == ">f4"  # the caller's array is left as it was
 
 
 @pytest.mark.timeout(60)

@@ -517,6 +517,7 @@ class ShmCCL(CCL):
         if (
             again is not None and again[0] is src and again[1] is dst
             and src.shape == again[2] and dst.shape == again[3] and src.dtype is again[4]
+            and dst.dtype is again[5] and src.strides == again[6] and dst.strides == again[7]
             and dst.flags.writeable
         ):  # fmt: skip
             return self._allreduce_again(comm, again)
@@ -596,7 +597,8 @@ class ShmCCL(CCL):
         """Keep what a small allreduce of these very arrays needs again: a call in a
         loop then costs a copy in, the exchange and one ufunc per peer (~12 NumPy
         calls fewer). The arrays are held (so their ids stay theirs) and checked by
-        identity, shape, dtype and writeability on every use; at most 32 are kept."""
+        identity, shapes, dtypes, strides (``arr.dtype = ...`` and ``arr.strides = ...``
+        change an array in place) and writeability on every use; at most 32 are kept."""
         if len(self._small) >= 32:
             self._small.clear()
         n, rank, slot = comm.n, comm.rank, comm.slot
@@ -611,14 +613,14 @@ class ShmCCL(CCL):
             ))  # fmt: skip
         src_bytes = memoryview(validate.flat_bytes(src))  # type: ignore[arg-type]  # (of bytes: bfloat16 has no buffer format)
         self._small[(id(src), id(dst), op, in_group)] = (
-            src, dst, src.shape, dst.shape, src.dtype,
+            src, dst, src.shape, dst.shape, src.dtype, dst.dtype, src.strides, dst.strides,
             src_bytes, rows, parts, out, ufunc, op == "avg", mine, name,
         )  # fmt: skip
 
     def _allreduce_again(self, comm: _Comm, again: tuple) -> None:
         """A small allreduce of arrays :meth:`_remember_small` kept: the same steps as
         the first call (copy in, exchange, reduce in rank order), from kept views."""
-        _, _, _, _, _, src_bytes, rows, parts, out, ufunc, avg, mine, name = again
+        _, _, _, _, _, _, _, _, src_bytes, rows, parts, out, ufunc, avg, mine, name = again
         comm.parity = parity = comm.chunks % 2
         comm.chunks += 1
         rows[parity][:] = src_bytes
@@ -805,7 +807,7 @@ class ShmCCL(CCL):
         peer = self._check_peer(peer, "send_to_worker")
         bell, addr, sent_i, acked_i, head = self._mbox(self._me, peer)
         data = head + validate.DESC_BYTES
-        desc = validate.describe("p2p", buf, None)
+        desc = validate.describe_send(buf)
         src_b: Any = validate.flat_bytes(np.ascontiguousarray(buf)) if not desc.status else None
         total = src_b.nbytes if src_b is not None else 0
         cap = self.layout.mbox_bytes
@@ -842,7 +844,7 @@ class ShmCCL(CCL):
         bell, addr, sent_i, acked_i, head = self._mbox(peer, self._me)
         data = head + validate.DESC_BYTES
         q = self.q
-        mine = validate.describe("p2p", None, buf)
+        mine = validate.describe_recv(buf)
         dst_b: Any = validate.flat_bytes(buf) if not mine.status else None
 
         def take() -> None:

@@ -24,6 +24,8 @@ from ..worker import MissingValue
 __all__ = [
     "Desc",
     "describe",
+    "describe_send",
+    "describe_recv",
     "pack",
     "unpack",
     "check",
@@ -87,6 +89,12 @@ def _array_info(x: Any, name: str) -> tuple[tuple | None, str]:
         return None, f"{name} must be an array, got {type(x).__name__}"
     if x.ndim > MAX_NDIM:
         return None, f"{name} has {x.ndim} dimensions; collectives support at most {MAX_NDIM}"
+    if not x.dtype.isnative:
+        # the descriptors name dtypes ("float32" either way) and the data moves as bytes
+        return None, (
+            f"{name} is in the other byte order ({x.dtype.str!r}); collectives take arrays "
+            f"in this machine's: arr.astype(arr.dtype.newbyteorder('='))"
+        )
     return (dtype_name(x.dtype), tuple(x.shape), x.nbytes), ""
 
 
@@ -108,6 +116,30 @@ def describe(op: str, src: Any, dst: Any, extra: int = 0, error: str = "") -> De
     if not error and isinstance(dst, np.ndarray) and not dst.flags.writeable:
         error = "dst is read-only"
     return Desc(1 if error else 0, error, op, extra, src_info, dst_info)
+
+
+def describe_send(buf: Any, error: str = "") -> Desc:
+    """The descriptor a point-to-point send puts in front of its message (its ``src``).
+
+    A collective's ``None`` is an argument it does not use; a send's is a mistake (a
+    register that holds nothing on this worker, e.g. a ``worker0_only`` one): an
+    error in the descriptor, so that the receiver raises it too instead of waiting.
+    """
+    if buf is None and not error:
+        error = _NOTHING.format("src")
+    return describe("p2p", buf, None, error=error)
+
+
+def describe_recv(buf: Any, error: str = "") -> Desc:
+    """A point-to-point receive's own descriptor (its ``dst``), for :func:`check_p2p`;
+    ``None`` is an error, as for :func:`describe_send` (the receiver still drains the
+    message)."""
+    if buf is None and not error:
+        error = _NOTHING.format("dst")
+    return describe("p2p", None, buf, error=error)
+
+
+_NOTHING = "{} must be an array, got None (a register that holds nothing on this worker, e.g. a worker0_only one)"  # fmt: skip
 
 
 def _pack_arr(info: tuple | None) -> tuple:

@@ -253,6 +253,17 @@ def strided(arr: Any) -> Any:
     return arr[::2]
 
 
+@_reg("other_byte_order")
+def other_byte_order(arr: Any, worker: int) -> Any:
+    """On worker ``worker``: ``arr``'s values as a host array in the other byte order
+    (``>f4`` on a little-endian machine: the same dtype name, other bytes); ``arr``
+    unchanged elsewhere."""
+    if current().worker_id != int(worker):
+        return arr
+    host = arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr
+    return np.asarray(host).astype(np.asarray(host).dtype.newbyteorder())
+
+
 @_reg("dlpack_only")
 def dlpack_only(arr: Any) -> Any:
     """``arr`` behind an object that only has ``__dlpack__`` (as a torch tensor is seen)."""

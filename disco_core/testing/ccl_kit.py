@@ -474,6 +474,8 @@ class CCLContract:
         "test_mismatched_buffers", "test_mismatched_operations", "test_recv_buffer_mismatch",
         "test_collective_on_failed_register", "test_worker_death_during_collective",
         "test_collective_timeout", "test_collective_after_timeout_fails_everywhere",
+        "test_send_recv_with_a_register_that_holds_nothing",
+        "test_an_array_in_the_other_byte_order",
     })  # fmt: skip
 
     #: Tests of wrong calls: they run with :attr:`wrong_use_options` (a short timeout).
@@ -484,6 +486,8 @@ class CCLContract:
         "test_avg_of_bool_is_an_error", "test_unknown_reduce_op", "test_self_send",
         "test_out_of_range_peer", "test_recv_buffer_mismatch",
         "test_collective_on_failed_register", "test_no_next_or_previous_group",
+        "test_send_recv_with_a_register_that_holds_nothing",
+        "test_an_array_in_the_other_byte_order",
     })  # fmt: skip
 
     def _wrong_use_options(self) -> dict:
@@ -1286,6 +1290,57 @@ class CCLContract:
         sess.call_packed("ccl_kit.call_on", (1,), "recv_from_worker", out, 0)
         self.expect_ccl_error(sess, [1], r"sent|size|dtype|buffer|match")
         self._check_ring(sess, "float32", (6,), _seed("after recv mismatch"))
+        self.assert_usable(sess)
+
+    @pytest.mark.parametrize("side", ["send", "recv"])
+    def test_send_recv_with_a_register_that_holds_nothing(self, session, side):
+        """A ``worker0_only`` register holds None on the other workers. Sending it, or
+        receiving into it, is a CCL error at once (a send of None left its receiver
+        waiting for the CCL's timeout; a receive into None left the message behind,
+        and the next receive from that sender got it instead of its own data)."""
+        sess = session()
+        victim = self.num_workers - 1
+        nothing = sess.empty((4,), "float32", worker0_only=True)
+        old = sess.call_packed("ccl_kit.input", (4,), "float32", _seed("nothing", 1))
+        out = sess.empty((4,), "float32")
+        sender, receiver = (victim, 0) if side == "send" else (0, victim)
+        sent = nothing if side == "send" else old
+        into = out if side == "send" else nothing
+        sess.call_packed("ccl_kit.call_on", (sender,), "send_to_worker", sent, receiver)
+        sess.call_packed("ccl_kit.call_on", (receiver,), "recv_from_worker", into, sender)
+        failed = [sender, receiver] if side == "send" else [receiver]
+        self.expect_ccl_error(sess, failed, r"None|must be a")
+        seed = _seed("nothing", 2)
+        new = sess.call_packed("ccl_kit.input", (4,), "float32", seed)
+        sess.call_packed("ccl_kit.call_on", (sender,), "send_to_worker", new, receiver)
+        sess.call_packed("ccl_kit.call_on", (receiver,), "recv_from_worker", out, sender)
+        want = self.inputs((4,), "float32", seed)[sender]
+        assert_bits(_values(out, [receiver])[receiver], want, "the next message")
+        self.assert_usable(sess)
+
+    @pytest.mark.parametrize("op", ["allreduce", "allgather", "send"])
+    def test_an_array_in_the_other_byte_order(self, session, op):
+        """``>f4`` on a little-endian machine: its dtype is named float32, as the
+        descriptors say, but its bytes are not a float32's; moved or reduced as such it
+        was garbage, silently. A worker's such array is refused on every member (a GPU
+        CCL refuses it as a host array)."""
+        sess = session()
+        nw = self.num_workers
+        last = nw - 1
+        src = sess.call_packed("ccl_kit.input", (6,), "float32", _seed("order", op))
+        swapped = sess.call_packed("ccl_kit.other_byte_order", src, last)
+        pattern = r"byte order|CuPy|GPU"
+        if op == "allreduce":
+            sess.allreduce(swapped, sess.empty((6,), "float32"), "sum", in_group=False)
+            self.expect_ccl_error(sess, range(nw), pattern)
+        elif op == "allgather":
+            sess.allgather(swapped, sess.empty((6 * nw,), "float32"), in_group=False)
+            self.expect_ccl_error(sess, range(nw), pattern)
+        else:
+            out = sess.empty((6,), "float32")
+            sess.call_packed("ccl_kit.call_on", (last,), "send_to_worker", swapped, 0)
+            sess.call_packed("ccl_kit.call_on", (0,), "recv_from_worker", out, last)
+            self.expect_ccl_error(sess, [0, last], pattern)
         self.assert_usable(sess)
 
     @pytest.mark.parametrize(

@@ -208,7 +208,7 @@ class ThreadCCL(CCL):
 
     def send(self, buf: Any, peer: int) -> None:
         peer = self._peer(peer, "send")
-        desc = validate.describe("p2p", buf, None)
+        desc = validate.describe_send(buf)
         # Posted even when buf is a failed register: the receiver learns why, and fails too.
         self.board.put(self.ctx.worker_id, peer, (desc, None if desc.status else np.array(buf)))
         if desc.status:
@@ -216,7 +216,7 @@ class ThreadCCL(CCL):
 
     def recv(self, buf: Any, peer: int) -> None:
         peer = self._peer(peer, "recv")
-        mine = validate.describe("p2p", None, buf)
+        mine = validate.describe_recv(buf)
         theirs, data = self.board.take(peer, self.ctx.worker_id, f"recv from worker {peer}")
         error = validate.check_p2p(peer, theirs, mine)  # after taking it: the sender is free
         if error:

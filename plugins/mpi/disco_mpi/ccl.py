@@ -43,8 +43,9 @@ bits from NumPy's left fold in rank order; with two members they are identical. 
 ``init_ccl("mpi", ordered=True)`` to get results bit-identical to
 ``functools.reduce(ufunc, [x0, x1, ...])``: members then allgather every contribution
 and fold them locally in rank order (n times the traffic). ``float16`` and
-``bfloat16`` (with ``ml_dtypes``), which MPI has no type for, and complex ``prod``
-(MPI's complex multiply rounds differently from NumPy's), reduce through a
+``bfloat16`` (with ``ml_dtypes``), which MPI has no type for, complex ``prod``
+(MPI's complex multiply rounds differently from NumPy's) and complex ``min``/``max``
+(which MPI has not; NumPy orders complex numbers lexicographically) reduce through a
 user-defined MPI operation applying the NumPy ufunc in the array's own dtype.
 """
 
@@ -605,8 +606,10 @@ class MPICCL(CCL):
     def _reduction(self, dt: np.dtype, op: str) -> tuple[Any, Any]:
         """The MPI datatype and operation that reduce ``dt`` with ``op``."""
         mtype = self.native.get(dt.name)
-        if dt.kind == "c" and op == "prod":
-            mtype = None  # MPI's complex product rounds differently from NumPy's
+        if dt.kind == "c" and op in ("prod", "min", "max"):
+            # MPI's complex product rounds differently from NumPy's, and MPI has no
+            # complex min/max (NumPy orders complex numbers lexicographically)
+            mtype = None
         if mtype is not None:
             table = self._bool_ops if dt == np.bool_ else self._ops
             return mtype, table["sum" if op == "avg" else op]
@@ -753,7 +756,7 @@ class MPICCL(CCL):
     def send(self, buf: Any, peer: int) -> None:
         self._comm(False)
         peer = self._check_peer(peer, "send_to_worker")
-        desc = validate.describe("p2p", buf, None)
+        desc = validate.describe_send(buf)
         head = np.frombuffer(validate.pack(desc), np.uint8).copy()
         reqs = [self.p2p.Isend([head, self.MPI.BYTE], peer, _DESC_TAG)]
         if desc.status:
@@ -768,7 +771,7 @@ class MPICCL(CCL):
         self._comm(False)
         peer = self._check_peer(peer, "recv_from_worker")
         MPI = self.MPI
-        mine = validate.describe("p2p", None, buf)
+        mine = validate.describe_recv(buf)
         head = np.zeros(validate.DESC_BYTES, np.uint8)
         self._wait(self.p2p.Irecv([head, MPI.BYTE], peer, _DESC_TAG), "recv_from_worker")
         theirs = validate.unpack(head.tobytes())

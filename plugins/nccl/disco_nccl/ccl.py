@@ -445,11 +445,11 @@ class NCCLCCL(CCL):
         err = self._gpu_array(buf, "buf") or (
             "buf: " + buf.reason if isinstance(buf, validate.MissingValue) else ""
         )
-        desc = validate.pack(validate.describe("p2p", None if err else buf, None, error=err))
-        head = self.cupy.asarray(np.frombuffer(desc, np.uint8))
+        desc = validate.describe_send(None if err else buf, error=err)
+        head = self.cupy.asarray(np.frombuffer(validate.pack(desc), np.uint8))
         comm.send(head.data.ptr, validate.DESC_BYTES, _DTYPES["uint8"], peer, self._stream)
-        if err:
-            raise CCLError(f"send_to_worker: {err}")
+        if desc.status:  # (also a buf of None: nothing follows the header)
+            raise CCLError(f"send_to_worker: {desc.error}")
         comm.send(buf.data.ptr, buf.size, nccl_dtype(buf.dtype), peer, self._stream)
 
     @_on_gpu
@@ -461,7 +461,7 @@ class NCCLCCL(CCL):
         self._wait_stream("recv_from_worker")
         theirs = validate.unpack(head.get().tobytes())
         gpu_err = self._gpu_array(buf, "buf")
-        err = validate.check_p2p(peer, theirs, validate.describe("p2p", None, buf, error=gpu_err))
+        err = validate.check_p2p(peer, theirs, validate.describe_recv(buf, error=gpu_err))
         if theirs.status:
             raise CCLError(f"recv_from_worker: {err}")  # nothing follows the header
         target = buf
