@@ -171,10 +171,31 @@ def as_dtype(dtype: Any) -> np.dtype:
         dt = np.dtype(dtype)
     except (TypeError, ValueError, SyntaxError, OverflowError, RecursionError):
         # NumPy parses a name with a comma as Python (ast.literal_eval): SyntaxError
-        raise DiscoTypeError(
-            f"unknown dtype {dtype!r}; use a NumPy dtype name such as 'float32' or 'int64'"
-        ) from None
+        custom = _ml_dtype(dtype)
+        if custom is None:
+            raise DiscoTypeError(
+                f"unknown dtype {dtype!r}; use a NumPy dtype name such as 'float32' or 'int64'"
+            ) from None
+        return custom
     return _native_checked(dt)
+
+
+def _ml_dtype(name: Any) -> np.dtype | None:
+    """The ml_dtypes dtype called ``name`` (``"float8_e4m3fn"``), or None. NumPy knows
+    those names only once ml_dtypes is imported: a worker process had not, and refused
+    a dtype the controller had taken (an outside check)."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+        return None
+    if importlib.util.find_spec("ml_dtypes") is None:
+        return None
+    import ml_dtypes
+
+    found = getattr(ml_dtypes, name, None)
+    if not isinstance(found, type) or not found.__module__.startswith("ml_dtypes"):
+        return None
+    dt = np.dtype(found)
+    # a class of ml_dtypes that is no scalar type (finfo) makes an object dtype
+    return dt if dt.type is found else None
 
 
 # NumPy 2's ``dtype.name`` is a Python property that costs about 2 us (more than the

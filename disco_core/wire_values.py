@@ -162,11 +162,12 @@ def _dtype_code(dt: np.dtype) -> bytes:
     code = _DTYPE_CODES.get(dt)
     if code is not None:
         return code
-    custom = dt.type.__module__.startswith("ml_dtypes")
-    if dt.fields is None and dt.kind in "biufcSUMm" and not custom:
-        code = dt.str.encode()
-    elif custom and dt.kind == "V":
+    if dt.type.__module__.startswith("ml_dtypes") and dt.fields is None:
+        # by name: most are kind "V", but float8_e5m2 is "f" with dt.str "<f1", which
+        # NumPy cannot parse back
         code = dt.name.encode()
+    elif dt.fields is None and dt.kind in "biufcSUMm":
+        code = dt.str.encode()
     else:
         raise DiscoTypeError(
             f"cannot send dtype {dt} over a network link: numeric, bool, ml_dtypes, "
@@ -189,7 +190,7 @@ def _parse_dtype(code: bytes, data: bool = True) -> np.dtype:
             dt = np.dtype(text)
         elif _DTYPE_NAME.fullmatch(text):
             dt = as_dtype(text)  # bfloat16, float8_e4m3fn...: ml_dtypes
-            if dt.kind != "V":
+            if not dt.type.__module__.startswith("ml_dtypes"):
                 raise ValueError("not an ml_dtypes name")
         else:
             raise ValueError("not a dtype code")

@@ -110,6 +110,28 @@ def test_bfloat16():
         assert dev.as_dtype("bfloat16").name == "bfloat16"
 
 
+def test_ml_dtypes_names_are_known_before_ml_dtypes_is_imported(python_run):
+    """NumPy knows "float8_e4m3fn" only once ml_dtypes is imported: a worker process
+    refused ``sess.empty((3,), float8_e4m3fn)`` that the controller took, until a
+    ``bfloat16`` array had been made there (an outside check). A name that is no
+    scalar type of ml_dtypes ("finfo") is still unknown."""
+    if importlib.util.find_spec("ml_dtypes") is None:
+        pytest.skip("ml_dtypes is not installed")
+    r = python_run(
+        "import sys\n"
+        "from disco_core.device import as_dtype\n"
+        "assert 'ml_dtypes' not in sys.modules\n"
+        "print(as_dtype('float8_e4m3fn'), as_dtype('float8_e5m2'), as_dtype('int4'))\n"
+        "try:\n"
+        "    as_dtype('finfo')\n"
+        "except TypeError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "float8_e4m3fn float8_e5m2 int4" in r.stdout
+    assert "refused: unknown dtype 'finfo'" in r.stdout
+
+
 def test_as_shape():
     assert dev.as_shape(3) == (3,)
     assert dev.as_shape((2, np.int64(3))) == (2, 3)
@@ -184,6 +206,16 @@ def test_odd_host_values_are_clear_errors_at_the_call_or_work():
         assert sess.broadcast(big).debug_get_from_remote(1).tolist() == [0, 1, 2, 3]
         assert sess.scatter(np.arange(4, dtype=">i8").reshape(2, 2)).debug_get_from_remote(1).tolist() == [2, 3]  # fmt: skip
         assert sess.copy_to_worker_0(big).debug_get_from_remote(0).tolist() == [0, 1, 2, 3]
+        # and out again, into a host array of the other byte order (was "shape/dtype
+        # mismatch: destination is >f4[4], source is float32[4]": an outside check)
+        reg = sess.copy_to_worker_0(np.arange(4, dtype="float32"))
+        out = np.zeros(4, ">f4")
+        sess.copy_from_worker_0(out, reg)
+        assert out.tolist() == [0, 1, 2, 3] and out.dtype.str == ">f4"
+        reg.debug_copy_from(1, np.arange(4, dtype=">f4") * 2)
+        assert reg.debug_get_from_remote(1).tolist() == [0, 2, 4, 6]
+        with pytest.raises(disco.WorkerError, match="shape/dtype mismatch"):
+            sess.copy_from_worker_0(np.zeros(4, ">f8"), reg)  # another dtype still is one
         f = sess.get_global_func("disco.worker_id")
         assert [f().debug_get_from_remote(w) for w in range(2)] == [0, 1]
 

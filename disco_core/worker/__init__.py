@@ -614,12 +614,24 @@ class _LateBound:
         return f"<global function {self.name!r}, looked up when called>"
 
 
+def _same_dtype(a: Any, b: Any) -> bool:
+    """The same dtype, or (two NumPy arrays) the same but for the byte order."""
+    if a.dtype == b.dtype:
+        return True
+    return (
+        isinstance(a, np.ndarray)
+        and isinstance(b, np.ndarray)
+        and a.dtype.newbyteorder("=") == b.dtype.newbyteorder("=")
+    )
+
+
 def _copy_into(dst: Any, src: Any, what: str) -> None:
     dst_arr, src_arr = as_array(dst), as_array(src)
     # As TVM's Tensor::CopyFrom, the data is copied whatever the shapes, when it fits
     # exactly (TVM's own tests copy a flat array into a (3, 3, 2) one); the elements
-    # are taken in C order. Unlike TVM, the dtypes must match (TVM copies the bytes).
-    if dst_arr.size != src_arr.size or dst_arr.dtype != src_arr.dtype:
+    # are taken in C order. Unlike TVM, the dtypes must match (TVM copies the bytes),
+    # up to the byte order of host arrays (a worker's are native; NumPy swaps them).
+    if dst_arr.size != src_arr.size or not _same_dtype(dst_arr, src_arr):
         raise ValueError(
             f"{what}: shape/dtype mismatch: destination is {dst_arr.dtype}{list(dst_arr.shape)}, "
             f"source is {src_arr.dtype}{list(src_arr.shape)} (the dtype and the number of "
