@@ -9,6 +9,7 @@ full reply pipe, and a pipe's end of file is a dead worker, seen at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -155,6 +156,7 @@ class ProcessWorkerLink(BatchingLink):
         self.reader = FrameReader(self.reply_r)
         self.out_fd = self.cmd_w
         self.dead_reason: str | None = None
+        self._pipes_released = False
 
     def _died(self, exc: OSError) -> WorkerDiedError:
         reason = self.exit_reason(wait=0.5)
@@ -174,18 +176,35 @@ class ProcessWorkerLink(BatchingLink):
         return self.dead_reason or self.exit_reason()
 
     def close(self, deadline: float) -> None:
-        stop_worker(self.proc, self.cmd_w, deadline)
-        if self.err_r is not None:  # never handed to a tee
-            os.close(self.err_r)
-            self.err_r = None
+        self._release_pipes()  # the command pipe's end: an idle worker exits at it
+        try:
+            self.proc.wait(max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
 
     def reap(self) -> None:
-        """Wait for the worker process to end (after ``kill``): no zombie is left."""
+        """After ``kill``, when a Ctrl-C cut the close short: release the pipes the
+        close did not get to (an outside check: one leaked per interrupted shutdown),
+        then wait for the worker process to end, so that no zombie is left."""
+        self._release_pipes()
         self.proc.wait()
+
+    def _release_pipes(self) -> None:
+        """Close the command pipe, and the stderr pipe if no tee took it: once (a
+        second close could hit a descriptor its number was given to since)."""
+        if self._pipes_released:
+            return
+        self._pipes_released = True
+        for fd in (self.cmd_w, self.err_r):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.err_r = None
 
 
 def tee_stderr(links: list[ProcessWorkerLink]) -> StderrTee:
