@@ -229,8 +229,35 @@ class DModule(DRef):
         return session._call(getter, (self, name), DPackedFunc)
 
 
+class _SessionFunc(DPackedFunc):
+    """A built-in function a session keeps for its own calls (``_get_cached_method``).
+
+    It names its session weakly: the session keeps it, so a strong reference was a
+    cycle, and a dropped session that had called ``init_ccl`` kept its worker
+    processes, threads and pipes until the garbage collector ran (an outside check:
+    12 dropped sessions held 12 worker processes).
+    """
+
+    __slots__ = ("_session_ref",)
+    _session_ref: weakref.ref[Session]
+
+    @property
+    def session(self) -> Session:  # type: ignore[override]  # (DRef.session is a slot)
+        return self._session_ref()  # type: ignore[return-value]  # the session calls it
+
+    @classmethod
+    def take(cls, func: DRef) -> _SessionFunc:
+        """A handle that takes over ``func``'s register (``func`` frees nothing then)."""
+        obj = cls.__new__(cls)
+        obj._session_ref = weakref.ref(func.session)
+        obj.reg_id, func.reg_id = func.reg_id, 0
+        obj._owner = None
+        return obj
+
+
 register_ref_type(DPackedFunc)
 register_ref_type(DModule)
+register_ref_type(_SessionFunc)
 
 
 #: The most workers a session may have: its controller keeps per-worker state, so a
@@ -266,6 +293,12 @@ def _close_channel(channel: Channel, state: dict) -> None:
             _interrupts.uninstall()
     try:
         channel.close(timeout=shutdown_timeout())
+    except KeyboardInterrupt:
+        if not state.get("shutdown_called"):
+            # A dropped session, closed by its finaliser: Python would drop the
+            # interrupt (printed as ignored); the main thread gets it once out of here
+            _interrupts.raise_after_finalizer()
+        raise
     finally:
         if rendezvous is not None:
             rendezvous.close()
@@ -767,7 +800,7 @@ class Session:
     def _get_cached_method(self, name: str) -> DPackedFunc:
         func = self._cache.get(name)
         if func is None:
-            func = self._cache[name] = self.get_global_func(name)
+            func = self._cache[name] = _SessionFunc.take(self.get_global_func(name))
         return func
 
     @_one_thread_at_a_time
@@ -1334,6 +1367,7 @@ class Session:
                     logger.warning("the trace %s could not be written: %s", running.path, exc)
         finally:  # Ctrl-C in the trace's stop: the workers are still stopped
             with self._lock:
+                self._state["shutdown_called"] = True  # its Ctrl-C is raised here
                 self._finalizer()
                 self._cache.clear()
 

@@ -91,6 +91,47 @@ def test_no_child_left_after_dropping_the_session(no_leftover_children, procs):
         assert procs.wait_gone([pid], 5) == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["process", "threaded"])
+def test_a_dropped_session_is_closed_when_dropped_not_by_the_garbage_collector(kind, procs):
+    """After ``init_ccl`` (or any built-in the session keeps a handle to), the session
+    was in a reference cycle: a dropped one kept its worker processes, threads and
+    pipes until the garbage collector ran (an outside check: 12 dropped sessions held
+    12 worker processes). With the collector off, ``del`` alone closes it now."""
+    import gc
+    import threading
+    import weakref
+
+    import numpy as np
+
+    gc.collect()
+    threads_before = threading.active_count()
+    gc.disable()
+    try:
+        sess = disco.Session.create(kind, num_workers=2)
+        sess.init_ccl("shm")
+        x = sess.broadcast(np.arange(4, dtype="float32"))
+        y = sess.empty((4,), "float32")
+        sess.allreduce(x, y)
+        sess.allgather(x, sess.empty((8,), "float32"))
+        sess.gather_to_worker0(x, sess.empty((8,), "float32", worker0_only=True))
+        sess.scatter(np.arange(4, dtype="float32").reshape(2, 2))
+        sess.copy_from_worker_0(np.empty(4, "float32"), sess.copy_to_worker_0(np.ones(4, "float32")))  # fmt: skip
+        sess.import_python_module("disco_core.testing.funcs")
+        assert y.debug_get_from_remote(1).tolist() == [0, 2, 4, 6]
+        pids = [link.proc.pid for link in getattr(sess.channel, "procs", [])]
+        gone = weakref.ref(sess)
+        del sess, x, y
+        assert gone() is None, "the session outlived its last reference"
+        assert procs.wait_gone(pids, 5) == []
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]
+    finally:
+        gc.enable()
+
+
 @pytest.mark.timeout(30)
 def test_worker_that_cannot_start(no_leftover_children):
     t0 = time.monotonic()
