@@ -49,6 +49,7 @@ __all__ = [
     "barrier",
     "deliver",
     "deliver_later",
+    "raise_after_finalizer",
     "raised_by_signal_handler",
     "cut_by_program",
     "install",
@@ -250,6 +251,51 @@ def deliver_later() -> None:
     if state.pending and threading.get_ident() == _MAIN:
         state.pending = False
         _thread.interrupt_main()
+
+
+def raise_after_finalizer() -> None:
+    """Have a ``KeyboardInterrupt`` that a finaliser is about to let out raised again
+    in the main thread's own code (call it, then re-raise).
+
+    Python drops what a ``weakref.finalize`` callback or ``__del__`` raises (it is
+    passed to ``sys.unraisablehook``, which prints it as ignored), and the Ctrl-C with
+    it: an outside check lost 5 of 5 pressed while a dropped session waited for a busy
+    worker. For the next few seconds a ``KeyboardInterrupt`` that reaches the hook
+    in the main thread is not printed but signalled again (SIGINT, from a thread, a
+    millisecond later); if it lands in another callback of the same clean-up (a
+    ``WeakSet``'s, say), it comes back and goes again, until it is raised where the
+    program runs.
+    """
+    global _redeliver_until, _previous_unraisablehook
+    if threading.get_ident() != _MAIN:
+        return  # a signal's exception is raised in the main thread only
+    _redeliver_until = time.monotonic() + _REDELIVER_FOR
+    if sys.unraisablehook is not _unraisablehook:
+        _previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _unraisablehook
+
+
+_REDELIVER_FOR = 5.0
+_redeliver_until = 0.0
+_previous_unraisablehook: Callable[[Any], Any] = sys.__unraisablehook__
+
+
+def _unraisablehook(unraisable: Any) -> None:
+    if (
+        isinstance(unraisable.exc_value, KeyboardInterrupt)
+        and threading.get_ident() == _MAIN
+        and time.monotonic() < _redeliver_until
+    ):
+        # not here (this hook runs Python code in the same clean-up): a moment later
+        _thread.start_new_thread(_signal_main_later, ())
+        return
+    _previous_unraisablehook(unraisable)
+
+
+def _signal_main_later() -> None:
+    time.sleep(POKE_INTERVAL)
+    with contextlib.suppress(Exception):
+        signal.pthread_kill(_MAIN, signal.SIGINT)
 
 
 def _stdlib_dirs() -> tuple[str, ...]:

@@ -10,6 +10,8 @@ and every later reply of that worker was the previous call's (outside check: ask
 from __future__ import annotations
 
 import _thread
+import contextlib
+import gc
 import os
 import threading
 import time
@@ -235,6 +237,64 @@ def test_ctrl_c_in_shutdowns_wait_still_stops_a_busy_worker():
     finally:
         end()
     assert proc.wait(5) is not None  # killed, not left for 30 s
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_shutdown_waits_for_worker_0_leaves_no_pipe_open():
+    """Ctrl-C while ``shutdown()`` waited for a busy worker 0 (the controller's
+    thread): the worker processes' links were never closed, and one command pipe per
+    interrupted shutdown stayed open for good (an outside check: 10 runs, 10 pipes).
+    The killed workers' pipes are closed with them now."""
+    sess = disco.ProcessSession(3)
+    links = sess._channel.procs
+    pipes = {os.readlink(f"/proc/self/fd/{link.cmd_w}") for link in links}
+    sess.import_python_module("disco_core.testing.funcs")
+    sess.get_global_func("testing.sleep")(2.0)  # every worker
+    sess._channel.flush()
+    end = _alarms_as_ctrl_c(0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sess.shutdown()
+    finally:
+        end()
+    for link in links:
+        assert link.proc.wait(5) is not None
+
+    def still_open() -> set[str]:
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                found.add(os.readlink(f"/proc/self/fd/{fd}"))
+        return found & pipes
+
+    deadline = time.monotonic() + 5
+    while still_open() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not still_open(), "the worker processes' command pipes are still open"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["process", "threaded"])
+def test_ctrl_c_while_a_dropped_session_closes_is_raised_not_lost(kind, capfd):
+    """A session dropped while its workers are busy is closed by its finaliser, which
+    waits for them; a Ctrl-C there was dropped by Python ("Exception ignored in:
+    <finalize object>"), and the program never saw it (an outside check: 5 of 5).
+    It is raised in the program's own code now, at once."""
+    sess = disco.Session.create(kind, num_workers=2)
+    sess.import_python_module("disco_core.testing.funcs")
+    sess.get_global_func("testing.sleep")(2.0)  # every worker
+    sess._channel.flush()
+    end = _alarms_as_ctrl_c(0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            del sess  # the last reference: the finaliser closes the session here
+            gc.collect()  # (there, too, where a cycle kept it)
+            time.sleep(5)
+    finally:
+        end()
+    assert time.monotonic() - t0 < 2.5
+    assert "Exception ignored" not in capfd.readouterr().err
 
 
 class _InterruptedRightAfterAcquire:
