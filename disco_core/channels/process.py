@@ -188,11 +188,17 @@ class ProcessWorkerLink(BatchingLink):
             self.proc.kill()
 
     def reap(self) -> None:
-        """After ``kill``, when a Ctrl-C cut the close short: release the pipes the
-        close did not get to (an outside check: one leaked per interrupted shutdown),
-        then wait for the worker process to end, so that no zombie is left."""
-        self._release_pipes()
+        """After ``kill``, when a Ctrl-C cut the close short: wait for the worker
+        process to end, so that no zombie is left, then release the pipes the close
+        did not get to (an outside check: one leaked per interrupted shutdown). Under
+        the link's lock: a write still under way (the worker is dead: it fails at
+        once) must not go on into a descriptor whose number was given out again."""
         self.proc.wait()
+        if self.lock.acquire(timeout=5.0):
+            try:
+                self._release_pipes()
+            finally:
+                self.lock.release()
 
     def _release_pipes(self) -> None:
         """Close the command pipe, and the stderr pipe if no tee took it: once (a
