@@ -36,6 +36,7 @@ import contextlib
 import os
 import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -178,18 +179,50 @@ def _pipe_ping_pong(p: Placement, reps: int) -> float:
             os._exit(0)
     os.close(a_r)
     os.close(b_w)
-    times = []
     try:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            os.write(a_w, b"x")
-            os.read(b_r, 1)
-            times.append(time.perf_counter() - t0)
+        times = _round_trips(a_w, b_r, reps)
     finally:
         os.close(a_w)
         os.close(b_r)
         os.waitpid(pid, 0)
     return statistics.median(times[reps // 10 :])
+
+
+def _round_trips(out_fd: int, in_fd: int, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` round trips of one byte: out on ``out_fd``, back on ``in_fd``."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        os.write(out_fd, b"x")
+        os.read(in_fd, 1)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def thread_wakeup(reps: int = 5000) -> float:
+    """Seconds one thread of this process takes to wake another that sleeps: half the
+    median round trip of a byte through two pipes between two threads (each read
+    sleeps, with the GIL let go). A 2-thread collective cannot beat it: a member whose
+    peer has not arrived lets go of the GIL, and the peer that takes it over has been
+    asleep on it. On a VM a wake-up of an idle vCPU costs tens of microseconds; on one
+    CPU it is a context switch."""
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+
+    def echo() -> None:
+        for _ in range(reps):
+            os.read(r1, 1)
+            os.write(w2, b"x")
+
+    peer = threading.Thread(target=echo, daemon=True)
+    peer.start()
+    try:
+        times = _round_trips(w1, r2, reps)
+        peer.join()
+    finally:
+        for fd in (r1, w1, r2, w2):
+            os.close(fd)
+    return statistics.median(times) / 2
 
 
 def forked_peer(p: Placement, serve: Callable[[socket.socket], None]) -> tuple[socket.socket, int]:  # fmt: skip

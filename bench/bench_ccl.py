@@ -27,7 +27,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from _common import (
     ratio,
     save_json,
 )
+from _placement import thread_wakeup
 
 import disco_core as disco
 
@@ -256,37 +256,6 @@ def plot(rows: list[dict], memcpy: float, path: Path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
-
-
-def thread_wakeup(rounds: int = 5000) -> float:
-    """Seconds one thread of this process takes to wake another that sleeps: half the
-    round trip of a byte through two pipes between two threads (each read sleeps, with
-    the GIL let go). A 2-thread collective cannot beat it: a member whose peer has not
-    arrived lets go of the GIL, and the peer that takes it over has been asleep on it.
-    On a VM a wake-up of an idle vCPU costs tens of microseconds; on one CPU it is a
-    context switch."""
-    r1, w1 = os.pipe()
-    r2, w2 = os.pipe()
-
-    def echo() -> None:
-        for _ in range(rounds):
-            os.read(r1, 1)
-            os.write(w2, b"x")
-
-    peer = threading.Thread(target=echo, daemon=True)
-    peer.start()
-    times = []
-    try:
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            os.write(w1, b"x")
-            os.read(r2, 1)
-            times.append(time.perf_counter() - t0)
-        peer.join()
-    finally:
-        for fd in (r1, w1, r2, w2):
-            os.close(fd)
-    return statistics.median(times) / 2
 
 
 def run(

@@ -230,13 +230,18 @@ def test_ctrl_c_in_shutdowns_wait_still_stops_a_busy_worker():
     sess.import_python_module("disco_core.testing.funcs")
     sess.get_global_func("testing.sleep")(30.0, 1)
     sess._sync_worker(0)
-    end = _alarms_as_ctrl_c(0.5)
+    _interrupted_shutdown(sess, 0.5)
+    assert proc.wait(5) is not None  # killed, not left for 30 s
+
+
+def _interrupted_shutdown(sess: disco.Session, after: float) -> None:
+    """``sess.shutdown()``, cut by a Ctrl-C ``after`` seconds in (it must be)."""
+    end = _alarms_as_ctrl_c(after)
     try:
         with pytest.raises(KeyboardInterrupt):
             sess.shutdown()
     finally:
         end()
-    assert proc.wait(5) is not None  # killed, not left for 30 s
 
 
 @pytest.mark.timeout(60)
@@ -251,12 +256,7 @@ def test_ctrl_c_while_shutdown_waits_for_worker_0_leaves_no_pipe_open():
     sess.import_python_module("disco_core.testing.funcs")
     sess.get_global_func("testing.sleep")(2.0)  # every worker
     sess._channel.flush()
-    end = _alarms_as_ctrl_c(0.5)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            sess.shutdown()
-    finally:
-        end()
+    _interrupted_shutdown(sess, 0.5)
     for link in links:
         assert link.proc.wait(5) is not None
 
