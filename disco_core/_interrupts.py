@@ -49,7 +49,7 @@ __all__ = [
     "barrier",
     "deliver",
     "deliver_later",
-    "raise_after_finalizer",
+    "redeliver_dropped_interrupts",
     "raised_by_signal_handler",
     "cut_by_program",
     "install",
@@ -253,43 +253,56 @@ def deliver_later() -> None:
         _thread.interrupt_main()
 
 
-def raise_after_finalizer() -> None:
-    """Have a ``KeyboardInterrupt`` that a finaliser is about to let out raised again
-    in the main thread's own code (call it, then re-raise).
+def redeliver_dropped_interrupts(seconds: float = 5.0) -> None:
+    """For the next ``seconds``, a ``KeyboardInterrupt`` that Python drops in the main
+    thread is raised again in the program's own code.
 
-    Python drops what a ``weakref.finalize`` callback or ``__del__`` raises (it is
-    passed to ``sys.unraisablehook``, which prints it as ignored), and the Ctrl-C with
-    it: an outside check lost 5 of 5 pressed while a dropped session waited for a busy
-    worker. For the next few seconds a ``KeyboardInterrupt`` that reaches the hook
-    in the main thread is not printed but signalled again (SIGINT, from a thread, a
-    millisecond later); if it lands in another callback of the same clean-up (a
-    ``WeakSet``'s, say), it comes back and goes again, until it is raised where the
-    program runs.
+    Python drops what a ``weakref.finalize`` callback or a ``__del__`` raises (it goes
+    to ``sys.unraisablehook``, which prints it as ignored), and the Ctrl-C with it: an
+    outside check lost 5 of 5 pressed while a dropped session waited for its busy
+    workers, and 2 of 60 that landed in another callback of the same clean-up (the
+    ``WeakSet`` of ``threading._dangling``, as the session's threads died). A session
+    closed by its finaliser calls this as it starts and as it ends. Meanwhile such an
+    interrupt is not printed but signalled again (SIGINT, from a thread, a millisecond
+    later: the hook runs inside the clean-up); landing in another callback, it comes
+    back and goes again, until it is raised where the program runs. Only while SIGINT's
+    handler is Python's or Disco's: a program's own handler, or an ignored SIGINT,
+    gets what Python would do.
     """
     global _redeliver_until, _previous_unraisablehook
     if threading.get_ident() != _MAIN:
         return  # a signal's exception is raised in the main thread only
-    _redeliver_until = time.monotonic() + _REDELIVER_FOR
+    _redeliver_until = max(_redeliver_until, time.monotonic() + seconds)
     if sys.unraisablehook is not _unraisablehook:
         _previous_unraisablehook = sys.unraisablehook
         sys.unraisablehook = _unraisablehook
 
 
-_REDELIVER_FOR = 5.0
 _redeliver_until = 0.0
 _previous_unraisablehook: Callable[[Any], Any] = sys.__unraisablehook__
+_in_hook = threading.local()
 
 
 def _unraisablehook(unraisable: Any) -> None:
-    if (
-        isinstance(unraisable.exc_value, KeyboardInterrupt)
-        and threading.get_ident() == _MAIN
-        and time.monotonic() < _redeliver_until
-    ):
-        # not here (this hook runs Python code in the same clean-up): a moment later
-        _thread.start_new_thread(_signal_main_later, ())
+    if getattr(_in_hook, "on", False):
+        # a program's hook that chains to the one it replaced, which was this one
+        # (installed again after it): the loop ends here (outside check)
+        sys.__unraisablehook__(unraisable)
         return
-    _previous_unraisablehook(unraisable)
+    _in_hook.on = True
+    try:
+        if (
+            isinstance(unraisable.exc_value, KeyboardInterrupt)
+            and threading.get_ident() == _MAIN
+            and time.monotonic() < _redeliver_until
+            and signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _on_sigint)
+        ):
+            # not here (this hook runs Python code in the same clean-up): a moment later
+            _thread.start_new_thread(_signal_main_later, ())
+            return
+        _previous_unraisablehook(unraisable)
+    finally:
+        _in_hook.on = False
 
 
 def _signal_main_later() -> None:

@@ -285,6 +285,12 @@ def _close_channel(channel: Channel, state: dict) -> None:
     """Stop a session's workers (also run by the finaliser at interpreter exit)."""
     if state.get("closed"):
         return
+    # Dropped (not shut down), the session is closed by its finaliser, whose exceptions
+    # Python drops: a Ctrl-C meanwhile, or in the rest of the clean-up, is raised again
+    # (not at the interpreter's exit: there Python says it was ignored, as ever)
+    dropped = not state.get("shutdown_called") and not _at_exit()
+    if dropped:
+        _interrupts.redeliver_dropped_interrupts()
     rendezvous = state.get("rendezvous")
     try:
         _begin_close(channel, state)
@@ -293,17 +299,24 @@ def _close_channel(channel: Channel, state: dict) -> None:
             _interrupts.uninstall()
     try:
         channel.close(timeout=shutdown_timeout())
-    except KeyboardInterrupt:
-        if not state.get("shutdown_called"):
-            # A dropped session, closed by its finaliser: Python would drop the
-            # interrupt (printed as ignored); the main thread gets it once out of here
-            _interrupts.raise_after_finalizer()
-        raise
     finally:
         if rendezvous is not None:
             rendezvous.close()
         _memory.release_free_memory()  # the session's threads' malloc arenas
         logger.debug("session shut down: %s channel", channel.kind)
+        if dropped:  # (the wait may have taken most of the first window)
+            _interrupts.redeliver_dropped_interrupts()
+
+
+def _at_exit() -> bool:
+    """Whether the interpreter's exit runs this (``weakref.finalize``'s exit function)."""
+    exitfunc = weakref.finalize._exitfunc.__code__  # type: ignore[attr-defined]
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is exitfunc:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @_interrupts.protect(blocking=True)

@@ -19,6 +19,7 @@ import time
 import pytest
 
 import disco_core as disco
+from disco_core import _interrupts
 from disco_core import protocol as P
 
 
@@ -295,6 +296,97 @@ def test_ctrl_c_while_a_dropped_session_closes_is_raised_not_lost(kind, capfd):
         end()
     assert time.monotonic() - t0 < 2.5
     assert "Exception ignored" not in capfd.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_a_process_session_starts_leaves_no_thread():
+    """Ctrl-C while ``ProcessSession()`` waited for its worker processes: the worker-0
+    thread and the liveness watch of the half-made channel stayed for good (an outside
+    check: 12 threads after 6 interrupted starts)."""
+    from disco_core.channels.base import LinkChannel
+    from disco_core.testing.interrupts import interrupt_on_entry
+
+    before = {t.ident for t in threading.enumerate()}
+    with interrupt_on_entry(LinkChannel.wait_ready.__code__) as fired:
+        with pytest.raises(KeyboardInterrupt):
+            disco.ProcessSession(3)
+    assert fired == [1]
+
+    def left() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("disco")]  # fmt: skip
+
+    deadline = time.monotonic() + 5
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left()
+
+
+@pytest.fixture
+def unraisable_hook():
+    """``sys.unraisablehook`` as this test leaves it is put back, and Disco's window
+    for dropped interrupts is closed, after the test."""
+    import sys
+
+    saved = sys.unraisablehook
+    yield
+    _interrupts._redeliver_until = 0.0
+    sys.unraisablehook = saved
+
+
+def test_the_dropped_interrupt_hook_and_a_program_hook_chaining_to_it_do_not_loop(unraisable_hook):
+    """A program hook that chains to the one it replaced, installed between two windows
+    for dropped interrupts: the two hooks called each other until RecursionError (an
+    outside check). Each unraisable exception is reported once now."""
+    import sys
+
+    seen: list[str] = []
+    sys.unraisablehook = lambda u: seen.append(f"base {u.exc_type.__name__}")
+    _interrupts.redeliver_dropped_interrupts()
+    replaced = sys.unraisablehook
+
+    def program_hook(u) -> None:
+        seen.append(f"program {u.exc_type.__name__}")
+        replaced(u)
+
+    sys.unraisablehook = program_hook
+    _interrupts.redeliver_dropped_interrupts()  # installs Disco's again, over the program's
+
+    class Bad:
+        def __del__(self):
+            raise ValueError("boom")
+
+    Bad()
+    assert seen.count("program ValueError") == 1, seen
+    assert len(seen) <= 3, seen
+
+
+@pytest.mark.parametrize("handler", ["ignored", "program"])
+def test_a_dropped_interrupt_is_not_signalled_again_past_a_program_s_handler(unraisable_hook, handler):  # fmt: skip
+    """Within the window, a KeyboardInterrupt that a ``__del__`` raised by hand was
+    signalled again whatever SIGINT's handler: a program's own ran a second time, an
+    ignored SIGINT hid it (an outside check). Only Python's or Disco's handler gets it
+    again; otherwise it goes where Python sends it."""
+    import signal
+    import sys
+
+    seen: list[str] = []
+    calls: list[int] = []
+    sys.unraisablehook = lambda u: seen.append(u.exc_type.__name__)
+    old = signal.signal(
+        signal.SIGINT, signal.SIG_IGN if handler == "ignored" else lambda *a: calls.append(1)
+    )
+    try:
+        _interrupts.redeliver_dropped_interrupts()
+
+        class Bad:
+            def __del__(self):
+                raise KeyboardInterrupt("by hand")
+
+        Bad()
+        time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert seen == ["KeyboardInterrupt"] and calls == []
 
 
 class _InterruptedRightAfterAcquire:

@@ -442,6 +442,7 @@ class ProcessChannel(LinkChannel):
         env = worker_env(num_workers)
         procs: list[ProcessWorkerLink] = []
         self.stderr: StderrTee | None = None
+        link0: ThreadWorkerLink | None = None
         try:
             self.stderr, self.reader = start_worker_processes(
                 self.hub, range(1, num_workers), num_workers, num_groups, entrypoint, env, procs
@@ -459,6 +460,15 @@ class ProcessChannel(LinkChannel):
             )  # fmt: skip
         except BaseException:
             self.hub.closing = True
+            # The threads this process already runs stop too: worker 0's and the
+            # liveness watch (a Ctrl-C while the workers started left both for good:
+            # an outside check, 12 threads after 6 interrupted starts).
+            self._stopping = True
+            self._closed.set()
+            if link0 is not None:
+                link0.stopped = True
+                with contextlib.suppress(Exception):
+                    link0.close(time.monotonic() + 1)
             for link in procs:  # each one, whatever the others do
                 try:
                     link.kill()
