@@ -90,7 +90,7 @@ class DRef:
                 session = self.session
                 if not session._state["closed"]:
                     session._released.append(self.reg_id)
-        except AttributeError:  # never fully constructed
+        except (AttributeError, SessionClosedError):  # never fully constructed; session gone
             pass
         finally:
             if _pending.pending:
@@ -243,7 +243,10 @@ class _SessionFunc(DPackedFunc):
 
     @property
     def session(self) -> Session:  # type: ignore[override]  # (DRef.session is a slot)
-        return self._session_ref()  # type: ignore[return-value]  # the session calls it
+        session = self._session_ref()
+        if session is None:  # (an AttributeError on None, an outside check)
+            raise SessionClosedError("the session this function handle belongs to is gone")
+        return session
 
     @classmethod
     def take(cls, func: DRef) -> _SessionFunc:

@@ -132,6 +132,21 @@ def test_a_dropped_session_is_closed_when_dropped_not_by_the_garbage_collector(k
         gc.enable()
 
 
+def test_a_kept_function_handle_outliving_its_session_says_so():
+    """The handles a session keeps name it weakly: one used after the session is gone
+    raised an AttributeError on None (an outside check); dropping it is quiet."""
+    import gc
+
+    sess = disco.ThreadedSession(2)
+    kept = sess._get_cached_method("disco.worker_id")
+    sess.shutdown()
+    del sess
+    gc.collect()
+    with pytest.raises(disco.SessionClosedError, match="is gone"):
+        kept.debug_get_from_remote(0)
+    del kept  # its __del__ finds no session: nothing raised, nothing printed
+
+
 @pytest.mark.timeout(30)
 def test_worker_that_cannot_start(no_leftover_children):
     t0 = time.monotonic()
