@@ -311,6 +311,14 @@ def _close_channel(channel: Channel, state: dict) -> None:
             _interrupts.redeliver_dropped_interrupts()
 
 
+def _native_order(value: Any) -> Any:
+    """``value``, a host array in this machine's byte order (a worker's array is:
+    collectives move bytes, so ``>f4`` data reduced as ``float32`` was garbage)."""
+    if isinstance(value, np.ndarray) and not value.dtype.isnative:
+        return value.astype(value.dtype.newbyteorder("="))
+    return value
+
+
 def _at_exit() -> bool:
     """Whether the interpreter's exit runs this (``weakref.finalize``'s exit function)."""
     exitfunc = weakref.finalize._exitfunc.__code__  # type: ignore[attr-defined]
@@ -963,9 +971,7 @@ class Session:
 
         Returns once worker 0 holds the data, so the host array may change afterwards.
         """
-        host = as_array(host_array, "copy_to_worker_0: host_array")
-        if isinstance(host, np.ndarray) and not host.dtype.isnative:
-            host = host.astype(host.dtype.newbyteorder("="))  # a worker's array is native
+        host = _native_order(as_array(host_array, "copy_to_worker_0: host_array"))
         if remote_array is None:
             remote_array = self.empty(host.shape, host.dtype, worker0_only=True)
         elif not isinstance(remote_array, DRef):
@@ -1187,9 +1193,7 @@ class Session:
                 raise DiscoTypeError(
                     f"{name}: {param} must be a {kind} of this session, got {type(value).__name__}{hint}"
                 )
-        if isinstance(src, np.ndarray) and not src.dtype.isnative:
-            return src.astype(src.dtype.newbyteorder("="))
-        return src
+        return _native_order(src)
 
     def _host_to_roots(self, name: str, host: np.ndarray, in_group: bool) -> DRef:
         """``host`` on worker 0 (``in_group=False``) or on every group's first worker.

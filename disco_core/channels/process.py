@@ -89,6 +89,11 @@ def stop_worker(proc: subprocess.Popen, cmd_w: int, deadline: float) -> None:
         os.close(cmd_w)
     except OSError:
         pass
+    _wait_or_kill(proc, deadline)
+
+
+def _wait_or_kill(proc: subprocess.Popen, deadline: float) -> None:
+    """Wait for ``proc`` until ``deadline``; then kill it and wait for its end."""
     try:
         proc.wait(max(0.01, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -177,11 +182,7 @@ class ProcessWorkerLink(BatchingLink):
 
     def close(self, deadline: float) -> None:
         self._release_pipes()  # the command pipe's end: an idle worker exits at it
-        try:
-            self.proc.wait(max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _wait_or_kill(self.proc, deadline)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
