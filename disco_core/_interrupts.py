@@ -311,6 +311,17 @@ def _signal_main_later() -> None:
         signal.pthread_kill(_MAIN, signal.SIGINT)
 
 
+def _signal_main_now() -> None:
+    """Hand an interrupt to the handler in place as a real Ctrl-C would: a SIGINT to the
+    main thread, which also ends a blocking call there. ``_thread.interrupt_main`` only
+    runs the handler at the next bytecode: a main thread in ``time.sleep(5)`` got it
+    5 s late (a fresh-clone run, once). A handler that is not Python code (SIG_IGN,
+    SIG_DFL) gets nothing, as from ``interrupt_main``."""
+    if callable(signal.getsignal(signal.SIGINT)):
+        with contextlib.suppress(Exception):
+            signal.pthread_kill(_MAIN, signal.SIGINT)
+
+
 def _stdlib_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     return tuple({os.path.join(paths[k], "") for k in ("stdlib", "platstdlib") if k in paths})
@@ -413,7 +424,7 @@ def _poke() -> None:
                     sent = state.poked
                     state.pending = state.poked = state.poking = False
                     if not sent:
-                        _thread.interrupt_main()
+                        _signal_main_now()
                     return
                 if not state.poked and not _inside_protected(frame):
                     state.poked = True

@@ -1103,6 +1103,37 @@ def test_a_held_interrupt_goes_to_the_programs_own_handler_if_it_took_over():
 
 
 @pytest.mark.timeout(60)
+def test_a_held_interrupt_handed_to_pythons_handler_ends_a_blocking_call():
+    """An interrupt held back, then Python's own handler back in place (the last
+    session's close puts it back) before the watcher looked: the watcher handed it
+    over with ``_thread.interrupt_main``, which does not end a blocking call, and a
+    program in ``time.sleep(10)`` got it 10 s late (a fresh-clone run: 5.8 s for a
+    Ctrl-C during a dropped session's close). It is a real SIGINT now."""
+    import signal
+
+    from disco_core import _interrupts
+
+    @_interrupts.protect()
+    def step_cut_after_its_last_look_then_pythons_handler_back():
+        _thread.interrupt_main()
+        for _ in range(100):
+            pass
+        assert _interrupts.state.pending
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    with disco.ThreadedSession(1):
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                step_cut_after_its_last_look_then_pythons_handler_back()
+                time.sleep(10)
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        assert not (_interrupts.state.pending or _interrupts.state.poking)
+
+
+@pytest.mark.timeout(60)
 def test_ctrl_c_while_shutdown_waits_for_the_workers_to_exit_leaves_no_zombie():
     """Ctrl-C while ``shutdown()`` waited for a worker process to exit: the process
     was killed and never waited for, a zombie until the controller exited (outside
