@@ -7,6 +7,7 @@ function registry (``tvm.register_func`` / ``tvm.get_global_func``).
 from __future__ import annotations
 
 import difflib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -40,7 +41,9 @@ def register_func(name, func=None, override=False):
     func : callable, optional
         The function. When omitted, a decorator is returned.
     override : bool
-        Replace an existing registration instead of raising ``ValueError``.
+        Replace an existing registration instead of raising ``ValueError``. The same
+        ``def`` run again (a module loaded again, or by each worker thread) replaces
+        its own registration without it.
 
     Returns
     -------
@@ -66,7 +69,7 @@ def register_func(name, func=None, override=False):
             raise DiscoTypeError(f"register_func({name!r}): {fn!r} is not callable")
         with _LOCK:
             old = _FUNCS.get(name)
-            if old is not None and not override and old is not fn:
+            if old is not None and not override and old is not fn and not _same_def(old, fn):
                 raise DiscoValueError(
                     f"global function {name!r} is already registered ({_describe(old)}); "
                     "pass override=True to replace it"
@@ -116,6 +119,25 @@ def missing_message(name: str) -> str:
     close = difflib.get_close_matches(name, list(_FUNCS), n=3)
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
     return f"global function {name!r} is not registered{hint}"
+
+
+def _same_def(old: Callable, new: Callable) -> bool:
+    """Whether ``new`` comes from the same ``def`` as ``old``, run again: a module that
+    runs again (each worker thread of a ThreadedSession loading a ``.py`` file, a
+    second session or ``importlib.reload``, a file loaded by path and then imported by
+    name) replaces its own registrations instead of failing on them. Same file, same
+    qualified name, same first line."""
+    a, b = getattr(old, "__code__", None), getattr(new, "__code__", None)
+    if a is None or b is None or a.co_firstlineno != b.co_firstlineno:
+        return False
+    if getattr(old, "__qualname__", None) != getattr(new, "__qualname__", None):
+        return False
+    if a.co_filename == b.co_filename:
+        return True
+    try:
+        return os.path.samefile(a.co_filename, b.co_filename)
+    except OSError:  # "<string>", a file gone
+        return False
 
 
 def _describe(fn: Callable) -> str:

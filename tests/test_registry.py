@@ -112,3 +112,43 @@ def test_bad_registrations_are_disco_errors():
         disco.register_func(123)
     with pytest.raises(disco.DiscoTypeError, match="is not callable"):
         disco.register_func("testing.not_callable", 5)
+
+
+_MODULE = """
+import disco_core as disco
+
+@disco.register_func("test.reg.module_add")
+def add(a, b):
+    return a + b
+"""
+
+
+def test_a_module_run_again_replaces_its_own_registrations(tmp_path, names, monkeypatch):
+    """A ``.py`` file that registers a function could be loaded once per process: each
+    worker thread of a ThreadedSession runs it (worker 1 failed with "already
+    registered"), as do a second session, ``importlib.reload`` and an import by name
+    of a file loaded by path. The same ``def`` run again replaces its registration."""
+    import importlib
+    import sys
+
+    names.append("test.reg.module_add")
+    path = tmp_path / "reg_again_mod.py"
+    path.write_text(_MODULE)
+    for _ in range(2):  # a second session in the same process too
+        with disco.ThreadedSession(2) as sess:
+            sess.load_vm_module(str(path))
+            add = sess.get_global_func("test.reg.module_add")
+            assert [add(2, 3).debug_get_from_remote(w) for w in (0, 1)] == [5, 5]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("reg_again_mod")  # loaded by path above
+    try:
+        importlib.reload(module)
+        assert disco.get_global_func("test.reg.module_add") is module.add
+    finally:
+        sys.modules.pop("reg_again_mod", None)
+    other = tmp_path / "other_mod.py"  # another file's function under that name still fails
+    other.write_text(_MODULE)
+    with disco.ThreadedSession(1) as sess:
+        with pytest.raises(disco.WorkerError, match="already registered"):
+            sess.load_vm_module(str(other))
+            sess._sync_all()
