@@ -1043,9 +1043,14 @@ class Server(ServiceProcess):
         """Fork the server process; return once it reported ready (or raise its error)."""
         # made here, so that terminate() removes it even if the server process was killed
         # (and the next server removes it if this process was killed too)
-        self._temp_root, self._temp_lock = owned_scratch_dir(TEMP_PREFIX)
-        cfg.temp_root = self._temp_root
         ready_r, ready_w = os.pipe()
+        try:
+            self._temp_root, self._temp_lock = owned_scratch_dir(TEMP_PREFIX)
+        except BaseException:
+            os.close(ready_r)
+            os.close(ready_w)
+            raise
+        cfg.temp_root = self._temp_root
 
         def serve(watch_fd: int) -> None:
             os.close(ready_r)
@@ -1065,7 +1070,13 @@ class Server(ServiceProcess):
             else:
                 serve_forever(self._sock, cfg, watch_fd=watch_fd)  # type: ignore[arg-type]  # not proxied: listening
 
-        pid = self._fork(serve)
+        try:
+            pid = self._fork(serve)
+        except BaseException:  # (terminate() removes the folder only once there is a process)
+            os.close(ready_r)
+            os.close(ready_w)
+            self._cleanup()
+            raise
         os.close(ready_w)
         if self._sock is not None:
             self._sock.close()

@@ -109,3 +109,20 @@ def test_a_fifo_for_a_lock_file_does_not_block_the_sweep(tmp_path):
     os.mkfifo(bad / scratch.LOCK_NAME)
     assert scratch.sweep_abandoned(PREFIX, str(tmp_path)) == []
     assert bad.is_dir()
+
+
+def test_a_server_that_cannot_fork_leaves_no_folder(tmp_path, monkeypatch):
+    """The folder is made before the server process: a fork that failed (or a Ctrl-C
+    there) left it, locked by this process's descriptor, until this process ended
+    (``terminate()`` cleans up only once there is a process)."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    fds = len(os.listdir("/proc/self/fd"))
+
+    def no_fork(self, serve):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(rpc.Server, "_fork", no_fork)
+    with pytest.raises(OSError, match="Resource temporarily"):
+        rpc.Server(port=10580, port_end=10620, token="scratch-secret")
+    assert _folders(tmp_path) == set()
+    assert len(os.listdir("/proc/self/fd")) == fds  # its lock and the ready pipe closed
