@@ -587,3 +587,82 @@ def test_a_forged_worker_count_is_refused_before_it_costs_memory(tmp_path: Path,
     forged.write_text(json.dumps(data))
     with pytest.raises(DiscoValueError, match="claims 10000000 workers"):
         ts.load(forged)
+
+
+def _forged(hand: Path, tmp_path: Path, change: Any) -> Path:
+    data = json.loads(hand.read_text())
+    change(data)
+    path = tmp_path / "forged.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _set_bytes(value: Any) -> Any:
+    def change(data: dict) -> None:
+        for ev in data["traceEvents"]:
+            if ev.get("cat") == "collective" and ev["ph"] == "X":
+                ev["args"]["bytes"] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_set_bytes(10**400), "has bad bytes"),  # an int no float holds: was an OverflowError
+        (_set_bytes(-100), "has bad bytes"),
+        (_set_bytes("4000"), "has bad bytes"),
+        (lambda d: d["otherData"].__setitem__("duration_us", -5), "duration_us is negative"),
+        (lambda d: d["otherData"]["session"].__setitem__("num_workers", "3"), "num_workers"),
+        (lambda d: d["otherData"]["session"].__setitem__("num_workers", 0), "num_workers"),
+    ],
+)
+def test_impossible_values_are_clear_errors(tmp_path: Path, hand: Path, change, message):
+    """An outside check: a byte count past a float's range gave a traceback; negative
+    bytes, a negative span or a worker count of "3" were taken silently."""
+    with pytest.raises(DiscoValueError, match=message):
+        ts.load(_forged(hand, tmp_path, change))
+
+
+def test_files_json_cannot_hold_are_clear_errors(tmp_path: Path):
+    """A 5,000-digit integer (Python's limit on converting one) and arrays nested
+    100,000 deep were a ValueError and a RecursionError with a traceback (outside check)."""
+    digits = tmp_path / "digits.json"
+    digits.write_text('{"otherData": {"disco_trace": 1, "x": 1' + "0" * 5000 + "}}")
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"traceEvents": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(DiscoValueError, match="not JSON"):
+        ts.load(digits)
+    with pytest.raises(DiscoValueError, match="nested too deeply"):
+        ts.load(deep)
+    proc = run_disco("summary", str(deep))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_file_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path: Path):
+    """A FIFO nobody writes blocked the reader for ever, and /dev/zero was read until
+    memory ran out (outside check: 5 GB in 6 s)."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero", str(tmp_path)):
+        with pytest.raises(DiscoValueError, match="not a regular file"):
+            ts.load(path)
+
+
+def test_names_from_the_file_reach_the_terminal_printable(tmp_path: Path, hand: Path):
+    """A send's site, an op and a channel of a forged file printed raw: escape
+    sequences retitled or cleared the reader's terminal (outside check)."""
+    evil = "\x1b]0;pwned\x07\x1b[2J"
+
+    def change(data: dict) -> None:
+        data["otherData"]["session"]["channel"] = evil
+        for ev in data["traceEvents"]:
+            if ev.get("cat") == "send":
+                ev["args"]["site"] = evil
+            if ev.get("cat") == "collective" and ev["ph"] == "X":
+                ev["name"] = ev["args"]["op"] = "allreduce" + evil
+
+    text = ts.format_summary(summary_of(_forged(hand, tmp_path, change)))
+    assert "\x1b" not in text and "\x07" not in text
+    assert "?]0;pwned??[2J" in text

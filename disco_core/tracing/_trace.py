@@ -11,6 +11,7 @@ import bisect
 import json
 import math
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from ..errors import DiscoError, DiscoFileNotFoundError, DiscoValueError
 from .format import CONTROLLER_TID, FORMAT_VERSION, tid_worker
 
-__all__ = ["Span", "Track", "Trace", "Instance", "SiteFinder", "load", "instances", "send_sites"]
+__all__ = ["Span", "Track", "Trace", "Instance", "SiteFinder", "load", "instances", "send_sites", "printable"]  # fmt: skip
 
 #: The categories of complete events a reader uses; the others are ignored.
 _CATEGORIES = ("command", "collective", "copy", "module", "send", "sync")
@@ -98,7 +99,7 @@ class Trace:
 def _notes(value: Any) -> list[str]:
     """The file's notes, printable and bounded (a forged file's go to a terminal)."""
     items = value[:100] if isinstance(value, list) else []
-    return ["".join(c if c.isprintable() else "?" for c in n[:500]) for n in items if isinstance(n, str)]  # fmt: skip
+    return [printable(n[:500]) for n in items if isinstance(n, str)]
 
 
 @dataclass
@@ -149,16 +150,36 @@ def _mapping(value: Any) -> dict[str, Any]:
 
 def _read(path: str) -> Any:
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        # O_NONBLOCK: a FIFO's open would wait for a writer (for ever); it is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise DiscoFileNotFoundError(f"{path}: no such file") from None
     except OSError as exc:
         raise DiscoError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # /dev/zero never ends, a FIFO may not
+        os.close(fd)
+        raise _bad(path, "not a regular file")
+    with open(fd, "rb") as f:
+        try:
+            raw = f.read()
+        except OSError as exc:
+            raise DiscoError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:  # (ValueError: JSON's, and int digits)
         raise _bad(path, f"not JSON ({exc})") from None
+    except RecursionError:
+        raise _bad(path, "not a trace: nested too deeply") from None
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on (escape sequences, controls) as ``?``:
+    a trace file's names are printed, and a shared file may be forged."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
+#: Event args a reader prints: made printable as they are read.
+_PRINTED_ARGS = ("op", "site")
 
 
 def load(path: str | os.PathLike[str]) -> Trace:
@@ -201,9 +222,14 @@ def load(path: str | os.PathLike[str]) -> Trace:
         if ts is None or dur is None or dur < 0 or not isinstance(tid, int) or tid < 0:
             raise _bad(name, f"event {i} ({ev.get('cat')} {ev.get('name')!r}) has bad ts/dur/tid")
         args = ev.get("args")
-        span = Span(
-            ts, ts + dur, ev["cat"], str(ev.get("name", "")), args if isinstance(args, dict) else {}
-        )
+        if not isinstance(args, dict):
+            args = {}
+        if any(isinstance(args.get(k), str) and not args[k].isprintable() for k in _PRINTED_ARGS):
+            args = {**args, **{k: printable(args[k]) for k in _PRINTED_ARGS if isinstance(args.get(k), str)}}  # fmt: skip
+        nbytes = args.get("bytes")
+        if nbytes is not None and ((value := _number(nbytes)) is None or value < 0):
+            raise _bad(name, f"event {i} ({ev.get('cat')} {ev.get('name')!r}) has bad bytes")
+        span = Span(ts, ts + dur, ev["cat"], printable(str(ev.get("name", ""))), args)
         getattr(by_tid.setdefault(tid, Track()), span.cat).append(span)
     for track in by_tid.values():
         for cat in _CATEGORIES:
@@ -213,12 +239,18 @@ def load(path: str | os.PathLike[str]) -> Trace:
     clock = _mapping(other.get("clock"))
     highest = max((tid_worker(t) for t in by_tid if t != CONTROLLER_TID), default=-1)
     num_workers = session.get("num_workers")
-    if not isinstance(num_workers, int) or num_workers < highest + 1:
+    if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1):  # fmt: skip
+        raise _bad(
+            name, f"otherData.session.num_workers is {num_workers!r}, not a count of workers"
+        )
+    if num_workers is None or num_workers < highest + 1:
         num_workers = highest + 1
     if num_workers > _MAX_WORKERS:  # a forged header: per-worker tables would exhaust memory
         raise _bad(name, f"it claims {num_workers} workers (at most {_MAX_WORKERS} are read)")
     duration = _number(other.get("duration_us"))
-    if duration is None:  # a reader can still say something: the last event's end
+    if duration is not None and duration < 0:
+        raise _bad(name, f"otherData.duration_us is negative ({duration})")
+    if not duration:  # a reader can still say something: the last event's end
         ends = [s.end for t in by_tid.values() for c in _CATEGORIES for s in getattr(t, c)]
         duration = max(ends, default=0.0)
 
@@ -232,7 +264,7 @@ def load(path: str | os.PathLike[str]) -> Trace:
         num_workers=num_workers,
         duration_us=duration,
         session=session,
-        clock_method=str(clock.get("method", "unknown")),
+        clock_method=printable(str(clock.get("method", "unknown"))),
         # Empty when the file does not say: "unknown", not "exact".
         precision_us=(
             per_worker(clock["precision_us"], float)

@@ -47,7 +47,7 @@ from typing import Any
 
 from ._intervals import clip, measure, overlap, percentile, union
 from ._report import render
-from ._trace import Instance, SiteFinder, Trace, instances, load
+from ._trace import Instance, SiteFinder, Trace, instances, load, printable
 
 __all__ = [
     "Trace",
@@ -357,7 +357,7 @@ def summarize(trace: Trace) -> Summary:
     counted, stragglers = _stragglers(trace, calls, site_of)
     return Summary(
         path=trace.path,
-        channel=str(trace.session.get("channel", "?")),
+        channel=printable(str(trace.session.get("channel", "?"))),
         num_workers=trace.num_workers,
         span_ms=trace.duration_us / 1e3,
         clock_method=trace.clock_method,
