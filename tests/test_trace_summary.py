@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+import disco_core as disco
 from disco_core.errors import DiscoError, DiscoFileNotFoundError, DiscoValueError
 from disco_core.tracing import summary as ts
 from disco_core.tracing._intervals import measure, overlap, percentile, union
@@ -666,3 +667,44 @@ def test_names_from_the_file_reach_the_terminal_printable(tmp_path: Path, hand: 
     text = ts.format_summary(summary_of(_forged(hand, tmp_path, change)))
     assert "\x1b" not in text and "\x07" not in text
     assert "?]0;pwned??[2J" in text
+
+
+def test_failed_collectives_are_left_out_of_the_numbers_and_said(tmp_path: Path):
+    """Operations that raised after a worker died were counted as calls: their
+    members never met, and the summary named a straggler 856 ms late in a 605 ms
+    trace (outside check). A failed one is marked in the file and left out."""
+    failed = [
+        {
+            **coll(0, 100, 5, key="world:1"),
+            "args": {**coll(0, 100, 5)["args"], "key": "world:1", "failed": True},
+        },  # fmt: skip
+        {
+            **coll(1, 900, 5, key="world:1"),
+            "args": {**coll(1, 900, 5)["args"], "key": "world:1", "failed": True},
+        },  # fmt: skip
+    ]
+    s = summary_of(write_trace(tmp_path / "t.json", [*HAND, *failed], 2, 1000))
+    assert s.calls == 1 and s.failed == [1, 1]
+    assert [x.lateness_ms for x in s.stragglers] == [0.0, pytest.approx(0.030)]
+    assert s.workers[0].waiting_ms == pytest.approx(0.030)  # the call of HAND alone
+    assert [c.count for c in s.call_sites] == [1]
+    assert "failed: collective operations that raised" in ts.format_summary(s)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+def test_a_collective_that_raised_is_marked_failed_in_the_file(tmp_path: Path, kind: str):
+    path = tmp_path / "t.json"
+    session = disco.ThreadedSession if kind == "threaded" else disco.ProcessSession
+    with session(2) as sess:
+        sess.init_ccl("shm")
+        x, y = sess.empty((16,), "float32"), sess.empty((16,), "int32")
+        with disco.trace(sess, str(path)):
+            sess.allreduce(x, x)
+            with pytest.raises(disco.WorkerError):
+                sess.allreduce(x, y)  # dtypes differ: every member raises
+                sess._sync_all()
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "collective" and e["ph"] == "X"]  # fmt: skip
+    assert [bool(e["args"].get("failed")) for e in events if e["tid"] == 1] == [False, True]
+    s = summary_of(path)
+    assert s.failed == [1, 1] and s.calls == 1

@@ -85,6 +85,15 @@ def _header(s: Summary) -> list[str]:
             f"dropped: the oldest {s.controller_dropped} events of the controller were lost "
             "(ring buffer full); call sites of the commands they sent are unknown"
         )
+    failed = [f"worker {w} {n}" for w, n in enumerate(s.failed) if n]
+    if failed:
+        out += textwrap.wrap(
+            "failed: collective operations that raised (a peer died, the CCL was aborted, "
+            f"a wrong call) are left out of the waiting/moving split, the call sites and "
+            f"the stragglers: {', '.join(failed)}",
+            width=100,
+            subsequent_indent="  ",
+        )
     for note in s.notes:  # e.g. a worker that died: its idle time below is not idleness
         out += textwrap.wrap(f"note: {note}", width=100, subsequent_indent="  ")
     return out

@@ -280,13 +280,14 @@ def load(path: str | os.PathLike[str]) -> Trace:
 
 
 def instances(trace: Trace) -> list[Instance]:
-    """The collective calls of ``trace`` (events with a ``key``), by first start."""
+    """The collective calls of ``trace`` (events with a ``key``, but those that
+    ``failed``: their members need not have met), by first start."""
     groups: dict[str, Instance] = {}
     for w, track in enumerate(trace.workers):
         for span in track.collective:
             key = span.args.get("key")
-            if key is None:
-                continue  # nothing to join it with
+            if key is None or span.args.get("failed"):
+                continue  # nothing to join it with; an operation that raised
             # a send and its recv are one exchange (keys "p2p:<from>><to>:<k>")
             op = "send/recv" if str(key).startswith("p2p:") else str(span.args.get("op", span.name))
             groups.setdefault(str(key), Instance(str(key), op, [])).members.append((w, span))

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ccl.base import CCL, WAITING_OPS, cut_short
-from .recorder import K_COLLECTIVE, Recorder, now
+from .recorder import FAILED, K_COLLECTIVE, OK, Recorder, now
 
 __all__ = ["install", "uninstall"]
 
@@ -112,17 +112,19 @@ def _make_allreduce(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callab
         counter = call[2]
         seq = counter[0]
         counter[0] = seq + 1
+        ended = OK
         t0 = clock()
         try:
             ctx.hand_over()
             return raw(ccl, src, dst, op, in_group)
         except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
+            ended = FAILED
             cut_short(ccl, name, exc)
             raise
         finally:
             t1 = clock()
             n = rec.count
-            pack(ring, (n % cap) * 64, K_COLLECTIVE, call[0], t0, t1, seq, nbytes, -1, call[1])  # fmt: skip
+            pack(ring, (n % cap) * 64, K_COLLECTIVE, call[0], t0, t1, seq, nbytes, ended, call[1])  # fmt: skip
             rec.count = n + 1
 
     return allreduce
@@ -148,17 +150,19 @@ def _make_two_buffers(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Call
         counter = call[2]
         seq = counter[0]
         counter[0] = seq + 1
+        ended = OK
         t0 = clock()
         try:
             ctx.hand_over()
             return raw(ccl, src, dst, in_group)
         except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
+            ended = FAILED
             cut_short(ccl, name, exc)
             raise
         finally:
             t1 = clock()
             n = rec.count
-            pack(ring, (n % cap) * 64, K_COLLECTIVE, call[0], t0, t1, seq, nbytes, -1, call[1])  # fmt: skip
+            pack(ring, (n % cap) * 64, K_COLLECTIVE, call[0], t0, t1, seq, nbytes, ended, call[1])  # fmt: skip
             rec.count = n + 1
 
     collective.__name__ = collective.__qualname__ = name
@@ -181,17 +185,19 @@ def _make_point_to_point(ccl: Any, raw: Callable, rec: Recorder, name: str) -> C
         counter = call[2]
         seq = counter[0]
         counter[0] = seq + 1
+        ended = OK
         t0 = clock()
         try:
             ctx.hand_over()
             return raw(ccl, buf, peer)
         except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
+            ended = FAILED
             cut_short(ccl, name, exc)
             raise
         finally:
             t1 = clock()
             n = rec.count
-            pack(ring, (n % cap) * 64, K_COLLECTIVE, call[0], t0, t1, seq, nbytes, -1, call[1])  # fmt: skip
+            pack(ring, (n % cap) * 64, K_COLLECTIVE, call[0], t0, t1, seq, nbytes, ended, call[1])  # fmt: skip
             rec.count = n + 1
 
     point_to_point.__name__ = point_to_point.__qualname__ = name
@@ -212,17 +218,19 @@ def _make_barrier(ccl: Any, raw: Callable, rec: Recorder, name: str) -> Callable
         counter = call[2]
         seq = counter[0]
         counter[0] = seq + 1
+        ended = OK
         t0 = clock()
         try:
             ctx.hand_over()
             return raw(ccl, in_group)
         except BaseException as exc:  # Ctrl-C in worker 0's: see cut_short
+            ended = FAILED
             cut_short(ccl, name, exc)
             raise
         finally:
             t1 = clock()
             n = rec.count
-            pack(ring, (n % cap) * 64, K_COLLECTIVE, call[0], t0, t1, seq, 0, -1, call[1])
+            pack(ring, (n % cap) * 64, K_COLLECTIVE, call[0], t0, t1, seq, 0, ended, call[1])
             rec.count = n + 1
 
     return barrier

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .format import CONTROLLER_TID, FORMAT_VERSION, PID, worker_tid
-from .recorder import K_COLLECTIVE, K_COMMAND, K_COPY, K_MODULE, K_SEND, K_SYNC
+from .recorder import FAILED, K_COLLECTIVE, K_COMMAND, K_COPY, K_MODULE, K_SEND, K_SYNC
 from .worker_side import ACTION_NAMES
 
 __all__ = ["ClockFit", "TraceData", "build", "iter_events", "parse_attrs", "write"]
@@ -118,6 +118,8 @@ def _worker_events(w: int, data: dict[str, Any], fit: ClockFit, t0: int, out: li
             args = parse_attrs(names[f7])
             comm = args.pop("_comm")
             args.update(worker=w, op=name, bytes=f5, seq=seq, cmd_seq=-1)
+            if f6 == FAILED:
+                args["failed"] = True
             inside.append(args)
             if comm == "p2p":
                 peer = args["peer"]

@@ -50,7 +50,8 @@ worker ``w`` (``M`` events name the tracks). The events:
     ``"world:12"``, ``"group1:3"``; a send and its recv share ``"p2p:<from>><to>:<k>"``,
     the k-th send from one worker to another with the k-th recv there from it),
     ``peer`` (``send``/``recv`` only), ``cmd_seq`` (the ``seq`` of the command it ran
-    in, -1 if none).
+    in, -1 if none), ``failed`` (``true`` when the operation raised: a peer died, the
+    CCL was aborted, a wrong call; absent otherwise; its members need not have met).
 ``ph: "s"``, ``"t"``, ``"f"`` (``cat: "collective"``)
     Flow arrows that join the members of one collective call (same ``id``), in the
     order they started: ``s`` on the first to arrive, ``f`` on the last.

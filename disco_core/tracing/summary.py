@@ -157,6 +157,9 @@ class Summary:
         By worker.
     headline : str
         One line naming the worst straggler.
+    failed : list of int
+        Per worker, the collective operations that raised (``args.failed``): left out
+        of the waiting / moving split, the call sites and the stragglers.
     """
 
     path: str
@@ -173,6 +176,7 @@ class Summary:
     calls: int = 0
     stragglers: list[Straggler] = field(default_factory=list)
     headline: str = ""
+    failed: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (NaN becomes None)."""
@@ -218,7 +222,7 @@ def _worker_times(trace: Trace, calls: list[Instance]) -> list[WorkerTime]:
             moving[w] += s.dur - wait
     out = []
     for w, track in enumerate(trace.workers):
-        moving[w] += sum(s.dur for s in track.collective if s.args.get("key") is None)
+        moving[w] += sum(s.dur for s in track.collective if s.args.get("key") is None and not s.args.get("failed"))  # fmt: skip
         commands = union((s.start, s.end) for s in track.command)
         inner = union((s.start, s.end) for s in (*track.collective, *track.copy, *track.module))
         # A ring that dropped its oldest events covers the window from its oldest kept
@@ -266,7 +270,7 @@ def _call_sites(trace: Trace, calls: list[Instance], site_of: SiteFinder) -> lis
         )
     for w, track in enumerate(trace.workers):
         for s in track.collective:
-            if s.args.get("key") is None:
+            if s.args.get("key") is None and not s.args.get("failed"):
                 op, nbytes = str(s.args.get("op", s.name)), _nbytes(s.args)
                 rows[(op, site_of(w, s))].append((s.dur, nbytes, float(nbytes), s.dur))
     out = []
@@ -370,6 +374,7 @@ def summarize(trace: Trace) -> Summary:
         calls=counted,
         stragglers=stragglers,
         headline=_headline(counted, stragglers),
+        failed=[sum(1 for s in t.collective if s.args.get("failed")) for t in trace.workers],
     )
 
 
