@@ -961,6 +961,8 @@ class Session:
             raise DiscoTypeError("copy_from_worker_0: host_array must be a host (NumPy) array")
         if not host.flags.writeable:
             raise DiscoValueError("copy_from_worker_0: host_array is read-only")
+        if remote_array.session is not self:  # (its number names another register here)
+            raise DiscoValueError(f"copy_from_worker_0: remote_array {remote_array!r} belongs to another session")  # fmt: skip
         self._send((P.COPY_FROM_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
         self._recv(0)
         self._raise_pending()
@@ -978,6 +980,8 @@ class Session:
             raise DiscoTypeError(
                 f"copy_to_worker_0: remote_array must be a DRef, got {type(remote_array).__name__}"
             )
+        elif remote_array.session is not self:  # (its number names another register here)
+            raise DiscoValueError(f"copy_to_worker_0: remote_array {remote_array!r} belongs to another session")  # fmt: skip
         self._send((P.COPY_TO_WORKER0, remote_array.reg_id, host), [0], by_reference=True)
         self._recv(0)
         return remote_array

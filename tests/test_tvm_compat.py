@@ -481,6 +481,26 @@ def test_process_session_signature_is_the_designs():
 
 
 @pytest.mark.parametrize("make", [disco.ThreadedSession, disco.ProcessSession])
+def test_the_copies_refuse_a_register_of_another_session(make):
+    """``copy_to_worker_0`` and ``copy_from_worker_0`` took a handle of another session
+    and used the register of that number in this one: an unrelated array overwritten,
+    or read back, silently (outside check)."""
+    import numpy as np
+
+    with make(1) as sess, make(1) as other:
+        x = sess.copy_to_worker_0(np.ones(4, np.float32))
+        z = other.copy_to_worker_0(np.full(4, 7, np.float32))
+        assert x.reg_id == z.reg_id  # the same number names x here
+        with pytest.raises(disco.DiscoValueError, match="copy_to_worker_0: remote_array .* belongs to another session"):  # fmt: skip
+            sess.copy_to_worker_0(np.full(4, 9, np.float32), z)
+        out = np.zeros(4, np.float32)
+        with pytest.raises(disco.DiscoValueError, match="copy_from_worker_0: remote_array .* belongs to another session"):  # fmt: skip
+            sess.copy_from_worker_0(out, z)
+        assert (out == 0).all()
+        assert (x.debug_get_from_remote(0) == 1).all() and (z.debug_get_from_remote(0) == 7).all()
+
+
+@pytest.mark.parametrize("make", [disco.ThreadedSession, disco.ProcessSession])
 def test_a_handle_of_another_session_inside_an_argument_is_refused(make):
     """Top-level handles of another session were refused already; one inside a list, a
     tuple or a dict went as its register number and read whatever this session held
