@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -309,6 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
             type=_hostport,
             help="ask this tracker for a server of --key (then --host and --port are not used)",
         )
+        c.add_argument(
+            "--wait-timeout",
+            metavar="SECONDS",
+            type=_positive_seconds,
+            help="with --tracker: give up when no server of --key is free within this "
+            "time (default: wait, as TVM's tracker requests do; what the tracker has is "
+            f"said after {_WAIT_NOTICE_S:g} s)",
+        )
         if name == "upload":
             c.add_argument("file", help="the local file")
             c.add_argument("target", nargs="?", help="the remote name (default: the file's name)")
@@ -337,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         level = level_from_args(args, default)
     except ValueError as exc:
         chosen_parser(p, args).error(str(exc))
+    if getattr(args, "wait_timeout", None) is not None and args.tracker is None:
+        chosen_parser(p, args).error("--wait-timeout is for a request to a tracker: add --tracker")
     if getattr(args, "silent", False) and getattr(args, "log_level", None) is None:
         level = max(level, logging.ERROR)  # --silent wins over $DISCO_LOG_LEVEL, not --log-level
     plain_warnings("disco-rpc")
@@ -397,8 +408,16 @@ def _files(args) -> int:
         from .tracker import connect_tracker
 
         log.info("%s: asking the tracker at %s:%d for key %r (%s)", args.cmd, *args.tracker, args.key, tls)  # fmt: skip
-        with connect_tracker(*args.tracker, ssl_context=ctx) as tracker:
-            sess = tracker.request(args.key)
+        # A request waits for a free server without a bound (TVM's rule): a mistyped key
+        # looked like a hang, without a word (outside check). Say what the tracker has.
+        notice = threading.Timer(_WAIT_NOTICE_S, _say_still_waiting, (args, ctx))
+        notice.daemon = True
+        notice.start()
+        try:
+            with connect_tracker(*args.tracker, ssl_context=ctx) as tracker:
+                sess = tracker.request(args.key, wait_timeout=args.wait_timeout)
+        finally:
+            notice.cancel()
     else:
         log.info("%s: connecting to %s:%d (key %r, %s)", args.cmd, args.host, args.port, args.key, tls)  # fmt: skip
         sess = connect(args.host, args.port, args.key, ssl_context=ctx)
@@ -464,6 +483,33 @@ def _wait_forever(obj, banner: str) -> int:
     finally:
         obj.terminate()
     return 0
+
+
+#: Seconds a file command waits for the tracker's server before it says why it waits.
+_WAIT_NOTICE_S = 5.0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _say_still_waiting(args, ctx) -> None:
+    """On a timer thread, with a tracker link of its own: what the request waits for."""
+    from .tracker import connect_tracker
+
+    try:
+        with connect_tracker(*args.tracker, ssl_context=ctx) as tracker:
+            pool = tracker.pool_text(args.key)
+    except Exception as exc:  # noqa: BLE001 - a notice only; the request says what failed
+        pool = f"the tracker could not be asked: {_short(exc)}"
+    bound = f"up to {args.wait_timeout:g} s" if args.wait_timeout else "until one is free (--wait-timeout bounds it)"  # fmt: skip
+    print(f"disco-rpc {args.cmd}: waiting for a server of key {args.key!r}: {pool}; waiting {bound}", file=sys.stderr)  # fmt: skip
 
 
 def _tracker_or_proxy(args) -> int:

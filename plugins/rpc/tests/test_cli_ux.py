@@ -116,6 +116,29 @@ def test_the_file_commands_reach_a_server_through_its_tracker(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_a_file_command_waiting_on_a_tracker_says_why_and_can_be_bounded():
+    """``ls --tracker ... --key`` with a key no server has waited for ever without a word:
+    a mistyped key looked like a hang (outside check). After a few seconds it says
+    what the tracker has, and ``--wait-timeout`` bounds the wait."""
+    tracker = rpc.Tracker(port=10460, port_end=10480, token=TOKEN)
+    try:
+        r = _run("ls", "--tracker", f"127.0.0.1:{tracker.port}", "--key", "nokey", "--wait-timeout", "6")  # fmt: skip
+        assert r.returncode == 1, r
+        lines = r.stderr.splitlines()
+        assert lines[0] == (
+            "disco-rpc ls: waiting for a server of key 'nokey': the tracker has no server "
+            "registered for key 'nokey'; waiting up to 6 s"
+        ), r.stderr
+        assert lines[-1].startswith("disco-rpc: no server for key 'nokey' became free within 6 s")
+        r = _run("ls", "--key", "nokey", "--wait-timeout", "6")
+        assert r.returncode == 2 and "--wait-timeout is for a request to a tracker" in r.stderr
+        r = _run("ls", "--tracker", f"127.0.0.1:{tracker.port}", "--wait-timeout", "0")
+        assert r.returncode == 2 and "expected a number of seconds > 0" in r.stderr
+    finally:
+        tracker.terminate()
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("cmd", [["server", "--port", "10510", "--port-end", "10530"],
                                  ["tracker", "--port", "10550", "--port-end", "10570"]])  # fmt: skip
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
