@@ -714,3 +714,46 @@ def test_each_collective_gets_its_own_call_site_whichever_way_it_was_called(tmp_
     sends = [e for e in load(path)["traceEvents"] if e.get("cat") == "send"]
     sites = [e["args"]["site"] for e in sends if e["name"] == "disco.allreduce"]
     assert sites == [f"test_trace.py:{n}" for n in lines]
+
+
+@pytest.mark.timeout(120)
+def test_controller_slices_of_threads_sharing_a_session_nest(tmp_path):
+    """Two controller threads syncing and copying at once: each call was timed from
+    before it took the session's sync lock, so a call waiting for the other thread's
+    overlapped that one's slice on the controller's track without nesting, which
+    Perfetto cannot show (outside check: 31 overlaps)."""
+    path = tmp_path / "t.json"
+    with disco.ProcessSession(2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sleep, wid = sess.get_global_func("testing.sleep"), sess.get_global_func("disco.worker_id")
+        arr = sess.empty((1 << 16,), "float32")
+
+        def syncs() -> None:
+            for _ in range(30):
+                sess.call_packed(sleep, 0.002)
+                sess.sync_worker_0()
+
+        def gets() -> None:
+            host = np.empty(1 << 16, "float32")
+            for _ in range(30):
+                sess.call_packed(wid).debug_get_from_remote(1)
+                sess.copy_from_worker_0(host, arr)
+
+        with disco.trace(sess, str(path)):
+            threads = [threading.Thread(target=syncs), threading.Thread(target=gets)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    slices = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in json.loads(path.read_text())["traceEvents"]
+        if e.get("ph") == "X" and e.get("tid") == 0 and e["dur"] > 0
+    )
+    assert len(slices) >= 60
+    open_ends: list[float] = []
+    for start, end in slices:
+        while open_ends and open_ends[-1] <= start:
+            open_ends.pop()
+        assert not open_ends or end <= open_ends[-1], "a slice overlaps another without nesting"
+        open_ends.append(end)

@@ -802,9 +802,40 @@ class Trace:
         at = {"sync_worker": 0, "debug_get_from_remote": 1, "debug_set_register": 1}.get(shown)
         copies = shown.startswith("copy_")
 
+        # The controller's track holds one thread's calls at a time: these calls take the
+        # session's sync lock, and one timed from before the lock (while another
+        # thread's call held it) overlapped that call's slice without nesting, which
+        # Perfetto cannot show (outside check: 31 overlaps, two threads). Once a second
+        # thread uses the session, each call is timed from when it holds the lock (an
+        # RLock: the method takes it again); until then no lock is taken here (a call's
+        # ~0.1 us). A first call of a second thread racing a call already timed may
+        # still overlap it, once.
+        lock = session._sync_lock
+        first = threading.get_ident()
+        shared = [False]
+
+        def locked(call: Any, *args: Any) -> Any:
+            shared[0] = True
+            owned_before = owned(lock)
+            try:
+                if not lock.acquire(False):
+                    session._wait_for_sync_lock()
+                try:
+                    return call(*args)
+                finally:
+                    lock.release()
+            except BaseException:
+                release_if_left(lock, owned_before)
+                raise
+
         if shown == "sync_worker":  # the common one (sync_worker_0): no *args to build
 
             def recording_sync_worker(worker_id: int) -> Any:
+                if shared[0] or threading.get_ident() != first:
+                    return locked(timed_sync_worker, worker_id)
+                return timed_sync_worker(worker_id)
+
+            def timed_sync_worker(worker_id: int) -> Any:
                 t0 = now()
                 try:
                     return method(session, worker_id)
@@ -817,6 +848,11 @@ class Trace:
             return recording_sync_worker
 
         def recording(*args: Any, **kwargs: Any) -> Any:
+            if shared[0] or threading.get_ident() != first:
+                return locked(lambda: timed(*args, **kwargs))
+            return timed(*args, **kwargs)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = now()
             try:
                 return method(session, *args, **kwargs)
