@@ -276,6 +276,32 @@ def test_disco_trace_traces_a_whole_program(tmp_path):
         assert any(e["name"] == "disco.worker_id" for e in track(data, 1))
 
 
+def test_a_programs_own_trace_block_works_under_disco_trace(tmp_path):
+    """A program that used ``disco.trace`` itself failed under ``DISCO_TRACE`` ("this
+    session is already being traced"): a whole-program trace changed what the program
+    did (outside check). The block writes its file; the session's DISCO_TRACE file ends
+    as it starts, and the next numbered one starts as it ends."""
+    script = textwrap.dedent(
+        f"""
+        import disco_core as disco
+        with disco.ThreadedSession(2) as s:
+            s.call_packed("disco.worker_id"); s.sync_worker_0()
+            with disco.trace(s, {str(tmp_path / "own.json")!r}):
+                s.call_packed("disco.world_size"); s.sync_worker_0()
+            s.call_packed("disco.worker_id"); s.sync_worker_0()
+        print("done")
+        """
+    )
+    env = dict(os.environ, DISCO_TRACE=str(tmp_path / "prog.json"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert out.returncode == 0 and out.stdout == "done\n", out.stderr
+    before, own, after = (load(tmp_path / n) for n in ("prog.json", "own.json", "prog.1.json"))
+    names = [
+        [e["name"] for e in track(d, 1) if e["args"]["seq"] >= 0] for d in (before, own, after)
+    ]
+    assert names == [["disco.worker_id"], ["disco.world_size"], ["disco.worker_id"]]
+
+
 @pytest.mark.parametrize("late", [2, 0])
 def test_summary_names_the_worker_made_late_as_the_straggler(tmp_path, late):
     """The issue's test: a sleep on one worker before an allreduce, named by ``disco trace summary``."""

@@ -150,6 +150,11 @@ class Trace:
         self._t_end = 0  # while stopping: the window's end
         #: For each worker, True when it reads the controller's own clock (offset 0 exactly).
         self.shared_clock = [False] * session.num_workers
+        #: Started by ``DISCO_TRACE`` (:func:`start_from_env`): a ``disco.trace`` block
+        #: on the session ends it and starts the next one after the block.
+        self.from_env = False
+        #: This trace ended a ``DISCO_TRACE`` one as it started (see :func:`trace`).
+        self.took_over_env = False
 
     @staticmethod
     def check_path(path: Any) -> str:
@@ -207,6 +212,15 @@ class Trace:
         if running is not None and running.ended:
             # Its ``with`` block ended, and Ctrl-C cut the stop before it began: written now
             running.stop()
+        elif running is not None and running.from_env:
+            # A whole-program trace must not change what the program does: one that
+            # used disco.trace itself failed under DISCO_TRACE, "already being traced"
+            # (outside check). That trace's file ends here; the next starts after the block.
+            logger.info(
+                "trace %s: ends as a disco.trace block starts (%s)", running.path, self.path
+            )
+            running.stop()
+            self.took_over_env = True
         with _claim_lock:  # the check and the claim at once: two threads may start a trace
             running = state.get("trace")
             if running is not None:
@@ -969,11 +983,15 @@ def trace(session: Any, path: str | os.PathLike, *, capacity: int | None = None)
             # track empty, with a note.
             try:
                 t.stop(within=shutdown_timeout())
+                if t.took_over_env:
+                    start_from_env(session)
             except Exception as exc:  # noqa: BLE001 - the block's own exception is the one to see
                 logger.warning("trace %s could not be written: %s", t.path, exc)
         raise
     if not session.is_closed:
         t.stop()
+        if t.took_over_env:
+            start_from_env(session)
 
 
 def start_from_env(session: Any) -> Trace | None:
@@ -981,7 +999,9 @@ def start_from_env(session: Any) -> Trace | None:
 
     The first session of a program writes ``DISCO_TRACE`` itself, the next ones
     ``name.1.json``, ``name.2.json``...; each file is written when its session
-    shuts down, or at the program's exit.
+    shuts down, or at the program's exit. A ``disco.trace`` block on a session writes
+    its own file: the session's ``DISCO_TRACE`` file ends as the block starts, and the
+    next numbered one starts as it ends.
     """
     path = os.environ.get("DISCO_TRACE", "").strip()
     if not path:
@@ -989,13 +1009,14 @@ def start_from_env(session: Any) -> Trace | None:
     with _env_lock:
         k = _env_sessions[0]
         _env_sessions[0] = k + 1
-    if k:
+    if k:  # (a name without a suffix keeps none: "run", "run.1"; it was "run.1.json")
         stem, ext = os.path.splitext(path)
-        path = f"{stem}.{k}{ext or '.json'}"
+        path = f"{stem}.{k}{ext}"
     try:
         t = Trace(session, path)
     except DiscoError as exc:  # say where the path came from
         raise type(exc)(f"DISCO_TRACE: {exc}") from None
+    t.from_env = True
     t.start()
     with _env_lock:
         if not _at_exit:
