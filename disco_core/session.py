@@ -1498,7 +1498,19 @@ class SocketSession(Session):
         **options: Any,
     ) -> None:
         factory = plugins.lookup("channel", "socket")
+        # each count by its own name: "num_workers must be >= 1" named neither (outside check)
+        for name, value in (("num_nodes", num_nodes), ("num_workers_per_node", num_workers_per_node)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise DiscoTypeError(f"SocketSession: {name} must be an int, got {type(value).__name__}")  # fmt: skip
+            if value < 1:
+                raise DiscoValueError(f"SocketSession: {name} must be >= 1, got {value}")
         check_session_shape(num_nodes * num_workers_per_node, num_groups)
+        try:  # an unknown keyword came from deep inside, as the channel's TypeError
+            inspect.signature(factory).bind(num_nodes=num_nodes, num_workers_per_node=num_workers_per_node, num_groups=num_groups, host=host, port=port, **options)  # fmt: skip
+        except TypeError as exc:
+            raise DiscoTypeError(f"SocketSession: {exc}") from None
+        except ValueError:  # a factory Python cannot inspect: it checks itself
+            pass
         super().__init__(
             factory(
                 num_nodes=num_nodes,

@@ -367,7 +367,12 @@ class RPCChannel(LinkChannel):
     kind = "rpc"
 
     def __init__(self, num_workers: int | None = None, num_groups: int = 1, servers: Any = None, tracker: Any = None, key: str = "", token: Any = None, priority: int = 1, session_timeout: float = 0, tracker_token: Any = None, connect_timeout: float = 10.0, start_timeout: float | None = None) -> None:  # fmt: skip
-        if (servers is None) == (tracker is None):
+        if servers is not None and tracker is not None:  # (said as "needs one" too)
+            raise DiscoError(
+                'the "rpc" channel takes servers=[(host, port), ...] or tracker=(host, port), '
+                "not both"
+            )
+        if servers is None and tracker is None:
             raise DiscoError(
                 'the "rpc" channel needs servers=[(host, port), ...] or tracker=(host, port)'
             )

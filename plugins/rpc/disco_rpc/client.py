@@ -463,9 +463,13 @@ class RPCSession:
             return None
         owner = v._rpc_sess
         if owner is not self:
+            # two sessions of one server have one label: "of ... not to ..." said it twice
+            theirs, mine = owner._label, self._label
+            if theirs == mine:
+                theirs, mine = f"{theirs} (another session of that server)", "this one"
             raise DiscoValueError(
-                f"{type(v).__name__} #{ref.hid} belongs to the RPC session {owner._label}, "
-                f"not to {self._label}: a remote object can only be passed to functions of "
+                f"{type(v).__name__} #{ref.hid} belongs to the RPC session {theirs}, "
+                f"not to {mine}: a remote object can only be passed to functions of "
                 "the session that made it (copy it through the client, e.g. .numpy())"
             )
         return ref
@@ -1436,6 +1440,10 @@ def connect(url: str, port: int, key: str = "", session_timeout: float = 0, sess
     if isinstance(port, str) and port.strip().isdigit():
         port = int(port)  # (as before: "9091" was taken)
     port = service._port("port", port)
+    if not isinstance(
+        key, str
+    ):  # (it failed deep inside, "'int' object has no attribute 'encode'")
+        raise DiscoTypeError(f"connect: key must be a str, got {type(key).__name__} {key!r}")
     session_timeout = check_connect_args(
         session_timeout,
         token=token,

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:the RPC server listens")
         ({"ssl_context": "x"}, disco.DiscoTypeError, "ssl_context must be an ssl.SSLContext"),
         ({"token": 123}, disco.DiscoTypeError, "token must be str or bytes"),
         ({"max_message_bytes": -1}, disco.DiscoValueError, "max_message_bytes must be at least"),
+        ({"key": 5}, disco.DiscoTypeError, "connect: key must be a str, got int 5"),
     ],
 )
 def test_connect_refuses_bad_arguments_before_it_connects(kwargs, error, words):
@@ -76,6 +77,10 @@ def test_upload_and_get_function_name_what_was_wrong(tmp_path):
         t.copyfrom(np.arange(4))  # a number array is converted, as TVM's copyfrom does
         assert t.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
         assert s.cpu().exist  # the session goes on
+        other = rpc.connect("127.0.0.1", srv.port)  # the same server: one label for both
+        with pytest.raises(disco.DiscoValueError, match=r"belongs to the RPC session 127\.0\.0\.1:\d+ \(another session of that server\), not to this one"):  # fmt: skip
+            other._export(t)
+        other.close()
         s.close()
     finally:
         srv.terminate()
@@ -126,3 +131,12 @@ def test_a_listen_address_that_is_not_usable_is_named():
         rpc.Server(host="[::1]", port=9100, token="t")
     with pytest.raises(disco.DiscoValueError, match="does not resolve"):
         rpc.Server(host="a" * 64 + ".com", port=9100, token="t")
+
+
+def test_the_rpc_channel_says_when_both_servers_and_tracker_are_given():
+    """Both were refused with the message for neither ("needs servers=... or
+    tracker=...": outside check)."""
+    with pytest.raises(disco.DiscoError, match="not both"):
+        disco.Session.create("rpc", num_workers=1, servers=[("127.0.0.1", 9)], tracker=("127.0.0.1", 9))  # fmt: skip
+    with pytest.raises(disco.DiscoError, match="needs servers="):
+        disco.Session.create("rpc", num_workers=1)

@@ -940,6 +940,8 @@ class SocketChannel(LinkChannel):
         for name, seconds in (("timeout", timeout), ("handshake_timeout", handshake_timeout)):
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):  # fmt: skip
                 raise DiscoValueError(f"{name} must be a number of seconds > 0, got {seconds!r}")
+        if on_listen is not None and not callable(on_listen):  # (it failed as it was called)
+            raise DiscoTypeError(f"on_listen must be a callable on_listen(host, port), got {on_listen!r}")  # fmt: skip
         num_workers = num_nodes * num_workers_per_node
         super().__init__(num_workers, num_groups)
         self.num_nodes = num_nodes

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -1298,3 +1299,26 @@ def test_an_empty_connect_timeout_variable_is_unset(monkeypatch):
         monkeypatch.setenv("DISCO_CONNECT_TIMEOUT", value)
         assert cli.main(["join", "127.0.0.1", "9", "--workers", "1"]) == 0
         assert seen["connect_timeout"] == want
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, says",
+    [
+        ((0, 1), {}, disco.DiscoValueError, "SocketSession: num_nodes must be >= 1, got 0"),
+        ((2, 0), {}, disco.DiscoValueError, "SocketSession: num_workers_per_node must be >= 1"),
+        ((1.5, 1), {}, disco.DiscoTypeError, "SocketSession: num_nodes must be an int"),
+        (
+            (2, 1),
+            {"bogus": 1},
+            disco.DiscoTypeError,
+            "SocketSession: got an unexpected keyword argument 'bogus'",
+        ),  # fmt: skip
+        ((1, 1), {"on_listen": 5}, disco.DiscoTypeError, "on_listen must be a callable"),
+    ],
+)
+def test_bad_arguments_name_themselves(args, kwargs, error, says):
+    """Both counts were reported as "num_workers must be >= 1", an unknown keyword as
+    the channel's own TypeError, and a non-callable on_listen as "'int' object is not
+    callable" once the session listened (outside check)."""
+    with pytest.raises(error, match=re.escape(says)):
+        disco.SocketSession(*args, **kwargs)
