@@ -54,8 +54,8 @@ __all__ = [
 #: Events a worker keeps (the newest ones), unless ``DISCO_TRACE_EVENTS`` says otherwise:
 #: 4 MiB of records for the controller, 7 MiB for a worker's two rings (commands and
 #: collectives; what it exports is the newest of them all). Reading a trace back (``disco trace summary``,
-#: ``plot``) takes about 1 KB of memory per event, so a full default trace of 4 workers
-#: reads in ~300 MB.
+#: ``plot``) takes about 1.2 KB of memory per event, so a full default trace of 4
+#: workers reads in ~550 MB.
 DEFAULT_CAPACITY = 1 << 16
 #: The fewest and the most events a ring may hold (the most: 1 GiB of records).
 MIN_CAPACITY, MAX_CAPACITY = 1 << 10, 1 << 24
