@@ -783,3 +783,19 @@ def test_controller_slices_of_threads_sharing_a_session_nest(tmp_path):
             open_ends.pop()
         assert not open_ends or end <= open_ends[-1], "a slice overlaps another without nesting"
         open_ends.append(end)
+
+
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+def test_a_loaded_modules_function_is_named_in_the_trace(tmp_path, kind):
+    """``mod["twice"]`` of a loaded file has no global name: its commands were named
+    "register 29" on every worker (outside check). They carry its qualified name."""
+    src = tmp_path / "named_mod.py"
+    src.write_text("def twice(x):\n    return 2 * x\n")
+    path = tmp_path / "t.json"
+    session = disco.ThreadedSession if kind == "threaded" else disco.ProcessSession
+    with session(2) as sess:
+        twice = sess.load_vm_module(str(src))["twice"]
+        with disco.trace(sess, str(path)):
+            assert twice(3).debug_get_from_remote(1) == 6
+    for w in (0, 1):
+        assert "twice" in [e["name"] for e in track(load(path), w)]

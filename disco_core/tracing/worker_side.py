@@ -108,10 +108,27 @@ def _recorders(worker: Any, rec: Recorder) -> tuple[Callable[[int, int, int], No
     commands.track(lambda: offset)
     lap = commands.lap
 
+    regs: dict[int, Any] = worker.regs
+    held: dict[int, tuple[Any, int]] = {}  # register -> (the function it held, its tag)
+
     def tag_of(func_reg: int) -> int:
         name = names.get(func_reg)
+        if name is None:
+            # A function no global name reaches (a loaded module's ``mod["f"]``): named
+            # by its own qualified name (it was "register 29": outside check), looked
+            # up each time, as its register may be freed and hold another one next
+            func = regs.get(func_reg)
+            got = held.get(func_reg)
+            if got is not None and got[0] is func:
+                return got[1]
+            qual = getattr(func, "__qualname__", None)
+            label = qual if isinstance(qual, str) and qual else f"register {func_reg}"
+            tag = K_COMMAND | intern(label[:200]) << 8
+            if len(held) < 4096:
+                held[func_reg] = (func, tag)
+            return tag
         kind = K_MODULE if name in MODULE_FUNCTIONS else K_COMMAND
-        tag = tags[func_reg] = kind | intern(name or f"register {func_reg}") << 8
+        tag = tags[func_reg] = kind | intern(name) << 8
         return tag
 
     def record_call(func_reg: int, reg: int, t0: int) -> None:
