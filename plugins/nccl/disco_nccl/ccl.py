@@ -158,11 +158,14 @@ class NCCLCCL(CCL):
         unknown = set(options) - {"validate"}
         if unknown:
             raise DiscoTypeError(f"init_ccl({cls.name!r}): unknown options {sorted(unknown)}")
+        nodes = max(1, getattr(channel, "num_nodes", 1))
+        per_node = channel.num_workers // nodes
+        # the call's own mistakes first (how many ids, a GPU twice): without CuPy they
+        # were hidden behind "needs CuPy" (outside check)
+        check_device_ids(device_ids, per_node, None)
         # The controller makes the unique ids (as TVM's does) and needs NCCL for
         # that, but not a GPU: a session's GPUs may all be on other nodes.
         cupy, nccl = backend.load(cls.name, need_gpu=False)
-        nodes = max(1, getattr(channel, "num_nodes", 1))
-        per_node = channel.num_workers // nodes
         # This machine's GPUs say what exists only when the workers run here;
         # elsewhere each worker checks its own id against its own machine.
         local = nodes == 1 and getattr(channel, "shares_memory", True)

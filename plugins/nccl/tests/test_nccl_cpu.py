@@ -112,3 +112,15 @@ def test_the_calls_match_the_installed_cupy_binding():
     for name in ("get_unique_id", "groupStart", "groupEnd", "get_version"):
         assert callable(getattr(nccl, name)), name
     assert (nccl.NCCL_FLOAT32, nccl.NCCL_AVG, nccl.NCCL_UINT8) == (7, 4, 1)
+
+
+@pytest.mark.parametrize("ids, says", [((0, 0), "repeat a GPU"), ((0,), "1 device ids given for 2 workers")])  # fmt: skip
+def test_a_wrong_device_id_list_is_said_before_anything_is_loaded(ids, says):
+    """Where CuPy is missing, ``init_ccl("nccl", 0, 0)`` said only "needs CuPy": the
+    call's own mistake came second (outside check). It is checked first now; the
+    session stays usable."""
+    with disco.ThreadedSession(2) as sess:
+        with pytest.raises(disco.CCLError, match=says):
+            sess.init_ccl("nccl", *ids)
+        sess.init_ccl("shm")
+        assert sess.call_packed("disco.worker_id").debug_get_from_remote(1) == 1
