@@ -236,6 +236,9 @@ def test_bad_arguments_are_refused_at_the_call(tmp_path):
     with disco.ThreadedSession(1) as sess:
         with pytest.raises(disco.DiscoValueError, match="does not exist"):
             disco.trace(sess, tmp_path / "missing" / "t.json").__enter__()
+        (tmp_path / "a_file").write_text("")
+        with pytest.raises(disco.DiscoValueError, match="is a file, not a folder"):
+            disco.trace(sess, tmp_path / "a_file" / "t.json").__enter__()
         with pytest.raises(disco.DiscoTypeError, match="file name"):
             disco.trace(sess, 3).__enter__()
         with pytest.raises(disco.DiscoValueError, match="capacity"):

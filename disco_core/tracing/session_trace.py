@@ -164,7 +164,9 @@ class Trace:
         path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
-            raise DiscoValueError(f"trace: the folder of {path!r} does not exist")
+            # (a name under a file said "does not exist" of a folder that exists as a file)
+            what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+            raise DiscoValueError(f"trace: the folder of {path!r} ({folder}) {what}")
         if os.path.isdir(path):
             raise DiscoValueError(f"trace: {path!r} is a folder, not a file name")
         try:
@@ -185,7 +187,9 @@ class Trace:
         try:
             chrome.probe_folder(folder)
         except OSError as exc:
-            raise DiscoPermissionError(
+            # a permission error only when it is one: /proc refuses new files with ENOENT
+            error = DiscoPermissionError if isinstance(exc, PermissionError) else DiscoValueError
+            raise error(
                 f"trace: no file can be written in the folder of {path!r}: {exc.strerror or exc}"
             ) from None
         # In a sticky folder (/tmp) a name another user made (a file) cannot be
