@@ -58,3 +58,25 @@ def test_a_run_that_cleans_up_passes(tmp_path):
         """,
     )
     assert r.returncode == 0 and "left behind" not in r.stdout, r.stdout + r.stderr
+
+
+def test_a_left_folder_with_an_owner_lock_says_who_holds_it(tmp_path):
+    """A flaky leftover of the rpc suite (a server's scratch folder) said nothing of
+    why no later server had removed it: the report now says whether its owner lock is
+    free (its owners died) or held, and by which processes."""
+    import fcntl
+
+    from disco_core.testing import leftovers
+
+    folder = tmp_path / "disco-rpc-server-x"
+    folder.mkdir()
+    assert leftovers._who_holds(str(folder)) == ""  # no lock file: nothing to say
+    lock = folder / ".disco-owner.lock"
+    lock.write_text("")
+    assert "its lock is free" in leftovers._who_holds(str(folder))
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert f"its lock is held by: pid {os.getpid()} " in leftovers._who_holds(str(folder))
+    finally:
+        os.close(fd)

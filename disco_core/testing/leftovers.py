@@ -23,6 +23,7 @@ its user asked is not watched. A suite takes part by importing the hooks into it
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -92,7 +93,7 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         return
     lines = [
         f"temporary files of the runtime left behind by this run ({len(left)}):",
-        *(f"  {path}" for path in sorted(left)),
+        *(f"  {path}{_who_holds(path)}" for path in sorted(left)),
     ]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -101,6 +102,44 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         print("\n".join(lines))
     if session.exitstatus == 0:
         session.exitstatus = 1
+
+
+#: The owner lock a scratch folder of disco-rpc holds (``disco_rpc.scratch.LOCK_NAME``).
+_LOCK_NAME = ".disco-owner.lock"
+
+
+def _who_holds(path: str) -> str:
+    """For a folder with an owner lock: whether it is held, and by which processes (a
+    flaky leftover of the rpc suite, seen 2 in 5 loaded runs, left no clue of its own)."""
+    lock = os.path.join(path, _LOCK_NAME)
+    if not os.path.isfile(lock):
+        return ""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return ""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held = False
+    except OSError:
+        held = True
+    finally:
+        os.close(fd)
+    if not held:
+        return (
+            f" (its lock is free: its owners are gone; made {time.ctime(os.path.getmtime(lock))})"
+        )
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == lock for fd in fds):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read(200).replace(b"\0", b" ").decode(errors="replace").strip()
+                holders.append(f"pid {pid} {cmd}")
+        except OSError:
+            continue
+    return f" (its lock is held by: {'; '.join(holders) or 'a process not seen'})"
 
 
 def pytest_unconfigure(config: Any) -> None:
