@@ -28,6 +28,7 @@ __all__ = [
     "DiscoTypeError",
     "DiscoKeyError",
     "DiscoFileNotFoundError",
+    "DiscoModuleNotFoundError",
     "DiscoPermissionError",
     "DiscoTimeoutError",
     "StoreTimeoutError",
@@ -347,6 +348,13 @@ class DiscoKeyError(DiscoError, KeyError):
 
 class DiscoFileNotFoundError(DiscoError, FileNotFoundError):
     """A file that was named does not exist."""
+
+
+class DiscoModuleNotFoundError(DiscoError, ModuleNotFoundError):
+    """A module that was named cannot be imported (``import_python_module``)."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        ModuleNotFoundError.__init__(self, message, name=name)
 
 
 class DiscoPermissionError(DiscoError, PermissionError):

@@ -36,6 +36,7 @@ from .errors import (
     CCLError,
     DiscoError,
     DiscoFileNotFoundError,
+    DiscoModuleNotFoundError,
     DiscoTimeoutError,
     DiscoTypeError,
     DiscoValueError,
@@ -871,7 +872,9 @@ class Session:
         """Import a Python module on every worker (so the functions it registers exist).
 
         Returns once worker 0, which lives in the controller's process, has imported it:
-        an ``ImportError`` is raised right here. Worker 0 first runs the commands sent
+        an ``ImportError`` is raised right here (a missing module as a
+        :class:`~disco_core.errors.DiscoModuleNotFoundError`, which is a
+        ``ModuleNotFoundError`` too; what the module's own code raises, as it is). Worker 0 first runs the commands sent
         before (so the import keeps its place in the command order, and their errors
         are raised here); the other workers import it in order with the following
         commands.
@@ -901,7 +904,7 @@ class Session:
                 if first != here
                 else ""
             )
-            raise ModuleNotFoundError(
+            raise DiscoModuleNotFoundError(
                 f"import_python_module({module_name!r}): {exc}. Worker 0 runs in this (the "
                 f"controller's) process, so the module must be importable here{where}",
                 name=exc.name,

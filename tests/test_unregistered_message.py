@@ -116,7 +116,9 @@ def test_a_module_beside_the_cwd_but_not_the_script_says_where_python_looked(tmp
     )  # fmt: skip
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("ModuleNotFoundError: import_python_module('examples.mymod')")
+    assert last.startswith(
+        "disco_core.errors.DiscoModuleNotFoundError: import_python_module('examples.mymod')"
+    )
     assert "running script's folder" in last and "PYTHONPATH" in last and str(tmp_path) in last
 
 
