@@ -150,10 +150,10 @@ class Trace:
         self._t_end = 0  # while stopping: the window's end
         #: For each worker, True when it reads the controller's own clock (offset 0 exactly).
         self.shared_clock = [False] * session.num_workers
-        #: Started by ``DISCO_TRACE`` (:func:`start_from_env`): a ``disco.trace`` block
+        #: Started by ``DISCO_TRACE`` (``start_from_env``): a ``disco.trace`` block
         #: on the session ends it and starts the next one after the block.
         self.from_env = False
-        #: This trace ended a ``DISCO_TRACE`` one as it started (see :func:`trace`).
+        #: This trace ended a ``DISCO_TRACE`` one as it started (see ``trace``).
         self.took_over_env = False
 
     @staticmethod
