@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -122,22 +123,47 @@ def missing_message(name: str) -> str:
 
 
 def _same_def(old: Callable, new: Callable) -> bool:
-    """Whether ``new`` comes from the same ``def`` as ``old``, run again: a module that
-    runs again (each worker thread of a ThreadedSession loading a ``.py`` file, a
-    second session or ``importlib.reload``, a file loaded by path and then imported by
-    name) replaces its own registrations instead of failing on them. Same file, same
-    qualified name, same first line."""
-    a, b = getattr(old, "__code__", None), getattr(new, "__code__", None)
-    if a is None or b is None or a.co_firstlineno != b.co_firstlineno:
+    """Whether ``new`` comes from the same module-level ``def`` as ``old``, run again by
+    another run of its module: a module that runs again (each worker thread of a
+    ThreadedSession loading a ``.py`` file, a second session, ``importlib.reload``, a
+    file loaded by path and then imported by name) replaces its own registrations
+    instead of failing on them.
+
+    Plain functions only (decorated ones are compared by what they wrap), from two runs
+    of one file (two module namespaces, or one that ``reload`` runs again), with the
+    same qualified name and first line.
+    Closures, lambdas, bound methods and code run from a string are made many times by
+    one run, so they never match (an outside check: such pairs replaced each other).
+    """
+    old, new = _unwrapped(old), _unwrapped(new)
+    if not isinstance(old, types.FunctionType) or not isinstance(new, types.FunctionType):
         return False
-    if getattr(old, "__qualname__", None) != getattr(new, "__qualname__", None):
+    if old.__globals__ is new.__globals__ and old.__globals__.get(old.__name__) is not old:
+        # one run of one module, two defs; importlib.reload runs the module again in the
+        # same namespace, where the name still holds the old def as the new one registers
+        return False
+    qualname = old.__qualname__
+    if qualname != new.__qualname__ or "<" in qualname:  # (<locals>, <lambda>)
+        return False
+    a, b = old.__code__, new.__code__
+    if a.co_firstlineno != b.co_firstlineno or a.co_filename.startswith("<"):
         return False
     if a.co_filename == b.co_filename:
         return True
     try:
         return os.path.samefile(a.co_filename, b.co_filename)
-    except OSError:  # "<string>", a file gone
+    except OSError:  # a file gone
         return False
+
+
+def _unwrapped(fn: Callable) -> Callable:
+    """``fn`` without its ``functools.wraps`` decorators (a bounded walk)."""
+    for _ in range(100):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None or not callable(inner):
+            break
+        fn = inner
+    return fn
 
 
 def _describe(fn: Callable) -> str:

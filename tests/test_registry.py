@@ -152,3 +152,52 @@ def test_a_module_run_again_replaces_its_own_registrations(tmp_path, names, monk
         with pytest.raises(disco.WorkerError, match="already registered"):
             sess.load_vm_module(str(other))
             sess._sync_all()
+
+
+def _plain_deco(f):
+    def wrapper():
+        return f()
+
+    return wrapper
+
+
+def _factory(k):
+    def g():
+        return k
+
+    return g
+
+
+class _Holder:
+    def __init__(self, v):
+        self.v = v
+
+    def m(self):
+        return self.v
+
+
+def _exec_def(body: str):
+    ns: dict = {}
+    exec(f"def h():\n    return {body!r}", ns)
+    return ns["h"]
+
+
+_PAIRS = {
+    "a decorator without wraps": (_plain_deco(lambda: 1), _plain_deco(lambda: 2)),
+    "closures of one factory": (_factory(1), _factory(2)),
+    "two lambdas on one line": tuple([lambda: 1, lambda: 2]),
+    "bound methods of two instances": (_Holder(1).m, _Holder(2).m),
+    "code run from strings": (_exec_def("one"), _exec_def("two")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_PAIRS))
+def test_different_functions_from_one_place_still_conflict(names, case):
+    """The same-def rule first compared file, line and name only: these pairs, made
+    many times by one run, then replaced each other silently (outside check)."""
+    first, second = _PAIRS[case]
+    names.append("test.reg.pair")
+    disco.register_func("test.reg.pair", first)
+    with pytest.raises(ValueError, match="already registered"):
+        disco.register_func("test.reg.pair", second)
+    assert disco.get_global_func("test.reg.pair")() == first()
