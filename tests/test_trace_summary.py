@@ -616,6 +616,8 @@ def _set_bytes(value: Any) -> Any:
         (lambda d: d["otherData"].__setitem__("duration_us", -5), "duration_us is negative"),
         (lambda d: d["otherData"]["session"].__setitem__("num_workers", "3"), "num_workers"),
         (lambda d: d["otherData"]["session"].__setitem__("num_workers", 0), "num_workers"),
+        (lambda d: d["traceEvents"][-2].__setitem__("ts", 1e300), "bad ts/dur/tid"),
+        (lambda d: d["traceEvents"][-2].__setitem__("dur", 1e300), "bad ts/dur/tid"),
     ],
 )
 def test_impossible_values_are_clear_errors(tmp_path: Path, hand: Path, change, message):
@@ -663,6 +665,7 @@ def test_names_from_the_file_reach_the_terminal_printable(tmp_path: Path, hand: 
                 ev["args"]["site"] = evil
             if ev.get("cat") == "collective" and ev["ph"] == "X":
                 ev["name"] = ev["args"]["op"] = "allreduce" + evil
+                ev["args"]["key"] += evil
 
     text = ts.format_summary(summary_of(_forged(hand, tmp_path, change)))
     assert "\x1b" not in text and "\x07" not in text
