@@ -305,6 +305,53 @@ def test_a_programs_own_trace_block_works_under_disco_trace(tmp_path):
     assert names == [["disco.worker_id"], ["disco.world_size"], ["disco.worker_id"]]
 
 
+def test_disco_trace_overwrites_no_file_of_a_programs_own_block(tmp_path):
+    """Under DISCO_TRACE, a block into the DISCO_TRACE file itself overwrote it, one
+    into the next numbered name was overwritten by the trace started after the block,
+    and a block refused as it started ended the program's trace for good (outside
+    check). The first is refused, the next numbered file skips names the program
+    used, and the program's trace goes on after a refused block."""
+    script = textwrap.dedent(
+        f"""
+        import disco_core as disco
+        folder = {str(tmp_path)!r}
+        with disco.ThreadedSession(2) as s:
+            s.call_packed("disco.worker_id"); s.sync_worker_0()
+            try:
+                with disco.trace(s, folder + "/prog.json"):
+                    pass
+            except disco.DiscoValueError as exc:
+                print("refused:", "DISCO_TRACE" in str(exc))
+            with disco.trace(s, folder + "/prog.1.json"):  # the next name DISCO_TRACE would take
+                s.call_packed("disco.world_size"); s.sync_worker_0()
+            s.call_packed("disco.group_id"); s.sync_worker_0()  # into prog.2.json
+            with disco.ThreadedSession(1) as o, disco.trace(o, folder + "/other.json"):
+                try:  # refused after s's trace (prog.2.json) ended: it starts again
+                    with disco.trace(s, folder + "/other.json"):
+                        pass
+                except disco.DiscoValueError:
+                    print("in use")
+                s.call_packed("disco.worker_rank"); s.sync_worker_0()
+        """
+    )
+    env = dict(os.environ, DISCO_TRACE=str(tmp_path / "prog.json"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert out.returncode == 0 and out.stdout == "refused: True\nin use\n", out.stderr
+    calls = {
+        name: [e["name"] for e in track(load(tmp_path / name), 1) if e["args"]["seq"] >= 0]
+        for name in sorted(os.listdir(tmp_path))
+        if name != "other.json"  # (o's block: one worker)
+    }
+    assert calls == {
+        "prog.json": ["disco.worker_id"],  # the refused block did not end it; the next did
+        "prog.1.json": ["disco.world_size"],  # the block's, not overwritten
+        "prog.2.json": ["disco.group_id"],  # skipped prog.1.json
+        "prog.3.json": [],  # o's, ended by its block at once
+        "prog.4.json": ["disco.worker_rank"],  # s's again, after the refused block
+        "prog.5.json": [],  # o's again, after its block
+    }
+
+
 @pytest.mark.parametrize("late", [2, 0])
 def test_summary_names_the_worker_made_late_as_the_straggler(tmp_path, late):
     """The issue's test: a sleep on one worker before an allreduce, named by ``disco trace summary``."""

@@ -104,6 +104,10 @@ _claim_lock = threading.Lock()
 #: trace into one file is refused at its start: the last to stop would overwrite the
 #: other's file silently. (Under _claim_lock.)
 _files_in_use: dict[str, Trace] = {}
+#: The files every trace of this process was started into (by real path): a later
+#: DISCO_TRACE file skips them, so that it overwrites no file of a ``disco.trace``
+#: block (or of an earlier session) of the same program. (Added to under _claim_lock.)
+_files_used: set[str] = set()
 
 
 class Trace:
@@ -211,7 +215,7 @@ class Trace:
         """Start recording on the controller and every worker; return ``self``."""
         session = self.session
         state = session._state
-        key = os.path.join(os.path.realpath(os.path.dirname(self._target)), os.path.basename(self._target))  # fmt: skip
+        key = _real_key(self._target)
         running = state.get("trace")
         if running is not None and running.ended:
             # Its ``with`` block ended, and Ctrl-C cut the stop before it began: written now
@@ -220,11 +224,30 @@ class Trace:
             # A whole-program trace must not change what the program does: one that
             # used disco.trace itself failed under DISCO_TRACE, "already being traced"
             # (outside check). That trace's file ends here; the next starts after the block.
+            if running._key == key:
+                raise DiscoValueError(
+                    f"trace: {self.path!r} is the file of this session's DISCO_TRACE trace: "
+                    "choose another name"
+                )
             logger.info(
                 "trace %s: ends as a disco.trace block starts (%s)", running.path, self.path
             )
             running.stop()
             self.took_over_env = True
+        try:
+            return self._claim_and_start(key)
+        except BaseException:
+            if self.took_over_env:  # refused, or cut as it started: the program's trace goes on
+                self.took_over_env = False
+                try:
+                    start_from_env(session)
+                except Exception as exc:  # noqa: BLE001 - the block's own error is the one to see
+                    logger.warning("DISCO_TRACE could not start again: %s", exc)
+            raise
+
+    def _claim_and_start(self, key: str) -> Trace:
+        session = self.session
+        state = session._state
         with _claim_lock:  # the check and the claim at once: two threads may start a trace
             running = state.get("trace")
             if running is not None:
@@ -238,6 +261,7 @@ class Trace:
                 )
             state["trace"] = self
             _files_in_use[key] = self
+            _files_used.add(key)
         self._key = key
         try:
             return self._start()
@@ -1010,12 +1034,16 @@ def start_from_env(session: Any) -> Trace | None:
     path = os.environ.get("DISCO_TRACE", "").strip()
     if not path:
         return None
+    stem, ext = os.path.splitext(path)
     with _env_lock:
-        k = _env_sessions[0]
-        _env_sessions[0] = k + 1
-    if k:  # (a name without a suffix keeps none: "run", "run.1"; it was "run.1.json")
-        stem, ext = os.path.splitext(path)
-        path = f"{stem}.{k}{ext}"
+        while True:
+            k = _env_sessions[0]
+            _env_sessions[0] = k + 1
+            # (a name without a suffix keeps none: "run", "run.1"; it was "run.1.json")
+            name = f"{stem}.{k}{ext}" if k else path
+            if k == 0 or _real_key(name) not in _files_used:
+                break  # else a file this program wrote already (a disco.trace block's)
+    path = name
     try:
         t = Trace(session, path)
     except DiscoError as exc:  # say where the path came from
@@ -1027,6 +1055,12 @@ def start_from_env(session: Any) -> Trace | None:
             atexit.register(_stop_at_exit)
         _at_exit.add(t)  # until it stops: a session never shut down is written at exit
     return t
+
+
+def _real_key(path: str) -> str:
+    """A trace file's key in :data:`_files_used` (its folder's real path and its name)."""
+    target = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(target)), os.path.basename(target))
 
 
 def _stop_at_exit() -> None:

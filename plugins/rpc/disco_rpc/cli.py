@@ -505,7 +505,8 @@ def _say_still_waiting(args, ctx) -> None:
 
     try:
         with connect_tracker(*args.tracker, ssl_context=ctx) as tracker:
-            pool = tracker.pool_text(args.key)
+            # (the tracker counts this command's own request among those waiting)
+            pool = tracker.pool_text(args.key).replace("request(s) waiting", "request(s) waiting, this one included")  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - a notice only; the request says what failed
         pool = f"the tracker could not be asked: {_short(exc)}"
     bound = f"up to {args.wait_timeout:g} s" if args.wait_timeout else "until one is free (--wait-timeout bounds it)"  # fmt: skip
