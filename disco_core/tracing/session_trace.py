@@ -833,10 +833,12 @@ class Trace:
             offset = o if o < size else lap()
 
         session._record_send = record_send
+        # one flag for all the methods: a second thread's first call of any of them
+        shared = [False]
         for method, shown in _SYNC_METHODS.items():
-            session.__dict__[method] = self._recording_sync(getattr(Session, method), shown, rec)
+            session.__dict__[method] = self._recording_sync(getattr(Session, method), shown, rec, shared)  # fmt: skip
 
-    def _recording_sync(self, method: Any, shown: str, rec: Recorder) -> Any:
+    def _recording_sync(self, method: Any, shown: str, rec: Recorder, shared: list[bool]) -> Any:  # fmt: skip
         session = self.session
         name = rec.intern(shown)
         ring, pack, cap = rec._ring, rec._pack, rec.capacity
@@ -848,13 +850,12 @@ class Trace:
         # session's sync lock, and one timed from before the lock (while another
         # thread's call held it) overlapped that call's slice without nesting, which
         # Perfetto cannot show (outside check: 31 overlaps, two threads). Once a second
-        # thread uses the session, each call is timed from when it holds the lock (an
+        # thread uses the session, each call is timed while it holds the lock (an
         # RLock: the method takes it again); until then no lock is taken here (a call's
-        # ~0.1 us). A first call of a second thread racing a call already timed may
-        # still overlap it, once.
+        # ~0.1 us). A call of the first thread already under way when a second thread
+        # first calls is left out of the track: it may overlap that call (re-check).
         lock = session._sync_lock
         first = threading.get_ident()
-        shared = [False]
 
         def locked(call: Any, *args: Any) -> Any:
             shared[0] = True
@@ -872,11 +873,6 @@ class Trace:
 
         if shown == "sync_worker":  # the common one (sync_worker_0): no *args to build
 
-            def recording_sync_worker(worker_id: int) -> Any:
-                if shared[0] or threading.get_ident() != first:
-                    return locked(timed_sync_worker, worker_id)
-                return timed_sync_worker(worker_id)
-
             def timed_sync_worker(worker_id: int) -> Any:
                 t0 = now()
                 try:
@@ -887,22 +883,43 @@ class Trace:
                     pack(ring, (n % cap) * 64, K_SYNC, name, t0, t1, -1, 0, worker_id if type(worker_id) is int else 0, 0)  # fmt: skip
                     rec.count = n + 1
 
+            def recording_sync_worker(worker_id: int) -> Any:
+                if shared[0] or threading.get_ident() != first:
+                    return locked(timed_sync_worker, worker_id)
+                t0 = now()
+                try:
+                    return method(session, worker_id)
+                finally:
+                    if not shared[0]:
+                        t1 = now()
+                        n = rec.count
+                        pack(ring, (n % cap) * 64, K_SYNC, name, t0, t1, -1, 0, worker_id if type(worker_id) is int else 0, 0)  # fmt: skip
+                        rec.count = n + 1
+
             return recording_sync_worker
 
-        def recording(*args: Any, **kwargs: Any) -> Any:
-            if shared[0] or threading.get_ident() != first:
-                return locked(lambda: timed(*args, **kwargs))
-            return timed(*args, **kwargs)
+        def record(t0: int, args: tuple) -> None:
+            t1 = now()
+            worker = args[at] if at is not None and len(args) > at else 0
+            nbytes = getattr(args[0], "nbytes", 0) if copies and args else 0
+            rec.add(K_SYNC, name, t0, t1, -1, 0, worker if type(worker) is int else 0, nbytes if type(nbytes) is int else 0)  # fmt: skip
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = now()
             try:
                 return method(session, *args, **kwargs)
             finally:
-                t1 = now()
-                worker = args[at] if at is not None and len(args) > at else 0
-                nbytes = getattr(args[0], "nbytes", 0) if copies and args else 0
-                rec.add(K_SYNC, name, t0, t1, -1, 0, worker if type(worker) is int else 0, nbytes if type(nbytes) is int else 0)  # fmt: skip
+                record(t0, args)
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            if shared[0] or threading.get_ident() != first:
+                return locked(lambda: timed(*args, **kwargs))
+            t0 = now()
+            try:
+                return method(session, *args, **kwargs)
+            finally:
+                if not shared[0]:
+                    record(t0, args)
 
         return recording
 
