@@ -89,7 +89,7 @@ def _header(s: Summary) -> list[str]:
     if failed:
         out += textwrap.wrap(
             "failed: collective operations that raised (a peer died, the CCL was aborted, "
-            f"a wrong call) are left out of the waiting/moving split, the call sites and "
+            f"a wrong call) count as waiting, and are left out of the call sites and "
             f"the stragglers: {', '.join(failed)}",
             width=100,
             subsequent_indent="  ",

@@ -15,7 +15,8 @@ Per worker
     latest start of its members; a member's waiting is
     ``clamp(last_arrival - start, 0, dur)`` (it waited for the others), its moving
     ``dur - waiting``; a ``send`` and its ``recv`` (the k-th send from a to b and the k-th
-    recv on b from a share a key) are split the same way. *copies*: ``copy``
+    recv on b from a share a key) are split the same way; an operation that failed
+    (``args.failed``) counts as waiting. *copies*: ``copy``
     events; *modules*: ``module`` events; *idle*: span - busy.
 
 Per collective call site
@@ -158,8 +159,8 @@ class Summary:
     headline : str
         One line naming the worst straggler.
     failed : list of int
-        Per worker, the collective operations that raised (``args.failed``): left out
-        of the waiting / moving split, the call sites and the stragglers.
+        Per worker, the collective operations that raised (``args.failed``): their time
+        counts as waiting; they are left out of the call sites and the stragglers.
     """
 
     path: str
@@ -223,6 +224,9 @@ def _worker_times(trace: Trace, calls: list[Instance]) -> list[WorkerTime]:
     out = []
     for w, track in enumerate(trace.workers):
         moving[w] += sum(s.dur for s in track.collective if s.args.get("key") is None and not s.args.get("failed"))  # fmt: skip
+        # a failed operation's time, mostly spent waiting for a peer that never came,
+        # is waiting (it was counted nowhere: the columns did not add up to busy)
+        waiting[w] += sum(s.dur for s in track.collective if s.args.get("failed"))
         commands = union((s.start, s.end) for s in track.command)
         inner = union((s.start, s.end) for s in (*track.collective, *track.copy, *track.module))
         # A ring that dropped its oldest events covers the window from its oldest kept
