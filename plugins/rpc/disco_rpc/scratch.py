@@ -18,8 +18,9 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 
-__all__ = ["LOCK_NAME", "owned_scratch_dir", "release", "sweep_abandoned"]
+__all__ = ["LOCK_NAME", "owned_scratch_dir", "release", "remove", "sweep_abandoned"]
 
 logger = logging.getLogger("disco_rpc")
 
@@ -63,6 +64,53 @@ def owned_scratch_dir(prefix: str, dir: str | None = None) -> tuple[str, int]:
     return path, fd
 
 
+def remove(path: str, within: float = 2.0) -> bool:
+    """Remove a folder of :func:`owned_scratch_dir`: its contents first, its lock file
+    last, retried for ``within`` seconds; True once it is gone.
+
+    A session process forked from the owner may still write there as the owner removes
+    it (it ends when its server does, a moment later): a bare ``rmtree`` then failed on
+    the new entry, having deleted the lock file first, and left a folder that no sweep
+    removes (one without a lock file is never taken for an abandoned one). A fresh-clone
+    run of the suites left one, 1 run in 3. Whatever is left now keeps its lock file,
+    which the next sweep finds free once those processes are gone.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            names = []
+        for name in names:
+            if name == LOCK_NAME:
+                continue
+            entry = os.path.join(path, name)
+            if os.path.isdir(entry) and not os.path.islink(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(entry)
+                except OSError:
+                    pass
+        try:
+            if set(os.listdir(path)) <= {LOCK_NAME}:
+                try:
+                    os.unlink(os.path.join(path, LOCK_NAME))
+                except FileNotFoundError:
+                    pass
+                os.rmdir(path)
+                return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            pass  # an entry came meanwhile: once more
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def release(lock_fd: int | None) -> None:
     """Close a lock descriptor of :func:`owned_scratch_dir` (None: nothing)."""
     if lock_fd is not None:
@@ -104,7 +152,7 @@ def sweep_abandoned(prefix: str, dir: str | None = None) -> list[str]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # its owner lives
-            shutil.rmtree(path, ignore_errors=True)
+            remove(path, within=0.0)
             removed.append(path)
             logger.info("removed %s: the process that made it is gone", path)
         finally:

@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import select
-import shutil
 import signal
 import socket
 import ssl
@@ -56,7 +55,7 @@ from .protocol import (
     T_START,
     TICKET_SEP,
 )
-from .scratch import owned_scratch_dir, release
+from .scratch import owned_scratch_dir, release, remove
 from .service import (
     DEFAULT_LIVENESS_TIMEOUT,
     LIVENESS_ENV,
@@ -837,7 +836,7 @@ def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int |
             listener.close()
     finally:
         if cfg.temp_root:
-            shutil.rmtree(cfg.temp_root, ignore_errors=True)
+            remove(cfg.temp_root)
         release(lock)
 
 
@@ -1088,7 +1087,7 @@ class Server(ServiceProcess):
 
     def _cleanup(self) -> None:
         if self._temp_root is not None:
-            shutil.rmtree(self._temp_root, ignore_errors=True)
+            remove(self._temp_root)
         release(self._temp_lock)
         self._temp_lock = None
 
