@@ -138,7 +138,7 @@ def _same_def(old: Callable, new: Callable) -> bool:
     old, new = _unwrapped(old), _unwrapped(new)
     if not isinstance(old, types.FunctionType) or not isinstance(new, types.FunctionType):
         return False
-    if old.__globals__ is new.__globals__ and old.__globals__.get(old.__name__) is not old:
+    if old.__globals__ is new.__globals__ and _unwrapped(old.__globals__.get(old.__name__)) is not old:  # fmt: skip
         # one run of one module, two defs; importlib.reload runs the module again in the
         # same namespace, where the name still holds the old def as the new one registers
         return False

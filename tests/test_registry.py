@@ -139,7 +139,20 @@ def test_a_module_run_again_replaces_its_own_registrations(tmp_path, names, monk
             sess.load_vm_module(str(path))
             add = sess.get_global_func("test.reg.module_add")
             assert [add(2, 3).debug_get_from_remote(w) for w in (0, 1)] == [5, 5]
+    deco = tmp_path / "reg_again_deco.py"  # a decorated function, reloaded
+    deco.write_text(
+        "import functools\nimport disco_core as disco\n"
+        "def deco(f):\n    @functools.wraps(f)\n    def w(*a):\n        return f(*a)\n    return w\n"
+        "@disco.register_func('test.reg.module_deco')\n@deco\ndef f(x):\n    return x + 1\n"
+    )
+    names.append("test.reg.module_deco")
     monkeypatch.syspath_prepend(str(tmp_path))
+    deco_module = importlib.import_module("reg_again_deco")
+    try:
+        importlib.reload(deco_module)
+        assert disco.get_global_func("test.reg.module_deco") is deco_module.f
+    finally:
+        sys.modules.pop("reg_again_deco", None)
     module = importlib.import_module("reg_again_mod")  # loaded by path above
     try:
         importlib.reload(module)
