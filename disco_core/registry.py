@@ -156,7 +156,7 @@ def _same_def(old: Callable, new: Callable) -> bool:
         return False
 
 
-def _unwrapped(fn: Callable) -> Callable:
+def _unwrapped(fn: Any) -> Any:
     """``fn`` without its ``functools.wraps`` decorators (a bounded walk)."""
     for _ in range(100):
         inner = getattr(fn, "__wrapped__", None)
