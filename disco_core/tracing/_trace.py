@@ -159,21 +159,18 @@ def _read(path: str) -> Any:
     if not stat.S_ISREG(os.fstat(fd).st_mode):  # /dev/zero never ends, a FIFO may not
         os.close(fd)
         raise _bad(path, "not a regular file")
-    with open(fd, "rb") as f:
-        try:
+    try:  # (MemoryError: a sparse file of gigabytes takes no disk)
+        with open(fd, "rb") as f:
             raw = f.read()
-        except OSError as exc:
-            raise DiscoError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-        except MemoryError:  # (a sparse file of gigabytes takes no disk)
-            raise DiscoError(f"{path}: too large to read in this process's memory") from None
-    try:
         return json.loads(raw)
+    except OSError as exc:
+        raise DiscoError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    except MemoryError:
+        raise DiscoError(f"{path}: too large to read in this process's memory") from None
     except (UnicodeDecodeError, ValueError) as exc:  # (ValueError: JSON's, and int digits)
         raise _bad(path, f"not JSON ({exc})") from None
     except RecursionError:
         raise _bad(path, "not a trace: nested too deeply") from None
-    except MemoryError:
-        raise DiscoError(f"{path}: too large to read in this process's memory") from None
 
 
 def printable(text: str) -> str:
