@@ -173,8 +173,46 @@ def _alarms_as_ctrl_c(first: float, every: float = 0.0):
     return end
 
 
+@contextlib.contextmanager
+def _alarm_as_the_write_waits(then_after: float = 0.0, release: str | None = None):
+    """SIGALRM handled as SIGINT is (``KeyboardInterrupt``), sent as the main thread starts
+    waiting for a large frame's write (:meth:`BatchingLink._write_whole`); with
+    ``then_after``, once more that many seconds later; with ``release``, that file is
+    made 1 s later (the busy worker of ``testing.wait_for_file`` then reads on). A
+    fixed-time alarm and a worker that slept a fixed time failed on a loaded machine
+    (the pickling took longer: the alarm came before the write, or the worker was
+    free again by then; 2 fresh-clone runs beside other work, 3 of 3 beside 3 busy
+    loops)."""
+    import pathlib
+    import signal
+
+    from disco_core.channels import base
+    from disco_core.testing.interrupts import interrupt_on_entry
+
+    def waits_for_the_write(frame) -> bool:
+        if (
+            frame.f_back is None
+            or frame.f_back.f_code is not base.BatchingLink._write_whole.__code__
+        ):
+            return False
+        if then_after:
+            signal.setitimer(signal.ITIMER_REAL, then_after)
+        if release is not None:
+            threading.Timer(1.0, pathlib.Path(release).touch).start()
+        return True
+
+    old = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    try:
+        wait = threading.Event.wait.__code__
+        with interrupt_on_entry(wait, waits_for_the_write, signum=signal.SIGALRM) as fired:
+            yield fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_a_large_command_is_written_finishes_it_first(caplog):
+def test_ctrl_c_while_a_large_command_is_written_finishes_it_first(caplog, tmp_path):
     """Ctrl-C in the middle of writing a 64 MiB argument to a busy worker process left
     half a frame in the pipe: the worker read the next commands as the rest of its
     payload and never answered (a hang; re-check: 5 of 8 tuned trials). The frame is
@@ -183,17 +221,15 @@ def test_ctrl_c_while_a_large_command_is_written_finishes_it_first(caplog):
 
     with disco.ProcessSession(2) as sess:
         sess.import_python_module("disco_core.testing.funcs")
-        echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
+        echo = sess.get_global_func("testing.echo")
         big = np.arange(16 << 20, dtype=np.float32)
-        # Worker 1 busy: the pipe to it fills and the write waits. (Worker 0's own copy
-        # of the argument, made first, takes up to ~0.3 s here: the alarm comes later.)
-        sleep(3.0, 1)
-        end = _alarms_as_ctrl_c(1.0)
-        try:
+        gate = str(tmp_path / "go")
+        wait = sess.get_global_func("testing.wait_for_file")
+        wait(gate, 1)  # worker 1 busy: the pipe to it fills and the write waits
+        with _alarm_as_the_write_waits(release=gate) as fired:
             with pytest.raises(KeyboardInterrupt):
                 echo(big)
-        finally:
-            end()
+        assert fired == [1]
         assert "finishing it first" in caplog.text
         assert echo(8).debug_get_from_remote(1) == 8
         got = echo(big).debug_get_from_remote(1)
@@ -211,12 +247,10 @@ def test_a_second_ctrl_c_during_that_write_gives_the_worker_up():
         sess.import_python_module("disco_core.testing.funcs")
         echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
         sleep(30.0, 1)
-        end = _alarms_as_ctrl_c(1.0, 0.5)
-        try:
+        with _alarm_as_the_write_waits(then_after=0.5) as fired:
             with pytest.raises(KeyboardInterrupt):
                 echo(np.ones(16 << 20, np.float32))
-        finally:
-            end()
+        assert fired == [1]
         with pytest.raises(disco.WorkerDiedError, match="second interrupt"):
             echo(8).debug_get_from_remote(1)
     assert proc.wait(10) is not None
@@ -496,20 +530,20 @@ def test_a_second_ctrl_c_in_the_clean_up_of_the_first_still_leaves_no_answer(kin
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_a_large_pickled_argument_is_written_finishes_it_first(caplog):
+def test_ctrl_c_while_a_large_pickled_argument_is_written_finishes_it_first(caplog, tmp_path):
     """The same for a large value pickled into the command itself (a Python list, no
     out-of-band buffer): the frame was cut in half and worker 1 never answered again
     (outside check: every time)."""
     with disco.ProcessSession(2) as sess:
         sess.import_python_module("disco_core.testing.funcs")
-        echo, sleep = sess.get_global_func("testing.echo"), sess.get_global_func("testing.sleep")
-        sleep(3.0, 1)  # worker 1 busy: the pipe to it fills and the write waits
-        end = _alarms_as_ctrl_c(1.0)
-        try:
+        echo = sess.get_global_func("testing.echo")
+        gate = str(tmp_path / "go")
+        wait = sess.get_global_func("testing.wait_for_file")
+        wait(gate, 1)  # worker 1 busy: the pipe to it fills and the write waits
+        with _alarm_as_the_write_waits(release=gate) as fired:
             with pytest.raises(KeyboardInterrupt):
                 echo(list(range(2_000_000)))
-        finally:
-            end()
+        assert fired == [1]
         assert "finishing it first" in caplog.text
         assert echo(8).debug_get_from_remote(1) == 8
 

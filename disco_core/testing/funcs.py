@@ -196,6 +196,20 @@ def sleep(seconds: float, only_worker: int | None = None) -> None:
         time.sleep(seconds)
 
 
+@_reg("wait_for_file")
+def wait_for_file(path: str, only_worker: int | None = None, timeout: float = 30.0) -> bool:
+    """Wait (on every worker, or on ``only_worker``) until ``path`` exists, ``timeout``
+    seconds at most: a worker kept busy until the test lets it go. True if it came."""
+    if only_worker is not None and current().worker_id != only_worker:
+        return True
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @_reg("unpicklable")
 def unpicklable() -> Any:
     """A value that cannot cross a process boundary."""

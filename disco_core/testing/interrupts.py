@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -21,17 +22,28 @@ __all__ = ["interrupt_on_entry", "interrupt_after_c_call"]
 
 @contextlib.contextmanager
 def interrupt_on_entry(
-    code: CodeType, when: Callable[[FrameType], bool] = lambda frame: True, times: int = 1
+    code: CodeType,
+    when: Callable[[FrameType], bool] = lambda frame: True,
+    times: int = 1,
+    signum: int | None = None,
 ) -> Iterator[list[int]]:
     """While the block runs, signal SIGINT as the main thread enters ``code`` (and
-    ``when(frame)`` holds), ``times`` times at most; yields a list that counts them."""
+    ``when(frame)`` holds), ``times`` times at most; yields a list that counts them.
+
+    With ``signum``, a real signal of that number is sent to the main thread instead
+    (``signal.pthread_kill``): its handler runs inside ``code``, and ends a blocking
+    wait there, as a signal from outside would.
+    """
     fired: list[int] = []
     main = threading.main_thread()
 
     def tracer(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code is code and len(fired) < times and when(frame):
             fired.append(1)
-            _thread.interrupt_main()
+            if signum is None:
+                _thread.interrupt_main()
+            else:
+                signal.pthread_kill(threading.get_ident(), signum)
         return None
 
     if threading.current_thread() is not main:
