@@ -405,7 +405,7 @@ def _files(args) -> int:
     ctx = _tls_client(args.tls_ca, args.tls_insecure)
     tls = "TLS" if ctx is not None else "no TLS"
     if args.tracker is not None:
-        from .tracker import connect_tracker
+        from .tracker import HANDSHAKE_TIMEOUT, TrackerSession
 
         log.info("%s: asking the tracker at %s:%d for key %r (%s)", args.cmd, *args.tracker, args.key, tls)  # fmt: skip
         # A request waits for a free server without a bound (TVM's rule): a mistyped key
@@ -414,7 +414,9 @@ def _files(args) -> int:
         notice.daemon = True
         notice.start()
         try:
-            with connect_tracker(*args.tracker, ssl_context=ctx) as tracker:
+            # (a frozen tracker took its full 10 s handshake past a shorter --wait-timeout)
+            bound = {} if args.wait_timeout is None else {"connect_timeout": min(HANDSHAKE_TIMEOUT, max(args.wait_timeout, 0.1))}  # fmt: skip
+            with TrackerSession(args.tracker, ssl_context=ctx, **bound) as tracker:
                 sess = tracker.request(args.key, wait_timeout=args.wait_timeout)
         finally:
             notice.cancel()

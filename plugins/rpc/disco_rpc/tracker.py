@@ -113,6 +113,8 @@ REPLY_TIMEOUT = 30.0
 #: Seconds a client waiting for a server hears nothing before it pings the tracker: the
 #: wait lasts as long as servers stay busy, but not past a tracker that stopped answering.
 ALIVE_EVERY = 30.0
+#: Seconds :meth:`TrackerSession.pool_text` waits for the summary it words.
+POOL_TEXT_TIMEOUT = 5.0
 
 
 def _check_key(key: Any) -> str:
@@ -657,7 +659,10 @@ class Tracker(ServiceProcess):
 class TrackerSession:
     """A client's connection to a tracker (``rpc.connect_tracker``), as TVM's."""
 
-    def __init__(self, addr: tuple, *, token: Any = None, ssl_context: Any = None, server_token: Any = None, server_ssl_context: Any = None) -> None:  # fmt: skip
+    def __init__(self, addr: tuple, *, token: Any = None, ssl_context: Any = None, server_token: Any = None, server_ssl_context: Any = None, connect_timeout: float = HANDSHAKE_TIMEOUT) -> None:  # fmt: skip
+        # connect_timeout: the longest connect and handshake (a frozen tracker accepts
+        # into its backlog, then says nothing); the CLI's --wait-timeout bounds it too
+        self._connect_timeout = float(connect_timeout)
         self._addr = (addr[0], int(addr[1]))
         self._token = token
         self._ssl = ssl_context
@@ -668,7 +673,7 @@ class TrackerSession:
         self._connect()
 
     def _connect(self) -> None:
-        self._conn = open_tracker_link(self._addr, CLIENT_KEY, self._token, self._ssl)
+        self._conn = open_tracker_link(self._addr, CLIENT_KEY, self._token, self._ssl, self._connect_timeout)  # fmt: skip
 
     def _call(self, op: int, value: Any, timeout: float | None = None) -> Any:
         """One request and its reply; ``timeout`` bounds the wait (``TimeoutError``).
@@ -868,9 +873,9 @@ class TrackerSession:
 
     def pool_text(self, key: str) -> str:
         """How many servers of ``key`` the tracker has, in words (for error messages)."""
-        try:
-            summary = self.summary()
-        except RPCError as exc:
+        try:  # (for an error message: bounded, a frozen tracker's 30 s is too long here)
+            summary = self._call(T_SUMMARY, None, timeout=POOL_TEXT_TIMEOUT)
+        except (RPCError, TimeoutError) as exc:
             return f"the tracker could not be asked: {exc}"
         q = summary["queue_info"].get(key)
         # TVM's servers (a TVM-mode tracker) are of no use to this client: leave them out

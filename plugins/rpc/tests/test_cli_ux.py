@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from importlib.metadata import version
 
 import pytest
@@ -136,6 +137,23 @@ def test_a_file_command_waiting_on_a_tracker_says_why_and_can_be_bounded():
         assert r.returncode == 2 and "expected a number of seconds > 0" in r.stderr
     finally:
         tracker.terminate()
+
+
+@pytest.mark.timeout(60)
+def test_wait_timeout_bounds_the_connect_to_a_frozen_tracker_too():
+    """A stopped tracker (SIGSTOP: the kernel still accepts into its backlog) held
+    ``--wait-timeout 3`` for the link's full 10 s handshake: the bound covers it now."""
+    frozen = socket.create_server(("127.0.0.1", 0))  # listens, never answers
+    try:
+        port = frozen.getsockname()[1]
+        t0 = time.monotonic()
+        r = _run("ls", "--tracker", f"127.0.0.1:{port}", "--key", "k", "--wait-timeout", "2")
+        took = time.monotonic() - t0
+        assert r.returncode == 1, r
+        assert "no answer from the tracker at" in r.stderr and "2 s" in r.stderr, r.stderr
+        assert took < 8, took  # 2 s and the interpreter's start, not 10 s and more
+    finally:
+        frozen.close()
 
 
 @pytest.mark.timeout(90)
