@@ -316,7 +316,8 @@ class FrameLimitError(NetworkError, ValueError):
 
 
 class InsecureBindError(DiscoError, PermissionError):
-    """A service was asked to listen beyond loopback with neither a token nor TLS."""
+    """A service was asked to listen beyond loopback with neither a token nor TLS that
+    requires client certificates."""
 
 
 class UntrustedValueError(NetworkError, ValueError):

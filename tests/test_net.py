@@ -70,8 +70,27 @@ def test_check_bind_refuses_open_address_without_token_or_tls():
         check_bind("0.0.0.0", token=None, tls=False)
     check_bind("0.0.0.0", token=b"t", tls=False)
     check_bind("0.0.0.0", token=None, tls=True)
-    with pytest.warns(RuntimeWarning, match="neither token nor TLS"):
+    with pytest.warns(RuntimeWarning, match="neither a token nor TLS that requires client"):
         check_bind("0.0.0.0", token=None, tls=False, allow_insecure_bind=True)
+
+
+def test_check_bind_counts_tls_only_when_it_requires_client_certificates():
+    """Server-side TLS alone encrypts and lets anyone in: an attacker without the token
+    or a certificate ran code on such a server, which the policy had let listen on any
+    address (an attacker check). It stands in for a token only with client certificates."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # verify_mode CERT_NONE
+    with pytest.raises(InsecureBindError, match="TLS does not require client certificates"):
+        check_bind("0.0.0.0", token=None, tls=ctx)
+    check_bind("0.0.0.0", token=b"t", tls=ctx)
+    ctx.verify_mode = ssl.CERT_OPTIONAL
+    with pytest.raises(InsecureBindError, match="TLS does not require client certificates"):
+        check_bind("0.0.0.0", token=None, tls=ctx)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    check_bind("0.0.0.0", token=None, tls=ctx)
+    with pytest.raises(InsecureBindError, match="anyone who reaches it could run code"):
+        check_bind("0.0.0.0", token=None, tls=None)
 
 
 def test_check_bind_warns_once_on_loopback_without_token(monkeypatch):

@@ -5,9 +5,10 @@ disco-rpc service. The rules:
 
 - **Token.** A shared secret, given as an argument or in ``$DISCO_TOKEN``
   (:func:`resolve_token`). It never crosses the wire.
-- **Binds.** A service that listens beyond loopback needs a token or TLS;
-  ``allow_insecure_bind=True`` is the explicit opt-out and warns. A loopback
-  service without a token warns once (:func:`check_bind`).
+- **Binds.** A service that listens beyond loopback needs a token, or TLS that
+  requires the client's certificate (server-side TLS alone encrypts, and lets
+  anyone in); ``allow_insecure_bind=True`` is the explicit opt-out and warns. A
+  loopback service without a token warns once (:func:`check_bind`).
 - **Mutual proof.** Each side proves it holds the token with an HMAC over the
   whole handshake transcript (both hellos, hence both nonces and everything the
   protocol put in them). A side that holds a token never goes on with a peer
@@ -31,9 +32,11 @@ import hmac
 import ipaddress
 import os
 import socket
+import ssl
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import DiscoError, DiscoTypeError, DiscoValueError, InsecureBindError
 
@@ -44,6 +47,7 @@ __all__ = [
     "resolve_token",
     "is_loopback",
     "check_bind",
+    "tls_authenticates_peers",
     "listen_family",
     "new_nonce",
     "SessionKeys",
@@ -114,11 +118,19 @@ def _ip_loopback(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return (mapped or ip).is_loopback
 
 
+def tls_authenticates_peers(ssl_context: Any) -> bool:
+    """Whether a server's ``ssl_context`` makes every peer prove who it is: TLS that
+    requires the client's certificate (``verify_mode`` is ``ssl.CERT_REQUIRED``)."""
+    return (
+        ssl_context is not None and getattr(ssl_context, "verify_mode", None) == ssl.CERT_REQUIRED
+    )
+
+
 def check_bind(
     host: str,
     *,
     token: bytes | None,
-    tls: bool,
+    tls: Any,
     allow_insecure_bind: bool = False,
     what: str = "service",
 ) -> None:
@@ -130,8 +142,12 @@ def check_bind(
         The address the service will listen on.
     token : bytes or None
         The resolved token (see :func:`resolve_token`).
-    tls : bool
-        Whether connections are wrapped in TLS.
+    tls : ssl.SSLContext, bool or None
+        The service's server-side TLS context (None: no TLS). It stands in for a
+        token only when it requires the client's certificate
+        (:func:`tls_authenticates_peers`): without that, anyone who reaches the
+        port gets in, over TLS (an attacker check ran code on such a server). A
+        bool says the same thing: True for TLS that requires client certificates.
     allow_insecure_bind : bool
         The explicit opt-out: listen beyond loopback with neither, with a warning.
     what : str
@@ -141,7 +157,8 @@ def check_bind(
     ------
     InsecureBindError
         ``host`` is reachable from other machines and the service has neither a
-        token nor TLS, and ``allow_insecure_bind`` is false.
+        token nor TLS that requires client certificates, and ``allow_insecure_bind``
+        is false.
     DiscoValueError
         ``host`` is a name that does not resolve (it was reported as an insecure bind,
         and told the user to add a token: an outside check).
@@ -158,17 +175,26 @@ def check_bind(
                 stacklevel=3,
             )
         return
-    if token is not None or tls:
+    certs_required = tls is True or (not isinstance(tls, bool) and tls_authenticates_peers(tls))
+    if token is not None or certs_required:
         return
     shown = host or "every interface"
+    encrypted = tls is not None and tls is not False
     if not allow_insecure_bind:
+        why = (
+            "its TLS does not require client certificates, so anyone who reaches it gets in "
+            "and could run code here"
+            if encrypted
+            else "anyone who reaches it could run code here"
+        )
         raise InsecureBindError(
-            f"refusing to listen on {shown} for the {what}: anyone who reaches it could run "
-            f"code here. Give token=... (or set {TOKEN_ENV}) or TLS, or pass "
-            "allow_insecure_bind=True if the network is trusted"
+            f"refusing to listen on {shown} for the {what}: {why}. Give token=... (or set "
+            f"{TOKEN_ENV}), or TLS that requires client certificates (verify_mode "
+            "ssl.CERT_REQUIRED), or pass allow_insecure_bind=True if the network is trusted"
         )
     warnings.warn(
-        f"the {what} listens on {shown} with neither token nor TLS (allow_insecure_bind=True)",
+        f"the {what} listens on {shown} with neither a token nor TLS that requires client "
+        "certificates (allow_insecure_bind=True)",
         RuntimeWarning,
         stacklevel=3,
     )

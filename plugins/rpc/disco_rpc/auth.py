@@ -56,6 +56,7 @@ from .protocol import (
     HELD_NOTICE_EVERY,
     KEY_MISMATCH,
     LABEL,
+    LINK_KEYS,
     MAGIC,
     MAX_HELD_WAIT,
     MAX_KEY_BYTES,
@@ -323,8 +324,8 @@ class ServerHandshake:
         elif self.key_check is not None:
             verdict = self.key_check(kb)  # True, False, or the status of a refusal
             status = verdict if type(verdict) is int else OK if verdict else KEY_MISMATCH
-        elif self.key and kb != self.key:
-            status = KEY_MISMATCH
+        elif kb != self.key and (self.key or kb.decode("utf-8", "replace") in LINK_KEYS):
+            status = KEY_MISMATCH  # ("" takes any key but a service link's)
         if status == OK and self.taken:
             self.told_taken = True
             return self._done(False, refusal(SERVER_TAKEN))

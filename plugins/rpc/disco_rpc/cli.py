@@ -587,7 +587,7 @@ def _server(args) -> int:
     try:
         check_bind(args.host, token, ctx, args.allow_insecure_bind)
     except InsecureBindError as exc:
-        print(f"disco-rpc: {exc} (--tls-cert for TLS, --allow-insecure-bind)", file=sys.stderr)
+        print(f"disco-rpc: {exc} (set DISCO_TOKEN, or --allow-insecure-bind)", file=sys.stderr)
         return 2
     try:
         liveness = resolve_liveness_timeout(args.liveness_timeout)

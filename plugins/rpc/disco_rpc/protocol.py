@@ -65,6 +65,7 @@ __all__ = [
     "TICKET_SEP",
     "ticket_key",
     "PROXY_SERVER_KEY",
+    "LINK_KEYS",
     "PROXY_MAX_MESSAGE_BYTES",
     "P_REGISTER",
     "P_PAIRED",
@@ -217,6 +218,10 @@ def ticket_key(key: str, ticket: str) -> str:
 # --------------------------------------------------------------------------- proxy
 #: The handshake key a server behind the proxy presents to it.
 PROXY_SERVER_KEY = "disco-rpc/proxy-server"
+#: The keys of service links (tracker and proxy). A server accepts none of them for a
+#: session, whatever its own key ("" takes any other): a relay delivered a tracker
+#: link to a server, and both sides completed the proof (an attacker check).
+LINK_KEYS = frozenset({REGISTRANT_KEY, CLIENT_KEY, PROXY_SERVER_KEY})
 #: Frames between proxy and server are tiny.
 PROXY_MAX_MESSAGE_BYTES = 1 << 16
 # operations between a proxy and a server behind it

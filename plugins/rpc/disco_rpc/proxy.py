@@ -520,7 +520,7 @@ class Proxy(ServiceProcess):
     ----------
     host : str
         The address to bind (``127.0.0.1`` by default; another address needs a
-        token or TLS unless ``allow_insecure_bind``).
+        token or TLS that requires client certificates unless ``allow_insecure_bind``).
     port, port_end : int
         The first free port in ``[port, port_end)`` is used (``proxy.port``);
         servers and clients both connect to it.

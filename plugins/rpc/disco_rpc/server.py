@@ -960,7 +960,7 @@ class Server(ServiceProcess):
         The largest frame accepted from a client (files are streamed in frames of
         at most this size, so it does not bound their size).
     allow_insecure_bind : bool
-        Allow a non-loopback address with neither token nor TLS (and ``is_proxy``
+        Allow a non-loopback address with neither token nor TLS that requires client certificates (and ``is_proxy``
         without a token).
     liveness_timeout : float, optional
         Seconds without a sign of life after which a session's client counts as

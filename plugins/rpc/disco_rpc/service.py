@@ -239,9 +239,10 @@ def check_bind(host: str, token: bytes | None, ssl_context: Any, allow_insecure_
     """The core's bind policy (:func:`disco_core.net.security.check_bind`) for an rpc service.
 
     Raises :class:`~disco_core.errors.InsecureBindError` for a non-loopback
-    ``host`` with neither token nor TLS, unless ``allow_insecure_bind`` (which warns).
+    ``host`` with neither token nor TLS that requires client certificates, unless
+    ``allow_insecure_bind`` (which warns).
     """
-    _check_bind(host, token=token, tls=ssl_context is not None, allow_insecure_bind=allow_insecure_bind, what=what)  # fmt: skip
+    _check_bind(host, token=token, tls=ssl_context, allow_insecure_bind=allow_insecure_bind, what=what)  # fmt: skip
 
 
 def _port(name: str, value: Any) -> int:

@@ -601,7 +601,7 @@ class Tracker(ServiceProcess):
     ----------
     host : str
         The address to bind (``127.0.0.1`` by default; another address needs a
-        token or TLS unless ``allow_insecure_bind``).
+        token or TLS that requires client certificates unless ``allow_insecure_bind``).
     port, port_end : int
         The first free port in ``[port, port_end)`` is used (``tracker.port``).
     silent : bool

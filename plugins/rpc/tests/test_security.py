@@ -224,9 +224,27 @@ def test_tls(tls_files):
             rpc.connect("127.0.0.1", srv.port, ssl_context=ssl.create_default_context(), token="tok")  # fmt: skip
     finally:
         srv.terminate()
-    # TLS alone is enough to listen beyond loopback
-    srv = rpc.Server(host="0.0.0.0", port=10100, port_end=10150, ssl_context=sctx)
-    srv.terminate()
+    # TLS stands in for a token beyond loopback only when it requires client certificates:
+    # alone, it let an attacker without token or certificate run code (an attacker check)
+    with pytest.raises(
+        disco.errors.InsecureBindError, match="does not require client certificates"
+    ):
+        rpc.Server(host="0.0.0.0", port=10100, port_end=10150, ssl_context=sctx)
+    mutual = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    mutual.load_cert_chain(cert, key)
+    mutual.load_verify_locations(cert)
+    mutual.verify_mode = ssl.CERT_REQUIRED
+    srv = rpc.Server(host="0.0.0.0", port=10100, port_end=10150, ssl_context=mutual)
+    try:
+        cctx = ssl.create_default_context(cafile=cert)
+        with pytest.raises((rpc.RPCError, ssl.SSLError, OSError)):  # no client certificate
+            with rpc.connect("127.0.0.1", srv.port, ssl_context=cctx, connect_timeout=5) as s:
+                s.get_function("sectest.add")(1, 2)
+        cctx.load_cert_chain(cert, key)
+        with rpc.connect("127.0.0.1", srv.port, ssl_context=cctx) as s:
+            assert s.get_function("sectest.add")(1, 2) == 3
+    finally:
+        srv.terminate()
 
 
 # --------------------------------------------------------------------------- no process before auth
@@ -438,6 +456,18 @@ def test_links_in_the_work_folder_are_not_followed(tmp_path):
         assert (work / "d_old" / "f.bin").read_bytes() == b"x"
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("link_key", sorted(auth.LINK_KEYS))
+def test_a_server_that_takes_any_key_refuses_a_service_links(small_server, link_key):
+    """A relay posing as a tracker (or a proxy) passed a tracker link's handshake on to a
+    server whose key is "" (any key), and both sides completed the proof: the server
+    ran a session for a peer that spoke the tracker's protocol (an attacker check). The
+    keys of service links are never a session's."""
+    with pytest.raises(rpc.RPCAuthError, match=f"key mismatch.*{link_key}"):
+        auth.open_conn("127.0.0.1", small_server.port, link_key, connect_timeout=5)
+    with rpc.connect("127.0.0.1", small_server.port, key="any-other") as s:
+        assert s.get_function("sectest.add")(1, 2) == 3
 
 
 def test_a_taken_server_tells_only_a_client_that_proves_the_token_to_come_again():

@@ -875,7 +875,7 @@ class SocketChannel(LinkChannel):
         A server-side TLS context; the agents then need ``--tls-ca`` (and, for mutual
         TLS, ``--tls-cert/--tls-key``).
     allow_insecure_bind : bool
-        Listen beyond loopback with neither a token nor TLS (a warning): anyone who
+        Listen beyond loopback with neither a token nor TLS that requires client certificates (a warning): anyone who
         reaches the port can run code on every node. For trusted networks only.
     timeout : float
         Seconds to wait for every node to join (default 60); then ``TimeoutError``.
@@ -983,12 +983,12 @@ class SocketChannel(LinkChannel):
     # ------------------------------------------------------------------ start-up
     def _start(self, host: str, port: int, on_listen: Callable | None) -> None:
         if self.num_nodes > 1:
-            # The core's one bind policy: beyond loopback, a token or TLS (or the
+            # The core's one bind policy: beyond loopback, a token or mutual TLS (or the
             # explicit, warned-about opt-out); on loopback without a token, one warning.
             check_bind(
                 host,
                 token=self._token,
-                tls=self._ssl is not None,
+                tls=self._ssl,
                 allow_insecure_bind=self._allow_insecure_bind,
                 what="disco-socket controller",
             )
