@@ -39,6 +39,7 @@ Network layer
     :mod:`~disco_core.net.security`, :mod:`~disco_core.net.protect`,
     :mod:`~disco_core.net.accept`): the one security policy
     (:func:`resolve_token`, :func:`check_bind`, :func:`listen_family`, :class:`Handshake`,
+    :func:`stretch_token`, :func:`tls_authenticates_peers`,
     :func:`new_nonce`, :data:`TOKEN_ENV`), sealed records
     (:class:`SealedTransport`), transports, byte I/O (:func:`send_all`,
     :func:`write_all`, :func:`recv_exact`, :func:`new_pipe`, :func:`grow_pipe`,
@@ -134,6 +135,8 @@ from .net.security import (
     listen_family,
     new_nonce,
     resolve_token,
+    stretch_token,
+    tls_authenticates_peers,
 )
 from .net.spawn import spawn_worker, worker_argv
 from .plugins import lookup
@@ -223,8 +226,10 @@ __all__ = [
     "resolve_token",
     "is_loopback",
     "check_bind",
+    "tls_authenticates_peers",
     "listen_family",
     "Handshake",
+    "stretch_token",
     "SessionKeys",
     "SealedTransport",
     "SEND_RECORD_BYTES",

@@ -30,6 +30,7 @@ why (no server for the key, servers busy, a tracker ticket required).
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import struct
@@ -45,6 +46,7 @@ from disco_core.spi import (
     SessionKeys,
     new_nonce,
     resolve_token,
+    stretch_token,
 )
 
 from . import wire
@@ -87,6 +89,9 @@ __all__ = [
     "held_notice",
     "refusal_text",
     "resolve_token",
+    "TRACKER_TOKEN_ENV",
+    "tracker_token_or",
+    "stretch_now",
     "client_handshake",
     "server_handshake",
     "ServerHandshake",
@@ -220,6 +225,25 @@ def _check_status(status: int, version: int, key: str) -> None:
     if status == BAD_VERSION:
         raise RPCAuthError(f"the server speaks protocol version {version}, this client {VERSION}")
     raise RPCAuthError(refusal_text(status, key))
+
+
+def stretch_now(token: bytes | None) -> None:
+    """Stretch ``token`` (scrypt, tens of milliseconds, once a process) before a service
+    forks: its processes inherit the result, and no client's handshake waits for it."""
+    if token:
+        stretch_token(token)
+
+
+#: The environment variable with the token of links to a tracker, when the tracker holds
+#: a token of its own (then it does not hold the servers' token, and cannot open
+#: sessions on them); unset, tracker links use the sessions' token (``DISCO_TOKEN``).
+TRACKER_TOKEN_ENV = "DISCO_TRACKER_TOKEN"
+
+
+def tracker_token_or(default: Any) -> Any:
+    """The token of a link to a tracker that was given none: ``$DISCO_TRACKER_TOKEN`` when
+    set, else ``default``."""
+    return os.environ.get(TRACKER_TOKEN_ENV) or default
 
 
 def refusal_text(status: int, key: str) -> str:
@@ -436,7 +460,14 @@ def _open_once(url: str, port: int, key: str, token: Any, ssl_context: Any, max_
                 f"{connect_timeout:g} s{hint}"
             ) from None
         if isinstance(exc, (OSError, EOFError)):
-            raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}") from exc
+            # a TLS peer resets a plain hello, and a plain one a TLS hello: the bare "reset
+            # by peer" gave no hint of it (an attacker check)
+            tls_hint = (
+                f" (if the {peer} speaks TLS, connect with TLS: ssl_context=..., or --tls-ca)"
+                if ssl_context is None
+                else f" (if the {peer} does not speak TLS, connect without ssl_context)"
+            )
+            raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}{tls_hint}") from exc  # fmt: skip
         raise
     sock.settimeout(None)
     return conn

@@ -101,7 +101,10 @@ class _Bar:
 
 
 _DIST = "disco-rpc"
-_TOKEN_NOTE = "The token is read from $DISCO_TOKEN (never from the command line)."
+_TOKEN_NOTE = (
+    "The token is read from $DISCO_TOKEN (never from the command line); links to a tracker, "
+    "and the tracker itself, use $DISCO_TRACKER_TOKEN when it is set."
+)
 #: Commands that run a service in the foreground: they log at INFO unless told otherwise.
 _SERVICES = ("server", "tracker", "proxy")
 

@@ -542,7 +542,8 @@ class Proxy(ServiceProcess):
     ssl_context : ssl.SSLContext, optional
         Speak TLS with servers and clients (a server-side context).
     tracker_token, tracker_ssl_context :
-        For the link to the tracker (the proxy's token by default).
+        For the link to the tracker (by default ``$DISCO_TRACKER_TOKEN``, else the
+        proxy's token).
     wait : float, optional
         The former name of ``timeout_client``; when given, it wins.
     """
@@ -556,10 +557,11 @@ class Proxy(ServiceProcess):
         _seconds("timeout_server", timeout_server)
         token_b = auth.resolve_token(token)
         check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC proxy")
+        auth.stretch_now(token_b)  # here, not in the first client's handshake
         self.host = host
         sock = bind_listener(host, port, port_end, reuse_addr)
         self.port = sock.getsockname()[1]
-        tracker_token = token if tracker_token is None else tracker_token
+        tracker_token = auth.tracker_token_or(token) if tracker_token is None else tracker_token
 
         def serve(watch_fd: int) -> None:
             signal.signal(signal.SIGTERM, lambda *a: os._exit(0))

@@ -914,7 +914,8 @@ class Server(ServiceProcess):
     ----------
     host : str
         The address to bind, ``127.0.0.1`` by default. Another address needs a
-        ``token`` or an ``ssl_context`` unless ``allow_insecure_bind=True``.
+        ``token`` or an ``ssl_context`` that requires client certificates, unless
+        ``allow_insecure_bind=True``.
     port, port_end : int
         The first free port in ``[port, port_end)`` is used (``server.port``).
     is_proxy : bool
@@ -925,7 +926,8 @@ class Server(ServiceProcess):
         ``allow_insecure_bind=True``.
     tracker_addr : tuple of str and int, optional
         Register with this tracker under ``key`` (``tracker_token``/``tracker_ssl_context``
-        for that link; the server's ``token`` by default). The server then serves only
+        for that link; by default ``$DISCO_TRACKER_TOKEN``, else the server's ``token``,
+        which the tracker must then hold and prove). The server then serves only
         clients holding a ticket from the tracker, and reports each session's end.
     key : str
         Clients must present this key (an empty key accepts any).
@@ -1002,6 +1004,7 @@ class Server(ServiceProcess):
         )
         self._sock = None
         reg = None
+        auth.stretch_now(token_b)  # here, not in the first client's handshake
         if is_proxy:
             _check_proxied(token_b, allow_insecure_bind)
             # host/port name the proxy; this server connects out to it
@@ -1013,7 +1016,7 @@ class Server(ServiceProcess):
             self._sock = bind_listener(host, port, port_end, reuse_addr)
             self.port = self._sock.getsockname()[1]
             if tracker_addr is not None:
-                reg = self._register(cfg, tracker_addr, tracker_token if tracker_token is not None else token, tracker_ssl_context)  # fmt: skip
+                reg = self._register(cfg, tracker_addr, tracker_token if tracker_token is not None else auth.tracker_token_or(token), tracker_ssl_context)  # fmt: skip
         proxy_args = (host, int(port), key, proxy_token if proxy_token is not None else token, proxy_ssl_context)  # fmt: skip
         # the server's own token, used for the proxy link by default, is offered to a proxy
         # that asks for one; a proxy_token given as such must be proven by the proxy

@@ -614,7 +614,8 @@ class Tracker(ServiceProcess):
         before authentication.
     token : str or bytes, optional
         The shared secret every server, proxy and client must prove (default
-        ``$DISCO_TOKEN``).
+        ``$DISCO_TRACKER_TOKEN``, else ``$DISCO_TOKEN``). A tracker that holds the
+        servers' own token could open sessions on them: give it a token of its own.
     ssl_context : ssl.SSLContext, optional
         Speak TLS (a server-side context).
     match_timeout : float
@@ -631,8 +632,9 @@ class Tracker(ServiceProcess):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9190, port_end: int = 9199, silent: bool = False, reuse_addr: bool = True, timeout: float | None = None, *, token: Any = None, ssl_context: Any = None, max_message_bytes: int = TRACKER_MAX_MESSAGE_BYTES, match_timeout: float = 10.0, allow_insecure_bind: bool = False, tvm_protocol: bool = False) -> None:  # fmt: skip
         hs_timeout = handshake_timeout(timeout)
-        token_b = auth.resolve_token(token)
+        token_b = auth.resolve_token(token if token is not None else auth.tracker_token_or(None))
         check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC tracker")
+        auth.stretch_now(token_b)  # here, not in the first client's handshake
         if tvm_protocol and not is_loopback(host):
             # TVM's peers prove nothing: as open as a tracker with neither token nor TLS
             check_bind(host, None, None, allow_insecure_bind, what="RPC tracker's TVM protocol")  # fmt: skip
@@ -664,7 +666,7 @@ class TrackerSession:
         # into its backlog, then says nothing); the CLI's --wait-timeout bounds it too
         self._connect_timeout = float(connect_timeout)
         self._addr = (addr[0], int(addr[1]))
-        self._token = token
+        self._token = token if token is not None else auth.tracker_token_or(None)
         self._ssl = ssl_context
         self._server_token = server_token if server_token is not None else token
         self._server_ssl = server_ssl_context
@@ -982,8 +984,10 @@ def format_summary(s: dict) -> str:
 def connect_tracker(url: str, port: int, *, token: Any = None, ssl_context: Any = None, server_token: Any = None, server_ssl_context: Any = None) -> TrackerSession:  # fmt: skip
     """Connect to a tracker, as ``tvm.rpc.connect_tracker``.
 
-    ``token``/``ssl_context`` authenticate to the tracker; the sessions it hands out
-    use ``server_token``/``server_ssl_context`` (the tracker's token by default).
+    ``token``/``ssl_context`` authenticate to the tracker (``token`` by default
+    ``$DISCO_TRACKER_TOKEN``, else ``$DISCO_TOKEN``); the sessions it hands out use
+    ``server_token``/``server_ssl_context`` (by default the ``token`` given here, else
+    ``$DISCO_TOKEN``).
     """
     return TrackerSession(
         (url, port),

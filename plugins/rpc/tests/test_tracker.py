@@ -371,6 +371,38 @@ def test_tracker_token_required():
         tr.terminate()
 
 
+def test_a_tracker_of_its_own_token_through_disco_tracker_token(monkeypatch):
+    """With one token for everything, the tracker holds the servers' token and could open
+    sessions on them (an attacker check; the README said the server's token was only
+    offered to it). ``$DISCO_TRACKER_TOKEN`` gives the tracker links a token of their
+    own, beside ``$DISCO_TOKEN``, for the Python API and the commands alike."""
+    from disco_rpc import tracker as T
+
+    monkeypatch.setenv("DISCO_TRACKER_TOKEN", "tracker-only")
+    monkeypatch.setenv("DISCO_TOKEN", "servers-only")
+    tr = rpc.Tracker(port=9600, port_end=9700)  # proves "tracker-only"
+    try:
+        srv = rpc.Server(port=9400, port_end=9500, tracker_addr=tr.addr, key="own")
+        try:
+            with rpc.connect_tracker("127.0.0.1", tr.port) as ts:
+                with ts.request("own", wait_timeout=20) as s:  # a session under "servers-only"
+                    assert s.get_function("trk.pid")() > 0
+                # what the tracker holds (a ticket it hands itself, its own token) opens no
+                # session on the server
+                host, port, ticket = ts._wait_for_server("own", 1, None, None)
+                with pytest.raises(rpc.RPCAuthError, match="wrong token"):
+                    rpc.connect(host, port, T.ticket_key("own", ticket), token="tracker-only")
+            r = subprocess.run(
+                [sys.executable, "-m", "disco_rpc", "query", "--port", str(tr.port)],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert r.returncode == 0 and "own" in r.stdout, r
+        finally:
+            srv.terminate()
+    finally:
+        tr.terminate()
+
+
 def test_tracker_bounded_messages(tracker):
     import socket
     import struct

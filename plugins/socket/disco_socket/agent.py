@@ -307,7 +307,7 @@ def open_reply_connection(
             raise HandshakeError("the controller's reply-connection challenge does not match")
         keys = None
         if secret is not None:
-            hs = Handshake(secret, "client", wire.LABEL + b" reply")
+            hs = Handshake(secret, "client", wire.LABEL + b" reply", stretch=False)
             hs.bind(sent, raw)
             wire.send_json(tx, {"proof": hs.proof().hex()})
             answer = wire.recv_json(tx)

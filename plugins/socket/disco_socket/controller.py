@@ -62,6 +62,7 @@ from disco_core.spi import (
     resolve_token,
     start_timeout,
     start_worker_processes,
+    stretch_token,
     worker_env,
 )
 from disco_core.spi import accept as _accept
@@ -799,7 +800,7 @@ class _Hello:
         sent = wire.json_message({"nonce": new_nonce().hex(), "auth": pending.secret is not None})
         if pending.secret is None:
             return self._done(sent)
-        self.hs = Handshake(pending.secret, "server", wire.LABEL + b" reply")
+        self.hs = Handshake(pending.secret, "server", wire.LABEL + b" reply", stretch=False)
         self.hs.bind(self._head + raw, sent)
         self._message(self._on_data_proof)
         return sent
@@ -992,6 +993,8 @@ class SocketChannel(LinkChannel):
                 allow_insecure_bind=self._allow_insecure_bind,
                 what="disco-socket controller",
             )
+            if self._token:  # scrypt, once: before the agents' handshakes, not in the first
+                stretch_token(self._token)
             family = listen_family(host, "disco-socket controller")
             try:
                 self._listener = socket.create_server((host, port), family=family, backlog=64)

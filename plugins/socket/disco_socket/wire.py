@@ -104,6 +104,7 @@ from disco_core.spi import (
     SSLTransport,
     env_seconds,
     read_frame_head,
+    stretch_token,
 )
 from disco_core.spi import frame_head as _frame_head
 from disco_core.spi import recv_exact as _recv_exact
@@ -205,7 +206,9 @@ def reply_secret(token: bytes, transcript: bytes) -> bytes:
     only ever joins the session of the node that opened it.
     """
     msg = LABEL + b" reply connections\0" + transcript
-    return hmac.new(token, msg, hashlib.sha256).digest()
+    # keyed with the stretched token: the raw one made each node's reply handshake an
+    # offline check of token guesses (see disco_core.net.security.stretch_token)
+    return hmac.new(stretch_token(token), msg, hashlib.sha256).digest()
 
 
 def transport(sock: socket.socket) -> SocketTransport:

@@ -621,12 +621,20 @@ def test_bind_beyond_loopback_needs_a_token_or_tls():
     assert time.monotonic() - t0 < 5
     assert wait_gone(list(set(children_of(os.getpid())) - before), 5) == []
     # The explicit opt-out listens, with a warning.
-    with pytest.warns(RuntimeWarning, match="neither token nor TLS"):
+    with pytest.warns(
+        RuntimeWarning, match="neither a token nor TLS that requires client certificates"
+    ):
         with pytest.raises(TimeoutError):
             disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=0.5, allow_insecure_bind=True)
     # A token is enough.
     with pytest.raises(TimeoutError):
         disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=0.5, token="t")
+    # TLS is not, unless it requires the nodes' certificates: alone, it let any node in
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with pytest.raises(InsecureBindError, match="does not require client certificates"):
+        disco.SocketSession(2, 1, 1, "0.0.0.0", 0, timeout=1, ssl_context=ctx)
 
 
 def test_no_unpickling_in_the_plugin_source():
@@ -944,7 +952,9 @@ def test_insecure_opt_out_warns_on_both_sides(cluster):
             )
         )
 
-    with pytest.warns(RuntimeWarning, match="neither token nor TLS"):
+    with pytest.warns(
+        RuntimeWarning, match="neither a token nor TLS that requires client certificates"
+    ):
         sess = disco.SocketSession(
             2, 1, 1, "0.0.0.0", 0, on_listen=on_listen, timeout=30, allow_insecure_bind=True
         )
