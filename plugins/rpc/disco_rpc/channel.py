@@ -446,4 +446,5 @@ class RPCChannel(LinkChannel):
 
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)
+        self.reader.stop()  # a link closed before its end was read leaves the reader waiting
         self.reader.join(timeout=1.0)

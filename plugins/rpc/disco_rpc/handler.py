@@ -358,6 +358,18 @@ class UploadTarget:
         self.dir_fd, self.name, self.path = dir_fd, name, path
 
 
+def session_prefix(pid: int) -> str:
+    """The name's start of a work folder made by the session process ``pid``: the server
+    removes what a session process that died left (an outside check: 10 killed
+    sessions kept 10 folders and their 50 MB of uploads until the server stopped)."""
+    return f"disco-rpc-session-{pid}-"
+
+
+def link_prefix(pid: int) -> str:
+    """The name's start of a folder of ``tar`` links made by the session process ``pid``."""
+    return f"disco-rpc-link-{pid}-"
+
+
 class SessionHandler:
     """One session's objects and work folder; every ``op_*`` method is one operation.
 
@@ -379,7 +391,7 @@ class SessionHandler:
             os.makedirs(work_dir, exist_ok=True)
             self.work = os.path.abspath(work_dir)
         else:
-            self.work = tempfile.mkdtemp(prefix="disco-rpc-session-", dir=temp_root)
+            self.work = tempfile.mkdtemp(prefix=session_prefix(os.getpid()), dir=temp_root)
         self.scratch: list[str] = []  # link folders, deleted at close
         # run at close, first: e.g. killing an rpc.PopenSession child, which would
         # otherwise outlive a session process that ends with os._exit
@@ -716,7 +728,7 @@ class SessionHandler:
 
     def _link(self, tar_path: str) -> str:
         # not in the work folder: it may be shared by sessions and kept
-        out_dir = tempfile.mkdtemp(prefix="disco-rpc-link-", dir=self.temp_root)
+        out_dir = tempfile.mkdtemp(prefix=link_prefix(os.getpid()), dir=self.temp_root)
         self.scratch.append(out_dir)
         with tarfile.open(tar_path) as tar:
             members = []

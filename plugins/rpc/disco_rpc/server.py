@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import select
+import shutil
 import signal
 import socket
 import ssl
@@ -39,7 +40,9 @@ from .handler import (
     WORK_DIR_ENV,
     SessionHandler,
     error_value,
+    link_prefix,
     serve_conn,
+    session_prefix,
 )
 from .popen import PipeChild
 from .protocol import (
@@ -258,6 +261,20 @@ def serve_session(conn: wire.Conn, addr: Any, cfg: ServerConfig, forked: bool, o
             sock.close()
         except OSError:
             pass
+
+
+def _remove_session_folders(temp_root: str | None, pid: int) -> None:
+    """Remove the folders the session process ``pid``, which ended, made in ``temp_root``
+    (its own removal did not run when it was killed or crashed)."""
+    if not temp_root:
+        return
+    starts = (session_prefix(pid), link_prefix(pid))
+    try:
+        names = [n for n in os.listdir(temp_root) if n.startswith(starts)]
+    except OSError:
+        return
+    for name in names:  # (nobody writes there any more: no retries in the server's loop)
+        shutil.rmtree(os.path.join(temp_root, name), ignore_errors=True)
 
 
 def _proxy_key_check(cfg: ServerConfig):
@@ -797,6 +814,7 @@ class _Listener:
             self.stopped.forget(pid)
             if pidfd is not None:
                 os.close(pidfd)
+            _remove_session_folders(self.cfg.temp_root, pid)  # what a process that died left
             if ticket and self.reg is not None:
                 self.reg.report(T_END, ticket)
 

@@ -57,6 +57,43 @@ def test_allreduce_over_two_rpc_servers(servers):
         sess.shutdown()
 
 
+def test_a_busy_shutdown_leaves_no_reader_thread_nor_descriptor(servers, monkeypatch):
+    """``shutdown()`` while a worker runs a long call closed the links before their ends
+    were read: the reply thread and its epoll descriptor stayed for good (an outside
+    check: 22 of 26 busy shutdowns), and each shutdown took 1 s longer."""
+    import threading
+
+    def eventpolls() -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum("eventpoll" in _readlink(f"/proc/self/fd/{fd}") for fd in fds)
+
+    monkeypatch.setenv("DISCO_SHUTDOWN_TIMEOUT", "1")
+    before = eventpolls()
+    for _ in range(3):
+        sess = disco.Session.create("rpc", servers=[s.addr for s in servers], token="disco-secret")
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.get_global_func("testing.sleep")(20.0, 1)  # worker 1 busy
+        sess._sync_worker(0)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        sess.shutdown()
+        assert time.monotonic() - t0 < 4
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+        t.name == "disco-rpc-replies" for t in threading.enumerate()
+    ):
+        time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "disco-rpc-replies"]
+    assert eventpolls() <= before
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
 def test_wrong_token_refused(servers):
     with pytest.raises(rpc.RPCAuthError):
         disco.Session.create("rpc", servers=[servers[0].addr], token="wrong")

@@ -48,6 +48,15 @@ def test_a_killed_servers_folder_is_removed_by_the_next_server(tmp_path):
         assert len(mine) == 1
         os.killpg(first.pid, signal.SIGKILL)  # no clean-up of its own can run
         first.wait(10)
+        # every process of its group gone (one still exiting held the folder's lock, and
+        # the next server's sweep kept the folder: 1 run in 5 beside two busy loops)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(first.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
         assert _folders(tmp_path) == mine, "the killed server's folder should still be there"
         second = _start_cli_server(tmp_path, 10520)
         try:
@@ -157,3 +166,31 @@ def test_a_folder_written_while_it_is_removed_keeps_its_lock_file_or_goes(tmp_pa
             scratch.release(fd)
         assert scratch.remove(path, within=5.0) is True
         assert not os.path.exists(path)
+
+
+def test_a_session_process_that_died_leaves_no_folder():
+    """Only a session process removed its own work folder: one killed (or crashed) kept
+    it, uploads included, until the server stopped (an outside check: 10 killed
+    sessions kept 10 folders, 50 MB). The server removes it as it reaps the process."""
+    srv = rpc.Server(port=10750, port_end=10800, token="t")
+    try:
+        root = srv._temp_root
+        for _ in range(3):
+            s = rpc.connect("127.0.0.1", srv.port, token="t")
+            s.upload(b"x" * 100_000, "data.bin")
+            pid = s.info["pid"]
+            assert any(n.startswith(f"disco-rpc-session-{pid}-") for n in os.listdir(root))
+            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(rpc.RPCError):
+                s.listdir(".")
+            s.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+            n.startswith("disco-rpc-session-") for n in os.listdir(root)
+        ):
+            time.sleep(0.05)
+        assert not [n for n in os.listdir(root) if n.startswith("disco-rpc-session-")]
+        with rpc.connect("127.0.0.1", srv.port, token="t") as s:  # the server goes on
+            assert not s.listdir(".")
+    finally:
+        srv.terminate()

@@ -1424,6 +1424,7 @@ class SocketChannel(LinkChannel):
         self._close_listener()
         super().close(timeout)
         if self.reader is not None:
+            self.reader.stop()
             self.reader.join(timeout=1.0)
         if self.stderr is not None:
             self.stderr.join(timeout=1.0)  # the local workers' last words
