@@ -94,6 +94,14 @@ def _install_registry_stub():
     sys.modules["disco_core"] = mod
 
 
+class FunctionKeyError(KeyError):
+    """No function of that name: a ``KeyError`` as the full server's, which the client
+    raises as ``RPCAttributeError`` (an ``AttributeError``, as TVM's); its text unquoted."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def _lookup(name):
     if name in REGISTRY:
         return REGISTRY[name]
@@ -106,7 +114,7 @@ def _lookup(name):
     if fn is None:
         if name in CACHE_FLUSH_NAMES:  # TVM's f_preproc: no arrays here, nothing to flush
             return _no_flush
-        raise ValueError(f"global function {name!r} is not registered")
+        raise FunctionKeyError(f"global function {name!r} is not registered")
     return fn
 
 

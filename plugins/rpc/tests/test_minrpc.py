@@ -90,6 +90,12 @@ def test_minrpc_package(package):
         with pytest.raises(rpc.RPCError, match="PermissionError"):
             sess.download("../etc/passwd")
         sess.remove("blob.bin")
+        # a missing function is an AttributeError, as on the full server and in TVM's
+        # test_rpc_echo (it was a plain RPCError: an outside check)
+        with pytest.raises(AttributeError, match="Module has no function 'notexist'"):
+            sess.system_lib()["notexist"]
+        with pytest.raises(AttributeError):
+            mod["notexist"]
         with pytest.raises(rpc.RPCError, match="not supported"):
             rpc.tensor(np.zeros(3), device=sess.cpu(0))
         if have_cc:
