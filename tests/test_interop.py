@@ -51,6 +51,27 @@ def test_torch_tensors_in_collectives(sess):
     assert np.array_equal(dst.debug_get_from_remote(0), np.full(4, 3.0, np.float32))
 
 
+def test_torch_bfloat16_tensors_where_host_arrays_go(sess):
+    """A CPU ``torch.bfloat16`` tensor (the usual dtype of model weights) failed wherever a
+    host array goes, with torch's bare "Got unsupported ScalarType BFloat16" (an outside
+    check): NumPy takes no bfloat16 through DLPack. Its memory is seen as ml_dtypes'
+    bfloat16 now, without a copy."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes")
+    sess.init_ccl("shm")
+    values = torch.tensor([1.5, -2.0, 3.25, 0.0], dtype=torch.bfloat16)
+    want = values.float().numpy()
+    b = sess.broadcast(values)
+    got = b.debug_get_from_remote(1)
+    assert got.dtype == ml_dtypes.bfloat16 and np.array_equal(got.astype(np.float32), want)
+    ref = sess.copy_to_worker_0(values[::2])  # a strided view too
+    assert np.array_equal(ref.debug_get_from_remote(0).astype(np.float32), want[::2])
+    out = torch.zeros(4, dtype=torch.bfloat16)
+    sess.copy_from_worker_0(out, b)  # written in place, into the tensor's own memory
+    assert torch.equal(out, values)
+    b.debug_copy_from(1, torch.ones(4, dtype=torch.bfloat16))
+    assert np.array_equal(b.debug_get_from_remote(1).astype(np.float32), np.ones(4, np.float32))
+
+
 def test_pt2_module_loader(sess, tmp_path):
     class Mlp(torch.nn.Module):
         def __init__(self):
