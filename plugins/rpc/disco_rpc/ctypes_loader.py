@@ -10,6 +10,7 @@ result is a C ``int`` unless ``restype`` says otherwise: one of ``"int"``,
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from typing import Any
 
@@ -98,6 +99,35 @@ class CtypesModule:
         return f"<CtypesModule {self.path}>"
 
 
+#: Symbols of a library TVM compiled (``tvm.compile(...).export_library``): its
+#: functions take TVM's calling convention, and its ``main`` is a Relax VM's.
+_TVM_MARKERS = ("__tvm_ffi__library_bin", "__tvm_dev_mblob", "__tvm_module_ctx", "__tvm_ffi__library_ctx")  # fmt: skip
+
+
 def load_so(path: str, device: Any = None) -> CtypesModule:
-    """Load a shared library with ``ctypes.CDLL`` (module loader for ``.so``)."""
+    """Load a shared library with ``ctypes.CDLL`` (module loader for ``.so``).
+
+    Raises
+    ------
+    DiscoValueError
+        The library is one TVM compiled: it loaded, and its first call failed with
+        "has no symbol 'main'", which read as a model without ``main`` (an outside
+        check running TVM's own ``test_vm_module``).
+    """
+    if _compiled_by_tvm(path):  # before dlopen, which fails on TVM's runtime symbols
+        raise DiscoValueError(
+            f"{os.path.basename(path)} is a module compiled by TVM (tvm.compile(...)."
+            "export_library): Disco for Python does not run TVM's VM executables. Load a "
+            ".py module, a .pt2 program (torch.export) or a plain C shared library"
+        )
     return CtypesModule(ctypes.CDLL(os.path.abspath(path)), path)
+
+
+def _compiled_by_tvm(path: str) -> bool:
+    """Whether the library's symbol names hold one of TVM's (read, not loaded: without
+    TVM's runtime in the process, ``dlopen`` fails first on an undefined symbol)."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return any(m.find(marker.encode() + b"\0") != -1 for marker in _TVM_MARKERS)
+    except (OSError, ValueError):  # unreadable, empty: dlopen says why
+        return False

@@ -401,6 +401,27 @@ def test_load_py_module(sess):
         mod["nope"]
 
 
+def test_a_library_tvm_compiled_is_refused_as_it_loads(tmp_path):
+    """TVM's test_vm_module (``tvm.compile(...).export_library`` then ``load_vm_module``)
+    failed at its first call with "has no symbol 'main'", which read as a model without
+    ``main``, or with dlopen's undefined TVM runtime symbol (an outside check)."""
+    import disco_core as disco
+    from disco_rpc import ctypes_loader
+
+    fake = tmp_path / "model.so"  # what the check reads: TVM's symbol names in the file
+    fake.write_bytes(b"\x7fELF" + b"\0" * 60 + b"__tvm_ffi__library_bin\0__tvm_ffi_main\0")
+    with pytest.raises(disco.DiscoValueError, match="compiled by TVM.*does not run TVM's VM"):
+        ctypes_loader.load_so(str(fake))
+    with disco.ThreadedSession(1) as dsess:
+        with pytest.raises(disco.WorkerError, match="compiled by TVM"):
+            dsess.load_vm_module(str(fake))
+            dsess._sync_all()
+    plain = tmp_path / "plain.so"
+    plain.write_bytes(b"not a library at all")
+    with pytest.raises(OSError):  # dlopen's own word for it
+        ctypes_loader.load_so(str(plain))
+
+
 def test_load_so_module(sess, c_objects):
     sess.upload(str(c_objects / "lib.so"))
     mod = sess.load_module("lib.so")
