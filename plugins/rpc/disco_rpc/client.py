@@ -1484,7 +1484,7 @@ def tensor(arr: Any, device: RemoteDevice) -> RemoteTensor:
     host = np.asarray(to_host(arr))
     as_dtype(host.dtype)
     made = dev._rpc_sess._request(OP_TENSOR, host, Device(dev.device_type, dev.device_id))
-    return _expect(made, RemoteTensor, "tensor")
+    return _on_asked_device(_expect(made, RemoteTensor, "tensor"), dev)
 
 
 def empty(shape: Any, dtype: Any = "float32", device: RemoteDevice | None = None) -> RemoteTensor:
@@ -1494,7 +1494,16 @@ def empty(shape: Any, dtype: Any = "float32", device: RemoteDevice | None = None
     made = dev._rpc_sess._request(
         OP_EMPTY, as_shape(shape, dt), dt, Device(dev.device_type, dev.device_id)
     )
-    return _expect(made, RemoteTensor, "empty")
+    return _on_asked_device(_expect(made, RemoteTensor, "empty"), dev)
+
+
+def _on_asked_device(made: RemoteTensor, dev: RemoteDevice) -> RemoteTensor:
+    """``made`` as on the device asked for: the server's host memory is one for every
+    ``cpu(n)``, and a NumPy array names no number, so ``cpu(3)`` came back as ``cpu(0)``
+    (TVM's keeps ``cpu(3)``; an outside check)."""
+    if made.device.device_type == dev.device_type == "cpu":
+        made.device = dev
+    return made
 
 
 _ = (OP_PING, OP_LISTDIR, OP_REMOVE, OP_LOAD_MODULE, OP_SYSTEM_LIB, OP_INIT, OP_DEV_SYNC)

@@ -340,3 +340,15 @@ def test_tracker_summary_keeps_a_key_whose_servers_left():
         ts.close()
         srv.terminate()
         tr.terminate()
+
+
+def test_a_remote_tensor_keeps_the_cpu_number_it_was_made_on():
+    """``rpc.tensor(x, remote.cpu(3)).device`` said ``cpu(0)``; TVM's keeps ``cpu(3)``."""
+    sess = rpc.LocalSession()
+    try:
+        dev = sess.cpu(3)
+        for made in (rpc.tensor(np.ones(3), dev), rpc.empty((3,), "float32", dev)):
+            assert (made.device.device_type, made.device.device_id) == ("cpu", 3)
+            assert str(made.device).endswith("cpu(3)")
+    finally:
+        sess.close()
