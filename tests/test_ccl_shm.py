@@ -266,6 +266,56 @@ def test_timeout_poisons_every_workers_ccl_before_it_is_reported():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_a_worker_that_fails_before_a_collective_its_peers_entered_ends_their_wait(kind, bad):
+    """A call that raised on one worker while the others entered an allreduce held the
+    controller for the whole CCL timeout (300 s by default; an outside check), with the
+    cause in the error's tail. Their waits fail at once now, naming the error."""
+    with disco.Session.create(kind, num_workers=3) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.init_ccl("shm")  # the default timeout: 300 s
+        t0 = time.monotonic()
+        with pytest.raises(disco.WorkerError) as info:
+            sess.get_global_func("testing.raise_or_allreduce")(bad).debug_get_from_remote(0)
+        assert time.monotonic() - t0 < 20
+        errors = [info.value, *info.value.others]
+        assert {e.worker_id for e in errors} == {0, 1, 2}
+        root = next(e for e in errors if e.worker_id == bad)
+        assert root.exc_type == "RuntimeError"
+        peers = [e for e in errors if e.worker_id != bad and e.exc_type.endswith("CCLError")]
+        assert peers and all(f"worker {bad} failed in the same call" in str(e) for e in peers)
+        assert "fails before the collective" in str(peers[0])
+        # the session goes on; its shm CCL says it is unusable
+        assert sess.get_global_func("testing.echo")(5).debug_get_from_remote(2) == 5
+        x = sess.empty((4,), "float32")
+        sess.allreduce(x, x, "sum")
+        with pytest.raises(disco.WorkerError, match="unusable"):
+            sess._sync_all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+def test_a_failed_call_leaves_later_collectives_alone_and_never_pairs_calls(kind):
+    """A call that failed on one worker without any collective leaves the CCL as it was;
+    a failed worker's next call, sent right behind, never meets its peers' collective of
+    the call it failed in (its arrival would have been taken for that one's)."""
+    with disco.Session.create(kind, num_workers=3) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.init_ccl("shm")
+        with pytest.raises(disco.WorkerError, match="raised on purpose"):
+            sess.get_global_func("testing.raise_on")(1).debug_get_from_remote(1)
+        x, y = sess.empty((4,), "float32"), sess.empty((4,), "float32")
+        sess.get_global_func("testing.fill")(x, 1.0)
+        sess.allreduce(x, y, "sum")
+        assert [y.debug_get_from_remote(w).tolist() for w in range(3)] == [[3.0] * 4] * 3
+        sess.get_global_func("testing.raise_or_allreduce")(1)
+        sess.allreduce(x, y, "sum")  # right behind it, in worker 1's stream
+        with pytest.raises(disco.WorkerError, match="worker 1 failed in the same call"):
+            sess._sync_all()
+
+
+@pytest.mark.timeout(60)
 def test_timeout_from_environment(monkeypatch):
     """``DISCO_CCL_TIMEOUT`` sets the default collective timeout."""
     monkeypatch.setenv("DISCO_CCL_TIMEOUT", "0.5")

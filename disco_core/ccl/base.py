@@ -309,6 +309,16 @@ class CCL(abc.ABC):
         """
         self.poison(reason)
 
+    def call_failed(self, call: int, error: str) -> None:
+        """This worker's ``call_packed`` number ``call`` (:attr:`WorkerContext.calls
+        <disco_core.worker.WorkerContext>`, the same on every worker) raised ``error``.
+
+        Peers that wait for this worker in an operation of that same call will never
+        see it come. The default does nothing: they wait until their timeout. A CCL
+        that can end their waits does so, naming ``error`` (``shm`` fails each such
+        wait at once and gives its segment up, as for a timeout).
+        """
+
     def poison(self, reason: str) -> None:
         """Refuse every later operation: a member's operation failed beyond repair.
 

@@ -9,6 +9,7 @@ Segment layout::
     header | per communicator (all workers; each group): bell, arrival counters,
            |     2 x n descriptors, 2 x n data slots (double-buffered by round)
            | per ordered worker pair: a mailbox (counters, header, data)
+    | per worker: the call it failed in (``CCL.call_failed``), its rounds then, the error
 
 Each collective runs in rounds of at most ``slot_bytes`` per member. In a round,
 members write their part, arrive (a counter only they write), and wait for the
@@ -43,6 +44,9 @@ _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maxi
 _LINE = 64
 _HEADER = 4096
 _ABORT_TEXT = 256  # header offset of the abort reason
+_FAILS = 16  # header int32 (byte 64): calls that failed on any worker (0: none yet)
+_FAIL_TEXT = 24  # byte offset of the error's text in a worker's failure record
+_FAIL_BYTES = 256  # a worker's failure record
 _DEFAULT_SLOT = 1 << 20
 _DEFAULT_MBOX = 1 << 20
 _DEFAULT_TIMEOUT = 300.0
@@ -119,7 +123,10 @@ class Layout:
             off = data + 2 * n * slot_bytes
         self.mbox_base = off
         self.mbox_stride = _align(3 * _LINE + validate.DESC_BYTES + mbox_bytes)
-        self.size = off + num_workers * num_workers * self.mbox_stride
+        off += num_workers * num_workers * self.mbox_stride
+        # per worker: the call it failed in, its rounds then, the error's start
+        self.fail_off = off
+        self.size = _align(off + num_workers * _FAIL_BYTES)
 
     def mailbox(self, sender: int, receiver: int) -> int:
         return self.mbox_base + (sender * self.num_workers + receiver) * self.mbox_stride
@@ -138,14 +145,19 @@ def abort_segment(segment: mmap.mmap, layout: Layout, reason: str, timed_out: bo
         text = reason.encode()[: _HEADER - _ABORT_TEXT - 1]
         segment[_ABORT_TEXT : _ABORT_TEXT + len(text) + 1] = text + b"\0"
         words[0] = 2 if timed_out else 1
-        bells = [ctl for ctl, _, _ in layout.comm_offsets]
-        n = layout.num_workers
-        bells += [layout.mailbox(s, r) for s in range(n) for r in range(n)]
-        for bell in bells:
-            words[bell // 4] = words[bell // 4] + 1
-            _futex.wake(_futex.address_of(segment, bell))
+        _ring_all(segment, layout, words)
     finally:
         words.release()
+
+
+def _ring_all(segment: mmap.mmap, layout: Layout, words: memoryview) -> None:
+    """Change every bell of the segment and wake its sleepers (they look again)."""
+    bells = [ctl for ctl, _, _ in layout.comm_offsets]
+    n = layout.num_workers
+    bells += [layout.mailbox(s, r) for s in range(n) for r in range(n)]
+    for bell in bells:
+        words[bell // 4] = words[bell // 4] + 1
+        _futex.wake(_futex.address_of(segment, bell))
 
 
 class ShmRendezvous(Rendezvous):
@@ -373,6 +385,48 @@ class ShmCCL(CCL):
         self.broken = self.broken or reason
         abort_segment(self.map, self.layout, reason)
 
+    def call_failed(self, call: int, error: str) -> None:
+        """Say in the segment that this worker's call ``call`` failed: a peer that waits
+        for it in an operation of that call fails at once (:meth:`_check_failed`)."""
+        if self.map.closed:
+            return
+        at = (self.layout.fail_off + self._me * _FAIL_BYTES) // 8
+        text = error.encode("utf-8", "replace")[: _FAIL_BYTES - _FAIL_TEXT - 1]
+        start = at * 8 + _FAIL_TEXT
+        self.map[start : start + len(text) + 1] = text + b"\0"
+        self.q[at + 1] = self._world_comm.round
+        self.q[at + 2] = self._group_comm.round
+        self.q[at] = call  # last: a peer that sees it sees the rest
+        self.i[_FAILS] += 1
+        _ring_all(self.map, self.layout, self.i)
+
+    def _check_failed(self, what: str, comm: _Comm | None, waiting_for) -> None:
+        """Fail this wait if a peer it waits for failed in this same call before it
+        reached this point: it will never come, and an arrival of its next call must
+        not be taken for this one's. ``comm``: the communicator of a collective's
+        round (a peer that failed before that round); None for a point-to-point wait
+        (a peer it still waits for)."""
+        call = self.ctx.calls
+        base = self.layout.fail_off // 8
+        q = self.q
+        for w in comm.members if comm is not None else waiting_for():
+            at = base + w * (_FAIL_BYTES // 8)
+            if w == self._me or q[at] != call:
+                continue
+            if comm is not None and q[at + (1 if comm is self._world_comm else 2)] >= comm.round:
+                continue  # it took part in this round before it failed
+            start = at * 8 + _FAIL_TEXT
+            error = bytes(self.map[start : at * 8 + _FAIL_BYTES]).split(b"\0", 1)[0].decode(errors="replace")  # fmt: skip
+            op = what.partition(":")[0]
+            self.broken = (
+                f"worker {w} failed in the same call before it reached this {op} ({error})"
+            )
+            abort_segment(self.map, self.layout, self.broken)
+            raise CCLError(
+                f"{op}: {self.broken}; the shm CCL of this session is unusable now (its "
+                "members may have arrived where worker " + str(w) + " never will)"
+            )
+
     def _check_abort(self, what: str) -> None:
         if self.i[0]:
             reason = (
@@ -382,13 +436,18 @@ class ShmCCL(CCL):
             error = CCLTimeoutError if self.i[0] == 2 else CCLError
             raise error(f"{what} aborted: {self.broken}")
 
-    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None) -> None:  # fmt: skip
+    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None, comm: _Comm | None = None) -> None:  # fmt: skip
         """Wait until ``ready()``; sleep on the futex at ``addr`` between checks.
 
         ``asleep``: the word (of ``self.q``) where this member says it may sleep, for
-        wakers that ring with ``sleepers`` (:meth:`_ring`).
+        wakers that ring with ``sleepers`` (:meth:`_ring`). ``comm``: the communicator
+        of a collective's round (see :meth:`_check_failed`).
         """
+        # (after a call failed on any worker, some time: an arrival may be a failed
+        # peer's next call's, see _check_failed; one int read a wait otherwise)
         if ready():
+            if comm is not None and self.i[_FAILS]:
+                self._check_failed(what, comm, waiting_for)
             return
         if self.spin:
             # Poll (hot for _HOT_SPIN, then yielding the core), then sleep on the futex.
@@ -397,31 +456,42 @@ class ShmCCL(CCL):
             hot, until = start + _HOT_SPIN, start + self.spin
             while clock() < hot:
                 if ready():
+                    if comm is not None and self.i[_FAILS]:
+                        self._check_failed(what, comm, waiting_for)
                     return
             while clock() < until:
                 os.sched_yield()
                 if ready():
+                    if comm is not None and self.i[_FAILS]:
+                        self._check_failed(what, comm, waiting_for)
                     return
         deadline = time.monotonic() + self.timeout
         if asleep is None:
-            return self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.05)
+            return self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.05, comm)
         # Said before the bell is read: a waker that rings after this read wakes us. A
         # waker whose check raced this store (a CPU may let its read pass its store)
         # can miss it: the first sleep is short, so that costs at most 2 ms.
         self.q[asleep] = 1
         try:
-            self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.002)
+            self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.002, comm)
         finally:
             self.q[asleep] = 0
 
-    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float) -> None:  # fmt: skip
+    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float, comm: _Comm | None = None) -> None:  # fmt: skip
         what = what.partition(":")[0]  # "allreduce:sum" -> "allreduce"
         words = self.i
         nap = first
         while True:
             seen = words[bell]
+            # a peer that failed in this call: a round's rule is exact, whether all have
+            # arrived or not (an arrival may be its next call's); a point-to-point
+            # wait looks only while the peer has not come
+            if words[_FAILS] and comm is not None:
+                self._check_failed(what, comm, waiting_for)
             if ready():
                 return
+            if words[_FAILS] and comm is None:
+                self._check_failed(what, None, waiting_for)
             self._check_abort(what)
             now = time.monotonic()
             if now > deadline:
@@ -444,7 +514,7 @@ class ShmCCL(CCL):
         comm.round += 1
         self.q[comm.arrive[comm.rank]] = comm.round
         self._ring(comm.bell, comm.bell_addr, comm.asleep)
-        self._wait(comm.ready, comm.bell, comm.bell_addr, what, comm.late, comm.asleep[comm.rank])  # fmt: skip
+        self._wait(comm.ready, comm.bell, comm.bell_addr, what, comm.late, comm.asleep[comm.rank], comm)  # fmt: skip
 
     def _slots(self, comm: _Comm) -> np.ndarray:
         """Start a data round: its slots, shape ``(n, slot_bytes)``.

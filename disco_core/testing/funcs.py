@@ -196,6 +196,20 @@ def sleep(seconds: float, only_worker: int | None = None) -> None:
         time.sleep(seconds)
 
 
+@_reg("raise_or_allreduce")
+def raise_or_allreduce(bad: int, in_group: bool = False) -> Any:
+    """Raise on worker ``bad``; an allreduce (sum of ones) on every other worker: a call
+    whose peers wait in a collective for a worker that will never come."""
+    from ..builtins import allreduce
+
+    if current().worker_id == bad:
+        raise RuntimeError(f"worker {bad} fails before the collective")
+    x = np.ones(4, "float32")
+    y = np.empty_like(x)
+    allreduce(x, "sum", in_group, y)
+    return y
+
+
 @_reg("wait_for_file")
 def wait_for_file(path: str, only_worker: int | None = None, timeout: float = 30.0) -> bool:
     """Wait (on every worker, or on ``only_worker``) until ``path`` exists, ``timeout``

@@ -88,6 +88,11 @@ class WorkerContext:
         record themselves in it.
     worker : Worker or None
         The :class:`Worker` that runs this context (None for a stand-in).
+    calls : int
+        The ``call_packed`` commands this worker has begun, the one running included:
+        the same count on every worker at the same call, as every worker runs every
+        call. A CCL uses it to tell that a peer failed in the very call it waits in
+        (:meth:`~disco_core.ccl.base.CCL.call_failed`).
     store : Store
         The session's rendezvous store (:class:`disco_core.store.Store`): keys
         every worker can set, read and wait for, during ``init_ccl`` and in any
@@ -106,6 +111,7 @@ class WorkerContext:
     store: Store = field(default_factory=NoStore, repr=False)
     tracer: Any = field(default=None, repr=False)
     worker: Any = field(default=None, repr=False, compare=False)
+    calls: int = field(default=0, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -329,6 +335,7 @@ class Worker:
         record = self._record_call
         t0 = _now() if record is not None else 0
         _, reg, func_reg, args = cmd
+        self.ctx.calls += 1
         try:
             if queue is not None:
                 queue.popleft()
@@ -348,6 +355,7 @@ class Worker:
             interrupt = True
             try:
                 interrupt = isinstance(exc, (KeyboardInterrupt, SystemExit)) or self._interrupts_controller(exc)  # fmt: skip
+                self._tell_ccl_call_failed(exc)
                 name = self._names.get(func_reg, f"register {func_reg}")
                 if reg:
                     root = getattr(exc, "_disco_root", None)  # one cause, however long the chain
@@ -369,6 +377,18 @@ class Worker:
         if record is not None:
             record(func_reg, reg, t0)
         return True
+
+    def _tell_ccl_call_failed(self, exc: BaseException) -> None:
+        """This call raised: peers that wait for this worker in an operation of the same
+        call would wait until their timeout (an outside check: 300 s, with the cause
+        in the error's tail); the CCL lets them fail at once (``CCL.call_failed``)."""
+        ccl = self.ctx.ccl
+        if ccl is None:
+            return
+        try:
+            ccl.call_failed(self.ctx.calls, f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001, S110 - the call's own error is what is reported
+            pass
 
     def _cut_collective(self, func_reg: int, exc: BaseException) -> None:
         """An interrupt ended a call of the collective function in ``func_reg`` here,
