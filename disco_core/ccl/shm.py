@@ -47,6 +47,11 @@ _ABORT_TEXT = 256  # header offset of the abort reason
 _FAILS = 16  # header int32 (byte 64): calls that failed on any worker (0: none yet)
 _FAIL_TEXT = 24  # byte offset of the error's text in a worker's failure record
 _FAIL_BYTES = 256  # a worker's failure record
+# A member's arrival word: the round it arrived at, above the low bits of the call it
+# arrived from (WorkerContext.calls): one word, so that a reader never sees the round
+# of one arrival with the call of the next (a member may be a round ahead)
+_CALL_BITS = 24
+_CALL_MASK = (1 << _CALL_BITS) - 1
 _DEFAULT_SLOT = 1 << 20
 _DEFAULT_MBOX = 1 << 20
 _DEFAULT_TIMEOUT = 300.0
@@ -224,7 +229,7 @@ class _Comm:
     # through this object would keep the slots' views, and so the map, past close())
     def ready(self) -> bool:
         """Whether every member has arrived at the current round."""
-        q, target = self.q, self.round
+        q, target = self.q, self.round << _CALL_BITS
         for idx in self.arrive:
             if q[idx] < target:
                 return False
@@ -233,7 +238,8 @@ class _Comm:
     def late(self) -> list[int]:
         """The members that have not arrived at the current round."""
         q = self.q
-        return [self.members[k] for k, idx in enumerate(self.arrive) if q[idx] < self.round]
+        target = self.round << _CALL_BITS
+        return [self.members[k] for k, idx in enumerate(self.arrive) if q[idx] < target]
 
 
 class ShmCCL(CCL):
@@ -387,9 +393,9 @@ class ShmCCL(CCL):
 
     def call_failed(self, call: int, error: str) -> None:
         """Say in the segment that this worker's call ``call`` failed: a peer that waits
-        for it in an operation of that call fails at once (:meth:`_check_failed`)."""
-        if self.map.closed:
-            return
+        for it in an operation of that call fails at once (:meth:`_check_round`)."""
+        if self.map.closed or self.broken:
+            return  # (a failure this CCL caused, or knows of: the segment says so already)
         at = (self.layout.fail_off + self._me * _FAIL_BYTES) // 8
         text = error.encode("utf-8", "replace")[: _FAIL_BYTES - _FAIL_TEXT - 1]
         start = at * 8 + _FAIL_TEXT
@@ -400,32 +406,65 @@ class ShmCCL(CCL):
         self.i[_FAILS] += 1
         _ring_all(self.map, self.layout, self.i)
 
-    def _check_failed(self, what: str, comm: _Comm | None, waiting_for) -> None:
-        """Fail this wait if a peer it waits for failed in this same call before it
-        reached this point: it will never come, and an arrival of its next call must
-        not be taken for this one's. ``comm``: the communicator of a collective's
-        round (a peer that failed before that round); None for a point-to-point wait
-        (a peer it still waits for)."""
-        call = self.ctx.calls
-        base = self.layout.fail_off // 8
+    def _failure(self, w: int) -> tuple[int, int, int, str]:
+        """Worker ``w``'s last failed call: ``(call, world round, group round, error)``
+        (call 0: none)."""
+        at = self.layout.fail_off // 8 + w * (_FAIL_BYTES // 8)
         q = self.q
-        for w in comm.members if comm is not None else waiting_for():
-            at = base + w * (_FAIL_BYTES // 8)
-            if w == self._me or q[at] != call:
+        call = q[at]
+        if not call:
+            return 0, 0, 0, ""
+        start = at * 8 + _FAIL_TEXT
+        error = bytes(self.map[start : at * 8 + _FAIL_BYTES]).split(b"\0", 1)[0].decode(errors="replace")  # fmt: skip
+        return call, q[at + 1], q[at + 2], error
+
+    def _give_up(self, what: str, reason: str) -> None:
+        """This wait cannot end well: give the segment up (every member's wait fails)."""
+        self.broken = reason
+        abort_segment(self.map, self.layout, reason)
+        raise CCLError(
+            f"{what.partition(':')[0]}: {reason}; the shm CCL of this session is unusable now"
+        )
+
+    def _check_round(self, what: str, comm: _Comm) -> None:
+        """Since some call failed on some worker: whether this round of ``comm`` can end.
+
+        Every member's arrival word carries the call it arrived from
+        (:attr:`WorkerContext.calls`, the same on every worker at the same collective).
+        A member at this round from another call skipped a collective, after a call
+        that failed before it: its arrival is not this round's, and using its data
+        would be wrong data (an outside check: 101 for 100 + 100). A member already a
+        round further took part in this one. A member that has not arrived and has
+        failed in this call or a later one, before this round, will never come.
+        """
+        call, me, r = self.ctx.calls, self._me, comm.round
+        q = self.q
+        op = what.partition(":")[0]
+        for k, w in enumerate(comm.members):
+            if w == me:
                 continue
-            if comm is not None and q[at + (1 if comm is self._world_comm else 2)] >= comm.round:
-                continue  # it took part in this round before it failed
-            start = at * 8 + _FAIL_TEXT
-            error = bytes(self.map[start : at * 8 + _FAIL_BYTES]).split(b"\0", 1)[0].decode(errors="replace")  # fmt: skip
-            op = what.partition(":")[0]
-            self.broken = (
-                f"worker {w} failed in the same call before it reached this {op} ({error})"
-            )
-            abort_segment(self.map, self.layout, self.broken)
-            raise CCLError(
-                f"{op}: {self.broken}; the shm CCL of this session is unusable now (its "
-                "members may have arrived where worker " + str(w) + " never will)"
-            )
+            word = q[comm.arrive[k]]
+            arrived = word >> _CALL_BITS
+            if arrived > r:
+                continue  # past this round (it took part), and on to the next one
+            if arrived == r:
+                theirs = word & _CALL_MASK
+                if theirs != call & _CALL_MASK:
+                    _c, _wr, _gr, error = self._failure(w)
+                    self._give_up(what, (
+                        f"worker {w} reached this {op} from another call ({theirs}, this "
+                        f"worker's is {call}): a worker skipped a collective after a call "
+                        "failed" + (f" (worker {w}'s last error: {error})" if error else "")
+                    ))  # fmt: skip
+                continue
+            failed, world, group, error = self._failure(w)
+            if failed >= call and (world if comm is self._world_comm else group) < r:
+                self._give_up(what, (
+                    f"worker {w} failed in the same call before it reached this {op} ({error})"
+                    if failed == call
+                    else f"worker {w} went past this call without reaching this {op} (it "
+                    f"failed in a later one: {error})"
+                ))  # fmt: skip
 
     def _check_abort(self, what: str) -> None:
         if self.i[0]:
@@ -440,14 +479,14 @@ class ShmCCL(CCL):
         """Wait until ``ready()``; sleep on the futex at ``addr`` between checks.
 
         ``asleep``: the word (of ``self.q``) where this member says it may sleep, for
-        wakers that ring with ``sleepers`` (:meth:`_ring`). ``comm``: the communicator
-        of a collective's round (see :meth:`_check_failed`).
+        wakers that ring with ``sleepers`` (:meth:`_ring`). Once a call failed on any
+        worker, whenever the wait looks again, ready or not, a collective's round of
+        ``comm`` is checked (:meth:`_check_round`: an arrival may then be another
+        call's); one int read a wait otherwise.
         """
-        # (after a call failed on any worker, some time: an arrival may be a failed
-        # peer's next call's, see _check_failed; one int read a wait otherwise)
         if ready():
             if comm is not None and self.i[_FAILS]:
-                self._check_failed(what, comm, waiting_for)
+                self._check_round(what, comm)
             return
         if self.spin:
             # Poll (hot for _HOT_SPIN, then yielding the core), then sleep on the futex.
@@ -457,13 +496,13 @@ class ShmCCL(CCL):
             while clock() < hot:
                 if ready():
                     if comm is not None and self.i[_FAILS]:
-                        self._check_failed(what, comm, waiting_for)
+                        self._check_round(what, comm)
                     return
             while clock() < until:
                 os.sched_yield()
                 if ready():
                     if comm is not None and self.i[_FAILS]:
-                        self._check_failed(what, comm, waiting_for)
+                        self._check_round(what, comm)
                     return
         deadline = time.monotonic() + self.timeout
         if asleep is None:
@@ -483,15 +522,13 @@ class ShmCCL(CCL):
         nap = first
         while True:
             seen = words[bell]
-            # a peer that failed in this call: a round's rule is exact, whether all have
-            # arrived or not (an arrival may be its next call's); a point-to-point
-            # wait looks only while the peer has not come
-            if words[_FAILS] and comm is not None:
-                self._check_failed(what, comm, waiting_for)
+            fails = words[_FAILS] and comm is not None  # (see _wait)
             if ready():
+                if fails:
+                    self._check_round(what, comm)
                 return
-            if words[_FAILS] and comm is None:
-                self._check_failed(what, None, waiting_for)
+            if fails:
+                self._check_round(what, comm)
             self._check_abort(what)
             now = time.monotonic()
             if now > deadline:
@@ -512,7 +549,8 @@ class ShmCCL(CCL):
         """Arrive at the end of this round and wait for every member (``what``: the
         operation, as errors name it; an ``op:detail`` is cut at the colon then)."""
         comm.round += 1
-        self.q[comm.arrive[comm.rank]] = comm.round
+        # the round, and the call it is of, in one word: read together (see _check_round)
+        self.q[comm.arrive[comm.rank]] = (comm.round << _CALL_BITS) | (self.ctx.calls & _CALL_MASK)
         self._ring(comm.bell, comm.bell_addr, comm.asleep)
         self._wait(comm.ready, comm.bell, comm.bell_addr, what, comm.late, comm.asleep[comm.rank], comm)  # fmt: skip
 
