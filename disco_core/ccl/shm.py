@@ -522,13 +522,13 @@ class ShmCCL(CCL):
         nap = first
         while True:
             seen = words[bell]
-            fails = words[_FAILS] and comm is not None  # (see _wait)
+            fails = comm if words[_FAILS] else None  # (see _wait)
             if ready():
-                if fails:
-                    self._check_round(what, comm)
+                if fails is not None:
+                    self._check_round(what, fails)
                 return
-            if fails:
-                self._check_round(what, comm)
+            if fails is not None:
+                self._check_round(what, fails)
             self._check_abort(what)
             now = time.monotonic()
             if now > deadline:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import ssl
 import struct
 import time
 from typing import Any
@@ -209,7 +210,12 @@ def client_handshake(conn: Any, key: str, token: bytes | None, *, strict: bool =
     if status == SERVER_TAKEN:
         raise _ServerTaken("the server started another client's session first")
     if status != OK:
-        raise RPCAuthError("authentication failed: wrong token (the server refused this proof)")
+        hint = (
+            f" (links to a tracker use ${TRACKER_TOKEN_ENV} when it is set, else ${TOKEN_ENV})"
+            if peer == "tracker"
+            else ""
+        )
+        raise RPCAuthError(f"authentication failed: wrong token (the {peer} refused this proof){hint}")  # fmt: skip
     if not hs.verify(proof):
         raise RPCAuthError(
             f"the {peer} failed to prove it knows the token (an impostor or a relay); refusing it"
@@ -461,9 +467,11 @@ def _open_once(url: str, port: int, key: str, token: Any, ssl_context: Any, max_
             ) from None
         if isinstance(exc, (OSError, EOFError)):
             # a TLS peer resets a plain hello, and a plain one a TLS hello: the bare "reset
-            # by peer" gave no hint of it (an attacker check)
+            # by peer" gave no hint of it (an attacker check); a certificate refused is not that
             tls_hint = (
-                f" (if the {peer} speaks TLS, connect with TLS: ssl_context=..., or --tls-ca)"
+                ""
+                if isinstance(exc, ssl.SSLCertVerificationError)
+                else f" (if the {peer} speaks TLS, connect with TLS: ssl_context=..., or --tls-ca)"
                 if ssl_context is None
                 else f" (if the {peer} does not speak TLS, connect without ssl_context)"
             )

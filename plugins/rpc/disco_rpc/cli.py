@@ -140,7 +140,7 @@ def _add_insecure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-insecure-bind",
         action="store_true",
-        help="listen beyond loopback without TLS or a token (anyone who reaches the port gets in)",
+        help="listen beyond loopback without a token (anyone who reaches the port gets in)",
     )
     p.add_argument("--silent", action="store_true", help="log errors only (default: INFO)")
 

@@ -78,7 +78,9 @@ MAGIC = b"DISCORPC"
 #: Version 2: proofs over the whole transcript, and sealed records after a handshake with a
 #: token. Version 3: a Disco session's workers on a server answer the core's fence command
 #: (``SYNC_WORKER`` with a token), which a server of version 2 would answer without it.
-VERSION = 3
+#: Version 4: proofs and keys from scrypt of the token (``disco-net/2``): a peer of
+#: version 3 is told "version" at the hello, not "wrong token" at the proof.
+VERSION = 4
 #: The protocol's label in the proofs and keys (those of another protocol are worthless here).
 LABEL = b"disco-rpc/2"
 #: The longest key a hello may carry, in bytes.

@@ -228,8 +228,9 @@ def test_tls(tls_files):
                     rpc.connect("127.0.0.1", plain.port, ssl_context=cctx, token="tok", connect_timeout=3)  # fmt: skip
         finally:
             plain.terminate()
-        with pytest.raises((rpc.RPCError, ssl.SSLError)):  # a certificate it does not trust
+        with pytest.raises((rpc.RPCError, ssl.SSLError)) as info:  # a certificate it does not trust
             rpc.connect("127.0.0.1", srv.port, ssl_context=ssl.create_default_context(), token="tok")  # fmt: skip
+        assert "speak TLS" not in str(info.value)  # (the hint said it did not: re-check)
     finally:
         srv.terminate()
     # TLS stands in for a token beyond loopback only when it requires client certificates:

@@ -354,7 +354,7 @@ def test_tracker_token_required():
     try:
         with pytest.raises(rpc.RPCAuthError):
             rpc.connect_tracker("127.0.0.1", tr.port)
-        with pytest.raises(rpc.RPCAuthError):
+        with pytest.raises(rpc.RPCAuthError, match=r"the tracker refused.*DISCO_TRACKER_TOKEN"):
             rpc.connect_tracker("127.0.0.1", tr.port, token="wrong")
         with pytest.raises(rpc.RPCAuthError):
             rpc.Server(port=9400, port_end=9500, tracker_addr=tr.addr, key="k")

@@ -140,8 +140,9 @@ __all__ = [
 #: and sealed records with a token, 5 the fence command (a ``SYNC_WORKER`` with
 #: a token, which a node of version 4 would answer without it: the controller's
 #: waits would then drop every answer), and 6 sealed records of at most
-#: ``MAX_RECORD_BYTES`` (a frame's head in a record of its own).
-PROTOCOL_VERSION = 6
+#: ``MAX_RECORD_BYTES`` (a frame's head in a record of its own), 7 proofs and keys
+#: from scrypt of the token (``disco-net/2``; a node of version 6 failed as "wrong token").
+PROTOCOL_VERSION = 7
 #: The label of this protocol's handshakes (proofs and keys of other protocols never fit).
 LABEL = b"disco-socket/4"
 MAGIC = b"DISCOSOK"
