@@ -33,18 +33,21 @@ __all__ = ["main", "build_parser"]
 log = logging.getLogger("disco_rpc.cli")
 
 
-def _tls_server(cert: str | None, keyfile: str | None):
+def _tls_server(cert: str | None, keyfile: str | None, client_ca: str | None = None):
     if not cert:
         return None
     import ssl
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, keyfile)
+    if client_ca:  # mutual TLS: TLS then stands in for a token beyond loopback
+        ctx.load_verify_locations(client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 
 
-def _tls_client(cafile: str | None, insecure: bool):
-    if not cafile and not insecure:
+def _tls_client(cafile: str | None, insecure: bool, cert: str | None = None, keyfile: str | None = None):  # fmt: skip
+    if not cafile and not insecure and not cert:
         return None
     import ssl
 
@@ -52,6 +55,8 @@ def _tls_client(cafile: str | None, insecure: bool):
     if insecure:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
+    if cert:  # for a service that requires client certificates (--tls-client-ca there)
+        ctx.load_cert_chain(cert, keyfile)
     return ctx
 
 
@@ -148,6 +153,12 @@ def _add_insecure(p: argparse.ArgumentParser) -> None:
 def _add_tls_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (when not in it)")
+    p.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="with --tls-cert: require each client's certificate, signed by this CA bundle "
+        "(mutual TLS; it then stands in for a token beyond loopback)",
+    )
 
 
 def _add_connect(p: argparse.ArgumentParser, port: int, what: str) -> None:
@@ -163,6 +174,12 @@ def _add_connect(p: argparse.ArgumentParser, port: int, what: str) -> None:
         action="store_true",
         help="connect with TLS without checking the certificate (testing only)",
     )
+    p.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help=f"connect with TLS, presenting this certificate (PEM) to a {what} that requires one",
+    )
+    p.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (when not in it)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen_parser(p, args).error(str(exc))
     if getattr(args, "wait_timeout", None) is not None and args.tracker is None:
         chosen_parser(p, args).error("--wait-timeout is for a request to a tracker: add --tracker")
+    if getattr(args, "tls_client_ca", None) and not args.tls_cert:
+        chosen_parser(p, args).error("--tls-client-ca needs --tls-cert (TLS of this service's own)")
+    if getattr(args, "tls_key", None) and not getattr(args, "tls_cert", None):
+        chosen_parser(p, args).error(
+            "--tls-key needs --tls-cert (the certificate it is the key of)"
+        )
     if getattr(args, "silent", False) and getattr(args, "log_level", None) is None:
         level = max(level, logging.ERROR)  # --silent wins over $DISCO_LOG_LEVEL, not --log-level
     plain_warnings("disco-rpc")
@@ -387,7 +410,7 @@ def _run(args) -> int:
     if args.cmd == "query":
         from .tracker import connect_tracker
 
-        ctx = _tls_client(args.tls_ca, args.tls_insecure)
+        ctx = _tls_client(args.tls_ca, args.tls_insecure, args.tls_cert, args.tls_key)
         with connect_tracker(args.host, args.port, ssl_context=ctx) as ts:
             # as TVM's python -m tvm.exec.query_rpc_tracker prints it
             print(f"Tracker address {args.host}:{args.port}\n")
@@ -405,7 +428,7 @@ def _files(args) -> int:
     """``upload``, ``download``, ``ls``: one session each (use a server with --work-dir)."""
     from .client import connect
 
-    ctx = _tls_client(args.tls_ca, args.tls_insecure)
+    ctx = _tls_client(args.tls_ca, args.tls_insecure, args.tls_cert, args.tls_key)
     tls = "TLS" if ctx is not None else "no TLS"
     if args.tracker is not None:
         from .tracker import HANDSHAKE_TIMEOUT, TrackerSession
@@ -527,7 +550,7 @@ def _tracker_or_proxy(args) -> int:
 
             obj = Tracker(
                 args.host, args.port, args.port_end, args.silent,
-                ssl_context=_tls_server(args.tls_cert, args.tls_key),
+                ssl_context=_tls_server(args.tls_cert, args.tls_key, args.tls_client_ca),
                 match_timeout=args.match_timeout, allow_insecure_bind=args.allow_insecure_bind,
                 tvm_protocol=args.tvm_protocol,
             )  # fmt: skip
@@ -555,7 +578,7 @@ def _managed_server(args) -> int:
             load_library=args.load_library, custom_addr=args.custom_addr, no_fork=args.no_fork,
             timeout=args.timeout, session_timeout=args.session_timeout, work_dir=args.work_dir,
             max_message_bytes=args.max_message_bytes,
-            ssl_context=_tls_server(args.tls_cert, args.tls_key),
+            ssl_context=_tls_server(args.tls_cert, args.tls_key, args.tls_client_ca),
             allow_insecure_bind=args.allow_insecure_bind,
             liveness_timeout=args.liveness_timeout,
         )  # fmt: skip
@@ -586,11 +609,14 @@ def _server(args) -> int:
     from .wire import check_message_limit
 
     token = auth.resolve_token(None)
-    ctx = _tls_server(args.tls_cert, args.tls_key)
+    ctx = _tls_server(args.tls_cert, args.tls_key, args.tls_client_ca)
     try:
         check_bind(args.host, token, ctx, args.allow_insecure_bind)
     except InsecureBindError as exc:
-        print(f"disco-rpc: {exc} (set DISCO_TOKEN, or --allow-insecure-bind)", file=sys.stderr)
+        print(
+            f"disco-rpc: {exc} (set DISCO_TOKEN, or --tls-cert with --tls-client-ca, or --allow-insecure-bind)",
+            file=sys.stderr,
+        )
         return 2
     try:
         liveness = resolve_liveness_timeout(args.liveness_timeout)

@@ -470,3 +470,39 @@ def test_the_readmes_first_example_stops_when_its_server_cannot_start(tmp_path):
         )
     assert time.monotonic() - t0 < 30, r
     assert "cannot bind to port 9098" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(90)
+def test_mutual_tls_from_the_command_line_serves_beyond_loopback_without_a_token(tls_files, tmp_path):  # fmt: skip
+    """TLS stands in for a token beyond loopback only when it requires client certificates;
+    the commands had no way to ask for them (a re-check), so a CLI service beyond
+    loopback needed DISCO_TOKEN. ``--tls-client-ca`` asks; clients present theirs with
+    ``--tls-cert``/``--tls-key``."""
+    cert, key = tls_files
+    env = {k: v for k, v in os.environ.items() if k not in ("DISCO_TOKEN", "DISCO_TRACKER_TOKEN")}
+    tls = ["--tls-cert", cert, "--tls-key", key]
+    refused = subprocess.run(
+        [PY, "-m", "disco_rpc", "server", "--host", "0.0.0.0", "--port", "10810", *tls],
+        capture_output=True, text=True, timeout=30, env=env,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--tls-client-ca" in refused.stderr, refused
+    server = subprocess.Popen(
+        [PY, "-m", "disco_rpc", "server", "--host", "0.0.0.0", "--port", "10810",
+         "--port-end", "10840", *tls, "--tls-client-ca", cert, "--work-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        line = server.stdout.readline()  # type: ignore[union-attr]
+        assert "listening on" in line, (line, server.stderr.read() if server.poll() is not None else "")  # type: ignore[union-attr]  # fmt: skip
+        port = line.rsplit(":", 1)[1].strip()
+        (tmp_path / "f.txt").write_text("x")
+        base = [PY, "-m", "disco_rpc", "ls", "--port", port, "--tls-ca", cert]
+        ok = subprocess.run([*base, "--tls-cert", cert, "--tls-key", key], capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+        assert ok.returncode == 0 and "f.txt" in ok.stdout, ok
+        no_cert = subprocess.run(base, capture_output=True, text=True, timeout=30, env=env)
+        assert no_cert.returncode == 1, no_cert
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(10)
+    r = _run("ls", "--tls-key", key)
+    assert r.returncode == 2 and "--tls-key needs --tls-cert" in r.stderr
