@@ -189,6 +189,9 @@ def test_init_ccl_options_are_checked():
             (name,) = bad
             with pytest.raises(disco.DiscoValueError, match=f"{name} must be"):
                 sess.init_ccl("shm", **bad)
+        # device ids were ignored (a GPU user's init_ccl("shm", 0, 1) got CPU collectives)
+        with pytest.raises(disco.DiscoValueError, match=r"takes no device ids, got \(0, 1\)"):
+            sess.init_ccl("shm", 0, 1)
         # Nothing was initialised by the failed calls: a good one works.
         sess.init_ccl("shm", timeout=30, slot_bytes=8192, mailbox_bytes=4096)
         sess.import_python_module(CCL_FUNCS)

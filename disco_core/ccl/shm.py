@@ -277,6 +277,11 @@ class ShmCCL(CCL):
         unknown = set(options) - {"timeout", "slot_bytes", "mailbox_bytes", "arena_bytes"}
         if unknown:
             raise DiscoTypeError(f"init_ccl('shm'): unknown options {sorted(unknown)}")
+        if device_ids:  # (they were ignored: GPUs asked for, and CPU collectives given)
+            raise DiscoValueError(
+                f"init_ccl('shm'): the shm CCL runs on the CPU and takes no device ids, got "
+                f"{tuple(device_ids)}; device ids are for GPU CCLs (init_ccl('nccl', ...))"
+            )
         if "timeout" in options:
             timeout = _number(options["timeout"], "init_ccl('shm'): timeout")
         else:

@@ -254,6 +254,11 @@ class MPICCL(CCL):
         unknown = set(options) - {"timeout", "ordered", "connect_timeout"}
         if unknown:
             raise DiscoTypeError(f"init_ccl('mpi'): unknown options {sorted(unknown)}")
+        if device_ids:  # (they were ignored: GPUs asked for, and CPU collectives given)
+            raise DiscoValueError(
+                f"init_ccl('mpi'): the mpi CCL moves host arrays and takes no device ids, got "
+                f"{tuple(device_ids)}; device ids are for GPU CCLs (init_ccl('nccl', ...))"
+            )
         timeout = float(
             options.get("timeout", os.environ.get("DISCO_CCL_TIMEOUT", _DEFAULT_TIMEOUT))
         )

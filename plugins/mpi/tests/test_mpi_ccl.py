@@ -282,6 +282,9 @@ def test_unknown_option():
     with disco.ProcessSession(2) as sess:
         with pytest.raises(TypeError, match="unknown options"):
             sess.init_ccl("mpi", bogus=1)
+        # device ids were ignored (a GPU user's init_ccl("mpi", 0, 1) got host collectives)
+        with pytest.raises(disco.DiscoValueError, match=r"takes no device ids, got \(0, 1\)"):
+            sess.init_ccl("mpi", 0, 1)
 
 
 @pytest.mark.timeout(60)
