@@ -45,7 +45,8 @@ _LINE = 64
 _HEADER = 4096
 _ABORT_TEXT = 256  # header offset of the abort reason
 _FAILS = 16  # header int32 (byte 64): calls that failed on any worker (0: none yet)
-_FAIL_TEXT = 24  # byte offset of the error's text in a worker's failure record
+_FAIL_TEXT = 32  # byte offset of the error's text in a worker's failure record
+_LOST = 3  # word of a worker's failure record: 1 once the session lost that worker
 _FAIL_BYTES = 256  # a worker's failure record
 # A member's arrival word: the round it arrived at, above the low bits of the call it
 # arrived from (WorkerContext.calls): one word, so that a reader never sees the round
@@ -189,6 +190,19 @@ class ShmRendezvous(Rendezvous):
     def abort(self, reason: str) -> None:
         if not self.map.closed:
             abort_segment(self.map, self.layout, reason)
+
+    def workers_lost(self, worker_ids: Sequence[int], reason: str) -> None:
+        # said per worker first: a member that waits for its peers to leave its arrays
+        # (ShmCCL._leave_after_peers) stops waiting for one that is gone
+        if not self.map.closed:
+            q = memoryview(self.map).cast("q")
+            try:
+                for w in worker_ids:
+                    if 0 <= w < self.layout.num_workers:
+                        q[(self.layout.fail_off + w * _FAIL_BYTES) // 8 + _LOST] = 1
+            finally:
+                q.release()
+        super().workers_lost(worker_ids, reason)
 
     def close(self) -> None:
         try:
@@ -454,18 +468,21 @@ class ShmCCL(CCL):
                 continue  # past this round (it took part), and on to the next one
             if arrived == r:
                 theirs = word & _CALL_MASK
-                if theirs != call & _CALL_MASK:
-                    _c, _wr, _gr, error = self._failure(w)
+                mine = call & _CALL_MASK
+                if theirs != mine:
+                    # the one from the later call is the one that skipped a collective
+                    skipped = w if theirs > mine else me
+                    _c, _wr, _gr, error = self._failure(skipped)
                     self._give_up(what, (
-                        f"worker {w} reached this {op} from another call ({theirs}, this "
-                        f"worker's is {call}): a worker skipped a collective after a call "
-                        "failed" + (f" (worker {w}'s last error: {error})" if error else "")
+                        f"worker {w} reached this {op} from another call ({theirs}, worker "
+                        f"{me}'s is {mine}): worker {skipped} skipped a collective after a "
+                        "call of it failed" + (f" ({error})" if error else "")
                     ))  # fmt: skip
                 continue
             failed, world, group, error = self._failure(w)
             if failed >= call and (world if comm is self._world_comm else group) < r:
                 self._give_up(what, (
-                    f"worker {w} failed in the same call before it reached this {op} ({error})"
+                    f"worker {w} failed in the same call without finishing its part of this {op} ({error})"
                     if failed == call
                     else f"worker {w} went past this call without reaching this {op} (it "
                     f"failed in a later one: {error})"
@@ -758,20 +775,55 @@ class ShmCCL(CCL):
         lo, hi = count * rank // n, count * (rank + 1) // n
         step = max(1, _CHUNK // dtype.itemsize)
         tmp = np.empty(min(step, max(hi - lo, 1)), dtype)
-        for a in range(lo, hi, step):
-            b = min(a + step, hi)
-            t = tmp[: b - a]
-            if n == 1:
-                t[...] = srcs[0][a:b]
-            else:
-                ufunc(srcs[0][a:b], srcs[1][a:b], out=t)
-                for k in range(2, n):
-                    ufunc(t, srcs[k][a:b], out=t)
-            if op == "avg":
-                average_in_place(t, n)
-            for d in dsts:  # all reads of this piece are done: src may be dst
-                d[a:b] = t
+        try:
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                t = tmp[: b - a]
+                if n == 1:
+                    t[...] = srcs[0][a:b]
+                else:
+                    ufunc(srcs[0][a:b], srcs[1][a:b], out=t)
+                    for k in range(2, n):
+                        ufunc(t, srcs[k][a:b], out=t)
+                if op == "avg":
+                    average_in_place(t, n)
+                for d in dsts:  # all reads of this piece are done: src may be dst
+                    d[a:b] = t
+        except BaseException:
+            # This member's part failed (an error of the reduction, Ctrl-C on worker 0):
+            # its peers still read and write its arrays until the round's end, and they
+            # were freed and reused by its next call (an outside check: millions of
+            # elements of that call's arrays overwritten)
+            self._leave_after_peers(comm)
+            raise
         self._barrier(comm, "allreduce")  # nobody returns while others still use its arrays
+
+    def _leave_after_peers(self, comm: _Comm) -> None:
+        """Arrive at the round's end and wait until every peer did, or is lost, whatever
+        aborts (their writes into this member's arrays end at their arrival); at most
+        the CCL's timeout. An interrupt (or a signal handler's exception) meanwhile is
+        raised once they are: the arrays' memory is at stake."""
+        comm.round += 1
+        self.q[comm.arrive[comm.rank]] = (comm.round << _CALL_BITS) | (self.ctx.calls & _CALL_MASK)
+        self._ring(comm.bell, comm.bell_addr, comm.asleep)
+        target = comm.round << _CALL_BITS
+        base = self.layout.fail_off // 8
+        q, words = self.q, self.i
+        deadline = time.monotonic() + self.timeout
+        pending: BaseException | None = None
+        while time.monotonic() < deadline:
+            try:
+                seen = words[comm.bell]
+                if all(
+                    q[idx] >= target or q[base + w * (_FAIL_BYTES // 8) + _LOST]
+                    for idx, w in zip(comm.arrive, comm.members)
+                ):
+                    break
+                _futex.wait(comm.bell_addr, seen, 0.01)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the peers are done
+                pending = pending or exc
+        if pending is not None:
+            raise pending
 
     def allgather(self, src: Any, dst: Any, in_group: bool) -> None:
         comm = self._comm(in_group)

@@ -210,6 +210,40 @@ def raise_or_allreduce(bad: int, in_group: bool = False) -> Any:
     return y
 
 
+_INPLACE = 8 << 20  # float16 elements (16 MiB): arena arrays, the in-place allreduce
+
+
+@_reg("inplace_overflow")
+def inplace_overflow() -> float:
+    """An in-place allreduce of two arena arrays in which only the upper half overflows,
+    with NumPy told to raise on it: the member that reduces that half raises inside the
+    operation while its peers still write into its arrays."""
+    from ..builtins import allreduce, empty
+
+    x, y = empty((_INPLACE,), "float16"), empty((_INPLACE,), "float16")
+    x[: _INPLACE // 2], x[_INPLACE // 2 :] = 1.0, 6e4
+    y[...] = 0
+    old = np.seterr(over="raise")
+    try:
+        allreduce(x, "sum", False, y)
+    finally:
+        np.seterr(**old)
+    return float(y[0])
+
+
+@_reg("arena_victim")
+def arena_victim(wait: float) -> int:
+    """Two fresh arena arrays (the blocks an earlier call freed) set to 7, read back after
+    ``wait`` seconds: how many elements someone else changed meanwhile."""
+    from ..builtins import empty
+
+    a, b = empty((_INPLACE,), "float16"), empty((_INPLACE,), "float16")
+    a[...] = 7
+    b[...] = 7
+    time.sleep(wait)
+    return int((a != 7).sum() + (b != 7).sum())
+
+
 @_reg("wait_for_file")
 def wait_for_file(path: str, only_worker: int | None = None, timeout: float = 30.0) -> bool:
     """Wait (on every worker, or on ``only_worker``) until ``path`` exists, ``timeout``
