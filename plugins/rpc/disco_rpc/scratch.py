@@ -12,15 +12,19 @@ another PID namespace that shares the temporary directory.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 
-__all__ = ["LOCK_NAME", "owned_scratch_dir", "release", "remove", "sweep_abandoned"]
+__all__ = ["LOCK_NAME", "owned_scratch_dir", "release", "remove", "sweep_abandoned", "stops_held"]
 
 logger = logging.getLogger("disco_rpc")
 
@@ -49,19 +53,48 @@ def owned_scratch_dir(prefix: str, dir: str | None = None) -> tuple[str, int]:
         as the folder is in use (processes forked meanwhile share it), then
         :func:`release` it.
     """
-    sweep_abandoned(prefix, dir)
-    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
-    # locked under a temporary name, then renamed: a sweep never sees the lock file
-    # of a folder still being made unlocked
-    fd, tmp = tempfile.mkstemp(prefix=".lock-", dir=path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(tmp, os.path.join(path, LOCK_NAME))
-    except BaseException:
-        os.close(fd)
-        shutil.rmtree(path, ignore_errors=True)
-        raise
+    path = ""
+    fd = -1
+    # (a SIGTERM between the folder and its lock left a lockless folder; one in Python's
+    # first look at the temporary folder, an empty file of a random name there)
+    with stops_held():
+        sweep_abandoned(prefix, dir)
+        try:
+            path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+            # locked under a temporary name, then renamed: a sweep never sees the lock
+            # file of a folder still being made unlocked
+            fd, tmp = tempfile.mkstemp(prefix=".lock-", dir=path)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, os.path.join(path, LOCK_NAME))
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
     return path, fd
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """Inside: SIGTERM and SIGINT wait, and go to their handlers as the block ends (from
+    the main thread, which runs Python's handlers): for steps that a stop must not cut
+    in half (a folder made, and its owner told where it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # the handlers, not the signal mask: another thread of the process, which does not
+    # block them, would take them and have the main thread run its handler all the same
+    came: list[int] = []
+    stops = (signal.SIGTERM, signal.SIGINT)
+    before = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in stops}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(came):
+            signal.raise_signal(s)  # to the handler it was meant for, now the step is done
 
 
 def remove(path: str, within: float = 2.0) -> bool:

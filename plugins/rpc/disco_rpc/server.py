@@ -58,7 +58,7 @@ from .protocol import (
     T_START,
     TICKET_SEP,
 )
-from .scratch import owned_scratch_dir, release, remove
+from .scratch import owned_scratch_dir, release, remove, stops_held
 from .service import (
     DEFAULT_LIVENESS_TIMEOUT,
     LIVENESS_ENV,
@@ -843,7 +843,8 @@ def serve_forever(listen_sock: socket.socket, cfg: ServerConfig, watch_fd: int |
     # leftovers check, once in four runs of the suites)
     try:
         if not cfg.temp_root:
-            cfg.temp_root, lock = owned_scratch_dir(TEMP_PREFIX)
+            with stops_held():  # made, and known here to be removed, as one step
+                cfg.temp_root, lock = owned_scratch_dir(TEMP_PREFIX)
         if cfg.work_dir:
             os.makedirs(cfg.work_dir, exist_ok=True)  # (checked by the callers: prepare_work_dir)
         listen_sock.setblocking(True)
