@@ -93,8 +93,8 @@ def stops_held() -> Iterator[None]:
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
-        for s in dict.fromkeys(came):
-            signal.raise_signal(s)  # to the handler it was meant for, now the step is done
+        for signum in dict.fromkeys(came):
+            signal.raise_signal(signum)  # to the handler it was meant for, now the step is done
 
 
 def remove(path: str, within: float = 2.0) -> bool:
