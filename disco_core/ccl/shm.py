@@ -344,6 +344,8 @@ class ShmCCL(CCL):
         #: small allreduces already run, by their arrays: what each call would rebuild
         #: (views of the arrays and of the slots, the descriptor), see _allreduce_again
         self._small: dict[tuple, tuple] = {}
+        #: arrays whose memory a frozen peer may still write into (_leave_after_peers)
+        self._kept: list[tuple] = []
         self.broken = ""
         self._world_comm = _Comm(self, 0)
         self._group_comm = (
@@ -700,7 +702,7 @@ class ShmCCL(CCL):
             return
         locs = self._locations(comm)
         if all(s >= 0 and d >= 0 for s, d in locs):
-            self._allreduce_in_place(comm, locs, total, src.dtype, ufunc, op)
+            self._allreduce_in_place(comm, locs, total, src.dtype, ufunc, op, (src, dst))
             return
         # Staged: rounds of at most slot_bytes through the shared slots.
         chunk = comm.slot - comm.slot % itemsize
@@ -762,7 +764,7 @@ class ShmCCL(CCL):
         if avg:
             average_in_place(out, comm.n)
 
-    def _allreduce_in_place(self, comm: _Comm, locs: list, total: int, dtype, ufunc, op) -> None:
+    def _allreduce_in_place(self, comm: _Comm, locs: list, total: int, dtype, ufunc, op, arrays: tuple) -> None:  # fmt: skip
         """Every array is in an arena: member r reduces piece r of every src straight
         into piece r of every dst (no staging copies), then all meet once more."""
         n, rank = comm.n, comm.rank
@@ -789,39 +791,46 @@ class ShmCCL(CCL):
                     average_in_place(t, n)
                 for d in dsts:  # all reads of this piece are done: src may be dst
                     d[a:b] = t
-        except BaseException:
+        except BaseException as exc:
             # This member's part failed (an error of the reduction, Ctrl-C on worker 0):
             # its peers still read and write its arrays until the round's end, and they
             # were freed and reused by its next call (an outside check: millions of
             # elements of that call's arrays overwritten)
-            self._leave_after_peers(comm)
+            self._leave_after_peers(comm, exc, arrays)
             raise
         self._barrier(comm, "allreduce")  # nobody returns while others still use its arrays
 
-    def _leave_after_peers(self, comm: _Comm) -> None:
-        """Arrive at the round's end and wait until every peer did, or is lost, whatever
-        aborts (their writes into this member's arrays end at their arrival); at most
-        the CCL's timeout. An interrupt (or a signal handler's exception) meanwhile is
-        raised once they are: the arrays' memory is at stake."""
-        comm.round += 1
-        self.q[comm.arrive[comm.rank]] = (comm.round << _CALL_BITS) | (self.ctx.calls & _CALL_MASK)
-        self._ring(comm.bell, comm.bell_addr, comm.asleep)
-        target = comm.round << _CALL_BITS
+    def _leave_after_peers(self, comm: _Comm, exc: BaseException, arrays: tuple) -> None:
+        """This member's share failed: give the segment up (its peers' results lack that
+        share: they must fail, not return them; a re-check caught a first version that
+        arrived instead), then wait until every peer reached the round's end, or is
+        lost, whatever aborts: their writes into this member's arrays end there. At
+        most the CCL's timeout; past it (a frozen peer), ``arrays`` are kept for the
+        CCL's life, so that their memory never goes to another array while a peer may
+        still write into it. An interrupt (or a signal handler's exception) meanwhile
+        is raised once the wait is over."""
+        reason = f"worker {self._me}'s share of this allreduce raised {type(exc).__name__}: {exc}"
+        self.broken = self.broken or reason
+        abort_segment(self.map, self.layout, reason)
+        target = (comm.round + 1) << _CALL_BITS  # the peers' arrival at the round's end
         base = self.layout.fail_off // 8
         q, words = self.q, self.i
         deadline = time.monotonic() + self.timeout
         pending: BaseException | None = None
-        while time.monotonic() < deadline:
+        while True:
             try:
                 seen = words[comm.bell]
                 if all(
-                    q[idx] >= target or q[base + w * (_FAIL_BYTES // 8) + _LOST]
+                    w == self._me or q[idx] >= target or q[base + w * (_FAIL_BYTES // 8) + _LOST]
                     for idx, w in zip(comm.arrive, comm.members)
                 ):
                     break
+                if time.monotonic() >= deadline:
+                    self._kept.append(arrays)
+                    break
                 _futex.wait(comm.bell_addr, seen, 0.01)
-            except BaseException as exc:  # noqa: BLE001 - raised below, once the peers are done
-                pending = pending or exc
+            except BaseException as err:  # noqa: BLE001 - raised below, once the wait is over
+                pending = pending or err
         if pending is not None:
             raise pending
 
@@ -1042,6 +1051,7 @@ class ShmCCL(CCL):
             raise CCLError(f"recv_from_worker: {error}")
 
     def close(self) -> None:
+        self._kept.clear()  # (no later call of this CCL can get their memory now)
         self.arena.close()
         self._peers.clear()
         for kept in self._small.values():
