@@ -160,6 +160,26 @@ def test_worker_that_cannot_start(no_leftover_children):
         disco.ProcessSession(2, entrypoint="")
 
 
+def test_exit_seen_before_the_pipes_end_still_says_why():
+    # The start-up wait polls the processes while the reply reader waits for the
+    # pipe's end: when the poll sees the exit first, its reason is the one the user
+    # gets, so it must carry the worker's stderr too (under load the poll won 2 times
+    # in 30 and the error said only "exited with code 1").
+    from types import SimpleNamespace
+
+    from disco_core.channels.process import ProcessWorkerLink
+
+    link = SimpleNamespace(
+        dead_reason=None,
+        exit_reason=lambda: "worker 1 (pid 7) exited with code 1",
+        stderr_tail=lambda wait=0.0: "ModuleNotFoundError: No module named 'nope'\n",
+    )
+    reason = ProcessWorkerLink.poll(link)
+    assert reason == link.dead_reason
+    assert reason.startswith("worker 1 (pid 7) exited with code 1")
+    assert "No module named 'nope'" in reason
+
+
 _FEW_FILES = r"""
 import os, resource, subprocess, time
 import disco_core as disco

@@ -178,7 +178,16 @@ class ProcessWorkerLink(BatchingLink):
         return self.reply_r
 
     def poll(self) -> str | None:
-        return self.dead_reason or self.exit_reason()
+        if self.dead_reason:
+            return self.dead_reason
+        reason = self.exit_reason()
+        if reason is None:
+            return None
+        # The reply reader may not have seen the pipe's end yet: the first to see the
+        # exit gives the reason, so it must carry the worker's last words too (a poll
+        # that won this race reported a worker that failed to start without why).
+        self.dead_reason = with_stderr(reason, self.stderr_tail(_STDERR_WAIT))
+        return self.dead_reason
 
     def close(self, deadline: float) -> None:
         self._release_pipes()  # the command pipe's end: an idle worker exits at it
