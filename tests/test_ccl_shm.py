@@ -348,6 +348,91 @@ def test_a_slow_peer_never_pairs_with_a_failed_workers_next_call(kind, fails_aga
         assert time.monotonic() - t0 < 20
 
 
+def _received(ref, receiver):
+    """What a ``testing.p2p_pair`` call's receive returned, or the error's text."""
+    try:
+        return ref.debug_get_from_remote(receiver).tolist()
+    except disco.WorkerError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+@pytest.mark.parametrize("follow", [True, False])
+def test_a_receive_never_takes_the_next_calls_message_of_a_sender_that_failed(kind, follow):
+    """Worker 1 fails before its send; worker 0's receive of that call comes late (0.5
+    s). It took worker 1's next call's message as its value, and the next call's receive
+    then waited its whole timeout (an outside check: 6 of 6). Now it fails, naming the
+    sender's failure, and the next call's receive takes its own message; with no next
+    message, it fails at once instead of at its timeout."""
+    with disco.Session.create(kind, num_workers=2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.init_ccl("shm", timeout=30)
+        pair = sess.get_global_func("testing.p2p_pair")
+        t0 = time.monotonic()
+        failed = pair(1, 0, 100.0, 1, 0.5)
+        later = pair(1, 0, 200.0) if follow else None
+        got = _received(failed, 0)
+        assert isinstance(got, str) and "worker 1 failed in" in got, got
+        if follow:
+            assert _received(later, 0) == [200.0] * 4
+        assert time.monotonic() - t0 < 15
+        assert _received(pair(1, 0, 300.0), 0) == [300.0] * 4  # the mailbox is in step
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+@pytest.mark.parametrize("fails_again", [False, True])
+def test_a_receiver_that_failed_never_takes_the_message_of_its_failed_call(kind, fails_again):
+    """Worker 0 fails before its receive; worker 1's message of that call stays in the
+    mailbox, and worker 0's next receive took it for its own call's (100 for 200). It is
+    dropped now. When worker 0 fails again in the next call, worker 1's send of that
+    call fails (worker 0 will not take it) or its message is dropped too."""
+    with disco.Session.create(kind, num_workers=2) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.init_ccl("shm", timeout=30)
+        pair = sess.get_global_func("testing.p2p_pair")
+        t0 = time.monotonic()
+        first = pair(1, 0, 100.0, 0)
+        second = pair(1, 0, 200.0, 0 if fails_again else -1)
+        third = pair(1, 0, 300.0)
+        assert "fails before its point-to-point part" in _received(first, 0)
+        if fails_again:
+            assert "fails before its point-to-point part" in _received(second, 0)
+            # the sender's send of that call fails once it sees the receiver's failure;
+            # one that posted first (the receiver's next receive drained the earlier
+            # message) returns, and its message is dropped as well
+            try:
+                assert second.debug_get_from_remote(1) is None
+            except disco.WorkerError as exc:
+                assert "worker 0 failed in this call" in str(exc), exc
+        else:
+            assert _received(second, 0) == [200.0] * 4
+        assert _received(third, 0) == [300.0] * 4
+        assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
+def test_sends_and_receives_still_pair_across_calls(kind):
+    """A send in one command and its receive in the next (TVM's send_to_next_group and
+    recv_from_prev_group as commands of their own) still pair, also after a failure of
+    another worker."""
+    with disco.Session.create(kind, num_workers=3) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.init_ccl("shm", timeout=30)
+        pair = sess.get_global_func("testing.p2p_pair")
+        for failed_before in (False, True):
+            if failed_before:
+                with pytest.raises(disco.WorkerError, match="raised on purpose"):
+                    sess.get_global_func("testing.raise_on")(2).debug_get_from_remote(2)
+            pair(1, 0, 5.0, -1, 0.0, "send")
+            assert _received(pair(1, 0, 0.0, -1, 0.0, "recv"), 0) == [5.0] * 4
+            late = pair(1, 0, 0.0, -1, 0.0, "recv")  # the receive first, then the send
+            pair(1, 0, 6.0, -1, 0.0, "send")
+            assert _received(late, 0) == [6.0] * 4
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["threaded", "process"])
 def test_a_member_that_raises_inside_an_in_place_allreduce_waits_for_its_peers_to_leave_its_arrays(kind):  # fmt: skip

@@ -360,6 +360,7 @@ class ShmCCL(CCL):
         self._peers: dict[int, np.ndarray] = {me: self.arena.bytes}
         self._sent = [0] * self.layout.num_workers  # per receiver: chunks posted to its mailbox
         self._recvd = [0] * self.layout.num_workers  # per sender: chunks consumed
+        self._failed_call = 0  # this worker's last call that raised (0: none)
         self._me = me
 
     # ------------------------------------------------------------------ arenas
@@ -415,6 +416,7 @@ class ShmCCL(CCL):
     def call_failed(self, call: int, error: str) -> None:
         """Say in the segment that this worker's call ``call`` failed: a peer that waits
         for it in an operation of that call fails at once (:meth:`_check_round`)."""
+        self._failed_call = call  # (point-to-point messages carry it: see recv)
         if self.map.closed or self.broken:
             return  # (a failure this CCL caused, or knows of: the segment says so already)
         at = (self.layout.fail_off + self._me * _FAIL_BYTES) // 8
@@ -499,14 +501,16 @@ class ShmCCL(CCL):
             error = CCLTimeoutError if self.i[0] == 2 else CCLError
             raise error(f"{what} aborted: {self.broken}")
 
-    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None, comm: _Comm | None = None) -> None:  # fmt: skip
+    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None, comm: _Comm | None = None, gone=None) -> None:  # fmt: skip
         """Wait until ``ready()``; sleep on the futex at ``addr`` between checks.
 
         ``asleep``: the word (of ``self.q``) where this member says it may sleep, for
         wakers that ring with ``sleepers`` (:meth:`_ring`). Once a call failed on any
         worker, whenever the wait looks again, ready or not, a collective's round of
         ``comm`` is checked (:meth:`_check_round`: an arrival may then be another
-        call's); one int read a wait otherwise.
+        call's); one int read a wait otherwise. ``gone()``, for a point-to-point wait,
+        is asked likewise whether the peer failed past the point of sending (or taking)
+        what is waited for; it raises then.
         """
         if ready():
             if comm is not None and self.i[_FAILS]:
@@ -530,7 +534,7 @@ class ShmCCL(CCL):
                     return
         deadline = time.monotonic() + self.timeout
         if asleep is None:
-            return self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.05, comm)
+            return self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.05, comm, gone)
         # Said before the bell is read: a waker that rings after this read wakes us. A
         # waker whose check raced this store (a CPU may let its read pass its store)
         # can miss it: the first sleep is short, so that costs at most 2 ms.
@@ -540,7 +544,7 @@ class ShmCCL(CCL):
         finally:
             self.q[asleep] = 0
 
-    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float, comm: _Comm | None = None) -> None:  # fmt: skip
+    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float, comm: _Comm | None = None, gone=None) -> None:  # fmt: skip
         what = what.partition(":")[0]  # "allreduce:sum" -> "allreduce"
         words = self.i
         nap = first
@@ -553,6 +557,8 @@ class ShmCCL(CCL):
                 return
             if fails is not None:
                 self._check_round(what, fails)
+            if gone is not None and words[_FAILS]:
+                gone()
             self._check_abort(what)
             now = time.monotonic()
             if now > deadline:
@@ -975,6 +981,13 @@ class ShmCCL(CCL):
             base + 3 * _LINE,
         )
 
+    # A message's first chunk carries the call it was sent in and the sender's last
+    # failed call then (the words after the ``sent`` count). Sends and receives may pair
+    # across calls (a send in one command, its receive in the next), so only a failure
+    # between the two says a pairing is wrong: a receive of the call a sender failed in
+    # would otherwise take that sender's next call's message (an outside check: 6 of 6),
+    # and a receive after the call this receiver failed in would take the message meant
+    # for that call's receive.
     def send(self, buf: Any, peer: int) -> None:
         if self.broken:
             self._comm(False)
@@ -995,9 +1008,15 @@ class ShmCCL(CCL):
                 addr,
                 "send_to_worker",
                 lambda: [peer],
+                # (a later piece is always taken: the receiver drains a message it began)
+                gone=self._receiver_gone(peer, lambda posted=posted: q[acked_i] >= posted)
+                if first
+                else None,
             )
             if first:
                 self.map[head : head + validate.DESC_BYTES] = validate.pack(desc)
+                q[sent_i + 1] = self.ctx.calls
+                q[sent_i + 2] = self._failed_call
             c = min(cap, total - off)
             if c > 0:
                 self.buf[data : data + c] = src_b[off : off + c]
@@ -1011,6 +1030,55 @@ class ShmCCL(CCL):
             if c <= 0:
                 break
 
+    def _receiver_gone(self, peer: int, ready):
+        """For a send waiting for the mailbox: raise once ``peer`` failed in this call or
+        a later one, so it will not take this call's message (unless ``ready()`` now)."""
+
+        def gone() -> None:
+            failed, _w, _g, error = self._failure(peer)
+            if failed >= self.ctx.calls and not ready():
+                when = "this call" if failed == self.ctx.calls else "a later call"
+                raise CCLError(
+                    f"send_to_worker: worker {peer} failed in {when} without taking this "
+                    f"worker's earlier message, so it will not take this one ({error}); "
+                    "nothing was sent"
+                )
+
+        return gone
+
+    def _sender_gone(self, peer: int, ready):
+        """For a receive waiting for a message: raise once ``peer`` failed in this call or
+        a later one without sending one (unless ``ready()`` now: it sent, then failed)."""
+
+        def gone() -> None:
+            failed, _w, _g, error = self._failure(peer)
+            if failed >= self.ctx.calls and not ready():
+                when = "this call" if failed == self.ctx.calls else "a later call"
+                raise CCLError(
+                    f"recv_from_worker: worker {peer} failed in {when} without sending "
+                    f"this call's message to worker {self._me} ({error})"
+                )
+
+        return gone
+
+    def _stale(self, peer: int, sent_i: int) -> bool:
+        """Once some call failed: whether the message in ``peer``'s mailbox is one for a
+        receive this worker never made (sent in or before a call that failed here, and
+        this is a later call): drained, not taken. Raises when the message is of a call
+        after one the sender failed in, and this receive is of that call or an earlier
+        one: it is kept for its own receive."""
+        q, call = self.q, self.ctx.calls
+        theirs, sender_failed = q[sent_i + 1], q[sent_i + 2]
+        if call <= sender_failed < theirs:
+            _c, _w, _g, error = self._failure(peer)
+            raise CCLError(
+                f"recv_from_worker: worker {peer} failed in call {sender_failed} without "
+                f"sending that call's message to worker {self._me}; its next message (of "
+                f"call {theirs}) is kept for the receive of that call"
+                + (f" ({error})" if error else "")
+            )
+        return theirs <= self._failed_call < call
+
     def recv(self, buf: Any, peer: int) -> None:
         if self.broken:
             self._comm(False)
@@ -1021,16 +1089,34 @@ class ShmCCL(CCL):
         mine = validate.describe_recv(buf)
         dst_b: Any = validate.flat_bytes(buf) if not mine.status else None
 
-        def take() -> None:
+        def take(first: bool = False) -> None:
             got = self._recvd[peer]
-            self._wait(lambda: q[sent_i] > got, bell, addr, "recv_from_worker", lambda: [peer])
+
+            def ready() -> bool:
+                return q[sent_i] > got
+
+            gone = self._sender_gone(peer, ready) if first else None
+            self._wait(ready, bell, addr, "recv_from_worker", lambda: [peer], gone=gone)
 
         def done() -> None:
             self._recvd[peer] += 1
             q[acked_i] = self._recvd[peer]
             self._ring(bell, addr)
 
-        take()
+        def message_bytes() -> int:
+            theirs = validate.unpack(self.map[head : head + validate.DESC_BYTES])
+            return 0 if theirs.status else theirs.src[2]
+
+        take(first=True)
+        while self.i[_FAILS] and self._stale(peer, sent_i):
+            total, off, first = message_bytes(), 0, True
+            while first or off < total:  # drained: its receive was never made
+                if not first:
+                    take()
+                off += min(self.layout.mbox_bytes, total - off)
+                done()
+                first = False
+            take(first=True)
         theirs = validate.unpack(self.map[head : head + validate.DESC_BYTES])
         error = validate.check_p2p(peer, theirs, mine)
         total = 0 if theirs.status else theirs.src[2]
