@@ -173,8 +173,10 @@ def check_bind(
     """
     if isinstance(host, str):
         listen_family(host, what)  # a name that does not resolve is named here
+    certs_required = tls is True or (not isinstance(tls, bool) and tls_authenticates_peers(tls))
     if is_loopback(host):
-        if token is None and what not in _warned_loopback:
+        # (a local user without a certificate the service trusts is refused too)
+        if token is None and not certs_required and what not in _warned_loopback:
             _warned_loopback.add(what)
             warnings.warn(
                 f"the {what} listens on {host} without a token: any local user can use it "
@@ -183,7 +185,6 @@ def check_bind(
                 stacklevel=3,
             )
         return
-    certs_required = tls is True or (not isinstance(tls, bool) and tls_authenticates_peers(tls))
     if token is not None or certs_required:
         return
     shown = host or "every interface"

@@ -434,6 +434,17 @@ def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_cont
         pause = min(pause * 2, 0.5)
 
 
+#: A TLS peer that ended the handshake: the client cannot tell a service that wants a
+#: client certificate (TLS 1.3 says so only after the client's side is done, and often
+#: by closing) from one that does not speak TLS; an outside check was told only the
+#: second, with no word of the certificate it lacked.
+_TLS_REFUSED_HINT = (
+    " (if the {peer} requires client certificates, give one it trusts: "
+    "ssl_context.load_cert_chain(...), or --tls-cert and --tls-key; if it does not "
+    "speak TLS, connect without ssl_context)"
+)
+
+
 def _open_once(url: str, port: int, key: str, token: Any, ssl_context: Any, max_message_bytes: int, connect_timeout: float, peer: str, strict: bool) -> wire.Conn:  # fmt: skip
     try:
         sock = socket.create_connection((url, int(port)), timeout=connect_timeout)
@@ -471,9 +482,10 @@ def _open_once(url: str, port: int, key: str, token: Any, ssl_context: Any, max_
             tls_hint = (
                 ""
                 if isinstance(exc, ssl.SSLCertVerificationError)
-                else f" (if the {peer} speaks TLS, connect with TLS: ssl_context=..., or --tls-ca)"
+                else f" (if the {peer} speaks TLS, connect with TLS: ssl_context=..., or --tls-ca; "
+                "a server's or proxy's link to its tracker: --tracker-tls-ca)"
                 if ssl_context is None
-                else f" (if the {peer} does not speak TLS, connect without ssl_context)"
+                else _TLS_REFUSED_HINT.format(peer=peer)
             )
             raise RPCError(f"handshake with the {peer} at {url}:{port} failed: {exc}{tls_hint}") from exc  # fmt: skip
         raise

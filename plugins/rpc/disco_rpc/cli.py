@@ -33,15 +33,38 @@ __all__ = ["main", "build_parser"]
 log = logging.getLogger("disco_rpc.cli")
 
 
+class _TLSFilesError(ValueError):
+    """A TLS option's file cannot be used: a usage error (exit 2) naming the options."""
+
+
+def _load_tls(load, *options: tuple[str, str | None]):
+    """``load(*files)`` (the files of ``options``), with an error that names the options
+    and their files (ssl says only "[SSL] PEM lib" or "[Errno 2]": an outside check)."""
+    import ssl
+
+    given = [(o, f) for o, f in options if f]
+    for option, path in given:
+        if not os.path.isfile(path):
+            raise _TLSFilesError(f"{option} {path}: no such file")
+    try:
+        return load(*(f for _o, f in options))
+    except (OSError, ssl.SSLError) as exc:
+        named = " and ".join(f"{o} {f}" for o, f in given)
+        raise _TLSFilesError(
+            f"cannot use {named}: {exc} (PEM files: a certificate, its unencrypted key, "
+            "a CA bundle)"
+        ) from None
+
+
 def _tls_server(cert: str | None, keyfile: str | None, client_ca: str | None = None):
     if not cert:
         return None
     import ssl
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(cert, keyfile)
+    _load_tls(ctx.load_cert_chain, ("--tls-cert", cert), ("--tls-key", keyfile))
     if client_ca:  # mutual TLS: TLS then stands in for a token beyond loopback
-        ctx.load_verify_locations(client_ca)
+        _load_tls(ctx.load_verify_locations, ("--tls-client-ca", client_ca))
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 
@@ -51,12 +74,12 @@ def _tls_client(cafile: str | None, insecure: bool, cert: str | None = None, key
         return None
     import ssl
 
-    ctx = ssl.create_default_context(cafile=cafile)
+    ctx = _load_tls(lambda ca: ssl.create_default_context(cafile=ca), ("--tls-ca", cafile))
     if insecure:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
     if cert:  # for a service that requires client certificates (--tls-client-ca there)
-        ctx.load_cert_chain(cert, keyfile)
+        _load_tls(ctx.load_cert_chain, ("--tls-cert", cert), ("--tls-key", keyfile))
     return ctx
 
 
@@ -161,6 +184,35 @@ def _add_tls_server(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_link_tls(p: argparse.ArgumentParser, link: str, what: str) -> None:
+    """``--{link}-tls-ca``/``-cert``/``-key``: TLS for the link this service opens to ``what``
+    (the service's own ``--tls-*`` options are for those that connect to it)."""
+    p.add_argument(
+        f"--{link}-tls-ca", metavar="FILE",
+        help=f"reach the {what} over TLS, checking it with this CA bundle",
+    )  # fmt: skip
+    p.add_argument(
+        f"--{link}-tls-cert", metavar="FILE",
+        help=f"reach the {what} over TLS, presenting this certificate (PEM) to a {what} that requires one",
+    )  # fmt: skip
+    p.add_argument(f"--{link}-tls-key", metavar="FILE", help=f"the key of --{link}-tls-cert")
+
+
+def _link_tls(args, link: str):
+    """The client context of ``--{link}-tls-*`` (None without them)."""
+    ca, cert, key = (getattr(args, f"{link}_tls_{k}", None) for k in ("ca", "cert", "key"))
+    if key and not cert:
+        raise _TLSFilesError(f"--{link}-tls-key needs --{link}-tls-cert (the certificate it is the key of)")  # fmt: skip
+    if not ca and not cert:
+        return None
+    import ssl
+
+    ctx = _load_tls(lambda f: ssl.create_default_context(cafile=f), (f"--{link}-tls-ca", ca))
+    if cert:
+        _load_tls(ctx.load_cert_chain, (f"--{link}-tls-cert", cert), (f"--{link}-tls-key", key))
+    return ctx
+
+
 def _add_connect(p: argparse.ArgumentParser, port: int, what: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help=f"the {what}'s address")
     p.add_argument("--port", type=_port_number, default=port, help=f"the {what}'s port")
@@ -257,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--through-proxy", action="store_true", help="--host/--port name a proxy to serve through"
     )
+    _add_link_tls(s, "tracker", "tracker")
+    _add_link_tls(s, "proxy", "proxy (with --through-proxy)")
 
     t = _sub(
         sub, "tracker", "run an RPC tracker in the foreground",
@@ -293,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument(
         "--tracker", metavar="HOST:PORT", type=_hostport, help="a tracker to register with"
     )
+    _add_tls_server(px)
+    _add_link_tls(px, "tracker", "tracker")
     _add_insecure(px)
 
     st = _sub(
@@ -382,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _run(args)
+    except _TLSFilesError as exc:
+        print(f"disco-rpc: {exc}", file=sys.stderr)
+        return 2
     except (RPCError, OSError, DiscoError) as exc:
         print(f"disco-rpc: {_short(exc)}", file=sys.stderr)
         return 1
@@ -560,6 +619,8 @@ def _tracker_or_proxy(args) -> int:
             obj = Proxy(  # type: ignore[assignment]
                 args.host, args.port, args.port_end, tracker_addr=args.tracker,
                 allow_insecure_bind=args.allow_insecure_bind,
+                ssl_context=_tls_server(args.tls_cert, args.tls_key, args.tls_client_ca),
+                tracker_ssl_context=_link_tls(args, "tracker"),
             )  # fmt: skip
     except RPCError as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)
@@ -571,6 +632,8 @@ def _managed_server(args) -> int:
     from .errors import RPCError
     from .server import Server
 
+    tls = _tls_server(args.tls_cert, args.tls_key, args.tls_client_ca)  # (usage errors: exit 2)
+    tracker_tls, proxy_tls = _link_tls(args, "tracker"), _link_tls(args, "proxy")
     try:
         srv = Server(
             args.host, args.port, args.port_end, is_proxy=args.through_proxy,
@@ -578,9 +641,9 @@ def _managed_server(args) -> int:
             load_library=args.load_library, custom_addr=args.custom_addr, no_fork=args.no_fork,
             timeout=args.timeout, session_timeout=args.session_timeout, work_dir=args.work_dir,
             max_message_bytes=args.max_message_bytes,
-            ssl_context=_tls_server(args.tls_cert, args.tls_key, args.tls_client_ca),
-            allow_insecure_bind=args.allow_insecure_bind,
+            ssl_context=tls, allow_insecure_bind=args.allow_insecure_bind,
             liveness_timeout=args.liveness_timeout,
+            tracker_ssl_context=tracker_tls, proxy_ssl_context=proxy_tls,
         )  # fmt: skip
     except (RPCError, ValueError) as exc:
         print(f"disco-rpc: {exc}", file=sys.stderr)

@@ -517,6 +517,8 @@ class _Handshake:
         self.deadline = time.monotonic() + cfg.handshake_timeout
         self.hs = auth.ServerHandshake(cfg.key, cfg.token, key_check)
         self.buf = bytearray()
+        #: Why a refused client was refused, as the server's log says it.
+        self.why = "key, version or authentication"
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -547,6 +549,8 @@ class _Handshake:
             return None
         except (OSError, ValueError) as exc:
             logger.info("handshake with %s failed: %s", self.addr, exc)
+            if isinstance(exc, ssl.SSLError) and exc.reason:
+                self.why = f"TLS: {exc.reason}"  # e.g. PEER_DID_NOT_RETURN_A_CERTIFICATE
             return False
         return self.hs.ok
 
@@ -727,7 +731,7 @@ class _Listener:
             return
         self.pending.remove(hs)
         if not ok:
-            logger.warning("refused a client from %s (key, version or authentication)", hs.addr)
+            logger.warning("refused a client from %s (%s)", hs.addr, hs.why)
             hs.close()
             return
         ticket = None

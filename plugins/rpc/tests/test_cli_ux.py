@@ -506,3 +506,55 @@ def test_mutual_tls_from_the_command_line_serves_beyond_loopback_without_a_token
         server.wait(10)
     r = _run("ls", "--tls-key", key)
     assert r.returncode == 2 and "--tls-key needs --tls-cert" in r.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_cli_server_registers_with_a_tls_tracker(tls_files, tmp_path):
+    """``disco-rpc server --tracker`` had no TLS options for its link to the tracker, so
+    it could not register with a TLS tracker, and its error suggested ``--tls-ca``, an
+    option it lacks (an outside check). ``--tracker-tls-ca`` (and ``-cert``/``-key``)
+    give that link TLS; the proxy command has them too, and TLS of its own."""
+    import ssl
+
+    cert, key = tls_files
+    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    sctx.load_cert_chain(cert, key)
+    tracker = rpc.Tracker(port=10860, port_end=10880, token=TOKEN, ssl_context=sctx)
+    env = {**os.environ, "DISCO_TOKEN": TOKEN}
+    server = subprocess.Popen(
+        [PY, "-m", "disco_rpc", "server", "--port", "10880", "--port-end", "10900",
+         "--key", "tls-board", "--tracker", f"127.0.0.1:{tracker.port}",
+         "--tracker-tls-ca", cert, "--work-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        listed = ""
+        while "tls-board" not in listed and time.monotonic() < deadline:
+            assert server.poll() is None, server.communicate()
+            r = _run("query", "--port", str(tracker.port), "--tls-ca", cert)
+            assert r.returncode == 0, r
+            listed = r.stdout
+            time.sleep(0.2)
+        assert "tls-board" in listed, listed
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(10)
+        tracker.terminate()
+    for args, says in (
+        (
+            ["server", "--tracker", "127.0.0.1:1", "--tracker-tls-key", key],
+            "--tracker-tls-key needs --tracker-tls-cert",
+        ),  # fmt: skip
+        (
+            ["proxy", "--tracker", "127.0.0.1:1", "--tracker-tls-ca", str(tmp_path / "none.pem")],
+            "--tracker-tls-ca",
+        ),  # fmt: skip
+        (
+            ["proxy", "--tls-cert", key, "--tls-key", key],
+            f"cannot use --tls-cert {key} and --tls-key {key}",
+        ),  # fmt: skip
+        (["ls", "--tls-ca", key], f"cannot use --tls-ca {key}"),
+    ):
+        r = _run(*args)
+        assert r.returncode == 2 and says in r.stderr, (args, r)

@@ -213,25 +213,14 @@ def test_tracker_links_are_capped():
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1: (server context, client context)."""
-    import shutil
     import ssl
-    import subprocess
 
-    if not shutil.which("openssl"):
-        pytest.skip("the openssl command is not available to make a certificate")
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    r = subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        capture_output=True, timeout=60,
-    )  # fmt: skip
-    if r.returncode != 0:
-        pytest.skip(f"openssl could not make a certificate: {r.stderr.decode()[:200]}")
+    from disco_core.testing.tls import make_certificate
+
+    cert, key = make_certificate(tmp_path_factory.mktemp("tls"))
     sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    sctx.load_cert_chain(str(cert), str(key))
-    return sctx, ssl.create_default_context(cafile=str(cert))
+    sctx.load_cert_chain(cert, key)
+    return sctx, ssl.create_default_context(cafile=cert)
 
 
 def test_tls_handshakes_in_the_accept_loop(tls):

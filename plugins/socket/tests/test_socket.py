@@ -837,18 +837,9 @@ def test_controller_death_ends_agents_and_workers():
 
 # --------------------------------------------------------------------------- TLS
 def _make_cert(tmp_path):
-    if not shutil.which("openssl"):
-        pytest.skip("needs the openssl command to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    r = subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=disco-test", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        capture_output=True,
-    )  # fmt: skip
-    if r.returncode:
-        pytest.skip(f"openssl could not make a certificate: {r.stderr[-200:]!r}")
-    return cert, key
+    from disco_core.testing.tls import make_certificate
+
+    return make_certificate(tmp_path)
 
 
 @pytest.mark.timeout(60)
