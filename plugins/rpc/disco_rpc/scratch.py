@@ -12,17 +12,15 @@ another PID namespace that shares the temporary directory.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
 import shutil
-import signal
 import stat
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
+
+from .stops import stops_held
 
 __all__ = ["LOCK_NAME", "owned_scratch_dir", "release", "remove", "sweep_abandoned", "stops_held"]
 
@@ -73,28 +71,6 @@ def owned_scratch_dir(prefix: str, dir: str | None = None) -> tuple[str, int]:
                 shutil.rmtree(path, ignore_errors=True)
             raise
     return path, fd
-
-
-@contextlib.contextmanager
-def stops_held() -> Iterator[None]:
-    """Inside: SIGTERM and SIGINT wait, and go to their handlers as the block ends (from
-    the main thread, which runs Python's handlers): for steps that a stop must not cut
-    in half (a folder made, and its owner told where it is)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    # the handlers, not the signal mask: another thread of the process, which does not
-    # block them, would take them and have the main thread run its handler all the same
-    came: list[int] = []
-    stops = (signal.SIGTERM, signal.SIGINT)
-    before = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in stops}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-        for signum in dict.fromkeys(came):
-            signal.raise_signal(signum)  # to the handler it was meant for, now the step is done
 
 
 def remove(path: str, within: float = 2.0) -> bool:

@@ -58,7 +58,7 @@ from .protocol import (
     T_START,
     TICKET_SEP,
 )
-from .scratch import owned_scratch_dir, release, remove, stops_held
+from .scratch import owned_scratch_dir, release, remove
 from .service import (
     DEFAULT_LIVENESS_TIMEOUT,
     LIVENESS_ENV,
@@ -77,6 +77,7 @@ from .service import (
     set_pdeathsig,
     start_watchdog,
 )
+from .stops import stops_held
 
 __all__ = [
     "prepare_work_dir",

@@ -56,6 +56,7 @@ from .protocol import (
     TICKET_SEP,
     TRACKER_MAX_MESSAGE_BYTES,
 )
+from .stops import stops_held
 
 __all__ = [
     "ServiceProcess",
@@ -202,26 +203,22 @@ def fork_session(run: Callable[[], None]) -> tuple[int, int | None]:
     """
     sys.stdout.flush()  # what is buffered is printed once, not once per process
     sys.stderr.flush()
-    # SIGTERM held back over the fork: the service's handler (exit_on_term) raised its
+    # A stop held back over the fork: the service's handler (exit_on_term) raised its
     # SystemExit inside the interpreter's fork hooks, where Python prints it as ignored
     # and drops it (an attacker check: 6 of 10 terminate() calls right after handshakes)
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
+    with stops_held() as held:
         pid = os.fork()
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        raise
-    if pid == 0:
-        code = 0
-        try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            name_process("disco-session")  # a worker host renames it (before "ready")
-            run()
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a SIGTERM that came is raised here
+        if pid == 0:
+            code = 0
+            try:
+                held.forget()  # the child's handlers are the parent's; its stops are its own
+                name_process("disco-session")  # a worker host renames it (before "ready")
+                run()
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+    # (a stop that came is raised here, in the parent)
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):

@@ -218,6 +218,56 @@ def test_a_stop_waits_for_a_scratch_folder_to_be_made_and_known():
         signal.signal(signal.SIGTERM, old)
 
 
+_FORK_STOPS = r"""
+import os, signal, sys
+from disco_rpc import service
+
+signal.signal(signal.SIGTERM, service.exit_on_term)
+real_fork, marker, case = os.fork, sys.argv[1], sys.argv[2]
+if case == "parent, another thread":  # it does not mask the stops: it takes them
+    import threading
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+
+def fork():
+    if case.startswith("parent"):  # a stop for the server as it forks
+        os.kill(os.getpid(), signal.SIGTERM)
+    pid = real_fork()
+    if pid == 0 and case == "child":  # a stop for the session process as it starts
+        os.kill(os.getpid(), signal.SIGTERM)
+    return pid
+
+os.fork = fork
+try:
+    pid, _ = service.fork_session(lambda: open(marker, "w").close())
+except SystemExit:
+    print("parent stopped", flush=True)
+    os.waitpid(-1, 0)
+else:
+    print("child code", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["parent", "parent, another thread", "child"])
+def test_a_stop_as_a_session_forks_reaches_the_process_it_was_for(case, tmp_path):
+    """A SIGTERM for the server as it forks a session is held over the fork and taken
+    by the server after it, not by the new session; one for the session process as it
+    starts is taken by that process, not noted and dropped with the server's held
+    ones. The fork held stops with the signal mask alone, which another thread does
+    not share: it took the stop, and the server stopped before the fork."""
+    marker = tmp_path / "ran"
+    r = subprocess.run(
+        [sys.executable, "-c", _FORK_STOPS, str(marker), case],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 0, r
+    if case.startswith("parent"):
+        assert r.stdout.strip() == "parent stopped" and marker.exists(), r
+    else:
+        assert r.stdout.strip() == "child code 1" and not marker.exists(), r
+    assert "ignored" not in r.stderr, r.stderr
+
+
 def test_servers_stopped_as_they_start_leave_nothing(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "DISCO_TOKEN": "scratch-secret"}
     for i in range(10):
