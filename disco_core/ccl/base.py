@@ -316,7 +316,8 @@ class CCL(abc.ABC):
         Peers that wait for this worker in an operation of that same call will never
         see it come. The default does nothing: they wait until their timeout. A CCL
         that can end their waits does so, naming ``error`` (``shm`` fails each such
-        wait at once and gives its segment up, as for a timeout).
+        wait at once and gives its segment up, as for a timeout; ``mpi`` sends each
+        member a notice, and gives the CCL up where a member waited).
         """
 
     def poison(self, reason: str) -> None:

@@ -416,7 +416,7 @@ class ShmCCL(CCL):
     def call_failed(self, call: int, error: str) -> None:
         """Say in the segment that this worker's call ``call`` failed: a peer that waits
         for it in an operation of that call fails at once (:meth:`_check_round`)."""
-        self._failed_call = call  # (point-to-point messages carry it: see recv)
+        self._failed_call = call  # (point-to-point messages carry it: see send)
         if self.map.closed or self.broken:
             return  # (a failure this CCL caused, or knows of: the segment says so already)
         at = (self.layout.fail_off + self._me * _FAIL_BYTES) // 8
@@ -981,42 +981,49 @@ class ShmCCL(CCL):
             base + 3 * _LINE,
         )
 
-    # A message's first chunk carries the call it was sent in and the sender's last
-    # failed call then (the words after the ``sent`` count). Sends and receives may pair
-    # across calls (a send in one command, its receive in the next), so only a failure
-    # between the two says a pairing is wrong: a receive of the call a sender failed in
-    # would otherwise take that sender's next call's message (an outside check: 6 of 6),
-    # and a receive after the call this receiver failed in would take the message meant
-    # for that call's receive.
+    # Sends and receives pair in order. Once a call failed on one end of a pair, a send
+    # or a receive it skipped shifts that order: a receive took the message of the
+    # sender's next call as its value (an outside check: 6 of 6), or the message meant
+    # for a receive that never ran. A message's first piece carries the call it was
+    # sent in and the sender's last failed call then (the words after the ``sent``
+    # count). A message of the receive's own call is its own. One of a later call,
+    # from a sender that failed in that receive's call or the one before (after which
+    # a send in the same or the adjacent command was skipped), and one of an earlier
+    # call, met by a receiver that failed in that call or since the one before it,
+    # may belong to another receive: the pair's mailbox is given up then (every later
+    # send and receive between them fails at once, naming why). Pairs further apart
+    # than adjacent commands are not checked.
+    _MB_CALL, _MB_FAILED, _MB_BROKEN = 1, 2, 3  # words after ``sent``
+
     def send(self, buf: Any, peer: int) -> None:
         if self.broken:
             self._comm(False)
         peer = self._check_peer(peer, "send_to_worker")
         bell, addr, sent_i, acked_i, head = self._mbox(self._me, peer)
+        q = self.q
+        if q[sent_i + self._MB_BROKEN]:
+            raise CCLError(f"send_to_worker: {self._pair_given_up(self._me, peer)}")
         data = head + validate.DESC_BYTES
         desc = validate.describe_send(buf)
         src_b: Any = validate.flat_bytes(np.ascontiguousarray(buf)) if not desc.status else None
         total = src_b.nbytes if src_b is not None else 0
         cap = self.layout.mbox_bytes
-        q = self.q
         off, first = 0, True
+        call = self.ctx.calls
         while first or off < total:
             posted = self._sent[peer]
+
+            def ready(posted: int = posted) -> bool:
+                return q[acked_i] >= posted
+
             self._wait(
-                lambda posted=posted: q[acked_i] >= posted,
-                bell,
-                addr,
-                "send_to_worker",
-                lambda: [peer],
-                # (a later piece is always taken: the receiver drains a message it began)
-                gone=self._receiver_gone(peer, lambda posted=posted: q[acked_i] >= posted)
-                if first
-                else None,
-            )
+                ready, bell, addr, "send_to_worker", lambda: [peer],
+                gone=self._receiver_gone(peer, sent_i, ready),
+            )  # fmt: skip
             if first:
                 self.map[head : head + validate.DESC_BYTES] = validate.pack(desc)
-                q[sent_i + 1] = self.ctx.calls
-                q[sent_i + 2] = self._failed_call
+                q[sent_i + self._MB_CALL] = call
+                q[sent_i + self._MB_FAILED] = self._failed_call
             c = min(cap, total - off)
             if c > 0:
                 self.buf[data : data + c] = src_b[off : off + c]
@@ -1030,93 +1037,110 @@ class ShmCCL(CCL):
             if c <= 0:
                 break
 
-    def _receiver_gone(self, peer: int, ready):
-        """For a send waiting for the mailbox: raise once ``peer`` failed in this call or
-        a later one, so it will not take this call's message (unless ``ready()`` now)."""
+    def _pair_given_up(self, sender: int, receiver: int) -> str:
+        return (
+            f"sends from worker {sender} to worker {receiver} were given up after a failed "
+            "call on one of them (which receive a message belonged to could not be told); "
+            "start a new session"
+        )
+
+    def _give_up_pair(self, sender: int, receiver: int, why: str) -> None:
+        """Mark the mailbox of ``sender`` -> ``receiver`` given up, wake both, and raise."""
+        bell, addr, sent_i, _acked_i, _head = self._mbox(sender, receiver)
+        self.q[sent_i + self._MB_BROKEN] = 1
+        self._ring(bell, addr)
+        op = "send_to_worker" if sender == self._me else "recv_from_worker"
+        raise CCLError(f"{op}: {why}; {self._pair_given_up(sender, receiver)}")
+
+    def _receiver_gone(self, peer: int, sent_i: int, ready):
+        """For a send waiting for the mailbox: the pair is given up once ``peer`` failed
+        in or after the call of the message it has not taken (its next receive will be
+        of a later call, after that failure), or was given up by ``peer``."""
 
         def gone() -> None:
+            if ready():
+                return
+            if self.q[sent_i + self._MB_BROKEN]:
+                raise CCLError(f"send_to_worker: {self._pair_given_up(self._me, peer)}")
             failed, _w, _g, error = self._failure(peer)
-            if failed >= self.ctx.calls and not ready():
-                when = "this call" if failed == self.ctx.calls else "a later call"
-                raise CCLError(
-                    f"send_to_worker: worker {peer} failed in {when} without taking this "
-                    f"worker's earlier message, so it will not take this one ({error}); "
-                    "nothing was sent"
-                )
+            if failed and failed >= self.q[sent_i + self._MB_CALL]:
+                self._give_up_pair(self._me, peer, (
+                    f"worker {peer} failed in call {failed} without taking this worker's "
+                    f"message of call {self.q[sent_i + self._MB_CALL]} ({error})"
+                ))  # fmt: skip
 
         return gone
 
-    def _sender_gone(self, peer: int, ready):
-        """For a receive waiting for a message: raise once ``peer`` failed in this call or
-        a later one without sending one (unless ``ready()`` now: it sent, then failed)."""
+    def _sender_gone(self, peer: int, sent_i: int, ready):
+        """For a receive waiting for a message: the pair is given up once ``peer`` failed
+        in this call or a later one without sending (any message it sends later follows
+        that failure), or was given up by ``peer``."""
 
         def gone() -> None:
+            if ready():
+                return
+            if self.q[sent_i + self._MB_BROKEN]:
+                raise CCLError(f"recv_from_worker: {self._pair_given_up(peer, self._me)}")
             failed, _w, _g, error = self._failure(peer)
-            if failed >= self.ctx.calls and not ready():
-                when = "this call" if failed == self.ctx.calls else "a later call"
-                raise CCLError(
-                    f"recv_from_worker: worker {peer} failed in {when} without sending "
-                    f"this call's message to worker {self._me} ({error})"
-                )
+            if failed >= self.ctx.calls:
+                self._give_up_pair(peer, self._me, (
+                    f"worker {peer} failed in call {failed} without sending this call's "
+                    f"message ({error})"
+                ))  # fmt: skip
 
         return gone
 
-    def _stale(self, peer: int, sent_i: int) -> bool:
-        """Once some call failed: whether the message in ``peer``'s mailbox is one for a
-        receive this worker never made (sent in or before a call that failed here, and
-        this is a later call): drained, not taken. Raises when the message is of a call
-        after one the sender failed in, and this receive is of that call or an earlier
-        one: it is kept for its own receive."""
+    def _check_pairing(self, peer: int, sent_i: int) -> None:
+        """Once some call failed: give the pair up when the message in hand may not be
+        this receive's (see the comment above ``send``)."""
         q, call = self.q, self.ctx.calls
-        theirs, sender_failed = q[sent_i + 1], q[sent_i + 2]
-        if call <= sender_failed < theirs:
+        theirs = q[sent_i + self._MB_CALL]
+        if theirs == call:
+            return  # a message of this very call
+        sender_failed = q[sent_i + self._MB_FAILED]
+        if theirs > call and sender_failed and sender_failed >= call - 1:
             _c, _w, _g, error = self._failure(peer)
-            raise CCLError(
-                f"recv_from_worker: worker {peer} failed in call {sender_failed} without "
-                f"sending that call's message to worker {self._me}; its next message (of "
-                f"call {theirs}) is kept for the receive of that call"
-                + (f" ({error})" if error else "")
-            )
-        return theirs <= self._failed_call < call
+            self._give_up_pair(peer, self._me, (
+                f"this receive (call {call}) met worker {peer}'s message of call {theirs}, "
+                f"sent after it failed in call {sender_failed}" + (f" ({error})" if error else "")
+            ))  # fmt: skip
+        if theirs < call and self._failed_call and self._failed_call >= theirs - 1:
+            self._give_up_pair(peer, self._me, (
+                f"this receive (call {call}) met worker {peer}'s message of call {theirs}, "
+                f"and worker {self._me} failed in call {self._failed_call} in between"
+            ))  # fmt: skip
 
     def recv(self, buf: Any, peer: int) -> None:
         if self.broken:
             self._comm(False)
         peer = self._check_peer(peer, "recv_from_worker")
         bell, addr, sent_i, acked_i, head = self._mbox(peer, self._me)
-        data = head + validate.DESC_BYTES
         q = self.q
+        if q[sent_i + self._MB_BROKEN]:
+            raise CCLError(f"recv_from_worker: {self._pair_given_up(peer, self._me)}")
+        data = head + validate.DESC_BYTES
         mine = validate.describe_recv(buf)
         dst_b: Any = validate.flat_bytes(buf) if not mine.status else None
 
-        def take(first: bool = False) -> None:
+        def take() -> None:
             got = self._recvd[peer]
 
             def ready() -> bool:
                 return q[sent_i] > got
 
-            gone = self._sender_gone(peer, ready) if first else None
-            self._wait(ready, bell, addr, "recv_from_worker", lambda: [peer], gone=gone)
+            self._wait(
+                ready, bell, addr, "recv_from_worker", lambda: [peer],
+                gone=self._sender_gone(peer, sent_i, ready),
+            )  # fmt: skip
 
         def done() -> None:
             self._recvd[peer] += 1
             q[acked_i] = self._recvd[peer]
             self._ring(bell, addr)
 
-        def message_bytes() -> int:
-            theirs = validate.unpack(self.map[head : head + validate.DESC_BYTES])
-            return 0 if theirs.status else theirs.src[2]
-
-        take(first=True)
-        while self.i[_FAILS] and self._stale(peer, sent_i):
-            total, off, first = message_bytes(), 0, True
-            while first or off < total:  # drained: its receive was never made
-                if not first:
-                    take()
-                off += min(self.layout.mbox_bytes, total - off)
-                done()
-                first = False
-            take(first=True)
+        take()
+        if self.i[_FAILS]:
+            self._check_pairing(peer, sent_i)
         theirs = validate.unpack(self.map[head : head + validate.DESC_BYTES])
         error = validate.check_p2p(peer, theirs, mine)
         total = 0 if theirs.status else theirs.src[2]

@@ -211,9 +211,9 @@ def raise_or_allreduce(bad: int, in_group: bool = False) -> Any:
 
 
 @_reg("p2p_pair")
-def p2p_pair(sender: int, receiver: int, value: float, fail: int = -1, slow: float = 0.0, part: str = "both") -> Any:  # fmt: skip
-    """``sender`` sends 4 floats of ``value`` to ``receiver``, which returns what it took
-    (after ``slow`` seconds); worker ``fail`` raises before its part instead. ``part``
+def p2p_pair(sender: int, receiver: int, value: float, fail: int = -1, slow: float = 0.0, part: str = "both", n: int = 4) -> Any:  # fmt: skip
+    """``sender`` sends ``n`` floats of ``value`` to ``receiver``, which returns what it
+    took (after ``slow`` seconds); worker ``fail`` raises before its part instead. ``part``
     "send" or "recv" makes a call of that half alone (a pair across two calls)."""
     from ..builtins import recv_from_worker, send_to_worker
 
@@ -221,13 +221,27 @@ def p2p_pair(sender: int, receiver: int, value: float, fail: int = -1, slow: flo
     if me == fail:
         raise RuntimeError(f"worker {me} fails before its point-to-point part")
     if me == sender and part != "recv":
-        send_to_worker(np.full(4, value, "float32"), receiver)
+        send_to_worker(np.full(n, value, "float32"), receiver)
     elif me == receiver and part != "send":
         time.sleep(slow)
-        got = np.zeros(4, "float32")
+        got = np.zeros(n, "float32")
         recv_from_worker(got, sender)
         return got
     return None
+
+
+@_reg("allreduce_unless")
+def allreduce_unless(skip: int) -> Any:
+    """An allreduce (sum of ones) on every worker but ``skip``, which returns None: code
+    that differs between workers, so that ``skip``'s next collective meets this one."""
+    from ..builtins import allreduce
+
+    if current().worker_id == skip:
+        return None
+    x = np.ones(4, "float32")
+    y = np.empty_like(x)
+    allreduce(x, "sum", False, y)
+    return y
 
 
 _INPLACE = 8 << 20  # float16 elements (16 MiB): arena arrays, the in-place allreduce

@@ -52,6 +52,7 @@ user-defined MPI operation applying the NumPy ufunc in the array's own dtype.
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 import uuid
@@ -97,6 +98,12 @@ _DESC_TAG = 11
 _DATA_TAG = 12
 _ALARM_TAG = 13
 _ALARM_BYTES = 512
+#: A member's call failed (its call number, its collectives so far, its error): peers
+#: waiting in a collective it never entered fail at once (see ``call_failed``).
+_FAILED_TAG = 14
+_FAILED_HEAD = struct.Struct("<qqq")
+#: Each member's descriptor exchange starts with the call it is of (see ``_exchange``).
+_CALL = struct.Struct("<q")
 #: How often a joining worker asks the session's store whether init_ccl was aborted.
 _STORE_POLL_S = 0.25
 _UNRECOVERABLE = (
@@ -338,11 +345,19 @@ class MPICCL(CCL):
         self.alarm = world.Dup()
         self._alarm_in = bytearray(_ALARM_BYTES)
         self._alarm_req = self.alarm.Irecv([self._alarm_in, MPI.BYTE], MPI.ANY_SOURCE, _ALARM_TAG)
+        self._notice_in = bytearray(_ALARM_BYTES)
         self._alarm_out: list[Any] = []
+        self._out_bufs: list[bytes] = []  # what the requests of _alarm_out send
         if ctx.num_groups > 1:
             self.group = world.Split(ctx.group_id, self._me)
         else:
             self.group = world
+        size = self._n // ctx.num_groups
+        self._group_members = range(ctx.group_id * size, (ctx.group_id + 1) * size)
+        #: collectives entered, per communicator (the same on every member)
+        self._seq = {id(self.world): 0, id(self.group): 0}
+        #: failed-call notices of peers: peer -> (call, world and group collectives, error)
+        self._notices: dict[int, tuple[int, int, int, str]] = {}
         self.native = _native_types(MPI)
         global _USER_OPS
         if _USER_OPS is None:
@@ -354,8 +369,8 @@ class MPICCL(CCL):
         self._xch: dict[int, tuple] = {}
         for c in (self.world, self.group):
             size = c.Get_size()
-            out = bytearray(validate.DESC_BYTES)
-            inbuf = bytearray(size * validate.DESC_BYTES)
+            out = bytearray(_CALL.size + validate.DESC_BYTES)
+            inbuf = bytearray(size * len(out))
             self._xch[id(c)] = (size, out, inbuf, [out, MPI.BYTE], [inbuf, MPI.BYTE])
         self._desc_cache: dict[tuple, bytes] = {}  # packed descriptors of plain arrays
         self._checked: set[tuple[int, bytes]] = set()  # (members, descriptor) found consistent
@@ -433,13 +448,15 @@ class MPICCL(CCL):
         return comm
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, req: Any, what: str, nbytes: int = 0) -> None:
+    def _wait(self, req: Any, what: str, nbytes: int = 0, entered: Any = None) -> None:
         """Complete ``req`` (an MPI request, or a list of them) by polling ``MPI_Test``.
 
         Spins first, as a blocking MPI call would (``_SPIN_S``, longer for large
         transfers: ``nbytes``); then sleeps between tests with growing pauses, so a
         peer that is late costs no busy CPU, while a dead peer or an abort is still
-        noticed within about a millisecond.
+        noticed within about a millisecond. ``entered``: the communicator of the
+        collective this wait is the first step of (its descriptor exchange), which a
+        member whose call failed before it will never enter (``_notices``).
         """
         if type(req) is list:
             reqs, testall = req, self.MPI.Request.Testall
@@ -471,6 +488,13 @@ class MPICCL(CCL):
             if self._alarmed():  # a member timed out: this collective has, for all
                 _ABANDONED.append(req)
                 raise CCLTimeoutError(f"{what}: {self.broken}; {_UNRECOVERABLE}")
+            self._take_notices()
+            if self._notices:
+                gone = self._settle_notices(entered, self._seq.get(id(entered), 0))
+                if gone:
+                    _ABANDONED.append(req)
+                    self._break(gone)
+                    raise CCLError(f"{what.partition(':')[0]}: {gone}; {_UNRECOVERABLE}")
             if now > deadline:
                 _ABANDONED.append(req)
                 self._break(f"{what} timed out on worker {self._me} after {self.timeout:g} s")
@@ -504,8 +528,11 @@ class MPICCL(CCL):
                     return
                 time.sleep(0.0002)
             self._alarm_out.clear()
+            self._out_bufs.clear()
         except Exception:  # noqa: BLE001 - a dead peer: nothing more to do
             self._alarm_out.clear()
+            _ABANDONED.append(self._out_bufs)  # (MPI may still read them)
+            self._out_bufs = []
 
     def tell_survivors(self, reason: str, lost: frozenset[int]) -> None:
         """(Worker 0, on the thread that noticed the loss.) Send the alarm to every
@@ -555,12 +582,86 @@ class MPICCL(CCL):
         self.broken = text or f"worker {status.Get_source()} failed"
         return True
 
-    def _comm(self, in_group: bool) -> Any:
+    def _take_notices(self) -> None:
+        """Take in the failed-call notices that came (see ``call_failed``).
+
+        Probed for, then received from their sender: a receive posted in advance from
+        any source (as the alarm's) never matched worker 1's notice to worker 0 of a
+        ProcessSession (MPICH 5 with UCX, dynamic processes: 4 of 4 tries), though a
+        probe saw it waiting.
+        """
+        MPI = self.MPI
+        status = MPI.Status()
+        while self.alarm.Iprobe(MPI.ANY_SOURCE, _FAILED_TAG, status):
+            peer = status.Get_source()
+            n = status.Get_count(MPI.BYTE)
+            buf = self._notice_in if n <= len(self._notice_in) else bytearray(n)
+            self.alarm.Recv([buf, n, MPI.BYTE], peer, _FAILED_TAG)
+            data = bytes(buf[:n])
+            if len(data) >= _FAILED_HEAD.size:
+                call, world, group = _FAILED_HEAD.unpack_from(data)
+                error = data[_FAILED_HEAD.size :].decode(errors="replace")
+                self._notices[peer] = (call, world, group, error)
+
+    # ------------------------------------------------------------------ failed calls
+    def call_failed(self, call: int, error: str) -> None:
+        """Tell every peer that this worker's call ``call`` failed, with how many
+        collectives it entered: a peer waiting in a later one fails at once, naming
+        ``error``, rather than at its timeout (TVM waits for ever), and gives the CCL
+        up (its exchange cannot be withdrawn). If this worker's next collective comes
+        first, the exchange finds the calls differ (``_exchange``)."""
+        if self.broken or self._n == 1:
+            return
+        head = _FAILED_HEAD.pack(call, self._seq[id(self.world)], self._seq[id(self.group)])
+        msg = head + error.encode("utf-8", "replace")[: _ALARM_BYTES - len(head)]
+        self._send_all(msg, _FAILED_TAG, [p for p in range(self._n) if p != self._me])
+        self._push_alarm(0.05)  # (MPI moves it only while someone here tests it)
+
+    def _send_all(self, msg: bytes, tag: int, peers: Sequence[int]) -> None:
+        self._out_bufs.append(msg)  # (alive until MPI has sent it)
+        for peer in peers:
+            try:
+                self._alarm_out.append(self.alarm.Isend([msg, self.MPI.BYTE], peer, tag))
+            except Exception:  # noqa: BLE001 - a dead peer; the others still hear it
+                pass
+        self._push_alarm(0.0)
+
+    def _settle_notices(self, comm: Any, seq: int) -> str:
+        """Forget the notices of calls this worker is past; return why a member of
+        ``comm`` will never enter its collective number ``seq`` ("" when none is known
+        to: ``comm`` None, or not entered yet and ``seq`` the next). A member that failed
+        in this call or a later one, before that collective, will not come."""
+        call = self.ctx.calls
+        gone = ""
+        for peer, (failed, world, group, error) in list(self._notices.items()):
+            if failed < call:
+                del self._notices[peer]
+                continue
+            if comm is None or gone:
+                continue
+            if comm is self.world:
+                theirs = world
+            elif peer in self._group_members:
+                theirs = group
+            else:
+                continue
+            if theirs < seq:
+                when = "the same call" if failed == call else "a later call"
+                gone = f"worker {peer} failed in {when} before it entered this collective ({error})"  # fmt: skip
+        return gone
+
+    def _comm(self, in_group: bool, collective: bool = True) -> Any:
         if self._alarm_out:
             self._push_alarm(0.0)
         if self._alarmed():
             raise CCLError(f"the mpi CCL is unusable after an earlier failure ({self.broken})")
-        return self.group if in_group else self.world
+        comm = self.group if in_group else self.world
+        self._take_notices()
+        if collective and self._notices:
+            gone = self._settle_notices(comm, self._seq[id(comm)] + 1)
+            if gone:  # (not entered: those that did fail in it, and say so)
+                raise CCLError(gone)
+        return comm
 
     def _describe(self, op: str, src: Any, dst: Any, err: str = "") -> bytes:
         """This member's packed descriptor; cached for plain arrays (the hot path)."""
@@ -586,17 +687,32 @@ class MPICCL(CCL):
     def _exchange(self, comm: Any, mine: bytes, op: str) -> None:
         """Allgather everyone's descriptor and run the same check on every member."""
         n, out, inbuf, sspec, rspec = self._xch[id(comm)]
-        out[:] = mine
-        self._wait(comm.Iallgather(sspec, rspec), op)
+        call = self.ctx.calls
+        out[:] = _CALL.pack(call) + mine
+        self._seq[id(comm)] += 1
+        self._wait(comm.Iallgather(sspec, rspec), op, entered=comm)
         if self._alarmed():  # matched what a member that failed left behind
             raise CCLError(f"{op} aborted: {self.broken}; {_UNRECOVERABLE}")
-        uniform = inbuf == mine * n
+        uniform = inbuf == out * n
         key = (n, mine)  # (a call checked within a group is not checked for the world)
         if uniform and key in self._checked:
             return  # the same call as one already checked, by every member alike
-        size = validate.DESC_BYTES
-        raw = [bytes(inbuf[k * size : (k + 1) * size]) for k in range(n)]
+        size = len(out)
         start = self._me - comm.Get_rank()
+        calls = [_CALL.unpack_from(inbuf, k * size)[0] for k in range(n)]
+        if calls != [call] * n:
+            # A member skipped a collective, after a call of it failed: this exchange is
+            # of two collectives, and every member sees it (nothing is left pending).
+            late = max(calls)
+            skipped = [start + k for k, c in enumerate(calls) if c == late]
+            self._break(
+                f"worker(s) {skipped} reached this {op.partition(':')[0]} from a later call "
+                f"({late}; worker {self._me}'s is {call}): they skipped a collective (after "
+                "a call of theirs failed, or in code that differs between workers), so the "
+                "members are out of step"
+            )
+            raise CCLError(f"{op.partition(':')[0]}: {self.broken}; {_UNRECOVERABLE}")
+        raw = [bytes(inbuf[k * size + _CALL.size : (k + 1) * size]) for k in range(n)]
         validate.check(op, [validate.unpack(r) for r in raw], range(start, start + n))
         if uniform:
             if len(self._checked) > 256:
@@ -759,7 +875,7 @@ class MPICCL(CCL):
         return int(peer)
 
     def send(self, buf: Any, peer: int) -> None:
-        self._comm(False)
+        self._comm(False, collective=False)
         peer = self._check_peer(peer, "send_to_worker")
         desc = validate.describe_send(buf)
         head = np.frombuffer(validate.pack(desc), np.uint8).copy()
@@ -773,7 +889,7 @@ class MPICCL(CCL):
         self._wait(reqs, "send_to_worker", data.nbytes)
 
     def recv(self, buf: Any, peer: int) -> None:
-        self._comm(False)
+        self._comm(False, collective=False)
         peer = self._check_peer(peer, "recv_from_worker")
         MPI = self.MPI
         mine = validate.describe_recv(buf)

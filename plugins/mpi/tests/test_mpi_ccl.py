@@ -345,3 +345,75 @@ def test_a_call_checked_in_a_group_is_checked_again_for_the_world():
             sess.sync_worker_0()
     finally:
         sess.shutdown()
+
+
+# --------------------------------------------------------------------- failed calls
+def _outcomes(ref, workers):
+    """Each worker's value of ``ref`` (a list), or its error's text."""
+    out = []
+    for w in workers:
+        try:
+            out.append(ref.debug_get_from_remote(w).tolist())
+        except WorkerError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_a_worker_that_fails_before_a_collective_ends_its_peers_wait(bad):
+    """Worker ``bad`` raises before an allreduce its peers entered: they waited the whole
+    CCL timeout (300 s by default; TVM waits for ever). They fail at once now, naming
+    its error, and no later collective is paired with the one it skipped."""
+    sess = _session(3, timeout=60)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        t0 = time.monotonic()
+        failed = sess.get_global_func("testing.raise_or_allreduce")(bad)
+        got = _outcomes(failed, range(3))
+        assert time.monotonic() - t0 < 20, got
+        assert all(isinstance(g, str) for g in got), got
+        peer = 0 if bad else 1
+        assert f"worker {bad} fails before the collective" in got[peer], got
+        again = _outcomes(sess.get_global_func("testing.raise_or_allreduce")(-1), range(3))
+        for g in again:  # the sum of three ones, or an error (the CCL may be given up)
+            assert g == [3.0] * 4 or isinstance(g, str), again
+    finally:
+        sess.shutdown()
+
+
+@pytest.mark.parametrize("slow", [0.0, 0.5])
+def test_a_failed_call_without_collectives_leaves_the_ccl_usable_and_calls_unpaired(slow):
+    """A call that raised on worker 1 where no collective ran leaves the CCL as it
+    was; worker 1's next collective waits until every member is past the failed call,
+    so a slow member (``slow`` s late into the next call) is never paired wrongly."""
+    sess = _session(3, timeout=60)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        for _ in range(2):
+            raised = sess.get_global_func("testing.raise_on")(1)
+            sess.get_global_func("testing.sleep")(slow, 0)
+            ok = sess.get_global_func("testing.raise_or_allreduce")(-1)
+            assert isinstance(_outcomes(raised, [1])[0], str)
+            assert _outcomes(ok, range(3)) == [[3.0] * 4] * 3
+    finally:
+        sess.shutdown()
+
+
+def test_a_collective_one_worker_skipped_never_pairs_with_its_next_one():
+    """Worker 1 skips an allreduce (code that differs between workers: no call failed,
+    so nobody was told): its next allreduce was matched with the one it skipped, and
+    both returned sums as values. Each member's exchange carries its call now: every
+    member sees the mismatch and fails, naming worker 1, and the CCL is given up (the
+    members are out of step) rather than left to wait for the timeout."""
+    sess = _session(3, timeout=60)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        t0 = time.monotonic()
+        skipped = sess.get_global_func("testing.allreduce_unless")(1)
+        after = sess.get_global_func("testing.allreduce_unless")(-1)
+        got = _outcomes(skipped, [0, 2]) + _outcomes(after, range(3))
+        assert all(isinstance(g, str) for g in got), got
+        assert any("worker(s) [1] reached this allreduce from a later call" in g for g in got), got
+        assert time.monotonic() - t0 < 20
+    finally:
+        sess.shutdown()
