@@ -440,8 +440,9 @@ def open_conn(url: str, port: int, key: str = "", *, token: Any = None, ssl_cont
 #: second, with no word of the certificate it lacked.
 _TLS_REFUSED_HINT = (
     " (if the {peer} requires client certificates, give one it trusts: "
-    "ssl_context.load_cert_chain(...), or --tls-cert and --tls-key; if it does not "
-    "speak TLS, connect without ssl_context)"
+    "ssl_context.load_cert_chain(...), or --tls-cert and --tls-key, or for a service's "
+    "own link to its tracker or proxy --tracker-tls-cert/--proxy-tls-cert and -key; "
+    "if it does not speak TLS, connect without ssl_context)"
 )
 
 

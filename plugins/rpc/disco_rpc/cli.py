@@ -394,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
             "time (default: wait, as TVM's tracker requests do; what the tracker has is "
             f"said after {_WAIT_NOTICE_S:g} s)",
         )
+        # (--tls-* are the server's: with --tracker they went to the tracker alone, and
+        # the session with the server was plain while the log said TLS: an outside check)
+        _add_link_tls(c, "tracker", "tracker (default: as --tls-ca, --tls-cert, --tls-key)")
         if name == "upload":
             c.add_argument("file", help="the local file")
             c.add_argument("target", nargs="?", help="the remote name (default: the file's name)")
@@ -424,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         chosen_parser(p, args).error(str(exc))
     if getattr(args, "wait_timeout", None) is not None and args.tracker is None:
         chosen_parser(p, args).error("--wait-timeout is for a request to a tracker: add --tracker")
+    for link, needs, flag in (("tracker", "tracker", "--tracker"), ("proxy", "through_proxy", "--through-proxy")):  # fmt: skip
+        given = [f"--{link}-tls-{k}" for k in ("ca", "cert", "key") if getattr(args, f"{link}_tls_{k}", None)]  # fmt: skip
+        if given and not getattr(args, needs, None):
+            chosen_parser(p, args).error(f"{given[0]} is for the link to the {link}: add {flag}")
     if getattr(args, "tls_client_ca", None) and not args.tls_cert:
         chosen_parser(p, args).error("--tls-client-ca needs --tls-cert (TLS of this service's own)")
     if getattr(args, "tls_key", None) and not getattr(args, "tls_cert", None):
@@ -492,16 +499,19 @@ def _files(args) -> int:
     if args.tracker is not None:
         from .tracker import HANDSHAKE_TIMEOUT, TrackerSession
 
-        log.info("%s: asking the tracker at %s:%d for key %r (%s)", args.cmd, *args.tracker, args.key, tls)  # fmt: skip
+        link = _link_tls(args, "tracker")
+        tracker_ctx = ctx if link is None and not args.tracker_tls_key else link
+        tracker_tls = "TLS" if tracker_ctx is not None else "no TLS"
+        log.info("%s: asking the tracker at %s:%d (%s) for a server of key %r (%s)", args.cmd, *args.tracker, tracker_tls, args.key, tls)  # fmt: skip
         # A request waits for a free server without a bound (TVM's rule): a mistyped key
         # looked like a hang, without a word (outside check). Say what the tracker has.
-        notice = threading.Timer(_WAIT_NOTICE_S, _say_still_waiting, (args, ctx))
+        notice = threading.Timer(_WAIT_NOTICE_S, _say_still_waiting, (args, tracker_ctx))
         notice.daemon = True
         notice.start()
         try:
             # (a frozen tracker took its full 10 s handshake past a shorter --wait-timeout)
             bound = {} if args.wait_timeout is None else {"connect_timeout": min(HANDSHAKE_TIMEOUT, max(args.wait_timeout, 0.1))}  # fmt: skip
-            with TrackerSession(args.tracker, ssl_context=ctx, **bound) as tracker:
+            with TrackerSession(args.tracker, ssl_context=tracker_ctx, server_ssl_context=ctx, **bound) as tracker:  # fmt: skip
                 sess = tracker.request(args.key, wait_timeout=args.wait_timeout)
         finally:
             notice.cancel()

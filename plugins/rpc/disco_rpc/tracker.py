@@ -44,8 +44,8 @@ import threading
 import time
 from typing import Any
 
-from disco_core import DiscoTimeoutError, DiscoValueError
-from disco_core.spi import AcceptLoop, Drain, Slots, SocketHandshake, is_loopback
+from disco_core import DiscoTimeoutError, DiscoValueError, InsecureBindError
+from disco_core.spi import AcceptLoop, Drain, Slots, SocketHandshake
 
 from . import auth, wire
 from .client import check_connect_args, connect
@@ -635,9 +635,19 @@ class Tracker(ServiceProcess):
         token_b = auth.resolve_token(token if token is not None else auth.tracker_token_or(None))
         check_bind(host, token_b, ssl_context, allow_insecure_bind, what="RPC tracker")
         auth.stretch_now(token_b)  # here, not in the first client's handshake
-        if tvm_protocol and not is_loopback(host):
+        if tvm_protocol:
             # TVM's peers prove nothing: as open as a tracker with neither token nor TLS
-            check_bind(host, None, None, allow_insecure_bind, what="RPC tracker's TVM protocol")  # fmt: skip
+            # (on loopback it warns so too: a mutual-TLS tracker no longer did, while
+            # any local user was served over TVM's protocol; an outside check)
+            try:
+                check_bind(host, None, None, allow_insecure_bind, what="RPC tracker's TVM protocol")  # fmt: skip
+            except InsecureBindError as exc:
+                raise InsecureBindError(
+                    f"refusing to listen on {host or 'every interface'} for the RPC tracker's "
+                    "TVM protocol: TVM's peers prove nothing (no token, no certificate), so "
+                    "neither a token nor TLS can guard it; listen on loopback, or pass "
+                    "allow_insecure_bind=True (--allow-insecure-bind) on a trusted network"
+                ) from exc
         if silent:
             logger.setLevel(logging.ERROR)
         self.host = host

@@ -558,3 +558,68 @@ def test_a_cli_server_registers_with_a_tls_tracker(tls_files, tmp_path):
     ):
         r = _run(*args)
         assert r.returncode == 2 and says in r.stderr, (args, r)
+
+
+@pytest.mark.timeout(90)
+def test_file_commands_through_a_tracker_use_tls_with_the_server_too(tls_files, tmp_path):
+    """``ls/upload/download --tracker`` gave ``--tls-*`` to the tracker link alone: the
+    session with the server went out in plaintext while the log said TLS, and a TLS
+    server could not be reached (an outside check). ``--tls-*`` are the server's, and
+    the tracker's too unless ``--tracker-tls-*`` are given."""
+    import ssl
+
+    cert, key = tls_files
+    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    sctx.load_cert_chain(cert, key)
+    cctx = ssl.create_default_context(cafile=cert)
+    tracker = rpc.Tracker(port=10900, port_end=10920, token=TOKEN, ssl_context=sctx)
+    tls_srv = rpc.Server(
+        port=10920, port_end=10940, token=TOKEN, key="tls-files", work_dir=str(tmp_path),
+        ssl_context=sctx, tracker_addr=tracker.addr, tracker_ssl_context=cctx,
+    )  # fmt: skip
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    plain_srv = rpc.Server(
+        port=10940, port_end=10960, token=TOKEN, key="plain-files", work_dir=str(plain_dir),
+        tracker_addr=tracker.addr, tracker_ssl_context=cctx,
+    )  # fmt: skip
+    try:
+        (tmp_path / "secret.txt").write_text("x")
+        (plain_dir / "open.txt").write_text("y")
+        where = ("--tracker", f"127.0.0.1:{tracker.port}")
+        r = _run("ls", *where, "--key", "tls-files", "--tls-ca", cert, "-v")
+        assert r.returncode == 0 and "secret.txt" in r.stdout.split(), r
+        r = _run("ls", *where, "--key", "plain-files", "--tracker-tls-ca", cert)
+        assert r.returncode == 0 and "open.txt" in r.stdout.split(), r
+    finally:
+        plain_srv.terminate()
+        tls_srv.terminate()
+        tracker.terminate()
+    for args, says in (
+        (["ls", "--tracker-tls-ca", cert], "--tracker-tls-ca is for the link to the tracker: add --tracker"),  # fmt: skip
+        (["server", "--proxy-tls-ca", cert], "--proxy-tls-ca is for the link to the proxy: add --through-proxy"),  # fmt: skip
+    ):
+        r = _run(*args)
+        assert r.returncode == 2 and says in r.stderr, (args, r)
+
+
+def test_a_tracker_speaking_tvms_protocol_on_loopback_warns_even_with_mutual_tls(tls_files):
+    """TVM's peers prove nothing, so a tracker with --tvm-protocol serves any local user
+    whatever its TLS; mutual TLS silenced the loopback warning (an outside check)."""
+    import ssl
+    import warnings
+
+    from disco_core.net import security
+
+    cert, key = tls_files
+    mutual = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    mutual.load_cert_chain(cert, key)
+    mutual.load_verify_locations(cert)
+    mutual.verify_mode = ssl.CERT_REQUIRED
+    security._warned_loopback.discard("RPC tracker's TVM protocol")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rpc.Tracker(port=10960, port_end=10980, ssl_context=mutual, tvm_protocol=True).terminate()
+    assert any("TVM protocol" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    with pytest.raises(disco.InsecureBindError, match="neither a token nor TLS can guard it"):
+        rpc.Tracker(host="0.0.0.0", port=10960, port_end=10980, ssl_context=mutual, tvm_protocol=True)  # fmt: skip
