@@ -596,8 +596,14 @@ def test_file_commands_through_a_tracker_use_tls_with_the_server_too(tls_files, 
         tls_srv.terminate()
         tracker.terminate()
     for args, says in (
-        (["ls", "--tracker-tls-ca", cert], "--tracker-tls-ca is for the link to the tracker: add --tracker"),  # fmt: skip
-        (["server", "--proxy-tls-ca", cert], "--proxy-tls-ca is for the link to the proxy: add --through-proxy"),  # fmt: skip
+        (
+            ["ls", "--tracker-tls-ca", cert],
+            "--tracker-tls-ca is for the link to the tracker: add --tracker",
+        ),  # fmt: skip
+        (
+            ["server", "--proxy-tls-ca", cert],
+            "--proxy-tls-ca is for the link to the proxy: add --through-proxy",
+        ),  # fmt: skip
     ):
         r = _run(*args)
         assert r.returncode == 2 and says in r.stderr, (args, r)
