@@ -377,6 +377,8 @@ _P2P_SCENARIOS = {
         ("send", 1, 1), ("recv", 1, -1), ("send", 2, -1), ("recv", 2, -1),
         ("send", 3, -1), ("recv", 3, -1),
     ],
+    # the same, as the last step: no later send, so the receive waited for its timeout
+    "split, send first, sender fails, last step": [("send", 1, 1), ("recv", 1, -1)],
     # split pairs, receive first, the sender failing between them (not in either)
     "split, receive first, sender fails between": [
         ("recv", 1, -1), ("fail", 1), ("send", 1, -1), ("recv", 2, -1), ("send", 2, -1),

@@ -45,8 +45,9 @@ _LINE = 64
 _HEADER = 4096
 _ABORT_TEXT = 256  # header offset of the abort reason
 _FAILS = 16  # header int32 (byte 64): calls that failed on any worker (0: none yet)
-_FAIL_TEXT = 32  # byte offset of the error's text in a worker's failure record
+_FAIL_TEXT = 40  # byte offset of the error's text in a worker's failure record
 _LOST = 3  # word of a worker's failure record: 1 once the session lost that worker
+_DONE = 4  # word of a worker's failure record: its last call ended, once one failed
 _FAIL_BYTES = 256  # a worker's failure record
 # A member's arrival word: the round it arrived at, above the low bits of the call it
 # arrived from (WorkerContext.calls): one word, so that a reader never sees the round
@@ -419,6 +420,9 @@ class ShmCCL(CCL):
         self._failed_call = call  # (point-to-point messages carry it: see send)
         if self.map.closed or self.broken:
             return  # (a failure this CCL caused, or knows of: the segment says so already)
+        # from now on say how far this worker got: a receive whose sender failed the
+        # call before knows, once the sender ended its call, that no message comes
+        self.ctx.on_call_end = self._publish_call_end
         at = (self.layout.fail_off + self._me * _FAIL_BYTES) // 8
         text = error.encode("utf-8", "replace")[: _FAIL_BYTES - _FAIL_TEXT - 1]
         start = at * 8 + _FAIL_TEXT
@@ -428,6 +432,10 @@ class ShmCCL(CCL):
         self.q[at] = call  # last: a peer that sees it sees the rest
         self.i[_FAILS] += 1
         _ring_all(self.map, self.layout, self.i)
+
+    def _publish_call_end(self, call: int) -> None:
+        if not self.map.closed:
+            self.q[(self.layout.fail_off + self._me * _FAIL_BYTES) // 8 + _DONE] = call
 
     def _failure(self, w: int) -> tuple[int, int, int, str]:
         """Worker ``w``'s last failed call: ``(call, world round, group round, error)``
@@ -1082,10 +1090,19 @@ class ShmCCL(CCL):
             if self.q[sent_i + self._MB_BROKEN]:
                 raise CCLError(f"recv_from_worker: {self._pair_given_up(peer, self._me)}")
             failed, _w, _g, error = self._failure(peer)
-            if failed >= self.ctx.calls:
+            call = self.ctx.calls
+            if failed >= call:
                 self._give_up_pair(peer, self._me, (
                     f"worker {peer} failed in call {failed} without sending this call's "
                     f"message ({error})"
+                ))  # fmt: skip
+            # failed in the call before (a send of the adjacent command skipped), and
+            # ended this one without sending: nothing of this call or the one before comes
+            at = (self.layout.fail_off + peer * _FAIL_BYTES) // 8 + _DONE
+            if failed and failed == call - 1 and self.q[at] >= call and not ready():
+                self._give_up_pair(peer, self._me, (
+                    f"worker {peer} failed in call {failed} and ended this receive's call "
+                    f"{call} without sending ({error})"
                 ))  # fmt: skip
 
         return gone
@@ -1161,6 +1178,8 @@ class ShmCCL(CCL):
             raise CCLError(f"recv_from_worker: {error}")
 
     def close(self) -> None:
+        if self.ctx.on_call_end == self._publish_call_end:
+            self.ctx.on_call_end = None
         self._kept.clear()  # (no later call of this CCL can get their memory now)
         self.arena.close()
         self._peers.clear()

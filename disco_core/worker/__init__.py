@@ -93,6 +93,10 @@ class WorkerContext:
         the same count on every worker at the same call, as every worker runs every
         call. A CCL uses it to tell that a peer failed in the very call it waits in
         (:meth:`~disco_core.ccl.base.CCL.call_failed`).
+    on_call_end : callable or None
+        Called with :attr:`calls` as each ``call_packed`` command ends, returned or
+        raised, when set (by a CCL that must publish how far this worker got: the shm
+        CCL, once a call of this worker failed). None otherwise: one test a call.
     store : Store
         The session's rendezvous store (:class:`disco_core.store.Store`): keys
         every worker can set, read and wait for, during ``init_ccl`` and in any
@@ -112,6 +116,7 @@ class WorkerContext:
     tracer: Any = field(default=None, repr=False)
     worker: Any = field(default=None, repr=False, compare=False)
     calls: int = field(default=0, repr=False, compare=False)
+    on_call_end: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -356,6 +361,8 @@ class Worker:
             try:
                 interrupt = isinstance(exc, (KeyboardInterrupt, SystemExit)) or self._interrupts_controller(exc)  # fmt: skip
                 self._tell_ccl_call_failed(exc)
+                if self.ctx.on_call_end is not None:
+                    self.ctx.on_call_end(self.ctx.calls)
                 name = self._names.get(func_reg, f"register {func_reg}")
                 if reg:
                     root = getattr(exc, "_disco_root", None)  # one cause, however long the chain
@@ -374,6 +381,8 @@ class Worker:
                 if record is not None:
                     record(func_reg, reg, t0)
                 raise
+        if self.ctx.on_call_end is not None:
+            self.ctx.on_call_end(self.ctx.calls)
         if record is not None:
             record(func_reg, reg, t0)
         return True

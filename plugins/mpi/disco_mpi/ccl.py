@@ -51,6 +51,7 @@ user-defined MPI operation applying the NumPy ufunc in the array's own dtype.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import threading
@@ -101,7 +102,10 @@ _ALARM_BYTES = 512
 #: A member's call failed (its call number, its collectives so far, its error): peers
 #: waiting in a collective it never entered fail at once (see ``call_failed``).
 _FAILED_TAG = 14
-_FAILED_HEAD = struct.Struct("<qqq")
+_FAILED_HEAD = struct.Struct("<qqq8s")  # call, world and group collectives, the CCL's mark
+#: An alarm's text starts with it when the member gave up for another reason than a
+#: timeout (a failed call's notice, a skipped collective): the others raise CCLError.
+_NOT_A_TIMEOUT = "\x00"
 #: Each member's descriptor exchange starts with the call it is of (see ``_exchange``).
 _CALL = struct.Struct("<q")
 #: How often a joining worker asks the session's store whether init_ccl was aborted.
@@ -316,6 +320,7 @@ class MPICCL(CCL):
     ) -> None:
         super().__init__(ctx, payload, device_ids)
         self.token = payload["token"]
+        self._mark = hashlib.blake2b(str(self.token).encode(), digest_size=8).digest()
         self.timeout = float(payload["timeout"])
         self.ordered = bool(payload["ordered"])
         self.broken = ""
@@ -347,6 +352,7 @@ class MPICCL(CCL):
         self._alarm_req = self.alarm.Irecv([self._alarm_in, MPI.BYTE], MPI.ANY_SOURCE, _ALARM_TAG)
         self._notice_in = bytearray(_ALARM_BYTES)
         self._alarm_out: list[Any] = []
+        self._alarm_timed_out = True  # (see _break)
         self._out_bufs: list[bytes] = []  # what the requests of _alarm_out send
         if ctx.num_groups > 1:
             self.group = world.Split(ctx.group_id, self._me)
@@ -487,13 +493,14 @@ class MPICCL(CCL):
                 raise CCLError(f"{what} aborted: {reason}; {_UNRECOVERABLE}")
             if self._alarmed():  # a member timed out: this collective has, for all
                 _ABANDONED.append(req)
-                raise CCLTimeoutError(f"{what}: {self.broken}; {_UNRECOVERABLE}")
+                error = CCLTimeoutError if self._alarm_timed_out else CCLError
+                raise error(f"{what}: {self.broken}; {_UNRECOVERABLE}")
             self._take_notices()
             if self._notices:
                 gone = self._settle_notices(entered, self._seq.get(id(entered), 0))
                 if gone:
                     _ABANDONED.append(req)
-                    self._break(gone)
+                    self._break(gone, timed_out=False)
                     raise CCLError(f"{what.partition(':')[0]}: {gone}; {_UNRECOVERABLE}")
             if now > deadline:
                 _ABANDONED.append(req)
@@ -507,10 +514,12 @@ class MPICCL(CCL):
                 pause = min(pause * 1.5 + 2e-5, _MAX_PAUSE, (now - start) / _PAUSE_DIVISOR)
                 time.sleep(pause)
 
-    def _break(self, reason: str) -> None:
-        """Mark the CCL unusable here and tell every other member (see ``_alarmed``)."""
+    def _break(self, reason: str, timed_out: bool = True) -> None:
+        """Mark the CCL unusable here and tell every other member (see ``_alarmed``);
+        ``timed_out`` False: not a timeout, so the members raise ``CCLError``."""
         self.broken = reason
-        msg = reason.encode()[:_ALARM_BYTES]
+        self._alarm_timed_out = timed_out
+        msg = (reason if timed_out else _NOT_A_TIMEOUT + reason).encode()[:_ALARM_BYTES]
         for peer in range(self._n):
             if peer != self._me:
                 try:
@@ -579,6 +588,8 @@ class MPICCL(CCL):
         if not self._alarm_req.Test(status):
             return False
         text = bytes(self._alarm_in[: status.Get_count(self.MPI.BYTE)]).decode(errors="replace")
+        if text.startswith(_NOT_A_TIMEOUT):
+            text, self._alarm_timed_out = text[len(_NOT_A_TIMEOUT) :], False
         self.broken = text or f"worker {status.Get_source()} failed"
         return True
 
@@ -592,14 +603,20 @@ class MPICCL(CCL):
         """
         MPI = self.MPI
         status = MPI.Status()
-        while self.alarm.Iprobe(MPI.ANY_SOURCE, _FAILED_TAG, status):
+        while (message := self.alarm.Improbe(MPI.ANY_SOURCE, _FAILED_TAG, status)) is not None:
             peer = status.Get_source()
             n = status.Get_count(MPI.BYTE)
             buf = self._notice_in if n <= len(self._notice_in) else bytearray(n)
-            self.alarm.Recv([buf, n, MPI.BYTE], peer, _FAILED_TAG)
+            message.Recv([buf, n, MPI.BYTE])  # (this very message, whatever its source)
             data = bytes(buf[:n])
-            if len(data) >= _FAILED_HEAD.size:
-                call, world, group = _FAILED_HEAD.unpack_from(data)
+            if 0 <= peer < self._n and peer != self._me and len(data) >= _FAILED_HEAD.size:
+                call, world, group, mark = _FAILED_HEAD.unpack_from(data)
+                if mark != self._mark:
+                    # A notice of an earlier session's CCL, still on its way when that
+                    # one freed its communicator: MPICH gives a freed communicator's
+                    # context to the next one made, where it matched (an invalid rank
+                    # from a session of 4 workers raised in the next session's CCL of 3).
+                    continue
                 error = data[_FAILED_HEAD.size :].decode(errors="replace")
                 self._notices[peer] = (call, world, group, error)
 
@@ -612,7 +629,7 @@ class MPICCL(CCL):
         first, the exchange finds the calls differ (``_exchange``)."""
         if self.broken or self._n == 1:
             return
-        head = _FAILED_HEAD.pack(call, self._seq[id(self.world)], self._seq[id(self.group)])
+        head = _FAILED_HEAD.pack(call, self._seq[id(self.world)], self._seq[id(self.group)], self._mark)  # fmt: skip
         msg = head + error.encode("utf-8", "replace")[: _ALARM_BYTES - len(head)]
         self._send_all(msg, _FAILED_TAG, [p for p in range(self._n) if p != self._me])
         self._push_alarm(0.05)  # (MPI moves it only while someone here tests it)
@@ -709,7 +726,8 @@ class MPICCL(CCL):
                 f"worker(s) {skipped} reached this {op.partition(':')[0]} from a later call "
                 f"({late}; worker {self._me}'s is {call}): they skipped a collective (after "
                 "a call of theirs failed, or in code that differs between workers), so the "
-                "members are out of step"
+                "members are out of step",
+                timed_out=False,
             )
             raise CCLError(f"{op.partition(':')[0]}: {self.broken}; {_UNRECOVERABLE}")
         raw = [bytes(inbuf[k * size + _CALL.size : (k + 1) * size]) for k in range(n)]

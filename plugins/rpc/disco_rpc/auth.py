@@ -442,7 +442,7 @@ _TLS_REFUSED_HINT = (
     " (if the {peer} requires client certificates, give one it trusts: "
     "ssl_context.load_cert_chain(...), or --tls-cert and --tls-key, or for a service's "
     "own link to its tracker or proxy --tracker-tls-cert/--proxy-tls-cert and -key; "
-    "if it does not speak TLS, connect without ssl_context)"
+    "if it does not speak TLS, connect without ssl_context, or without --tls-*)"
 )
 
 

@@ -184,12 +184,12 @@ def _add_tls_server(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_link_tls(p: argparse.ArgumentParser, link: str, what: str) -> None:
+def _add_link_tls(p: argparse.ArgumentParser, link: str, what: str, default: str = "") -> None:
     """``--{link}-tls-ca``/``-cert``/``-key``: TLS for the link this service opens to ``what``
     (the service's own ``--tls-*`` options are for those that connect to it)."""
     p.add_argument(
         f"--{link}-tls-ca", metavar="FILE",
-        help=f"reach the {what} over TLS, checking it with this CA bundle",
+        help=f"reach the {what} over TLS, checking it with this CA bundle{default}",
     )  # fmt: skip
     p.add_argument(
         f"--{link}-tls-cert", metavar="FILE",
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         # (--tls-* are the server's: with --tracker they went to the tracker alone, and
         # the session with the server was plain while the log said TLS: an outside check)
-        _add_link_tls(c, "tracker", "tracker (default: as --tls-ca, --tls-cert, --tls-key)")
+        _add_link_tls(c, "tracker", "tracker", " (default: as --tls-ca, --tls-cert, --tls-key)")
         if name == "upload":
             c.add_argument("file", help="the local file")
             c.add_argument("target", nargs="?", help="the remote name (default: the file's name)")
