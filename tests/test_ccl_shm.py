@@ -383,6 +383,10 @@ _P2P_SCENARIOS = {
     "split, receive first, sender fails between": [
         ("recv", 1, -1), ("fail", 1), ("send", 1, -1), ("recv", 2, -1), ("send", 2, -1),
     ],
+    # the same, the message in two pieces: its send waited for the CCL's timeout
+    "split, receive first, receiver fails, large": [
+        ("recv", 1, 0, "large"), ("send", 1, -1, "large"),
+    ],
     "split, receive first, receiver fails": [
         ("recv", 1, 0), ("send", 1, -1), ("recv", 2, -1), ("send", 2, -1),
     ],

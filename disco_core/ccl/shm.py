@@ -1071,10 +1071,19 @@ class ShmCCL(CCL):
             if self.q[sent_i + self._MB_BROKEN]:
                 raise CCLError(f"send_to_worker: {self._pair_given_up(self._me, peer)}")
             failed, _w, _g, error = self._failure(peer)
-            if failed and failed >= self.q[sent_i + self._MB_CALL]:
+            pending = self.q[sent_i + self._MB_CALL]
+            if failed and failed >= pending:
                 self._give_up_pair(self._me, peer, (
                     f"worker {peer} failed in call {failed} without taking this worker's "
-                    f"message of call {self.q[sent_i + self._MB_CALL]} ({error})"
+                    f"message of call {pending} ({error})"
+                ))  # fmt: skip
+            # failed the call before (a receive of the adjacent command skipped), and
+            # ended the message's call without taking it: its receive would give it up
+            done = self.q[(self.layout.fail_off + peer * _FAIL_BYTES) // 8 + _DONE]
+            if failed and failed == pending - 1 and done >= pending and not ready():
+                self._give_up_pair(self._me, peer, (
+                    f"worker {peer} failed in call {failed} and ended call {pending} "
+                    f"without taking this worker's message of it ({error})"
                 ))  # fmt: skip
 
         return gone

@@ -720,13 +720,14 @@ class MPICCL(CCL):
         if calls != [call] * n:
             # A member skipped a collective, after a call of it failed: this exchange is
             # of two collectives, and every member sees it (nothing is left pending).
-            late = max(calls)
+            late, early = max(calls), min(calls)
             skipped = [start + k for k, c in enumerate(calls) if c == late]
+            behind = [start + k for k, c in enumerate(calls) if c != late]
             self._break(
-                f"worker(s) {skipped} reached this {op.partition(':')[0]} from a later call "
-                f"({late}; worker {self._me}'s is {call}): they skipped a collective (after "
-                "a call of theirs failed, or in code that differs between workers), so the "
-                "members are out of step",
+                f"worker(s) {skipped} reached this {op.partition(':')[0]} from call {late}, "
+                f"worker(s) {behind} from call {early}: the first skipped a collective "
+                "(after a call of theirs failed, or in code that differs between workers), "
+                "so the members are out of step",
                 timed_out=False,
             )
             raise CCLError(f"{op.partition(':')[0]}: {self.broken}; {_UNRECOVERABLE}")
