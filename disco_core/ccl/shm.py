@@ -138,6 +138,11 @@ class Layout:
     def mailbox(self, sender: int, receiver: int) -> int:
         return self.mbox_base + (sender * self.num_workers + receiver) * self.mbox_stride
 
+    def record(self, worker: int) -> int:
+        """The first word (an index of the segment's 8-byte words) of ``worker``'s
+        failure record."""
+        return (self.fail_off + worker * _FAIL_BYTES) // 8
+
 
 def abort_segment(segment: mmap.mmap, layout: Layout, reason: str, timed_out: bool = False) -> None:
     """Mark the segment aborted (every member's next wait or collective fails) and wake all.
@@ -200,7 +205,7 @@ class ShmRendezvous(Rendezvous):
             try:
                 for w in worker_ids:
                     if 0 <= w < self.layout.num_workers:
-                        q[(self.layout.fail_off + w * _FAIL_BYTES) // 8 + _LOST] = 1
+                        q[self.layout.record(w) + _LOST] = 1
             finally:
                 q.release()
         super().workers_lost(worker_ids, reason)
@@ -423,7 +428,7 @@ class ShmCCL(CCL):
         # from now on say how far this worker got: a receive whose sender failed the
         # call before knows, once the sender ended its call, that no message comes
         self.ctx.on_call_end = self._publish_call_end
-        at = (self.layout.fail_off + self._me * _FAIL_BYTES) // 8
+        at = self.layout.record(self._me)
         text = error.encode("utf-8", "replace")[: _FAIL_BYTES - _FAIL_TEXT - 1]
         start = at * 8 + _FAIL_TEXT
         self.map[start : start + len(text) + 1] = text + b"\0"
@@ -435,12 +440,12 @@ class ShmCCL(CCL):
 
     def _publish_call_end(self, call: int) -> None:
         if not self.map.closed:
-            self.q[(self.layout.fail_off + self._me * _FAIL_BYTES) // 8 + _DONE] = call
+            self.q[self.layout.record(self._me) + _DONE] = call
 
     def _failure(self, w: int) -> tuple[int, int, int, str]:
         """Worker ``w``'s last failed call: ``(call, world round, group round, error)``
         (call 0: none)."""
-        at = self.layout.fail_off // 8 + w * (_FAIL_BYTES // 8)
+        at = self.layout.record(w)
         q = self.q
         call = q[at]
         if not call:
@@ -509,16 +514,16 @@ class ShmCCL(CCL):
             error = CCLTimeoutError if self.i[0] == 2 else CCLError
             raise error(f"{what} aborted: {self.broken}")
 
-    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None, comm: _Comm | None = None, gone=None) -> None:  # fmt: skip
+    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None, comm: _Comm | None = None, pair: tuple[int, int, bool] | None = None) -> None:  # fmt: skip
         """Wait until ``ready()``; sleep on the futex at ``addr`` between checks.
 
         ``asleep``: the word (of ``self.q``) where this member says it may sleep, for
         wakers that ring with ``sleepers`` (:meth:`_ring`). Once a call failed on any
         worker, whenever the wait looks again, ready or not, a collective's round of
         ``comm`` is checked (:meth:`_check_round`: an arrival may then be another
-        call's); one int read a wait otherwise. ``gone()``, for a point-to-point wait,
-        is asked likewise whether the peer failed past the point of sending (or taking)
-        what is waited for; it raises then.
+        call's); one int read a wait otherwise. ``pair``, for a point-to-point wait
+        (``(peer, sent_i, sending)``), is checked likewise (:meth:`_pair_gone`): the
+        peer may have failed past the point of sending (or taking) what is waited for.
         """
         if ready():
             if comm is not None and self.i[_FAILS]:
@@ -542,7 +547,7 @@ class ShmCCL(CCL):
                     return
         deadline = time.monotonic() + self.timeout
         if asleep is None:
-            return self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.05, comm, gone)
+            return self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.05, comm, pair)
         # Said before the bell is read: a waker that rings after this read wakes us. A
         # waker whose check raced this store (a CPU may let its read pass its store)
         # can miss it: the first sleep is short, so that costs at most 2 ms.
@@ -552,7 +557,7 @@ class ShmCCL(CCL):
         finally:
             self.q[asleep] = 0
 
-    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float, comm: _Comm | None = None, gone=None) -> None:  # fmt: skip
+    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float, comm: _Comm | None = None, pair: tuple[int, int, bool] | None = None) -> None:  # fmt: skip
         what = what.partition(":")[0]  # "allreduce:sum" -> "allreduce"
         words = self.i
         nap = first
@@ -565,8 +570,8 @@ class ShmCCL(CCL):
                 return
             if fails is not None:
                 self._check_round(what, fails)
-            if gone is not None and words[_FAILS]:
-                gone()
+            if pair is not None and words[_FAILS]:
+                self._pair_gone(*pair, ready)
             self._check_abort(what)
             now = time.monotonic()
             if now > deadline:
@@ -827,7 +832,7 @@ class ShmCCL(CCL):
         self.broken = self.broken or reason
         abort_segment(self.map, self.layout, reason)
         target = (comm.round + 1) << _CALL_BITS  # the peers' arrival at the round's end
-        base = self.layout.fail_off // 8
+        record = self.layout.record
         q, words = self.q, self.i
         deadline = time.monotonic() + self.timeout
         pending: BaseException | None = None
@@ -835,7 +840,7 @@ class ShmCCL(CCL):
             try:
                 seen = words[comm.bell]
                 if all(
-                    w == self._me or q[idx] >= target or q[base + w * (_FAIL_BYTES // 8) + _LOST]
+                    w == self._me or q[idx] >= target or q[record(w) + _LOST]
                     for idx, w in zip(comm.arrive, comm.members)
                 ):
                     break
@@ -1024,10 +1029,7 @@ class ShmCCL(CCL):
             def ready(posted: int = posted) -> bool:
                 return q[acked_i] >= posted
 
-            self._wait(
-                ready, bell, addr, "send_to_worker", lambda: [peer],
-                gone=self._receiver_gone(peer, sent_i, ready),
-            )  # fmt: skip
+            self._wait(ready, bell, addr, "send_to_worker", lambda: [peer], pair=(peer, sent_i, True))  # fmt: skip
             if first:
                 self.map[head : head + validate.DESC_BYTES] = validate.pack(desc)
                 q[sent_i + self._MB_CALL] = call
@@ -1060,61 +1062,30 @@ class ShmCCL(CCL):
         op = "send_to_worker" if sender == self._me else "recv_from_worker"
         raise CCLError(f"{op}: {why}; {self._pair_given_up(sender, receiver)}")
 
-    def _receiver_gone(self, peer: int, sent_i: int, ready):
-        """For a send waiting for the mailbox: the pair is given up once ``peer`` failed
-        in or after the call of the message it has not taken (its next receive will be
-        of a later call, after that failure), or was given up by ``peer``."""
-
-        def gone() -> None:
-            if ready():
-                return
-            if self.q[sent_i + self._MB_BROKEN]:
-                raise CCLError(f"send_to_worker: {self._pair_given_up(self._me, peer)}")
-            failed, _w, _g, error = self._failure(peer)
-            pending = self.q[sent_i + self._MB_CALL]
-            if failed and failed >= pending:
-                self._give_up_pair(self._me, peer, (
-                    f"worker {peer} failed in call {failed} without taking this worker's "
-                    f"message of call {pending} ({error})"
-                ))  # fmt: skip
-            # failed the call before (a receive of the adjacent command skipped), and
-            # ended the message's call without taking it: its receive would give it up
-            done = self.q[(self.layout.fail_off + peer * _FAIL_BYTES) // 8 + _DONE]
-            if failed and failed == pending - 1 and done >= pending and not ready():
-                self._give_up_pair(self._me, peer, (
-                    f"worker {peer} failed in call {failed} and ended call {pending} "
-                    f"without taking this worker's message of it ({error})"
-                ))  # fmt: skip
-
-        return gone
-
-    def _sender_gone(self, peer: int, sent_i: int, ready):
-        """For a receive waiting for a message: the pair is given up once ``peer`` failed
-        in this call or a later one without sending (any message it sends later follows
-        that failure), or was given up by ``peer``."""
-
-        def gone() -> None:
-            if ready():
-                return
-            if self.q[sent_i + self._MB_BROKEN]:
-                raise CCLError(f"recv_from_worker: {self._pair_given_up(peer, self._me)}")
-            failed, _w, _g, error = self._failure(peer)
-            call = self.ctx.calls
-            if failed >= call:
-                self._give_up_pair(peer, self._me, (
-                    f"worker {peer} failed in call {failed} without sending this call's "
-                    f"message ({error})"
-                ))  # fmt: skip
-            # failed in the call before (a send of the adjacent command skipped), and
-            # ended this one without sending: nothing of this call or the one before comes
-            at = (self.layout.fail_off + peer * _FAIL_BYTES) // 8 + _DONE
-            if failed and failed == call - 1 and self.q[at] >= call and not ready():
-                self._give_up_pair(peer, self._me, (
-                    f"worker {peer} failed in call {failed} and ended this receive's call "
-                    f"{call} without sending ({error})"
-                ))  # fmt: skip
-
-        return gone
+    def _pair_gone(self, peer: int, sent_i: int, sending: bool, ready) -> None:
+        """For a send waiting for the mailbox (``sending``) or a receive waiting for a
+        message, not ``ready()``: give the pair up once ``peer`` failed in or after the
+        call it waits on (the pending message's, or this receive's), or failed in the
+        call before it (a send or receive of the adjacent command skipped) and has
+        ended that call without what is waited for; raise once ``peer`` gave it up."""
+        if ready():
+            return
+        sender, receiver = (self._me, peer) if sending else (peer, self._me)
+        q = self.q
+        if q[sent_i + self._MB_BROKEN]:
+            op = "send_to_worker" if sending else "recv_from_worker"
+            raise CCLError(f"{op}: {self._pair_given_up(sender, receiver)}")
+        failed, _w, _g, error = self._failure(peer)
+        if not failed:
+            return
+        call = q[sent_i + self._MB_CALL] if sending else self.ctx.calls
+        what = f"taking this worker's message of call {call}" if sending else f"sending the message of call {call}"  # fmt: skip
+        if failed >= call:
+            self._give_up_pair(sender, receiver, f"worker {peer} failed in call {failed} without {what} ({error})")  # fmt: skip
+        if failed == call - 1 and q[self.layout.record(peer) + _DONE] >= call and not ready():
+            self._give_up_pair(sender, receiver, (
+                f"worker {peer} failed in call {failed} and ended call {call} without {what} ({error})"
+            ))  # fmt: skip
 
     def _check_pairing(self, peer: int, sent_i: int) -> None:
         """Once some call failed: give the pair up when the message in hand may not be
@@ -1154,10 +1125,7 @@ class ShmCCL(CCL):
             def ready() -> bool:
                 return q[sent_i] > got
 
-            self._wait(
-                ready, bell, addr, "recv_from_worker", lambda: [peer],
-                gone=self._sender_gone(peer, sent_i, ready),
-            )  # fmt: skip
+            self._wait(ready, bell, addr, "recv_from_worker", lambda: [peer], pair=(peer, sent_i, False))  # fmt: skip
 
         def done() -> None:
             self._recvd[peer] += 1

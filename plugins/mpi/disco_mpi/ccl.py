@@ -520,13 +520,7 @@ class MPICCL(CCL):
         self.broken = reason
         self._alarm_timed_out = timed_out
         msg = (reason if timed_out else _NOT_A_TIMEOUT + reason).encode()[:_ALARM_BYTES]
-        for peer in range(self._n):
-            if peer != self._me:
-                try:
-                    self._alarm_out.append(self.alarm.Isend([msg, self.MPI.BYTE], peer, _ALARM_TAG))
-                except Exception:  # noqa: BLE001 - a dead peer; the others still hear it
-                    pass
-        self._push_alarm(0.1)
+        self._send_all(msg, _ALARM_TAG, 0.1)
 
     def _push_alarm(self, seconds: float) -> None:
         """Drive the alarm's sends (MPI moves data only while this process calls MPI)."""
@@ -631,17 +625,19 @@ class MPICCL(CCL):
             return
         head = _FAILED_HEAD.pack(call, self._seq[id(self.world)], self._seq[id(self.group)], self._mark)  # fmt: skip
         msg = head + error.encode("utf-8", "replace")[: _ALARM_BYTES - len(head)]
-        self._send_all(msg, _FAILED_TAG, [p for p in range(self._n) if p != self._me])
-        self._push_alarm(0.05)  # (MPI moves it only while someone here tests it)
+        self._send_all(msg, _FAILED_TAG, 0.05)  # (MPI moves it only while it is tested here)
 
-    def _send_all(self, msg: bytes, tag: int, peers: Sequence[int]) -> None:
+    def _send_all(self, msg: bytes, tag: int, push: float) -> None:
+        """Send ``msg`` with ``tag`` on the alarm's communicator to every other member,
+        driving the sends for up to ``push`` seconds (see ``_push_alarm``)."""
         self._out_bufs.append(msg)  # (alive until MPI has sent it)
-        for peer in peers:
-            try:
-                self._alarm_out.append(self.alarm.Isend([msg, self.MPI.BYTE], peer, tag))
-            except Exception:  # noqa: BLE001 - a dead peer; the others still hear it
-                pass
-        self._push_alarm(0.0)
+        for peer in range(self._n):
+            if peer != self._me:
+                try:
+                    self._alarm_out.append(self.alarm.Isend([msg, self.MPI.BYTE], peer, tag))
+                except Exception:  # noqa: BLE001 - a dead peer; the others still hear it
+                    pass
+        self._push_alarm(push)
 
     def _settle_notices(self, comm: Any, seq: int) -> str:
         """Forget the notices of calls this worker is past; return why a member of

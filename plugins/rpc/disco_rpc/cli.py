@@ -69,17 +69,18 @@ def _tls_server(cert: str | None, keyfile: str | None, client_ca: str | None = N
     return ctx
 
 
-def _tls_client(cafile: str | None, insecure: bool, cert: str | None = None, keyfile: str | None = None):  # fmt: skip
+def _tls_client(cafile: str | None, insecure: bool, cert: str | None = None, keyfile: str | None = None, prefix: str = "--tls"):  # fmt: skip
+    """A client context of the options ``{prefix}-ca``, ``-cert``, ``-key`` (None without)."""
     if not cafile and not insecure and not cert:
         return None
     import ssl
 
-    ctx = _load_tls(lambda ca: ssl.create_default_context(cafile=ca), ("--tls-ca", cafile))
+    ctx = _load_tls(lambda ca: ssl.create_default_context(cafile=ca), (f"{prefix}-ca", cafile))
     if insecure:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
     if cert:  # for a service that requires client certificates (--tls-client-ca there)
-        _load_tls(ctx.load_cert_chain, ("--tls-cert", cert), ("--tls-key", keyfile))
+        _load_tls(ctx.load_cert_chain, (f"{prefix}-cert", cert), (f"{prefix}-key", keyfile))
     return ctx
 
 
@@ -203,14 +204,7 @@ def _link_tls(args, link: str):
     ca, cert, key = (getattr(args, f"{link}_tls_{k}", None) for k in ("ca", "cert", "key"))
     if key and not cert:
         raise _TLSFilesError(f"--{link}-tls-key needs --{link}-tls-cert (the certificate it is the key of)")  # fmt: skip
-    if not ca and not cert:
-        return None
-    import ssl
-
-    ctx = _load_tls(lambda f: ssl.create_default_context(cafile=f), (f"--{link}-tls-ca", ca))
-    if cert:
-        _load_tls(ctx.load_cert_chain, (f"--{link}-tls-cert", cert), (f"--{link}-tls-key", key))
-    return ctx
+    return _tls_client(ca, False, cert, key, prefix=f"--{link}-tls")
 
 
 def _add_connect(p: argparse.ArgumentParser, port: int, what: str) -> None:
@@ -500,7 +494,7 @@ def _files(args) -> int:
         from .tracker import HANDSHAKE_TIMEOUT, TrackerSession
 
         link = _link_tls(args, "tracker")
-        tracker_ctx = ctx if link is None and not args.tracker_tls_key else link
+        tracker_ctx = ctx if link is None else link
         tracker_tls = "TLS" if tracker_ctx is not None else "no TLS"
         log.info("%s: asking the tracker at %s:%d (%s) for a server of key %r (%s)", args.cmd, *args.tracker, tracker_tls, args.key, tls)  # fmt: skip
         # A request waits for a free server without a bound (TVM's rule): a mistyped key
