@@ -320,6 +320,38 @@ def test_a_failed_call_leaves_later_collectives_alone_and_never_pairs_calls(kind
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["threaded", "process"])
+@pytest.mark.parametrize("skipper", [0, 1])
+def test_code_that_skips_a_collective_on_one_worker_is_an_error_not_a_mixed_value(kind, skipper):
+    """No call fails, but one worker's code skips an allreduce that the others run: its
+    next allreduce was paired with theirs (one value from two collectives), and their
+    next waited for the CCL timeout (30 s here), before the calls were compared without
+    a failure. Every member now fails naming the two calls, within the timeout, and
+    the CCL says it is unusable."""
+    with disco.Session.create(kind, num_workers=3) as sess:
+        sess.import_python_module("disco_core.testing.funcs")
+        sess.init_ccl("shm", timeout=30)
+        t0 = time.monotonic()
+        skipped = sess.get_global_func("testing.allreduce_unless")(skipper)
+        after = sess.get_global_func("testing.allreduce_unless")(-1)
+        got = []
+        for ref, workers in ((skipped, [w for w in range(3) if w != skipper]), (after, range(3))):
+            for w in workers:
+                try:
+                    got.append(ref.debug_get_from_remote(w).tolist())
+                except disco.WorkerError as exc:
+                    got.append(str(exc))
+        assert time.monotonic() - t0 < 20
+        assert all(isinstance(g, str) for g in got), got
+        assert any("the workers ran different collectives" in g for g in got), got
+        assert any(
+            f"worker {skipper} from call" in g or f"worker {skipper} reached" in g for g in got
+        ), got
+        with pytest.raises(disco.WorkerError, match="unusable"):
+            sess.get_global_func("testing.allreduce_unless")(-1).debug_get_from_remote(0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "process"])
 @pytest.mark.parametrize("fails_again", [False, True])
 def test_a_slow_peer_never_pairs_with_a_failed_workers_next_call(kind, fails_again):
     """Worker 1 fails before a collective that worker 0 reaches late (after 0.5 s); worker

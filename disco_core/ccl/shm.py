@@ -462,16 +462,31 @@ class ShmCCL(CCL):
             f"{what.partition(':')[0]}: {reason}; the shm CCL of this session is unusable now"
         )
 
+    def _check_arrivals(self, what: str, comm: _Comm) -> None:
+        """Every member has arrived at this round of ``comm``: whether all from this
+        member's call (one read a member when they did, the usual case), or else
+        whether the round can end (:meth:`_check_round`). Checked whether or not a call
+        failed: code that differs between workers (one skips a collective, or runs
+        one more) pairs two different collectives otherwise, and each member's value
+        would be a mix of them (the mpi CCL checks the same way)."""
+        q = self.q
+        mine = q[comm.arrive[comm.rank]]
+        for idx in comm.arrive:
+            if q[idx] != mine:
+                self._check_round(what, comm)
+                return
+
     def _check_round(self, what: str, comm: _Comm) -> None:
-        """Since some call failed on some worker: whether this round of ``comm`` can end.
+        """Whether this round of ``comm`` can end.
 
         Every member's arrival word carries the call it arrived from
         (:attr:`WorkerContext.calls`, the same on every worker at the same collective).
-        A member at this round from another call skipped a collective, after a call
-        that failed before it: its arrival is not this round's, and using its data
-        would be wrong data (an outside check: 101 for 100 + 100). A member already a
-        round further took part in this one. A member that has not arrived and has
-        failed in this call or a later one, before this round, will never come.
+        A member at this round from another call skipped a collective (after a call
+        of it failed, or in code that differs between workers), or ran one more: its
+        arrival is not this round's, and using its data would be wrong data (an
+        outside check: 101 for 100 + 100). A member already a round further took part
+        in this one. A member that has not arrived and has failed in this call or a
+        later one, before this round, will never come.
         """
         call, me, r = self.ctx.calls, self._me, comm.round
         q = self.q
@@ -487,13 +502,17 @@ class ShmCCL(CCL):
                 theirs = word & _CALL_MASK
                 mine = call & _CALL_MASK
                 if theirs != mine:
-                    # the one from the later call is the one that skipped a collective
+                    # after a failure, the one from the later call skipped a collective
                     skipped = w if theirs > mine else me
-                    _c, _wr, _gr, error = self._failure(skipped)
+                    failed, _wr, _gr, error = self._failure(skipped)
                     self._give_up(what, (
                         f"worker {w} reached this {op} from another call ({theirs}, worker "
                         f"{me}'s is {mine}): worker {skipped} skipped a collective after a "
                         "call of it failed" + (f" ({error})" if error else "")
+                        if failed else
+                        f"worker {w} reached this {op} from call {theirs}, worker {me} from "
+                        f"call {mine}: the workers ran different collectives (one skipped "
+                        "a collective, or ran one more)"
                     ))  # fmt: skip
                 continue
             failed, world, group, error = self._failure(w)
@@ -518,16 +537,17 @@ class ShmCCL(CCL):
         """Wait until ``ready()``; sleep on the futex at ``addr`` between checks.
 
         ``asleep``: the word (of ``self.q``) where this member says it may sleep, for
-        wakers that ring with ``sleepers`` (:meth:`_ring`). Once a call failed on any
-        worker, whenever the wait looks again, ready or not, a collective's round of
-        ``comm`` is checked (:meth:`_check_round`: an arrival may then be another
-        call's); one int read a wait otherwise. ``pair``, for a point-to-point wait
+        wakers that ring with ``sleepers`` (:meth:`_ring`). When a collective's round
+        of ``comm`` is ready, the calls the members arrived from are compared
+        (:meth:`_check_arrivals`); once a call failed on any worker, the round is also
+        checked whenever the wait looks again (:meth:`_check_round`: a member that
+        failed may never come). ``pair``, for a point-to-point wait
         (``(peer, sent_i, sending)``), is checked likewise (:meth:`_pair_gone`): the
         peer may have failed past the point of sending (or taking) what is waited for.
         """
         if ready():
-            if comm is not None and self.i[_FAILS]:
-                self._check_round(what, comm)
+            if comm is not None:
+                self._check_arrivals(what, comm)
             return
         if self.spin:
             # Poll (hot for _HOT_SPIN, then yielding the core), then sleep on the futex.
@@ -536,14 +556,14 @@ class ShmCCL(CCL):
             hot, until = start + _HOT_SPIN, start + self.spin
             while clock() < hot:
                 if ready():
-                    if comm is not None and self.i[_FAILS]:
-                        self._check_round(what, comm)
+                    if comm is not None:
+                        self._check_arrivals(what, comm)
                     return
             while clock() < until:
                 os.sched_yield()
                 if ready():
-                    if comm is not None and self.i[_FAILS]:
-                        self._check_round(what, comm)
+                    if comm is not None:
+                        self._check_arrivals(what, comm)
                     return
         deadline = time.monotonic() + self.timeout
         if asleep is None:
@@ -565,8 +585,8 @@ class ShmCCL(CCL):
             seen = words[bell]
             fails = comm if words[_FAILS] else None  # (see _wait)
             if ready():
-                if fails is not None:
-                    self._check_round(what, fails)
+                if comm is not None:
+                    self._check_arrivals(what, comm)
                 return
             if fails is not None:
                 self._check_round(what, fails)
