@@ -95,8 +95,12 @@ _SPIN_S = 0.01
 _SPIN_PER_BYTE = 1e-8
 _MAX_PAUSE = 0.001
 _PAUSE_DIVISOR = 64
-_DESC_TAG = 11
-_DATA_TAG = 12
+#: Point-to-point messages (a head, then the data) go with a pair of tags of their
+#: CCL's own, from 16 on (every MPI allows tags up to 32767 at least): worker 0 lives in
+#: the controller's process, whose MPI gives a freed communicator's context to the next
+#: one made, so a message left unreceived by an earlier session's CCL matched a receive
+#: of the next one (an earlier session's value, taken as this one's).
+_P2P_TAGS = 16000
 _ALARM_TAG = 13
 _ALARM_BYTES = 512
 #: A member's call failed (its call number, its collectives so far, its error): peers
@@ -108,6 +112,9 @@ _FAILED_HEAD = struct.Struct("<qqq8s")  # call, world and group collectives, the
 _NOT_A_TIMEOUT = "\x00"
 #: Each member's descriptor exchange starts with the call it is of (see ``_exchange``).
 _CALL = struct.Struct("<q")
+#: A point-to-point message's head starts with the call it was sent in, its sender's
+#: last failed call (see ``recv``) and its CCL's mark (two CCLs' tags may collide).
+_P2P_HEAD = struct.Struct("<qq8s")
 #: How often a joining worker asks the session's store whether init_ccl was aborted.
 _STORE_POLL_S = 0.25
 _UNRECOVERABLE = (
@@ -321,6 +328,10 @@ class MPICCL(CCL):
         super().__init__(ctx, payload, device_ids)
         self.token = payload["token"]
         self._mark = hashlib.blake2b(str(self.token).encode(), digest_size=8).digest()
+        self._failed_call = 0  # this worker's last failed call (point-to-point heads carry it)
+        tag = 16 + 2 * (int.from_bytes(self._mark[:4], "little") % _P2P_TAGS)
+        self._desc_tag, self._data_tag = tag, tag + 1
+        self._given_up: dict[int, str] = {}  # senders whose messages to this worker (see recv)
         self.timeout = float(payload["timeout"])
         self.ordered = bool(payload["ordered"])
         self.broken = ""
@@ -621,6 +632,7 @@ class MPICCL(CCL):
         ``error``, rather than at its timeout (TVM waits for ever), and gives the CCL
         up (its exchange cannot be withdrawn). If this worker's next collective comes
         first, the exchange finds the calls differ (``_exchange``)."""
+        self._failed_call = call
         if self.broken or self._n == 1:
             return
         head = _FAILED_HEAD.pack(call, self._seq[id(self.world)], self._seq[id(self.group)], self._mark)  # fmt: skip
@@ -893,35 +905,79 @@ class MPICCL(CCL):
         self._comm(False, collective=False)
         peer = self._check_peer(peer, "send_to_worker")
         desc = validate.describe_send(buf)
-        head = np.frombuffer(validate.pack(desc), np.uint8).copy()
-        reqs = [self.p2p.Isend([head, self.MPI.BYTE], peer, _DESC_TAG)]
+        call = _P2P_HEAD.pack(self.ctx.calls, self._failed_call, self._mark)
+        head = np.frombuffer(call + validate.pack(desc), np.uint8).copy()
+        reqs = [self.p2p.Isend([head, self.MPI.BYTE], peer, self._desc_tag)]
         if desc.status:
             self._wait(reqs, "send_to_worker")
             raise CCLError(f"send_to_worker: {desc.error}")
         data = np.ascontiguousarray(buf)
         if data.nbytes:
-            reqs.append(self.p2p.Isend([data, data.nbytes, self.MPI.BYTE], peer, _DATA_TAG))
+            reqs.append(self.p2p.Isend([data, data.nbytes, self.MPI.BYTE], peer, self._data_tag))
         self._wait(reqs, "send_to_worker", data.nbytes)
 
     def recv(self, buf: Any, peer: int) -> None:
         self._comm(False, collective=False)
         peer = self._check_peer(peer, "recv_from_worker")
+        if peer in self._given_up:
+            raise CCLError(f"recv_from_worker: {self._given_up[peer]}")
         MPI = self.MPI
         mine = validate.describe_recv(buf)
-        head = np.zeros(validate.DESC_BYTES, np.uint8)
-        self._wait(self.p2p.Irecv([head, MPI.BYTE], peer, _DESC_TAG), "recv_from_worker")
-        theirs = validate.unpack(head.tobytes())
-        error = validate.check_p2p(peer, theirs, mine)
-        nbytes = 0 if theirs.status else theirs.src[2]
+        head = np.zeros(_P2P_HEAD.size + validate.DESC_BYTES, np.uint8)
+        while True:
+            self._wait(self.p2p.Irecv([head, MPI.BYTE], peer, self._desc_tag), "recv_from_worker")  # fmt: skip
+            sent_in, sender_failed, mark = _P2P_HEAD.unpack_from(head.tobytes())
+            theirs = validate.unpack(head[_P2P_HEAD.size :].tobytes())
+            nbytes = 0 if theirs.status else theirs.src[2]
+            if mark == self._mark:
+                break
+            if nbytes:  # an earlier CCL's message, on the same tags: dropped
+                self._recv_data(np.empty(nbytes, np.uint8), peer, nbytes)
+        foreign = self._foreign_message(peer, sent_in, sender_failed)
+        error = foreign or validate.check_p2p(peer, theirs, mine)
         if nbytes:
-            target = np.empty(nbytes, np.uint8) if error else buf
-            self._wait(
-                self.p2p.Irecv([target, nbytes, MPI.BYTE], peer, _DATA_TAG),
-                "recv_from_worker",
-                nbytes,
+            self._recv_data(np.empty(nbytes, np.uint8) if error else buf, peer, nbytes)
+        if foreign:  # which receive the message is for cannot be told: give the pair up
+            self._given_up[peer] = (
+                f"the messages from worker {peer} to worker {self._me} were given up after a "
+                f"failed call ({foreign}); start a new session to pair them again"
             )
+            raise CCLError(f"recv_from_worker: {self._given_up[peer]}")
         if error:  # the whole message was drained, so the sender is free
             raise CCLError(f"recv_from_worker: {error}")
+
+    def _recv_data(self, target: Any, peer: int, nbytes: int) -> None:
+        self._wait(
+            self.p2p.Irecv([target, nbytes, self.MPI.BYTE], peer, self._data_tag),
+            "recv_from_worker",
+            nbytes,
+        )
+
+    def _foreign_message(self, peer: int, sent_in: int, sender_failed: int) -> str:
+        """Why a message that ``peer`` sent in its call ``sent_in`` may be another
+        receive's ("" when it is this one's; ``sender_failed`` 0: it never failed). Sends and receives pair in order, and a
+        send or receive that a failed call skipped shifts the order: a message of this
+        receive's own call is its own; a later call's, when its sender failed in this
+        receive's call or the one before (it may have skipped the send meant for this
+        receive); an earlier call's, when this worker failed in that call or since
+        the one before it (it may have skipped the receive meant for the message).
+        Such a message is drained, and every later receive from ``peer`` fails at once
+        (the pair is given up; the other pairs and the collectives are not). Pairs
+        split across two adjacent commands still pair after other failures."""
+        call = self.ctx.calls
+        if sent_in > call and sender_failed and sender_failed >= call - 1:
+            return (
+                f"the message from worker {peer} is of its call {sent_in}, and worker "
+                f"{peer} failed in its call {sender_failed}: it may have skipped the send "
+                f"meant for this receive (call {call}), so this message may be another's"
+            )
+        if sent_in < call and self._failed_call and self._failed_call >= sent_in - 1:
+            return (
+                f"the message from worker {peer} is of its call {sent_in}, and this worker "
+                f"(worker {self._me}) failed in its call {self._failed_call}: it may have "
+                f"skipped the receive meant for that message, so it may be another's"
+            )
+        return ""
 
     def close(self) -> None:
         if self.broken:
