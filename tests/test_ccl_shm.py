@@ -19,6 +19,7 @@ import pytest
 import disco_core as disco
 from disco_core.ccl.shm import ShmCCL
 from disco_core.testing.ccl_kit import CCLContract, assert_bits, make_input, session_maker
+from disco_core.testing.p2p_steps import run_p2p_steps
 from disco_core.testing.procfs import shm_in_use
 from disco_core.worker import current
 
@@ -388,13 +389,9 @@ def _received(ref, receiver):
         return str(exc)
 
 
-# Point-to-point pairs after failed calls: each step is one command. ("pair", v, f): a
-# send of v from worker 1 and its receive on worker 0 in one call; ("send", v, f) and
-# ("recv", v, f): the halves of a pair split across two commands, v being what that
-# receive's own send sends; f: a worker that raises in that call before its part (-1:
-# none); ("fail", w): a call of its own that raises on w; ("nap",): worker 0 starts its
-# next receive 0.5 s late. A receive must return its own send's value, or an error,
-# long before the CCL's timeout (30 s); "large" sends two pieces of the 4 KiB mailbox.
+# Point-to-point pairs after failed calls (the steps: disco_core.testing.p2p_steps). A
+# receive must return its own send's value, or an error, long before the CCL's timeout
+# (30 s); "large" sends two pieces of the 4 KiB mailbox.
 _P2P_SCENARIOS = {
     # the sender fails before its send; the late receive took its next call's message
     "same call, sender fails": [("nap",), ("pair", 1, 1), ("pair", 2, -1), ("pair", 3, -1)],
@@ -438,19 +435,7 @@ def test_after_a_failed_call_a_receive_returns_its_own_sends_value_or_an_error(k
         sess.init_ccl("shm", timeout=30, mailbox_bytes=4096)
         pair = sess.get_global_func("testing.p2p_pair")
         t0 = time.monotonic()
-        receives = []
-        for step in _P2P_SCENARIOS[scenario]:
-            if step[0] == "nap":
-                sess.get_global_func("testing.sleep")(0.5, 0)
-            elif step[0] == "fail":
-                sess.get_global_func("testing.raise_on")(step[1])
-            else:
-                part, value, fail = step[0], float(step[1]), step[2]
-                part = "both" if part == "pair" else part
-                size = 2048 if "large" in step else 4  # float32: 8 KiB, two pieces
-                ref = pair(1, 0, value if part != "recv" else 0.0, fail, 0.0, part, size)
-                if part != "send":
-                    receives.append((step, value, ref))
+        receives = run_p2p_steps(sess, _P2P_SCENARIOS[scenario])  # ("large": two pieces)
         for step, value, ref in receives:
             got = _received(ref, 0)
             assert isinstance(got, str) or got == [value] * len(got), (scenario, step, got)

@@ -17,6 +17,7 @@ from mpi_test_funcs import aliased_input, make
 
 import disco_core as disco
 from disco_core.errors import CCLError, WorkerDiedError, WorkerError
+from disco_core.testing.p2p_steps import run_p2p_steps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -419,11 +420,7 @@ def test_a_collective_one_worker_skipped_never_pairs_with_its_next_one():
         sess.shutdown()
 
 
-# Point-to-point pairs after failed calls (worker 1 sends, worker 0 receives). Each step
-# is one command: ("pair", v, f) a send of v and its receive in one call; ("send", v, f)
-# and ("recv", v, f) the halves of a pair split across two commands, v being what that
-# receive's own send sends; f a worker that raises in that call before its part (-1:
-# none); ("nap",) worker 0 starts its next receive 0.5 s late; "large": 8 KiB.
+# Point-to-point pairs after failed calls (the steps: disco_core.testing.p2p_steps).
 _P2P_SCENARIOS = {
     # each returned another send's value as a value before messages carried their calls
     "same call, receiver fails": [("pair", 1, 0), ("pair", 2, -1), ("pair", 3, -1)],
@@ -450,17 +447,7 @@ def test_after_a_failed_call_a_receive_returns_its_own_sends_value_or_an_error(s
         sess.import_python_module("disco_core.testing.funcs")
         pair = sess.get_global_func("testing.p2p_pair")
         t0 = time.monotonic()
-        receives = []
-        for step in _P2P_SCENARIOS[scenario]:
-            if step[0] == "nap":
-                sess.get_global_func("testing.sleep")(0.5, 0)
-                continue
-            part, value, fail = step[0], float(step[1]), step[2]
-            part = "both" if part == "pair" else part
-            size = 2048 if "large" in step else 4
-            ref = pair(1, 0, value if part != "recv" else 0.0, fail, 0.0, part, size)
-            if part != "send":
-                receives.append((step, value, ref))
+        receives = run_p2p_steps(sess, _P2P_SCENARIOS[scenario])
         got = [(step, value, _outcomes(ref, [0])[0]) for step, value, ref in receives]
         assert all(isinstance(g, str) or g == [v] * len(g) for _s, v, g in got), got
         assert any(isinstance(g, str) and "may be another" in g for _s, _v, g in got), got
