@@ -195,7 +195,7 @@ def check(op: str, descs: Sequence[Desc], members: Sequence[int]) -> None:
     """
     name = op.split(":")[0]
     for w, d in zip(members, descs):
-        if d.op != op:
+        if d.op != descs[0].op:  # (not ``op``: every member names the same two workers)
             raise CCLError(
                 f"{name}: collective mismatch: worker {members[0]} called {descs[0].op}, worker {w} called {d.op}"
             )

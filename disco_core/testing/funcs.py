@@ -230,17 +230,36 @@ def p2p_pair(sender: int, receiver: int, value: float, fail: int = -1, slow: flo
     return None
 
 
+@_reg("send_then_raise")
+def send_then_raise(sender: int, receiver: int, value: float, delay: float = 0.0) -> Any:
+    """``sender`` sends 4 floats of ``value`` to ``receiver`` after ``delay`` seconds, then
+    raises (a failed call, after its send); ``receiver`` returns what it took."""
+    from ..builtins import recv_from_worker, send_to_worker
+
+    me = current().worker_id
+    if me == sender:
+        time.sleep(delay)
+        send_to_worker(np.full(4, value, "float32"), receiver)
+        raise RuntimeError(f"worker {me} fails after its send")
+    if me == receiver:
+        got = np.zeros(4, "float32")
+        recv_from_worker(got, sender)
+        return got
+    return None
+
+
 @_reg("allreduce_unless")
-def allreduce_unless(skip: int) -> Any:
-    """An allreduce (sum of ones) on every worker but ``skip``, which returns None: code
-    that differs between workers, so that ``skip``'s next collective meets this one."""
+def allreduce_unless(skip: int, in_group: bool = False) -> Any:
+    """An allreduce (sum of ones; of the group with ``in_group``) on every worker but
+    ``skip``, which returns None: code that differs between workers, so that ``skip``'s
+    next collective meets this one."""
     from ..builtins import allreduce
 
     if current().worker_id == skip:
         return None
     x = np.ones(4, "float32")
     y = np.empty_like(x)
-    allreduce(x, "sum", False, y)
+    allreduce(x, "sum", in_group, y)
     return y
 
 
