@@ -417,6 +417,12 @@ _P2P_SCENARIOS = {
     "split, receive first, receiver fails, large": [
         ("recv", 1, 0, "large"), ("send", 1, -1, "large"),
     ],
+    # a pipeline (each command receives what the one before sent, and sends the next):
+    # after a skipped send, a message of the receive's own call was taken as its value
+    "pipeline, sender fails": [
+        ("send", 1, -1), ("pipe", 2, 1), ("pipe", 3, -1), ("pipe", 4, -1), ("recv", 4, -1),
+    ],
+    "pipeline, receiver fails": [("send", 1, -1), ("pipe", 2, 0), ("pipe", 3, -1), ("recv", 3, -1)],
     "split, receive first, receiver fails": [
         ("recv", 1, 0), ("send", 1, -1), ("recv", 2, -1), ("send", 2, -1),
     ],
@@ -441,7 +447,10 @@ def test_after_a_failed_call_a_receive_returns_its_own_sends_value_or_an_error(k
             got = _received(ref, 0)
             assert isinstance(got, str) or got == [value] * len(got), (scenario, step, got)
         assert time.monotonic() - t0 < 20, scenario
-        back = pair(0, 1, 42.0)  # the other direction is a pair of its own, untouched
+        # the other direction is a pair of its own, untouched; a failed send or receive
+        # is a failed call of its worker, so the rules apply to a pair in the next call
+        sess.get_global_func("testing.sleep")(0.0, 0)
+        back = pair(0, 1, 42.0)
         assert _received(back, 1) == [42.0] * 4
 
 
@@ -740,6 +749,8 @@ def test_a_receive_whose_sender_failed_after_sending_takes_the_message(monkeypat
         sess.init_ccl("shm", timeout=20)
         send_then_raise = sess.get_global_func("testing.send_then_raise")
         for value in (1.0, 2.0, 3.0):
+            # (a call in between: a pair right after a failed call of an end is given up)
+            sess.get_global_func("testing.sleep")(0.0, 0)
             ref = send_then_raise(1, 2, value, 0.01)
             for _ in range(3):  # worker 1's own failure comes first, once per call
                 try:
@@ -779,22 +790,20 @@ def _values_or_errors(ref, workers):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["threaded", "process"])
 @pytest.mark.parametrize("first_in_group", [False, True])
-def test_a_skipped_collective_followed_by_one_on_the_other_communicator_fails_at_once(kind, first_in_group):  # fmt: skip
+def test_a_skipped_collective_followed_by_one_on_the_other_communicator_ends_at_the_timeout(kind, first_in_group):  # fmt: skip
     """Worker 1 skips a world (group) allreduce, and its next call runs a group (world)
-    one: it never arrives where its peers wait, and everyone waited for the CCL timeout
-    (an outside check). A member that reached a later call's collective on any
-    communicator went past this one: every member fails at once."""
+    one: it never arrives where its peers wait. Not seen at once (a check of the other
+    communicator's arrivals gave correct programs up: outside check 76), but no value
+    comes of it: every member fails at the CCL's timeout."""
     with disco.Session.create(kind, num_workers=4, num_groups=2) as sess:
         sess.import_python_module("disco_core.testing.funcs")
-        sess.init_ccl("shm", timeout=30)
+        sess.init_ccl("shm", timeout=2)
         unless = sess.get_global_func("testing.allreduce_unless")
-        t0 = time.monotonic()
         skipped = unless(1, first_in_group)
         after = unless(-1, not first_in_group)
         got = _values_or_errors(skipped, [0, 2, 3]) + _values_or_errors(after, range(4))
-        assert time.monotonic() - t0 < 10, got
-        assert any("worker 1 went past call" in g for g in got if isinstance(g, str)), got
         assert all(isinstance(g, str) for g in got[3:]), got
+        assert any("timed out" in g or "waited 2 s" in g for g in got if isinstance(g, str)), got
 
 
 @pytest.mark.timeout(60)

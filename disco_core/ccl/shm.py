@@ -357,12 +357,6 @@ class ShmCCL(CCL):
         self._group_comm = (
             self._world_comm if len(self.layout.comms) == 1 else _Comm(self, 1 + ctx.group_id)
         )
-        #: each worker's arrival words on every communicator it is in (see _check_gone_past)
-        self._arrivals_of: dict[int, list[int]] = {}
-        for index, members in enumerate(self.layout.comms):
-            ctl = self.layout.comm_offsets[index][0]
-            for i, w in enumerate(members):
-                self._arrivals_of.setdefault(w, []).append((ctl + _LINE * (1 + i)) // 8)
         me = ctx.worker_id
         self.arena = _arena.Arena(payload.get("arena_bytes"))
         entry = (self.layout.dir_off + me * _DIR_ENTRY) // 8
@@ -532,31 +526,6 @@ class ShmCCL(CCL):
                     f"failed in a later one: {error})"
                 ))  # fmt: skip
 
-    def _check_gone_past(self, what: str, comm: _Comm) -> None:
-        """While waiting at this round of ``comm``: a member that has not arrived but
-        has arrived at a collective of a later call (on any communicator) went past
-        this call without this collective, and will never come (code that differs
-        between workers, with the next collective on another communicator: everyone
-        waited for the timeout)."""
-        q, target = self.q, comm.round << _CALL_BITS
-        mine = self.ctx.calls & _CALL_MASK
-        for k, w in enumerate(comm.members):
-            if q[comm.arrive[k]] >= target:
-                continue
-            for idx in self._arrivals_of[w]:
-                theirs = q[idx] & _CALL_MASK
-                if theirs > mine and q[idx] >> _CALL_BITS:
-                    failed, _wr, _gr, error = self._failure(w)
-                    failed &= _CALL_MASK
-                    op = what.partition(":")[0]
-                    self._give_up(what, (
-                        f"worker {w} went past call {mine} without reaching this {op} (it "
-                        f"reached a collective of call {theirs}): "
-                        + (f"a call of it failed ({error})" if mine <= failed < theirs else
-                           "the workers ran different collectives (one skipped a collective, "
-                           "or ran one more)")
-                    ))  # fmt: skip
-
     def _check_abort(self, what: str) -> None:
         if self.i[0]:
             reason = (
@@ -623,8 +592,6 @@ class ShmCCL(CCL):
                 return
             if fails is not None:
                 self._check_round(what, fails)
-            if comm is not None:
-                self._check_gone_past(what, comm)
             if pair is not None and words[_FAILS]:
                 self._pair_gone(*pair, ready)
             self._check_abort(what)
@@ -1054,13 +1021,14 @@ class ShmCCL(CCL):
     # sender's next call as its value (an outside check: 6 of 6), or the message meant
     # for a receive that never ran. A message's first piece carries the call it was
     # sent in and the sender's last failed call then (the words after the ``sent``
-    # count). A message of the receive's own call is its own. One of a later call,
-    # from a sender that failed in that receive's call or the one before (after which
-    # a send in the same or the adjacent command was skipped), and one of an earlier
-    # call, met by a receiver that failed in that call or since the one before it,
-    # may belong to another receive: the pair's mailbox is given up then (every later
-    # send and receive between them fails at once, naming why). Pairs further apart
-    # than adjacent commands are not checked.
+    # count). A message of call m met by a receive of call c may belong to another
+    # receive when either end failed in a call from min(m, c) - 1 on: a send or a
+    # receive of the same or an adjacent command may have been skipped (a message of
+    # the receive's own call, too: in a pipeline that receives in each command what
+    # the command before sent, and sends the next, a skipped send left the next
+    # command's message in front: an outside check). The pair's mailbox is given up
+    # then (every later send and receive between them fails at once, naming why).
+    # Pairs further apart than adjacent commands are not checked.
     _MB_CALL, _MB_FAILED, _MB_BROKEN = 1, 2, 3  # words after ``sent``
 
     def send(self, buf: Any, peer: int) -> None:
@@ -1152,19 +1120,18 @@ class ShmCCL(CCL):
         this receive's (see the comment above ``send``)."""
         q, call = self.q, self.ctx.calls
         theirs = q[sent_i + self._MB_CALL]
-        if theirs == call:
-            return  # a message of this very call
+        low = min(theirs, call) - 1  # (see the comment above ``send``)
         sender_failed = q[sent_i + self._MB_FAILED]
-        if theirs > call and sender_failed and sender_failed >= call - 1:
+        if sender_failed and sender_failed >= low:
             _c, _w, _g, error = self._failure(peer)
             self._give_up_pair(peer, self._me, (
                 f"this receive (call {call}) met worker {peer}'s message of call {theirs}, "
                 f"sent after it failed in call {sender_failed}" + (f" ({error})" if error else "")
             ))  # fmt: skip
-        if theirs < call and self._failed_call and self._failed_call >= theirs - 1:
+        if self._failed_call and self._failed_call >= low:
             self._give_up_pair(peer, self._me, (
                 f"this receive (call {call}) met worker {peer}'s message of call {theirs}, "
-                f"and worker {self._me} failed in call {self._failed_call} in between"
+                f"after worker {self._me} failed in call {self._failed_call}"
             ))  # fmt: skip
 
     def recv(self, buf: Any, peer: int) -> None:

@@ -214,7 +214,8 @@ def raise_or_allreduce(bad: int, in_group: bool = False) -> Any:
 def p2p_pair(sender: int, receiver: int, value: float, fail: int = -1, slow: float = 0.0, part: str = "both", n: int = 4) -> Any:  # fmt: skip
     """``sender`` sends ``n`` floats of ``value`` to ``receiver``, which returns what it
     took (after ``slow`` seconds); worker ``fail`` raises before its part instead. ``part``
-    "send" or "recv" makes a call of that half alone (a pair across two calls)."""
+    "send" or "recv" makes a call of that half alone (a pair across two calls); "pipe"
+    a step of a pipeline: both halves, the receive taking what the call before sent."""
     from ..builtins import recv_from_worker, send_to_worker
 
     me = current().worker_id

@@ -3,7 +3,9 @@
 A scenario is a list of steps, each one command of the session: ``("pair", v, f)`` a
 send of ``v`` from worker 1 and its receive on worker 0 in one call; ``("send", v, f)``
 and ``("recv", v, f)`` the halves of a pair split across two commands, ``v`` being what
-that receive's own send sends; ``f`` a worker that raises in that call before its part
+that receive's own send sends; ``("pipe", v, f)`` a step of a pipeline, both in one
+command: a send of ``v`` and a receive of what the command before sent (``v - 1``);
+``f`` a worker that raises in that call before its part
 (-1: none); ``("fail", w)`` a call of its own that raises on ``w``; ``("nap",)``
 worker 0 starts its next receive 0.5 s late. A step with ``"large"`` sends 8 KiB.
 """
@@ -33,5 +35,5 @@ def run_p2p_steps(sess: Any, steps: Sequence[tuple]) -> list[tuple[tuple, float,
             size = 2048 if "large" in step else 4  # float32: 8 KiB, or 16 bytes
             ref = pair(1, 0, value if part != "recv" else 0.0, fail, 0.0, part, size)
             if part != "send":
-                receives.append((step, value, ref))
+                receives.append((step, value - (part == "pipe"), ref))
     return receives

@@ -955,23 +955,26 @@ class MPICCL(CCL):
 
     def _foreign_message(self, peer: int, sent_in: int, sender_failed: int) -> str:
         """Why a message that ``peer`` sent in its call ``sent_in`` may be another
-        receive's ("" when it is this one's; ``sender_failed`` 0: it never failed). Sends and receives pair in order, and a
-        send or receive that a failed call skipped shifts the order: a message of this
-        receive's own call is its own; a later call's, when its sender failed in this
-        receive's call or the one before (it may have skipped the send meant for this
-        receive); an earlier call's, when this worker failed in that call or since
-        the one before it (it may have skipped the receive meant for the message).
+        receive's ("" when it is this one's; ``sender_failed`` 0: it never failed).
+        Sends and receives pair in order, and a send or receive that a failed call
+        skipped shifts the order: a message of call m met by a receive of call c may be
+        another's when either end failed in a call from min(m, c) - 1 on (a send or a
+        receive of the same or an adjacent command may have been skipped; for a
+        message of the receive's own call too: in a pipeline that receives in each
+        command what the command before sent, and sends the next, a skipped send left
+        the next command's message in front, an outside check).
         Such a message is drained, and every later receive from ``peer`` fails at once
         (the pair is given up; the other pairs and the collectives are not). Pairs
         split across two adjacent commands still pair after other failures."""
         call = self.ctx.calls
-        if sent_in > call and sender_failed and sender_failed >= call - 1:
+        low = min(sent_in, call) - 1
+        if sender_failed and sender_failed >= low:
             return (
                 f"the message from worker {peer} is of its call {sent_in}, and worker "
                 f"{peer} failed in its call {sender_failed}: it may have skipped the send "
                 f"meant for this receive (call {call}), so this message may be another's"
             )
-        if sent_in < call and self._failed_call and self._failed_call >= sent_in - 1:
+        if self._failed_call and self._failed_call >= low:
             return (
                 f"the message from worker {peer} is of its call {sent_in}, and this worker "
                 f"(worker {self._me}) failed in its call {self._failed_call}: it may have "
