@@ -1021,14 +1021,9 @@ class ShmCCL(CCL):
     # sender's next call as its value (an outside check: 6 of 6), or the message meant
     # for a receive that never ran. A message's first piece carries the call it was
     # sent in and the sender's last failed call then (the words after the ``sent``
-    # count). A message of call m met by a receive of call c may belong to another
-    # receive when either end failed in a call from min(m, c) - 1 on: a send or a
-    # receive of the same or an adjacent command may have been skipped (a message of
-    # the receive's own call, too: in a pipeline that receives in each command what
-    # the command before sent, and sends the next, a skipped send left the next
-    # command's message in front: an outside check). The pair's mailbox is given up
-    # then (every later send and receive between them fails at once, naming why).
-    # Pairs further apart than adjacent commands are not checked.
+    # count). Where such a message may belong to another receive
+    # (:func:`validate.p2p_order_lost`), the pair's mailbox is given up (every later
+    # send and receive between them fails at once, naming why).
     _MB_CALL, _MB_FAILED, _MB_BROKEN = 1, 2, 3  # words after ``sent``
 
     def send(self, buf: Any, peer: int) -> None:
@@ -1120,15 +1115,15 @@ class ShmCCL(CCL):
         this receive's (see the comment above ``send``)."""
         q, call = self.q, self.ctx.calls
         theirs = q[sent_i + self._MB_CALL]
-        low = min(theirs, call) - 1  # (see the comment above ``send``)
         sender_failed = q[sent_i + self._MB_FAILED]
-        if sender_failed and sender_failed >= low:
+        lost = validate.p2p_order_lost(theirs, sender_failed, call, self._failed_call)
+        if lost == "sender":
             _c, _w, _g, error = self._failure(peer)
             self._give_up_pair(peer, self._me, (
                 f"this receive (call {call}) met worker {peer}'s message of call {theirs}, "
                 f"sent after it failed in call {sender_failed}" + (f" ({error})" if error else "")
             ))  # fmt: skip
-        if self._failed_call and self._failed_call >= low:
+        if lost == "receiver":
             self._give_up_pair(peer, self._me, (
                 f"this receive (call {call}) met worker {peer}'s message of call {theirs}, "
                 f"after worker {self._me} failed in call {self._failed_call}"

@@ -30,6 +30,7 @@ __all__ = [
     "unpack",
     "check",
     "check_p2p",
+    "p2p_order_lost",
     "flat_bytes",
     "DESC_BYTES",
     "MAX_NDIM",
@@ -290,6 +291,28 @@ def check(op: str, descs: Sequence[Desc], members: Sequence[int]) -> None:
         )
         return
     raise CCLError(f"unknown collective {op!r}")
+
+
+def p2p_order_lost(sent_in: int, sender_failed: int, call: int, receiver_failed: int) -> str:
+    """Which end's failure may have shifted a pair's order, for a receive of call
+    ``call`` that meets a message sent in call ``sent_in``: ``"sender"``, ``"receiver"``
+    or ``""`` (the message is this receive's). ``sender_failed`` and
+    ``receiver_failed``: each end's last failed call then (0: none).
+
+    Sends and receives pair in order, and a send or receive that a failed call skipped
+    shifts it: the message may be another receive's when either end failed in a call
+    from ``min(sent_in, call) - 1`` on (a send or receive of the same or an adjacent
+    command may have been skipped). That holds for a message of the receive's own call
+    too: in a pipeline that receives in each command what the command before sent, and
+    sends the next, a skipped send left the next command's message in front (an outside
+    check). Pairs further apart than adjacent commands are not told apart.
+    """
+    low = min(sent_in, call) - 1
+    if sender_failed and sender_failed >= low:
+        return "sender"
+    if receiver_failed and receiver_failed >= low:
+        return "receiver"
+    return ""
 
 
 def check_p2p(peer: int, theirs: Desc, mine: Desc) -> str:

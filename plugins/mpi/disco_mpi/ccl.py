@@ -926,8 +926,9 @@ class MPICCL(CCL):
         head = np.zeros(_P2P_HEAD.size + validate.DESC_BYTES, np.uint8)
         while True:
             self._wait(self.p2p.Irecv([head, MPI.BYTE], peer, self._desc_tag), "recv_from_worker")  # fmt: skip
-            sent_in, sender_failed, mark = _P2P_HEAD.unpack_from(head.tobytes())
-            theirs = validate.unpack(head[_P2P_HEAD.size :].tobytes())
+            raw = head.tobytes()
+            sent_in, sender_failed, mark = _P2P_HEAD.unpack_from(raw)
+            theirs = validate.unpack(memoryview(raw)[_P2P_HEAD.size :])
             nbytes = 0 if theirs.status else theirs.src[2]
             if mark == self._mark:
                 break
@@ -955,26 +956,19 @@ class MPICCL(CCL):
 
     def _foreign_message(self, peer: int, sent_in: int, sender_failed: int) -> str:
         """Why a message that ``peer`` sent in its call ``sent_in`` may be another
-        receive's ("" when it is this one's; ``sender_failed`` 0: it never failed).
-        Sends and receives pair in order, and a send or receive that a failed call
-        skipped shifts the order: a message of call m met by a receive of call c may be
-        another's when either end failed in a call from min(m, c) - 1 on (a send or a
-        receive of the same or an adjacent command may have been skipped; for a
-        message of the receive's own call too: in a pipeline that receives in each
-        command what the command before sent, and sends the next, a skipped send left
-        the next command's message in front, an outside check).
-        Such a message is drained, and every later receive from ``peer`` fails at once
-        (the pair is given up; the other pairs and the collectives are not). Pairs
-        split across two adjacent commands still pair after other failures."""
+        receive's ("" when it is this one's; ``sender_failed`` 0: it never failed; the
+        rule: :func:`disco_core.ccl.validate.p2p_order_lost`). Such a message is
+        drained, and every later receive from ``peer`` fails at once (the pair is given
+        up; the other pairs and the collectives are not)."""
         call = self.ctx.calls
-        low = min(sent_in, call) - 1
-        if sender_failed and sender_failed >= low:
+        lost = validate.p2p_order_lost(sent_in, sender_failed, call, self._failed_call)
+        if lost == "sender":
             return (
                 f"the message from worker {peer} is of its call {sent_in}, and worker "
                 f"{peer} failed in its call {sender_failed}: it may have skipped the send "
                 f"meant for this receive (call {call}), so this message may be another's"
             )
-        if self._failed_call and self._failed_call >= low:
+        if lost == "receiver":
             return (
                 f"the message from worker {peer} is of its call {sent_in}, and this worker "
                 f"(worker {self._me}) failed in its call {self._failed_call}: it may have "
