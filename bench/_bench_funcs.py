@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from disco_core import builtins, register_func
+from disco_core.worker import current
 
 
 def _operation(op: str, src, dst):
@@ -21,6 +22,13 @@ def _operation(op: str, src, dst):
         return lambda: builtins.allgather(src, False, dst)
     if op == "broadcast":
         return lambda: builtins.broadcast_from_worker0(src, False, dst)
+    if op == "pingpong":  # workers 0 and 1; the others wait at the barriers
+        me = current().worker_id
+        if me == 0:
+            return lambda: (builtins.send_to_worker(src, 1), builtins.recv_from_worker(dst, 1))
+        if me == 1:
+            return lambda: (builtins.recv_from_worker(dst, 0), builtins.send_to_worker(src, 0))
+        return lambda: None
     raise ValueError(f"unknown collective {op!r}")
 
 

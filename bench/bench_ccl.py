@@ -1,7 +1,9 @@
 """Collective benchmark of the ``shm`` CCL, side by side with gloo and MPICH.
 
 * ours: allreduce (sum, float32) at 4 KiB .. 64 MiB, allgather and broadcast at
-  16 MiB, ThreadedSession and ProcessSession with 2 and 4 workers. Timed INSIDE the
+  16 MiB, and a point-to-point ping-pong (``send_to_worker``/``recv_from_worker``
+  between workers 0 and 1, time per round trip) at 4 KiB .. 16 MiB,
+  ThreadedSession and ProcessSession with 2 and 4 workers. Timed INSIDE the
   workers (``bench.collective_loop`` in ``_bench_funcs.py``: warm-up, barrier,
   ``iters`` back-to-back operations, barrier; the slowest worker's mean), like
   nccl-tests. Separately, the controller-driven cost: ``sess.allreduce(...)`` +
@@ -12,7 +14,8 @@
 * the machine's memory bandwidth (``np.copyto`` of 64 MiB) as the physical limit.
 
 busbw follows nccl-tests: algbw * 2(n-1)/n for allreduce, algbw * (n-1)/n for
-allgather (whose size is the gathered output), algbw for broadcast.
+allgather (whose size is the gathered output), algbw for broadcast, and 2 x algbw
+for the ping-pong (its bytes cross twice a round trip: the one-way bandwidth).
 
 Run: ``python bench/bench_ccl.py [--quick]`` (or ``python bench/run_all.py``).
 """
@@ -53,10 +56,12 @@ import disco_core as disco
 
 ALLREDUCE_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
 OTHER_SIZE = 16 * MiB
-PLAN = [("allreduce", s) for s in ALLREDUCE_SIZES] + [
-    ("allgather", OTHER_SIZE),
-    ("broadcast", OTHER_SIZE),
-]
+PINGPONG_SIZES = [4 * KiB, 1 * MiB, 16 * MiB]
+PLAN = (
+    [("allreduce", s) for s in ALLREDUCE_SIZES]
+    + [("allgather", OTHER_SIZE), ("broadcast", OTHER_SIZE)]
+    + [("pingpong", s) for s in PINGPONG_SIZES]
+)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -64,6 +69,8 @@ def bus_factor(op: str, n: int) -> float:
         return 2 * (n - 1) / n
     if op == "allgather":
         return (n - 1) / n
+    if op == "pingpong":
+        return 2.0
     return 1.0
 
 
@@ -73,7 +80,9 @@ def iterations(seconds_per_op: float, budget: float) -> int:
 
 # ---------------------------------------------------------------------------- ours
 def controller_call(sess: disco.Session, op: str, src: Any, dst: Any) -> None:
-    if op == "allreduce":
+    if op == "pingpong":  # (no controller form: one round trip run by the workers)
+        sess.get_global_func("bench.collective_loop")(op, src, dst, 1, 0)
+    elif op == "allreduce":
         sess.allreduce(src, dst, op="sum", in_group=False)
     elif op == "allgather":
         sess.allgather(src, dst, in_group=False)
@@ -122,6 +131,12 @@ def bench_ours(kind: str, n: int, budget: float, repeats: int, ctl_reps: int) ->
                 got = dst.debug_get_from_remote(n - 1)
                 if not np.allclose(got[:16], float(n)):
                     raise AssertionError(f"{kind} n={n}: allreduce gave {got[:4]}, expected {n}")
+            if op == "pingpong":
+                got = dst.debug_get_from_remote(1)
+                if not np.all(got == 1.0):
+                    raise AssertionError(
+                        f"{kind} n={n}: the ping-pong gave {got[:4]}, expected 1.0"
+                    )
             out.append(
                 {
                     "impl": f"ours-{kind}",

@@ -48,6 +48,15 @@ def main() -> None:
         if op == "broadcast":
             t = torch.ones(nelem, dtype=torch.float32)
             return lambda: dist.broadcast(t, src=0)
+        if op == "pingpong":  # ranks 0 and 1; the others wait at the barriers
+            src = torch.ones(nelem, dtype=torch.float32)
+            dst = torch.empty(nelem, dtype=torch.float32)
+            rank = dist.get_rank()
+            if rank == 0:
+                return lambda: (dist.send(src, 1), dist.recv(dst, 1))
+            if rank == 1:
+                return lambda: (dist.recv(dst, 0), dist.send(src, 0))
+            return lambda: None
         raise ValueError(op)
 
     def max_all(x: float) -> float:

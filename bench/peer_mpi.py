@@ -34,6 +34,15 @@ def main() -> None:
         if op == "broadcast":
             buf = np.ones(nelem, dtype=np.float32)
             return lambda: comm.Bcast(buf, root=0)
+        if op == "pingpong":  # ranks 0 and 1; the others wait at the barriers
+            src = np.ones(nelem, dtype=np.float32)
+            dst = np.empty_like(src)
+            rank = comm.Get_rank()
+            if rank == 0:
+                return lambda: (comm.Send(src, 1), comm.Recv(dst, 1))
+            if rank == 1:
+                return lambda: (comm.Recv(dst, 0), comm.Send(src, 0))
+            return lambda: None
         raise ValueError(op)
 
     def max_all(x: float) -> float:

@@ -546,6 +546,7 @@ def test_large_allreduce_default_slots():
 class ShmContract(CCLContract):
     small_round_options = {"slot_bytes": 4096, "mailbox_bytes": 4096}
     buffered_send_bytes = 1 << 20  # the default mailbox
+    buffered_sends = 8  # pieces of a mailbox
     timeout_options = {"timeout": 1}
 
 

@@ -8,7 +8,8 @@ Segment layout::
 
     header | per communicator (all workers; each group): bell, arrival counters,
            |     2 x n descriptors, 2 x n data slots (double-buffered by round)
-           | per ordered worker pair: a mailbox (counters, header, data)
+           | per ordered worker pair: a mailbox (counters; a ring of 8 pieces, each a
+           |     head and ``mailbox_bytes / 8`` of data)
     | per worker: the call it failed in (``CCL.call_failed``), its rounds then, the error
 
 Each collective runs in rounds of at most ``slot_bytes`` per member. In a round,
@@ -56,6 +57,14 @@ _CALL_BITS = 24
 _CALL_MASK = (1 << _CALL_BITS) - 1
 _DEFAULT_SLOT = 1 << 20
 _DEFAULT_MBOX = 1 << 20
+# Pieces a pair's mailbox holds: that many small sends to one worker return before it
+# takes any (two workers that each send twice to the other before receiving waited for
+# the timeout with one), and a large message streams with the receiver copying one
+# piece while the sender writes the next
+_MB_SLOTS = 8
+_MB_BATCH = _MB_SLOTS // 2  # pieces copied at a time: half the ring (see ShmCCL.send)
+# a piece's head: its call, its sender's last failed call (a line); the descriptor
+_MB_HEAD = _LINE + validate.DESC_BYTES
 _DEFAULT_TIMEOUT = 300.0
 _SMALL = 64 << 10  # allreduce at most this large takes the one-round path
 _DIR_ENTRY = 32
@@ -129,7 +138,8 @@ class Layout:
             self.loc_offsets.append(loc)
             off = data + 2 * n * slot_bytes
         self.mbox_base = off
-        self.mbox_stride = _align(3 * _LINE + validate.DESC_BYTES + mbox_bytes)
+        self.mbox_piece = mbox_bytes // _MB_SLOTS // _LINE * _LINE
+        self.mbox_stride = _align(3 * _LINE + _MB_SLOTS * (_MB_HEAD + self.mbox_piece))
         off += num_workers * num_workers * self.mbox_stride
         # per worker: the call it failed in, its rounds then, the error's start
         self.fail_off = off
@@ -273,8 +283,9 @@ class ShmCCL(CCL):
     slot_bytes : int
         Bytes each member moves per round (default 1 MiB).
     mailbox_bytes : int
-        Size of each worker pair's point-to-point mailbox (default 1 MiB); a send
-        no larger than this returns without waiting for the receiver.
+        Size of each worker pair's point-to-point mailbox (default 1 MiB), a ring of
+        8 pieces: up to 8 sends of at most ``mailbox_bytes / 8`` each (or one of at
+        most ``mailbox_bytes``) return before the receiver takes any.
     """
 
     name = "shm"
@@ -347,6 +358,7 @@ class ShmCCL(CCL):
         self._stamp = 0
         self._checked: set[tuple[int, bytes]] = set()  # (members, descriptor) found consistent
         self._desc_cache: dict[tuple, bytes] = {}
+        self._send_descs: dict[tuple, bytes] = {}  # (dtype, shape): a send's packed descriptor
         #: small allreduces already run, by their arrays: what each call would rebuild
         #: (views of the arrays and of the slots, the descriptor), see _allreduce_again
         self._small: dict[tuple, tuple] = {}
@@ -535,7 +547,7 @@ class ShmCCL(CCL):
             error = CCLTimeoutError if self.i[0] == 2 else CCLError
             raise error(f"{what} aborted: {self.broken}")
 
-    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None, comm: _Comm | None = None, pair: tuple[int, int, bool] | None = None) -> None:  # fmt: skip
+    def _wait(self, ready, bell: int, addr: int, what: str, waiting_for, asleep: int | None = None, comm: _Comm | None = None, pair: tuple[int, int, bool, int] | None = None) -> None:  # fmt: skip
         """Wait until ``ready()``; sleep on the futex at ``addr`` between checks.
 
         ``asleep``: the word (of ``self.q``) where this member says it may sleep, for
@@ -544,7 +556,7 @@ class ShmCCL(CCL):
         (:meth:`_check_arrivals`); once a call failed on any worker, the round is also
         checked whenever the wait looks again (:meth:`_check_round`: a member that
         failed may never come). ``pair``, for a point-to-point wait
-        (``(peer, sent_i, sending)``), is checked likewise (:meth:`_pair_gone`): the
+        (``(peer, sent_i, sending, head_word)``), is checked likewise (:meth:`_pair_gone`): the
         peer may have failed past the point of sending (or taking) what is waited for.
         """
         if ready():
@@ -575,11 +587,11 @@ class ShmCCL(CCL):
         # can miss it: the first sleep is short, so that costs at most 2 ms.
         self.q[asleep] = 1
         try:
-            self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.002, comm)
+            self._sleep(ready, bell, addr, what, waiting_for, deadline, 0.002, comm, pair)
         finally:
             self.q[asleep] = 0
 
-    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float, comm: _Comm | None = None, pair: tuple[int, int, bool] | None = None) -> None:  # fmt: skip
+    def _sleep(self, ready, bell: int, addr: int, what: str, waiting_for, deadline: float, first: float, comm: _Comm | None = None, pair: tuple[int, int, bool, int] | None = None) -> None:  # fmt: skip
         what = what.partition(":")[0]  # "allreduce:sum" -> "allreduce"
         words = self.i
         nap = first
@@ -1005,65 +1017,96 @@ class ShmCCL(CCL):
             raise CCLError(f"{what}: worker {peer} cannot send to or receive from itself")
         return int(peer)
 
-    def _mbox(self, sender: int, receiver: int):
+    def _mbox(self, sender: int, receiver: int) -> tuple[int, int, int, int, int]:
+        """The mailbox of ``sender`` -> ``receiver``: its bell (an index of ``self.i``)
+        and that bell's address, its ``sent`` and ``acked`` piece counters (indices of
+        ``self.q``), and the byte offset of its first piece's head."""
         base = self.layout.mailbox(sender, receiver)
-        bell = base // 4
-        return (
-            bell,
-            self.base_addr + base,
-            (base + _LINE) // 8,
-            (base + 2 * _LINE) // 8,
-            base + 3 * _LINE,
-        )
+        return base // 4, self.base_addr + base, (base + _LINE) // 8, (base + 2 * _LINE) // 8, base + 3 * _LINE  # fmt: skip
+
+    def _piece(self, heads: int, k: int) -> tuple[int, int]:
+        """Piece ``k`` (a count of pieces sent) of the mailbox whose first head is at
+        ``heads``: the byte offsets of its head and of its data."""
+        slot = k % _MB_SLOTS
+        return heads + slot * _MB_HEAD, heads + _MB_SLOTS * _MB_HEAD + slot * self.layout.mbox_piece  # fmt: skip
 
     # Sends and receives pair in order. Once a call failed on one end of a pair, a send
     # or a receive it skipped shifts that order: a receive took the message of the
     # sender's next call as its value (an outside check: 6 of 6), or the message meant
-    # for a receive that never ran. A message's first piece carries the call it was
-    # sent in and the sender's last failed call then (the words after the ``sent``
-    # count). Where such a message may belong to another receive
-    # (:func:`validate.p2p_order_lost`), the pair's mailbox is given up (every later
-    # send and receive between them fails at once, naming why).
-    _MB_CALL, _MB_FAILED, _MB_BROKEN = 1, 2, 3  # words after ``sent``
+    # for a receive that never ran. Each piece's head carries the call it was sent in
+    # and the sender's last failed call then (its first two words; the message's
+    # descriptor follows in its first piece). Where such a message may belong to
+    # another receive (:func:`validate.p2p_order_lost`), the pair's mailbox is given up
+    # (every later send and receive between them fails at once, naming why).
+    _MB_BROKEN = 1  # word after ``sent``: 1 once the pair was given up
+    # Words where an end says it may sleep (``_wait``'s ``asleep``), each on the line
+    # that end writes: the sender's after ``sent``, the receiver's after ``acked``. A
+    # wake is a syscall (~1-2 us on each send and receive otherwise).
+    _MB_SENDER_ASLEEP, _MB_RECEIVER_ASLEEP = 2, 1
+
+    def _send_desc(self, buf: Any) -> tuple[bytes, str]:
+        """The packed descriptor a send of ``buf`` puts in front of its message, and
+        its error (``""``: none); cached for plain arrays, by dtype and shape (all it
+        depends on), so a receive can also tell at a glance whether a message is what
+        its own buffer expects."""
+        key = None
+        if type(buf) is np.ndarray:
+            key = (buf.dtype, buf.shape)
+            packed = self._send_descs.get(key)
+            if packed is not None:
+                return packed, ""
+        desc = validate.describe_send(buf)
+        packed = validate.pack(desc)
+        if key is not None and not desc.status:
+            if len(self._send_descs) > 256:
+                self._send_descs.clear()
+            self._send_descs[key] = packed
+        return packed, desc.error
 
     def send(self, buf: Any, peer: int) -> None:
         if self.broken:
             self._comm(False)
         peer = self._check_peer(peer, "send_to_worker")
-        bell, addr, sent_i, acked_i, head = self._mbox(self._me, peer)
+        bell, addr, sent_i, acked_i, heads = self._mbox(self._me, peer)
         q = self.q
         if q[sent_i + self._MB_BROKEN]:
             raise CCLError(f"send_to_worker: {self._pair_given_up(self._me, peer)}")
-        data = head + validate.DESC_BYTES
-        desc = validate.describe_send(buf)
-        src_b: Any = validate.flat_bytes(np.ascontiguousarray(buf)) if not desc.status else None
+        packed, refused = self._send_desc(buf)
+        src_b: Any = validate.flat_bytes(np.ascontiguousarray(buf)) if not refused else None
         total = src_b.nbytes if src_b is not None else 0
-        cap = self.layout.mbox_bytes
-        off, first = 0, True
-        call = self.ctx.calls
-        while first or off < total:
+        cap = self.layout.mbox_piece
+        pieces = max(1, -(-total // cap))  # (an empty or refused message: its head alone)
+        call, failed = self.ctx.calls, self._failed_call
+        done = 0
+        while done < pieces:
             posted = self._sent[peer]
+            head, data = self._piece(heads, posted)
 
-            def ready(posted: int = posted) -> bool:
-                return q[acked_i] >= posted
+            def ready(oldest: int = posted - _MB_SLOTS) -> bool:
+                return q[acked_i] > oldest  # (the piece this one replaces was taken)
 
-            self._wait(ready, bell, addr, "send_to_worker", lambda: [peer], pair=(peer, sent_i, True))  # fmt: skip
-            if first:
-                self.map[head : head + validate.DESC_BYTES] = validate.pack(desc)
-                q[sent_i + self._MB_CALL] = call
-                q[sent_i + self._MB_FAILED] = self._failed_call
-            c = min(cap, total - off)
-            if c > 0:
-                self.buf[data : data + c] = src_b[off : off + c]
-            self._sent[peer] = posted + 1
-            q[sent_i] = posted + 1
-            self._ring(bell, addr)
-            off += c
-            if first and desc.status:
-                raise CCLError(f"send_to_worker: {desc.error}")
-            first = False
-            if c <= 0:
-                break
+            # (until ready, this head is the oldest piece's, which the receiver must take)
+            self._wait(ready, bell, addr, "send_to_worker", lambda: [peer], sent_i + self._MB_SENDER_ASLEEP, pair=(peer, sent_i, True, head // 8))  # fmt: skip
+            # the pieces there is room for, up to half the ring (the receiver copies
+            # one half while this copies into the other), in one copy
+            slot = posted % _MB_SLOTS
+            k = min(q[acked_i] + _MB_SLOTS - posted, _MB_BATCH - slot % _MB_BATCH, pieces - done)
+            if not done:
+                self.map[head + _LINE : head + _MB_HEAD] = packed
+            at = head // 8
+            for _ in range(k):
+                q[at] = call
+                q[at + 1] = failed
+                at += _MB_HEAD // 8
+            lo, hi = done * cap, min(total, (done + k) * cap)
+            if hi > lo:
+                self.buf[data : data + hi - lo] = src_b[lo:hi]
+            self._sent[peer] = posted + k
+            q[sent_i] = posted + k
+            self._ring(bell, addr, [acked_i + self._MB_RECEIVER_ASLEEP])
+            if refused:
+                raise CCLError(f"send_to_worker: {refused}")
+            done += k
 
     def _pair_given_up(self, sender: int, receiver: int) -> str:
         return (
@@ -1074,16 +1117,17 @@ class ShmCCL(CCL):
 
     def _give_up_pair(self, sender: int, receiver: int, why: str) -> None:
         """Mark the mailbox of ``sender`` -> ``receiver`` given up, wake both, and raise."""
-        bell, addr, sent_i, _acked_i, _head = self._mbox(sender, receiver)
+        bell, addr, sent_i, _acked_i, _heads = self._mbox(sender, receiver)
         self.q[sent_i + self._MB_BROKEN] = 1
         self._ring(bell, addr)
         op = "send_to_worker" if sender == self._me else "recv_from_worker"
         raise CCLError(f"{op}: {why}; {self._pair_given_up(sender, receiver)}")
 
-    def _pair_gone(self, peer: int, sent_i: int, sending: bool, ready) -> None:
-        """For a send waiting for the mailbox (``sending``) or a receive waiting for a
-        message, not ``ready()``: give the pair up once ``peer`` failed in or after the
-        call it waits on (the pending message's, or this receive's), or failed in the
+    def _pair_gone(self, peer: int, sent_i: int, sending: bool, head_word: int, ready) -> None:
+        """For a send waiting for room in the mailbox (``sending``; ``head_word``: the
+        first word of the oldest piece's head) or a receive waiting for a message, not
+        ``ready()``: give the pair up once ``peer`` failed in or after the call it
+        waits on (the oldest piece's, or this receive's), or failed in the
         call before it (a send or receive of the adjacent command skipped) and has
         ended that call without what is waited for; raise once ``peer`` gave it up."""
         # The peer's failure record first, then ready(): the peer writes its record
@@ -1101,7 +1145,7 @@ class ShmCCL(CCL):
             raise CCLError(f"{op}: {self._pair_given_up(sender, receiver)}")
         if not failed:
             return
-        call = q[sent_i + self._MB_CALL] if sending else self.ctx.calls
+        call = q[head_word] if sending else self.ctx.calls
         what = f"taking this worker's message of call {call}" if sending else f"sending the message of call {call}"  # fmt: skip
         if failed >= call:
             self._give_up_pair(sender, receiver, f"worker {peer} failed in call {failed} without {what} ({error})")  # fmt: skip
@@ -1110,12 +1154,13 @@ class ShmCCL(CCL):
                 f"worker {peer} failed in call {failed} and ended call {call} without {what} ({error})"
             ))  # fmt: skip
 
-    def _check_pairing(self, peer: int, sent_i: int) -> None:
-        """Once some call failed: give the pair up when the message in hand may not be
-        this receive's (see the comment above ``send``)."""
+    def _check_pairing(self, peer: int, head_word: int) -> None:
+        """Once some call failed: give the pair up when the message in hand (its first
+        piece's head at ``head_word``) may not be this receive's (see the comment above
+        ``send``)."""
         q, call = self.q, self.ctx.calls
-        theirs = q[sent_i + self._MB_CALL]
-        sender_failed = q[sent_i + self._MB_FAILED]
+        theirs = q[head_word]
+        sender_failed = q[head_word + 1]
         lost = validate.p2p_order_lost(theirs, sender_failed, call, self._failed_call)
         if lost == "sender":
             _c, _w, _g, error = self._failure(peer)
@@ -1133,46 +1178,49 @@ class ShmCCL(CCL):
         if self.broken:
             self._comm(False)
         peer = self._check_peer(peer, "recv_from_worker")
-        bell, addr, sent_i, acked_i, head = self._mbox(peer, self._me)
+        bell, addr, sent_i, acked_i, heads = self._mbox(peer, self._me)
         q = self.q
         if q[sent_i + self._MB_BROKEN]:
             raise CCLError(f"recv_from_worker: {self._pair_given_up(peer, self._me)}")
-        data = head + validate.DESC_BYTES
-        mine = validate.describe_recv(buf)
-        dst_b: Any = validate.flat_bytes(buf) if not mine.status else None
 
-        def take() -> None:
+        def take() -> tuple[int, int, int]:
+            """Wait for the next piece; its head's and data's offsets, and the pieces
+            there are from it on."""
             got = self._recvd[peer]
 
             def ready() -> bool:
                 return q[sent_i] > got
 
-            self._wait(ready, bell, addr, "recv_from_worker", lambda: [peer], pair=(peer, sent_i, False))  # fmt: skip
+            self._wait(ready, bell, addr, "recv_from_worker", lambda: [peer], acked_i + self._MB_RECEIVER_ASLEEP, pair=(peer, sent_i, False, 0))  # fmt: skip
+            return (*self._piece(heads, got), q[sent_i] - got)
 
-        def done() -> None:
-            self._recvd[peer] += 1
-            q[acked_i] = self._recvd[peer]
-            self._ring(bell, addr)
-
-        take()
+        head, data, ready_pieces = take()
         if self.i[_FAILS]:
-            self._check_pairing(peer, sent_i)
-        theirs = validate.unpack(self.map[head : head + validate.DESC_BYTES])
-        error = validate.check_p2p(peer, theirs, mine)
-        total = 0 if theirs.status else theirs.src[2]
-        cap = self.layout.mbox_bytes
-        off, first = 0, True
-        while first or off < total:
-            if not first:
-                take()
-            c = min(cap, total - off)
-            if c > 0 and not error:
-                dst_b[off : off + c] = self.buf[data : data + c]
-            done()
-            off += c
-            first = False
-            if c <= 0:
-                break
+            self._check_pairing(peer, head // 8)
+        theirs_packed = self.map[head + _LINE : head + _MB_HEAD]
+        if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and theirs_packed == self._send_desc(buf)[0]:  # fmt: skip
+            error, total = "", buf.nbytes  # (what a send of an array like buf puts there)
+        else:
+            theirs = validate.unpack(theirs_packed)
+            error = validate.check_p2p(peer, theirs, validate.describe_recv(buf))
+            total = 0 if theirs.status else theirs.src[2]
+        dst_b: Any = validate.flat_bytes(buf) if not error else None
+        cap = self.layout.mbox_piece
+        pieces = max(1, -(-total // cap))
+        done = 0
+        while done < pieces:
+            if done:
+                head, data, ready_pieces = take()
+            # the pieces of this message that are there, up to half the ring, in one copy
+            got = self._recvd[peer]
+            k = min(ready_pieces, _MB_BATCH - got % _MB_BATCH, pieces - done)
+            lo, hi = done * cap, min(total, (done + k) * cap)
+            if hi > lo and not error:
+                dst_b[lo:hi] = self.buf[data : data + hi - lo]
+            self._recvd[peer] = got + k
+            q[acked_i] = got + k
+            self._ring(bell, addr, [sent_i + self._MB_SENDER_ASLEEP])
+            done += k
         if error:  # the whole message was drained, so the sender is free
             raise CCLError(f"recv_from_worker: {error}")
 

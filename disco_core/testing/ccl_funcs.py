@@ -158,6 +158,17 @@ def exchange(buf: Any, out: Any, send_to: int, recv_from: int) -> None:
         send()
 
 
+@_reg("send_several")
+@collective
+def send_several(buf: Any, out: Any, send_to: int, recv_from: int) -> None:
+    """Send each row of ``buf`` to ``send_to``, then receive as many rows into ``out``
+    from ``recv_from``: every send of the call before any receive."""
+    for row in buf:
+        _call("send_to_worker", row, send_to)
+    for row in out:
+        _call("recv_from_worker", row, recv_from)
+
+
 @_reg("send_from_worker0")
 @collective
 def send_from_worker0(buf: Any) -> None:

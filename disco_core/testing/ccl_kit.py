@@ -342,6 +342,10 @@ class CCLContract:
         Sends up to this size return before the matching receive runs; when positive
         the kit also drives ``send_to_worker``/``recv_from_worker`` straight from the
         controller (every worker sending, then every worker receiving).
+    ``buffered_sends`` (int, default 1)
+        Small sends (16 bytes) to one worker that return before it receives any;
+        from 2 the kit checks that each worker can send that many to the next
+        before it receives as many from the one before, in order.
     ``ccl_error_types`` (tuple of str)
         The remote exception type names accepted as "the CCL raised an error".
     ``odd_num_workers`` (int or None, default 3)
@@ -389,6 +393,7 @@ class CCLContract:
     multi_round_elements: int = 5003
     timeout_options: dict | None = {"timeout": 1}
     buffered_send_bytes: int = 0
+    buffered_sends: int = 1
     ccl_error_types: tuple[str, ...] = ("CCLError", "CCLTimeoutError")
     odd_num_workers: int | None = 3
     wrong_use_options: dict | None = None
@@ -1005,6 +1010,27 @@ class CCLContract:
     def test_recv_from_worker0(self, session, dtype):
         self.need_dtype(dtype)
         self._check_recv_from_worker0(session(), dtype, (4, 5), _seed("rfw0", dtype))
+
+    @pytest.mark.parametrize("num_workers", [2, None])
+    def test_several_sends_before_their_receives(self, session, num_workers):
+        """Every worker sends ``buffered_sends`` small messages to the next one, then
+        receives as many from the one before: each arrives, in order (two workers that
+        each send twice to the other before receiving waited for the timeout on a CCL
+        that held one message a pair)."""
+        if self.buffered_sends < 2:
+            pytest.skip("this CCL holds one small message per pair (buffered_sends < 2)")
+        sess = session(num_workers=num_workers)
+        nw = sess.num_workers
+        shape = (self.buffered_sends, 4)
+        seed = _seed("several_sends", nw)
+        buf = sess.call_packed("ccl_kit.input", shape, "float32", seed)
+        out = sess.call_packed("ccl_kit.input", shape, "float32", seed + 1)
+        nxt = sess.call_packed("ccl_kit.peer", "next")
+        prv = sess.call_packed("ccl_kit.peer", "prev")
+        sess.call_packed("ccl_kit.send_several", buf, out, nxt, prv)
+        xs = [make_input(shape, "float32", seed, w) for w in range(nw)]
+        for w, got in _values(out, range(nw)).items():
+            assert_bits(got, xs[(w - 1) % nw], f"{nw} workers: worker {w}")
 
     def test_send_to_next_group(self, session):
         nw = self.num_workers

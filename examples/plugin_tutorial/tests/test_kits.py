@@ -13,6 +13,7 @@ from disco_core.testing import CCLContract, ChannelContract, session_maker
 class TestThreadCCL(CCLContract):
     num_workers = 4  # every divisor (1, 2, 4) is also tested as a group count
     buffered_send_bytes = 1 << 20  # a send never waits for its receive (any size)
+    buffered_sends = 8
     timeout_options = {"timeout": 1}  # for the kit's timeout tests
 
     @pytest.fixture

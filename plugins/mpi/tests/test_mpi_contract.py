@@ -24,6 +24,7 @@ _maker = session_maker(disco.ProcessSession, "mpi", ordered=True)
 class MPIContract(CCLContract):
     workers_are_processes = True
     timeout_options = {"timeout": 1}
+    buffered_sends = 8  # small messages go out eagerly (MPICH)
     # A worker waiting in MPI_Comm_connect cannot be released by an abort (the abort
     # reaches the controller's process only, and MPI cannot cancel a connect): when a
     # peer fails in its constructor the others give up by the connect timeout, and
