@@ -138,7 +138,9 @@ class Layout:
             self.loc_offsets.append(loc)
             off = data + 2 * n * slot_bytes
         self.mbox_base = off
-        self.mbox_piece = mbox_bytes // _MB_SLOTS // _LINE * _LINE
+        # (rounded up: the ring holds at least mailbox_bytes, and 8 messages of at most
+        # mailbox_bytes / 8 each)
+        self.mbox_piece = -(-mbox_bytes // (_MB_SLOTS * _LINE)) * _LINE
         self.mbox_stride = _align(3 * _LINE + _MB_SLOTS * (_MB_HEAD + self.mbox_piece))
         off += num_workers * num_workers * self.mbox_stride
         # per worker: the call it failed in, its rounds then, the error's start
@@ -366,6 +368,9 @@ class ShmCCL(CCL):
         self._kept: list[tuple] = []
         self.broken = ""
         self._world_comm = _Comm(self, 0)
+        #: per worker, the word of its world line where it says the call of its latest
+        #: collective, in full (see _barrier)
+        self._latest = [a + 2 for a in self._world_comm.arrive]
         self._group_comm = (
             self._world_comm if len(self.layout.comms) == 1 else _Comm(self, 1 + ctx.group_id)
         )
@@ -538,6 +543,32 @@ class ShmCCL(CCL):
                     f"failed in a later one: {error})"
                 ))  # fmt: skip
 
+    def _check_gone_past(self, what: str, comm: _Comm) -> None:
+        """Give up once a member that has not arrived at this round of ``comm`` has
+        entered a collective of a later call (on any communicator): it skipped this one
+        (code that differs between workers; a skip on the same communicator is seen
+        by :meth:`_check_arrivals`). Its call is read in full, then its arrival again:
+        a member writes its arrival before it goes on, so one that arrived meanwhile
+        and went on is never taken for one that skipped (an outside check found that
+        race, and 24-bit call numbers that wrapped, in an earlier version)."""
+        q, call = self.q, self.ctx.calls
+        target = comm.round << _CALL_BITS
+        for k, w in enumerate(comm.members):
+            idx = comm.arrive[k]
+            if q[idx] >= target:
+                continue
+            theirs = q[self._latest[w]]
+            if theirs > call and q[idx] < target:
+                op = what.partition(":")[0]
+                failed, _wr, _gr, error = self._failure(w)
+                why = f" after a call of it failed ({error})" if call <= failed < theirs else ""
+                self._give_up(what, (
+                    f"worker {w} went on to a collective of call {theirs} without reaching "
+                    f"this {op} of call {call}: it skipped a collective{why}" + (
+                        "" if why else " (the workers ran different collectives)"
+                    )
+                ))  # fmt: skip
+
     def _check_abort(self, what: str) -> None:
         if self.i[0]:
             reason = (
@@ -604,6 +635,8 @@ class ShmCCL(CCL):
                 return
             if fails is not None:
                 self._check_round(what, fails)
+            if comm is not None:
+                self._check_gone_past(what, comm)
             if pair is not None and words[_FAILS]:
                 self._pair_gone(*pair, ready)
             self._check_abort(what)
@@ -626,8 +659,13 @@ class ShmCCL(CCL):
         """Arrive at the end of this round and wait for every member (``what``: the
         operation, as errors name it; an ``op:detail`` is cut at the colon then)."""
         comm.round += 1
-        # the round, and the call it is of, in one word: read together (see _check_round)
-        self.q[comm.arrive[comm.rank]] = (comm.round << _CALL_BITS) | (self.ctx.calls & _CALL_MASK)
+        q, call = self.q, self.ctx.calls
+        # the call in full first, in this worker's word of the world's: a peer waiting
+        # in another communicator's collective sees that this worker went past it
+        # (_check_gone_past); then the round, and the call it is of, in one word: read
+        # together (see _check_round)
+        q[self._latest[self._me]] = call
+        q[comm.arrive[comm.rank]] = (comm.round << _CALL_BITS) | (call & _CALL_MASK)
         self._ring(comm.bell, comm.bell_addr, comm.asleep)
         self._wait(comm.ready, comm.bell, comm.bell_addr, what, comm.late, comm.asleep[comm.rank], comm)  # fmt: skip
 
@@ -1198,8 +1236,12 @@ class ShmCCL(CCL):
         if self.i[_FAILS]:
             self._check_pairing(peer, head // 8)
         theirs_packed = self.map[head + _LINE : head + _MB_HEAD]
-        if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and theirs_packed == self._send_desc(buf)[0]:  # fmt: skip
-            error, total = "", buf.nbytes  # (what a send of an array like buf puts there)
+        # what a send of an array like buf puts there, when it is no refusal (a send of
+        # an array in the other byte order packs the same refusal as a receive's
+        # buffer like it: an outside check, whose receive took stale bytes as a value)
+        like, refused = self._send_desc(buf) if type(buf) is np.ndarray else (b"", "?")
+        if not refused and buf.flags.c_contiguous and buf.flags.writeable and theirs_packed == like:  # fmt: skip
+            error, total = "", buf.nbytes
         else:
             theirs = validate.unpack(theirs_packed)
             error = validate.check_p2p(peer, theirs, validate.describe_recv(buf))

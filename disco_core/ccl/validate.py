@@ -90,6 +90,8 @@ def _array_info(x: Any, name: str) -> tuple[tuple | None, str]:
         return None, f"{name} must be an array, got {type(x).__name__}"
     if x.ndim > MAX_NDIM:
         return None, f"{name} has {x.ndim} dimensions; collectives support at most {MAX_NDIM}"
+    if x.dtype.hasobject:  # (its bytes are pointers into this process)
+        return None, f"{name} has dtype {x.dtype}, which holds Python objects; collectives move arrays of numbers"  # fmt: skip
     if not x.dtype.isnative:
         # the descriptors name dtypes ("float32" either way) and the data moves as bytes
         return None, (

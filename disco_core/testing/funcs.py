@@ -196,6 +196,13 @@ def sleep(seconds: float, only_worker: int | None = None) -> None:
         time.sleep(seconds)
 
 
+@_reg("bump_calls")
+def bump_calls(calls: int) -> None:
+    """Set this worker's call count (every worker alike): a stand-in for that many
+    earlier calls, e.g. past the 24 bits of a shm arrival word."""
+    current().calls = calls
+
+
 @_reg("raise_or_allreduce")
 def raise_or_allreduce(bad: int, in_group: bool = False) -> Any:
     """Raise on worker ``bad``; an allreduce (sum of ones) on every other worker: a call
@@ -227,6 +234,28 @@ def p2p_pair(sender: int, receiver: int, value: float, fail: int = -1, slow: flo
         time.sleep(slow)
         got = np.zeros(n, "float32")
         recv_from_worker(got, sender)
+        return got
+    return None
+
+
+@_reg("p2p_refused")
+def p2p_refused(kind: str) -> Any:
+    """Worker 1 sends an array that a send refuses ("byteorder": ``>i4``; "ndim": 9
+    dimensions; "object": Python objects); worker 0 receives into an array of the same
+    dtype and shape (of ``int32`` for "object") and returns it (it must raise instead)."""
+    from ..builtins import recv_from_worker, send_to_worker
+
+    arr = {
+        "byteorder": lambda: np.arange(4, dtype=">i4"),
+        "ndim": lambda: np.zeros((1,) * 8 + (4,), "<i4"),
+        "object": lambda: np.array([1, "a"], dtype=object),
+    }[kind]()
+    me = current().worker_id
+    if me == 1:
+        send_to_worker(arr, 0)
+    elif me == 0:
+        got = np.zeros(2, "<i4") if kind == "object" else np.zeros_like(arr)
+        recv_from_worker(got, 1)
         return got
     return None
 
