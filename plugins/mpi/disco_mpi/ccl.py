@@ -51,6 +51,7 @@ user-defined MPI operation applying the NumPy ufunc in the array's own dtype.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -106,7 +107,10 @@ _ALARM_BYTES = 512
 #: A member's call failed (its call number, its collectives so far, its error): peers
 #: waiting in a collective it never entered fail at once (see ``call_failed``).
 _FAILED_TAG = 14
-_FAILED_HEAD = struct.Struct("<qqq8s")  # call, world and group collectives, the CCL's mark
+#: call, world and group collectives, the CCL's mark; then the point-to-point messages
+#: it had sent to the notice's receiver and taken from it, and the last call it ended
+#: (a second notice follows at the end of the next call: see ``_pair_gone``)
+_FAILED_HEAD = struct.Struct("<qqq8sqqq")
 #: An alarm's text starts with it when the member gave up for another reason than a
 #: timeout (a failed call's notice, a skipped collective): the others raise CCLError.
 _NOT_A_TIMEOUT = "\x00"
@@ -332,6 +336,11 @@ class MPICCL(CCL):
         tag = 16 + 2 * (int.from_bytes(self._mark[:4], "little") % _P2P_TAGS)
         self._desc_tag, self._data_tag = tag, tag + 1
         self._given_up: dict[int, str] = {}  # senders whose messages to this worker (see recv)
+        self._given_up_to: dict[int, str] = {}  # receivers whose sends from here were (send)
+        #: point-to-point messages (heads) of this CCL sent to and taken from each peer
+        #: (a failed call's notice carries them: see _pair_gone)
+        self._p2p_sent = [0] * ctx.num_workers
+        self._p2p_taken = [0] * ctx.num_workers
         self.timeout = float(payload["timeout"])
         self.ordered = bool(payload["ordered"])
         self.broken = ""
@@ -373,8 +382,10 @@ class MPICCL(CCL):
         self._group_members = range(ctx.group_id * size, (ctx.group_id + 1) * size)
         #: collectives entered, per communicator (the same on every member)
         self._seq = {id(self.world): 0, id(self.group): 0}
-        #: failed-call notices of peers: peer -> (call, world and group collectives, error)
-        self._notices: dict[int, tuple[int, int, int, str]] = {}
+        #: failed-call notices of peers: peer -> (call, world and group collectives, error,
+        #: messages it had sent to this worker and taken from it, the last call it ended)
+        self._notices: dict[int, tuple[int, int, int, str, int, int, int]] = {}
+        self._failure_head = (0, 0, 0, b"")  # call, world, group, error of the last failure
         self.native = _native_types(MPI)
         global _USER_OPS
         if _USER_OPS is None:
@@ -465,7 +476,7 @@ class MPICCL(CCL):
         return comm
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, req: Any, what: str, nbytes: int = 0, entered: Any = None) -> None:
+    def _wait(self, req: Any, what: str, nbytes: int = 0, entered: Any = None, pair: tuple[int, bool] | None = None) -> None:  # fmt: skip
         """Complete ``req`` (an MPI request, or a list of them) by polling ``MPI_Test``.
 
         Spins first, as a blocking MPI call would (``_SPIN_S``, longer for large
@@ -473,7 +484,9 @@ class MPICCL(CCL):
         peer that is late costs no busy CPU, while a dead peer or an abort is still
         noticed within about a millisecond. ``entered``: the communicator of the
         collective this wait is the first step of (its descriptor exchange), which a
-        member whose call failed before it will never enter (``_notices``).
+        member whose call failed before it will never enter (``_notices``). ``pair``:
+        ``(peer, sending)`` for a point-to-point send to or receive from ``peer``, which
+        fails once ``peer`` failed without what is waited for (:meth:`_pair_gone`).
         """
         if type(req) is list:
             reqs, testall = req, self.MPI.Request.Testall
@@ -508,6 +521,10 @@ class MPICCL(CCL):
                 raise error(f"{what}: {self.broken}; {_UNRECOVERABLE}")
             self._take_notices()
             if self._notices:
+                if pair is not None and pair[0] in self._notices:
+                    self._pair_gone(req, *pair)
+                    if test():  # (a receive's cancel came too late: its message is in)
+                        return
                 gone = self._settle_notices(entered, self._seq.get(id(entered), 0))
                 if gone:
                     _ABANDONED.append(req)
@@ -615,7 +632,7 @@ class MPICCL(CCL):
             message.Recv([buf, n, MPI.BYTE])  # (this very message, whatever its source)
             data = bytes(buf[:n])
             if 0 <= peer < self._n and peer != self._me and len(data) >= _FAILED_HEAD.size:
-                call, world, group, mark = _FAILED_HEAD.unpack_from(data)
+                call, world, group, mark, sent, taken, ended = _FAILED_HEAD.unpack_from(data)
                 if mark != self._mark:
                     # A notice of an earlier session's CCL, still on its way when that
                     # one freed its communicator: MPICH gives a freed communicator's
@@ -623,7 +640,7 @@ class MPICCL(CCL):
                     # from a session of 4 workers raised in the next session's CCL of 3).
                     continue
                 error = data[_FAILED_HEAD.size :].decode(errors="replace")
-                self._notices[peer] = (call, world, group, error)
+                self._notices[peer] = (call, world, group, error, sent, taken, ended)
 
     # ------------------------------------------------------------------ failed calls
     def call_failed(self, call: int, error: str) -> None:
@@ -635,20 +652,51 @@ class MPICCL(CCL):
         self._failed_call = call
         if self.broken or self._n == 1:
             return
-        head = _FAILED_HEAD.pack(call, self._seq[id(self.world)], self._seq[id(self.group)], self._mark)  # fmt: skip
-        msg = head + error.encode("utf-8", "replace")[: _ALARM_BYTES - len(head)]
-        self._send_all(msg, _FAILED_TAG, 0.05)  # (MPI moves it only while it is tested here)
+        text = error.encode("utf-8", "replace")[: _ALARM_BYTES - _FAILED_HEAD.size]
+        self._failure_head = (call, self._seq[id(self.world)], self._seq[id(self.group)], text)
+        self._send_notices(call)
+        # the end of the next call is told too: a peer waiting for a message of that
+        # call learns that none came (see _pair_gone)
+        self.ctx.on_call_end = self._next_call_ended
+
+    def _send_notices(self, ended: int) -> None:
+        """Send each peer the notice of this worker's last failed call, with the
+        point-to-point messages sent to and taken from it, and the last call ended."""
+        call, world, group, text = self._failure_head
+        sent, taken, mark = self._p2p_sent, self._p2p_taken, self._mark
+        head = functools.partial(_FAILED_HEAD.pack, call, world, group, mark)
+        msgs = {
+            peer: head(sent[peer], taken[peer], ended) + text
+            for peer in range(self._n)
+            if peer != self._me
+        }
+        self._send_each(msgs, _FAILED_TAG, 0.05)  # (MPI moves it only while it is tested here)
+
+    def _next_call_ended(self, call: int) -> None:
+        if call == self._failed_call:
+            return  # (the failed call itself: its notice went out)
+        if self.ctx.on_call_end == self._next_call_ended:
+            self.ctx.on_call_end = None
+        if call == self._failed_call + 1 and not self.broken:
+            try:
+                self._send_notices(call)
+            except Exception:  # noqa: BLE001, S110 - a peer waiting then meets its timeout
+                pass
 
     def _send_all(self, msg: bytes, tag: int, push: float) -> None:
         """Send ``msg`` with ``tag`` on the alarm's communicator to every other member,
         driving the sends for up to ``push`` seconds (see ``_push_alarm``)."""
-        self._out_bufs.append(msg)  # (alive until MPI has sent it)
-        for peer in range(self._n):
-            if peer != self._me:
-                try:
-                    self._alarm_out.append(self.alarm.Isend([msg, self.MPI.BYTE], peer, tag))
-                except Exception:  # noqa: BLE001 - a dead peer; the others still hear it
-                    pass
+        self._send_each({peer: msg for peer in range(self._n) if peer != self._me}, tag, push)
+
+    def _send_each(self, msgs: dict[int, bytes], tag: int, push: float) -> None:
+        """Send ``msgs[peer]`` to each ``peer`` with ``tag`` on the alarm's communicator,
+        driving the sends for up to ``push`` seconds (see ``_push_alarm``)."""
+        for peer, msg in msgs.items():
+            self._out_bufs.append(msg)  # (alive until MPI has sent it)
+            try:
+                self._alarm_out.append(self.alarm.Isend([msg, self.MPI.BYTE], peer, tag))
+            except Exception:  # noqa: BLE001 - a dead peer; the others still hear it
+                pass
         self._push_alarm(push)
 
     def _settle_notices(self, comm: Any, seq: int) -> str:
@@ -658,7 +706,7 @@ class MPICCL(CCL):
         in this call or a later one, before that collective, will not come."""
         call = self.ctx.calls
         gone = ""
-        for peer, (failed, world, group, error) in list(self._notices.items()):
+        for peer, (failed, world, group, error, *_p2p) in list(self._notices.items()):
             if failed < call:
                 del self._notices[peer]
                 continue
@@ -904,17 +952,20 @@ class MPICCL(CCL):
     def send(self, buf: Any, peer: int) -> None:
         self._comm(False, collective=False)
         peer = self._check_peer(peer, "send_to_worker")
+        if peer in self._given_up_to:
+            raise CCLError(f"send_to_worker: {self._given_up_to[peer]}")
         desc = validate.describe_send(buf)
         call = _P2P_HEAD.pack(self.ctx.calls, self._failed_call, self._mark)
         head = np.frombuffer(call + validate.pack(desc), np.uint8).copy()
         reqs = [self.p2p.Isend([head, self.MPI.BYTE], peer, self._desc_tag)]
+        self._p2p_sent[peer] += 1
         if desc.status:
-            self._wait(reqs, "send_to_worker")
+            self._wait(reqs, "send_to_worker", pair=(peer, True))
             raise CCLError(f"send_to_worker: {desc.error}")
         data = np.ascontiguousarray(buf)
         if data.nbytes:
             reqs.append(self.p2p.Isend([data, data.nbytes, self.MPI.BYTE], peer, self._data_tag))
-        self._wait(reqs, "send_to_worker", data.nbytes)
+        self._wait(reqs, "send_to_worker", data.nbytes, pair=(peer, True))
 
     def recv(self, buf: Any, peer: int) -> None:
         self._comm(False, collective=False)
@@ -925,12 +976,13 @@ class MPICCL(CCL):
         mine = validate.describe_recv(buf)
         head = np.zeros(_P2P_HEAD.size + validate.DESC_BYTES, np.uint8)
         while True:
-            self._wait(self.p2p.Irecv([head, MPI.BYTE], peer, self._desc_tag), "recv_from_worker")  # fmt: skip
+            self._wait(self.p2p.Irecv([head, MPI.BYTE], peer, self._desc_tag), "recv_from_worker", pair=(peer, False))  # fmt: skip
             raw = head.tobytes()
             sent_in, sender_failed, mark = _P2P_HEAD.unpack_from(raw)
             theirs = validate.unpack(memoryview(raw)[_P2P_HEAD.size :])
             nbytes = 0 if theirs.status else theirs.src[2]
             if mark == self._mark:
+                self._p2p_taken[peer] += 1
                 break
             if nbytes:  # an earlier CCL's message, on the same tags: dropped
                 self._recv_data(np.empty(nbytes, np.uint8), peer, nbytes)
@@ -946,6 +998,48 @@ class MPICCL(CCL):
             raise CCLError(f"recv_from_worker: {self._given_up[peer]}")
         if error:  # the whole message was drained, so the sender is free
             raise CCLError(f"recv_from_worker: {error}")
+
+    def _pair_gone(self, req: Any, peer: int, sending: bool) -> None:
+        """For a send to (``sending``) or a receive from ``peer`` waiting on ``req``,
+        with a notice of ``peer``'s failed call in hand: raise once ``peer`` failed in
+        this worker's call or a later one, or failed in the call before and ended this
+        one, without taking this send's message (it had taken fewer than were sent to
+        it) or without sending this receive's (it had sent no more than were taken
+        from it). Its notice says how many it had taken
+        and sent, so a message still on its way is never given up for; and what it
+        sends after a failed call in or after this one is not this receive's anyway
+        (:func:`~disco_core.ccl.validate.p2p_order_lost`). A receive's request is
+        cancelled (its message may have just come: then it goes on); a send's is left
+        to MPI (kept alive), and the pair is given up: the receive that meets it drains
+        it, and later sends to ``peer`` fail at once, as do later receives from it."""
+        failed, _world, _group, error, sent, taken, ended = self._notices[peer]
+        call = self.ctx.calls
+        if failed < call and not (failed == call - 1 and ended >= call):
+            return
+        if sending:
+            if taken >= self._p2p_sent[peer]:
+                return  # (it took this message: the transfer is finishing)
+            why = f"worker {peer} failed in call {failed}{self._and_ended(failed, call)} without taking this worker's message of call {call} ({error})"  # fmt: skip
+            self._given_up_to[peer] = f"sends from worker {self._me} to worker {peer} were given up: {why}; start a new session"  # fmt: skip
+            _ABANDONED.append(req)
+            raise CCLError(f"send_to_worker: {why}; {self._given_up_to[peer]}")
+        if sent > self._p2p_taken[peer]:
+            return  # (a message it sent is on its way)
+        req.Cancel()
+        status = self.MPI.Status()
+        req.Wait(status)
+        if not status.Is_cancelled():
+            return  # (the message came after all: the caller's test() finds it done)
+        why = f"worker {peer} failed in call {failed}{self._and_ended(failed, call)} without sending the message of call {call} ({error})"  # fmt: skip
+        self._given_up[peer] = (
+            f"the messages from worker {peer} to worker {self._me} were given up: {why}; "
+            "start a new session to pair them again"
+        )
+        raise CCLError(f"recv_from_worker: {self._given_up[peer]}")
+
+    @staticmethod
+    def _and_ended(failed: int, call: int) -> str:
+        return f" and ended call {call}" if failed < call else ""
 
     def _recv_data(self, target: Any, peer: int, nbytes: int) -> None:
         self._wait(
@@ -977,6 +1071,8 @@ class MPICCL(CCL):
         return ""
 
     def close(self) -> None:
+        if self.ctx.on_call_end == self._next_call_ended:
+            self.ctx.on_call_end = None
         if self.broken:
             # Pending operations may still use the communicators and write into this
             # CCL's buffers (the alarm's receive, the descriptor exchange): keep it all.

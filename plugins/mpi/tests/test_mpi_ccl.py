@@ -459,13 +459,83 @@ def test_after_a_failed_call_a_receive_returns_its_own_sends_value_or_an_error(s
         got = [(step, value, _outcomes(ref, [0])[0]) for step, value, ref in receives]
         assert all(isinstance(g, str) or g == [v] * len(g) for _s, v, g in got), got
         assert any(isinstance(g, str) and "may be another" in g for _s, _v, g in got), got
-        if "large" not in scenario:  # (a large send to a receiver that gave the pair up
-            # waits for the CCL's timeout, which gives the CCL up: documented)
-            assert time.monotonic() - t0 < 10
-            # the other direction pairs (a call later: a given-up receive is a failed
-            # call of its worker, and the rules apply to a pair in the next call)
-            sess.get_global_func("testing.sleep")(0.0, 0)
-            assert _outcomes(pair(0, 1, 42.0), [1])[0] == [42.0] * 4
+        # (a large send whose receiver failed without taking it fails at once too)
+        assert time.monotonic() - t0 < 10
+        # the other direction pairs (a call later: a given-up receive is a failed
+        # call of its worker, and the rules apply to a pair in the next call)
+        sess.get_global_func("testing.sleep")(0.0, 0)
+        assert _outcomes(pair(0, 1, 42.0), [1])[0] == [42.0] * 4
+    finally:
+        sess.shutdown()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sender fails",
+        "sender fails, receiver late",
+        "receiver fails, large send",
+        "sender fails the call before",
+        "receiver fails the call before, large send",
+    ],
+)
+def test_a_pair_whose_other_end_failed_without_its_part_fails_at_once(case):
+    """A receive whose sender failed in its call without sending, and a large send
+    (MPI completes small ones without their receive) whose receiver failed without
+    taking it, waited for the CCL's timeout (15 s here). The failed call's notice says
+    how many messages its worker had sent to and taken from each peer: they fail at
+    once, naming the failure, and later sends and receives of that pair too; the other
+    direction still pairs, and so does the session's next collective."""
+    sess = _session(2, timeout=15)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        pair = sess.get_global_func("testing.p2p_pair")
+        t0 = time.monotonic()
+        waited, failed = (1, 0) if case.startswith("receiver") else (0, 1)
+        if case == "sender fails, receiver late":
+            ref = pair(1, 0, 1.0, 1, 0.5)
+        elif case == "sender fails":
+            ref = pair(1, 0, 1.0, 1)
+        elif case == "receiver fails, large send":
+            ref = pair(1, 0, 1.0, 0, 0.0, "both", 1 << 20)  # 4 MiB
+        else:  # (the failed call, then the other end's half alone: its peer ends that call)
+            first = pair(1, 0, 1.0, failed, 0.0, "recv" if failed == 0 else "send")
+            assert "fails before" in _outcomes(first, [failed])[0]
+            if failed == 1:
+                ref = pair(1, 0, 0.0, -1, 0.0, "recv")
+            else:
+                ref = pair(1, 0, 1.0, -1, 0.0, "send", 1 << 20)
+        got = _outcomes(ref, [waited] if "before" in case else [waited, failed])
+        assert time.monotonic() - t0 < 10, got
+        want = "without taking" if waited == 1 else "without sending the message of call"
+        assert want in got[0] and "RuntimeError" in got[0], got
+        if "before" in case:
+            assert "and ended call" in got[0], got
+        else:
+            assert "fails before" in got[1], got
+        again = _outcomes(pair(1, 0, 2.0), [waited])[0]
+        assert "were given up" in again, again
+        assert time.monotonic() - t0 < 10
+        sess.get_global_func("testing.sleep")(0.0, 0)  # (a call in between: see the README)
+        assert _outcomes(pair(0, 1, 42.0), [1])[0] == [42.0] * 4
+        assert _outcomes(sess.get_global_func("testing.allreduce_unless")(-1), [0, 1]) == [[2.0] * 4] * 2  # fmt: skip
+    finally:
+        sess.shutdown()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_a_message_sent_before_its_senders_failure_is_still_received(delay):
+    """A sender that sent, then raised: its notice can overtake its message (they go on
+    two communicators), but it counts the message, so the receive waits for it and
+    returns it, never gives it up; with the receive first (``delay``) or the send."""
+    sess = _session(2, timeout=15)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        for value in (1.0, 2.0, 3.0):
+            sess.get_global_func("testing.sleep")(0.0, 0)  # (see the README: the price)
+            ref = sess.get_global_func("testing.send_then_raise")(1, 0, value, delay)
+            got = _outcomes(ref, [1, 0])  # (the call's failure first, then worker 0's value)
+            assert "fails after its send" in got[0] and got[1] == [value] * 4, got
     finally:
         sess.shutdown()
 
