@@ -700,7 +700,7 @@ class MPICCL(CCL):
         self._push_alarm(push)
 
     def _settle_notices(self, comm: Any, seq: int) -> str:
-        """Forget the notices of calls this worker is past; return why a member of
+        """Forget the notices of calls before the one before this one; return why a member of
         ``comm`` will never enter its collective number ``seq`` ("" when none is known
         to: ``comm`` None, or not entered yet and ``seq`` the next). A member that failed
         in this call or a later one, before that collective, will not come."""
@@ -708,7 +708,8 @@ class MPICCL(CCL):
         gone = ""
         for peer, (failed, world, group, error, *_p2p) in list(self._notices.items()):
             if failed < call:
-                del self._notices[peer]
+                if failed < call - 1:  # (one of the call before still tells a point-to-
+                    del self._notices[peer]  # point wait of this one: see _pair_gone)
                 continue
             if comm is None or gone:
                 continue
@@ -1022,7 +1023,7 @@ class MPICCL(CCL):
             why = f"worker {peer} failed in call {failed}{self._and_ended(failed, call)} without taking this worker's message of call {call} ({error})"  # fmt: skip
             self._given_up_to[peer] = f"sends from worker {self._me} to worker {peer} were given up: {why}; start a new session"  # fmt: skip
             _ABANDONED.append(req)
-            raise CCLError(f"send_to_worker: {why}; {self._given_up_to[peer]}")
+            raise CCLError(f"send_to_worker: {self._given_up_to[peer]}")
         if sent > self._p2p_taken[peer]:
             return  # (a message it sent is on its way)
         req.Cancel()

@@ -69,6 +69,23 @@ def _pipeline(buf, out):
         disco.get_global_func("disco.recv_from_prev_group")(out)
 
 
+@disco.register_func("mpi_test.barrier_then_p2p", override=True)
+def _barrier_then_p2p(nbytes: int) -> None:
+    """Worker 0 runs a group barrier (the others get this call then, and end it), and
+    0.5 s later another one, then a receive of 4 floats from worker 1 (``nbytes`` 0)
+    or a send of ``nbytes`` to it; the others do nothing."""
+    from disco_core.builtins import barrier, recv_from_worker, send_to_worker
+
+    if current().worker_id == 0:
+        barrier(True)
+        time.sleep(0.5)  # (worker 1's notices are in by now: the next barrier takes them)
+        barrier(True)
+        if nbytes:
+            send_to_worker(np.ones(nbytes // 4, "float32"), 1)
+        else:
+            recv_from_worker(np.zeros(4, "float32"), 1)
+
+
 @disco.register_func("mpi_test.shape_by_worker", override=True)
 def _shape_by_worker(dtype):
     return np.zeros((2 + (current().worker_id == 1),), dtype)

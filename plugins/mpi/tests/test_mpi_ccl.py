@@ -523,6 +523,26 @@ def test_a_pair_whose_other_end_failed_without_its_part_fails_at_once(case):
         sess.shutdown()
 
 
+@pytest.mark.parametrize("nbytes", [0, 1 << 20], ids=["receive", "large send"])
+def test_a_collective_before_the_wait_keeps_the_notice_of_the_call_before(nbytes):
+    """Worker 1 failed in call A; in call B it does nothing, and worker 0 runs a
+    (group) collective, then waits for a message from worker 1 (or for it to take a
+    large send). The collective forgot notices of calls before B, so the wait lasted
+    the CCL's timeout (an outside check); the notice of the call before is kept."""
+    sess = _session(2, groups=2, timeout=15)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        failed = sess.get_global_func("testing.raise_on")(1)
+        assert "raised on purpose" in _outcomes(failed, [1])[0]
+        t0 = time.monotonic()
+        ref = sess.get_global_func("mpi_test.barrier_then_p2p")(nbytes)
+        got = _outcomes(ref, [0])[0]
+        assert time.monotonic() - t0 < 10, got
+        assert "and ended call" in got, got
+    finally:
+        sess.shutdown()
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.3])
 def test_a_message_sent_before_its_senders_failure_is_still_received(delay):
     """A sender that sent, then raised: its notice can overtake its message (they go on
