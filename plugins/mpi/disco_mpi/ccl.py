@@ -111,6 +111,15 @@ _FAILED_TAG = 14
 #: it had sent to the notice's receiver and taken from it, and the last call it ended
 #: (a second notice follows at the end of the next call: see ``_pair_gone``)
 _FAILED_HEAD = struct.Struct("<qqq8sqqq")
+#: A member whose collective waits past the spin tells every other member once where it
+#: is (its call, its world and group collectives so far, the CCL's mark): a peer waiting
+#: in a collective of an earlier call that it never entered sees it went on (see
+#: ``_went_on``), as when it skipped one and its next collective is on the other
+#: communicator (world or group), which no exchange of calls can meet.
+_WHERE_TAG = 15
+_WHERE = struct.Struct("<qqq8s")
+_WHERE_AFTER = 0.05  # seconds of a collective's wait before it says where it waits
+_WHERE_DRAIN = 64  # collectives between two takings of those messages (bounds MPI's queue)
 #: An alarm's text starts with it when the member gave up for another reason than a
 #: timeout (a failed call's notice, a skipped collective): the others raise CCLError.
 _NOT_A_TIMEOUT = "\x00"
@@ -386,6 +395,9 @@ class MPICCL(CCL):
         #: messages it had sent to this worker and taken from it, the last call it ended)
         self._notices: dict[int, tuple[int, int, int, str, int, int, int]] = {}
         self._failure_head = (0, 0, 0, b"")  # call, world, group, error of the last failure
+        #: where peers said they wait (see _WHERE_TAG): peer -> (call, world, group)
+        self._where: dict[int, tuple[int, int, int]] = {}
+        self._exchanges = 0  # collectives entered, on any communicator
         self.native = _native_types(MPI)
         global _USER_OPS
         if _USER_OPS is None:
@@ -505,6 +517,7 @@ class MPICCL(CCL):
         spin_until = start + _SPIN_S + nbytes * _SPIN_PER_BYTE
         pause = 0.0
         token = self.token
+        told = entered is None  # (where this member waits: said once, see _WHERE_AFTER)
         while True:
             for _ in range(100):
                 if test():
@@ -539,6 +552,15 @@ class MPICCL(CCL):
                     f"{_UNRECOVERABLE}"
                 )
             if now > spin_until:
+                if not told and now - start > _WHERE_AFTER:
+                    told = True
+                    self._tell_where()
+                if entered is not None:
+                    gone = self._went_on(entered, what)
+                    if gone:
+                        _ABANDONED.append(req)
+                        self._break(gone, timed_out=False)
+                        raise CCLError(f"{what.partition(':')[0]}: {gone}; {_UNRECOVERABLE}")
                 pause = min(pause * 1.5 + 2e-5, _MAX_PAUSE, (now - start) / _PAUSE_DIVISOR)
                 time.sleep(pause)
 
@@ -699,6 +721,53 @@ class MPICCL(CCL):
                 pass
         self._push_alarm(push)
 
+    def _tell_where(self) -> None:
+        """Tell every other member where this one waits (see ``_WHERE_TAG``)."""
+        if self._n > 1:
+            msg = _WHERE.pack(self.ctx.calls, self._seq[id(self.world)], self._seq[id(self.group)], self._mark)  # fmt: skip
+            self._send_all(msg, _WHERE_TAG, 0.0)
+
+    def _went_on(self, comm: Any, what: str) -> str:
+        """Why a member of ``comm`` will never enter this collective (its number
+        ``self._seq``), from where the members said they wait: one waiting in a later
+        call that had entered fewer of ``comm``'s collectives skipped it (it entered
+        this one before it went on otherwise, and said so with its count)."""
+        self._take_where()
+        call, seq = self.ctx.calls, self._seq[id(comm)]
+        for peer, (theirs, world, group) in self._where.items():
+            if theirs <= call:
+                continue
+            if comm is self.world:
+                entered = world
+            elif peer in self._group_members:
+                entered = group
+            else:
+                continue
+            if entered < seq:
+                failed, *_rest = self._notices.get(peer, (0,))
+                error = self._notices[peer][3] if failed >= call else ""
+                return (
+                    f"worker {peer} went on to a collective of call {theirs} without reaching "
+                    f"this {what.partition(':')[0]} of call {call}: it skipped a collective "
+                    + (f"after its call {failed} failed ({error})" if error else "(the workers ran different collectives)")
+                )  # fmt: skip
+        return ""
+
+    def _take_where(self) -> None:
+        """Take in the messages of where peers wait (see ``_WHERE_TAG``), keeping the
+        latest of each."""
+        MPI = self.MPI
+        status = MPI.Status()
+        while (message := self.alarm.Improbe(MPI.ANY_SOURCE, _WHERE_TAG, status)) is not None:
+            peer = status.Get_source()
+            n = status.Get_count(MPI.BYTE)
+            buf = bytearray(max(n, _WHERE.size))
+            message.Recv([buf, n, MPI.BYTE])
+            if n == _WHERE.size and 0 <= peer < self._n:
+                call, world, group, mark = _WHERE.unpack_from(buf)
+                if mark == self._mark:  # (not an earlier session's CCL's: see _take_notices)
+                    self._where[peer] = (call, world, group)
+
     def _settle_notices(self, comm: Any, seq: int) -> str:
         """Forget the notices of calls before the one before this one; return why a member of
         ``comm`` will never enter its collective number ``seq`` ("" when none is known
@@ -764,6 +833,9 @@ class MPICCL(CCL):
         call = self.ctx.calls
         out[:] = _CALL.pack(call) + mine
         self._seq[id(comm)] += 1
+        self._exchanges += 1
+        if self._exchanges % _WHERE_DRAIN == 0:  # (a member that never waits long takes
+            self._take_where()  # the others' messages too, so MPI's queue stays short)
         self._wait(comm.Iallgather(sspec, rspec), op, entered=comm)
         if self._alarmed():  # matched what a member that failed left behind
             raise CCLError(f"{op} aborted: {self.broken}; {_UNRECOVERABLE}")

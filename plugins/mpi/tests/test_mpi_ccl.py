@@ -422,6 +422,49 @@ def test_a_collective_one_worker_skipped_never_pairs_with_its_next_one():
         sess.shutdown()
 
 
+@pytest.mark.parametrize("first_in_group", [False, True])
+def test_a_skipped_collective_followed_by_one_on_the_other_communicator_fails_at_once(first_in_group):  # fmt: skip
+    """Worker 1 skips a world (group) allreduce, and its next call runs a group (world)
+    one: no exchange of calls meets the two, and they waited for the CCL's timeout. A
+    collective that waits past 50 ms tells the others where it waits: they see that
+    worker 1 went on, and fail, naming it."""
+    sess = _session(4, 2, timeout=30)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        unless = sess.get_global_func("testing.allreduce_unless")
+        t0 = time.monotonic()
+        skipped = unless(1, first_in_group)
+        after = unless(-1, not first_in_group)
+        got = _outcomes(skipped, [0, 2, 3]) + _outcomes(after, range(4))
+        assert time.monotonic() - t0 < 10, got
+        assert all(isinstance(g, str) for g in got[3:]), got
+        assert any("worker 1 went on to a collective of call" in g for g in got if isinstance(g, str)), got  # fmt: skip
+    finally:
+        sess.shutdown()
+
+
+def test_late_workers_in_world_and_group_collectives_are_never_taken_for_a_skip():
+    """A correct program whose workers come late by turns (each wait then tells the
+    others where it waits): 60 calls of world and group allreduces, barriers and calls
+    without a collective, every value right."""
+    sess = _session(4, 2, timeout=30)
+    try:
+        sess.import_python_module("disco_core.testing.funcs")
+        unless = sess.get_global_func("testing.allreduce_unless")
+        nap = sess.get_global_func("testing.sleep")
+        refs = []
+        for i in range(60):
+            nap(0.06, i % 4)  # (past the 50 ms after which a wait says where it is)
+            if i % 5 == 4:
+                continue  # a call without a collective
+            refs.append((unless(-1, i % 3 == 0), i % 3 == 0))
+        for ref, in_group in refs:
+            want = [2.0 if in_group else 4.0] * 4
+            assert _outcomes(ref, range(4)) == [want] * 4
+    finally:
+        sess.shutdown()
+
+
 # Point-to-point pairs after failed calls (the steps: disco_core.testing.p2p_steps).
 _P2P_SCENARIOS = {
     # each returned another send's value as a value before messages carried their calls
