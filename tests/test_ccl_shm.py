@@ -559,7 +559,7 @@ def test_a_refused_send_is_never_taken_for_a_good_message(kind):
         for value in range(1, 9):  # the ring's 8 pieces hold earlier messages
             assert pair(1, 0, float(value)).debug_get_from_remote(0).tolist() == [value] * 4
         ref = sess.get_global_func("testing.p2p_refused")(kind)
-        why = "holds Python objects" if kind == "object" else "worker 1 failed to send"
+        why = "cannot live in a worker array" if kind == "object" else "worker 1 failed to send"
         with pytest.raises(disco.WorkerError, match=why):
             ref.debug_get_from_remote(0)
         sess.get_global_func("testing.sleep")(0.0, 0)  # (a call in between: see the README)

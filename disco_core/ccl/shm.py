@@ -561,11 +561,14 @@ class ShmCCL(CCL):
             if theirs > call and q[idx] < target:
                 op = what.partition(":")[0]
                 failed, _wr, _gr, error = self._failure(w)
-                why = f" after a call of it failed ({error})" if call <= failed < theirs else ""
+                if failed == call:  # (as _check_round says it, which may come first)
+                    self._give_up(what, f"worker {w} failed in the same call without finishing its part of this {op} ({error})")  # fmt: skip
                 self._give_up(what, (
                     f"worker {w} went on to a collective of call {theirs} without reaching "
-                    f"this {op} of call {call}: it skipped a collective{why}" + (
-                        "" if why else " (the workers ran different collectives)"
+                    f"this {op} of call {call}: " + (
+                        f"it failed in call {failed} ({error})" if call < failed < theirs else
+                        "the workers ran different collectives (it skipped one, or this "
+                        f"worker, {self._me}, ran one more)"
                     )
                 ))  # fmt: skip
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..device import dtype_name
-from ..errors import CCLError
+from ..device import as_dtype, dtype_name
+from ..errors import CCLError, DiscoTypeError
 from ..worker import MissingValue
 
 __all__ = [
@@ -90,8 +90,14 @@ def _array_info(x: Any, name: str) -> tuple[tuple | None, str]:
         return None, f"{name} must be an array, got {type(x).__name__}"
     if x.ndim > MAX_NDIM:
         return None, f"{name} has {x.ndim} dimensions; collectives support at most {MAX_NDIM}"
-    if x.dtype.hasobject:  # (its bytes are pointers into this process)
-        return None, f"{name} has dtype {x.dtype}, which holds Python objects; collectives move arrays of numbers"  # fmt: skip
+    if x.dtype.hasobject or x.dtype.kind in "OUSMmV":
+        # objects (pointers into this process), strings, dates and structured dtypes
+        # are refused as worker arrays are (their names alone do not tell two apart:
+        # every 64-byte structured dtype is "void512"); ml_dtypes' types pass
+        try:
+            as_dtype(x.dtype)
+        except DiscoTypeError as exc:
+            return None, f"{name}: {exc}"
     if not x.dtype.isnative:
         # the descriptors name dtypes ("float32" either way) and the data moves as bytes
         return None, (

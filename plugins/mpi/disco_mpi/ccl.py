@@ -748,8 +748,11 @@ class MPICCL(CCL):
                 error = self._notices[peer][3] if failed >= call else ""
                 return (
                     f"worker {peer} went on to a collective of call {theirs} without reaching "
-                    f"this {what.partition(':')[0]} of call {call}: it skipped a collective "
-                    + (f"after its call {failed} failed ({error})" if error else "(the workers ran different collectives)")
+                    f"this {what.partition(':')[0]} of call {call}: " + (
+                        f"it failed in call {failed} ({error})" if error else
+                        "the workers ran different collectives (it skipped one, or this "
+                        f"worker, {self._me}, ran one more)"
+                    )
                 )  # fmt: skip
         return ""
 
