@@ -581,7 +581,7 @@ def test_the_ring_holds_mailbox_bytes_in_one_message_or_eight(mailbox, messages)
         buf = sess.call_packed("ccl_kit.input", shape, "uint8", 7)
         out = sess.call_packed("ccl_kit.input", shape, "uint8", 8)
         other = sess.call_packed("ccl_kit.peer", "pair")
-        sess.call_packed("ccl_kit.send_several", buf, out, other, other)
+        sess.call_packed("ccl_kit.send_several", buf, out, other, other, True)
         for w in (0, 1):
             assert_bits(out.debug_get_from_remote(w), make_input(shape, "uint8", 7, 1 - w), f"worker {w}")  # fmt: skip
 

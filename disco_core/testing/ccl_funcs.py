@@ -160,13 +160,26 @@ def exchange(buf: Any, out: Any, send_to: int, recv_from: int) -> None:
 
 @_reg("send_several")
 @collective
-def send_several(buf: Any, out: Any, send_to: int, recv_from: int) -> None:
-    """Send each row of ``buf`` to ``send_to``, then receive as many rows into ``out``
-    from ``recv_from``: every send of the call before any receive."""
-    for row in buf:
-        _call("send_to_worker", row, send_to)
-    for row in out:
-        _call("recv_from_worker", row, recv_from)
+def send_several(buf: Any, out: Any, send_to: int, recv_from: int, sends_first: bool) -> None:
+    """Send each row of ``buf`` to ``send_to`` and receive as many rows into ``out`` from
+    ``recv_from``: with ``sends_first``, every send before any receive, on every worker;
+    else even workers send first and odd ones receive first (for CCLs whose sends wait
+    for their receives)."""
+
+    def send() -> None:
+        for row in buf:
+            _call("send_to_worker", row, send_to)
+
+    def recv() -> None:
+        for row in out:
+            _call("recv_from_worker", row, recv_from)
+
+    if sends_first or current().worker_id % 2 == 0:
+        send()
+        recv()
+    else:
+        recv()
+        send()
 
 
 @_reg("send_from_worker0")

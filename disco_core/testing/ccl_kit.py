@@ -345,7 +345,8 @@ class CCLContract:
     ``buffered_sends`` (int, default 1)
         Small sends (16 bytes) to one worker that return before it receives any;
         from 2 the kit checks that each worker can send that many to the next
-        before it receives as many from the one before, in order.
+        before it receives as many from the one before, in order (below 2, even
+        workers send first).
     ``ccl_error_types`` (tuple of str)
         The remote exception type names accepted as "the CCL raised an error".
     ``odd_num_workers`` (int or None, default 3)
@@ -1012,22 +1013,21 @@ class CCLContract:
         self._check_recv_from_worker0(session(), dtype, (4, 5), _seed("rfw0", dtype))
 
     @pytest.mark.parametrize("num_workers", [2, None])
-    def test_several_sends_before_their_receives(self, session, num_workers):
-        """Every worker sends ``buffered_sends`` small messages to the next one, then
-        receives as many from the one before: each arrives, in order (two workers that
-        each send twice to the other before receiving waited for the timeout on a CCL
-        that held one message a pair)."""
-        if self.buffered_sends < 2:
-            pytest.skip("this CCL holds one small message per pair (buffered_sends < 2)")
+    def test_several_messages_to_one_worker_arrive_in_order(self, session, num_workers):
+        """Every worker sends several small messages to the next one and receives as many
+        from the one before: each arrives, in order. With ``buffered_sends`` of 2 or more,
+        every worker sends them all before it receives any (two workers that each sent
+        twice to the other before receiving waited for the timeout on a CCL that held one
+        message a pair); else even workers send first."""
         sess = session(num_workers=num_workers)
         nw = sess.num_workers
-        shape = (self.buffered_sends, 4)
+        shape = (max(self.buffered_sends, 3), 4)
         seed = _seed("several_sends", nw)
         buf = sess.call_packed("ccl_kit.input", shape, "float32", seed)
         out = sess.call_packed("ccl_kit.input", shape, "float32", seed + 1)
         nxt = sess.call_packed("ccl_kit.peer", "next")
         prv = sess.call_packed("ccl_kit.peer", "prev")
-        sess.call_packed("ccl_kit.send_several", buf, out, nxt, prv)
+        sess.call_packed("ccl_kit.send_several", buf, out, nxt, prv, self.buffered_sends >= 2)
         xs = [make_input(shape, "float32", seed, w) for w in range(nw)]
         for w, got in _values(out, range(nw)).items():
             assert_bits(got, xs[(w - 1) % nw], f"{nw} workers: worker {w}")
