@@ -482,6 +482,7 @@ class CCLContract:
         "test_collective_timeout", "test_collective_after_timeout_fails_everywhere",
         "test_send_recv_with_a_register_that_holds_nothing",
         "test_an_array_in_the_other_byte_order",
+        "test_several_messages_to_one_worker_arrive_in_order",
     })  # fmt: skip
 
     #: Tests of wrong calls: they run with :attr:`wrong_use_options` (a short timeout).
