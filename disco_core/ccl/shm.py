@@ -371,6 +371,7 @@ class ShmCCL(CCL):
         #: per worker, the word of its world line where it says the call of its latest
         #: collective, in full (see _barrier)
         self._latest = [a + 2 for a in self._world_comm.arrive]
+        self._my_latest = self._latest[ctx.worker_id]
         self._group_comm = (
             self._world_comm if len(self.layout.comms) == 1 else _Comm(self, 1 + ctx.group_id)
         )
@@ -667,7 +668,7 @@ class ShmCCL(CCL):
         # in another communicator's collective sees that this worker went past it
         # (_check_gone_past); then the round, and the call it is of, in one word: read
         # together (see _check_round)
-        q[self._latest[self._me]] = call
+        q[self._my_latest] = call
         q[comm.arrive[comm.rank]] = (comm.round << _CALL_BITS) | (call & _CALL_MASK)
         self._ring(comm.bell, comm.bell_addr, comm.asleep)
         self._wait(comm.ready, comm.bell, comm.bell_addr, what, comm.late, comm.asleep[comm.rank], comm)  # fmt: skip

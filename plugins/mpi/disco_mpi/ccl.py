@@ -59,7 +59,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -637,8 +637,9 @@ class MPICCL(CCL):
         self.broken = text or f"worker {status.Get_source()} failed"
         return True
 
-    def _take_notices(self) -> None:
-        """Take in the failed-call notices that came (see ``call_failed``).
+    def _probed(self, tag: int) -> Iterator[tuple[int, bytes]]:
+        """``(peer, bytes)`` of each message with ``tag`` waiting on the alarm's
+        communicator, from another member.
 
         Probed for, then received from their sender: a receive posted in advance from
         any source (as the alarm's) never matched worker 1's notice to worker 0 of a
@@ -647,13 +648,18 @@ class MPICCL(CCL):
         """
         MPI = self.MPI
         status = MPI.Status()
-        while (message := self.alarm.Improbe(MPI.ANY_SOURCE, _FAILED_TAG, status)) is not None:
+        while (message := self.alarm.Improbe(MPI.ANY_SOURCE, tag, status)) is not None:
             peer = status.Get_source()
             n = status.Get_count(MPI.BYTE)
             buf = self._notice_in if n <= len(self._notice_in) else bytearray(n)
             message.Recv([buf, n, MPI.BYTE])  # (this very message, whatever its source)
-            data = bytes(buf[:n])
-            if 0 <= peer < self._n and peer != self._me and len(data) >= _FAILED_HEAD.size:
+            if 0 <= peer < self._n and peer != self._me:
+                yield peer, bytes(buf[:n])
+
+    def _take_notices(self) -> None:
+        """Take in the failed-call notices that came (see ``call_failed``)."""
+        for peer, data in self._probed(_FAILED_TAG):
+            if len(data) >= _FAILED_HEAD.size:
                 call, world, group, mark, sent, taken, ended = _FAILED_HEAD.unpack_from(data)
                 if mark != self._mark:
                     # A notice of an earlier session's CCL, still on its way when that
@@ -759,15 +765,9 @@ class MPICCL(CCL):
     def _take_where(self) -> None:
         """Take in the messages of where peers wait (see ``_WHERE_TAG``), keeping the
         latest of each."""
-        MPI = self.MPI
-        status = MPI.Status()
-        while (message := self.alarm.Improbe(MPI.ANY_SOURCE, _WHERE_TAG, status)) is not None:
-            peer = status.Get_source()
-            n = status.Get_count(MPI.BYTE)
-            buf = bytearray(max(n, _WHERE.size))
-            message.Recv([buf, n, MPI.BYTE])
-            if n == _WHERE.size and 0 <= peer < self._n:
-                call, world, group, mark = _WHERE.unpack_from(buf)
+        for peer, data in self._probed(_WHERE_TAG):
+            if len(data) == _WHERE.size:
+                call, world, group, mark = _WHERE.unpack_from(data)
                 if mark == self._mark:  # (not an earlier session's CCL's: see _take_notices)
                     self._where[peer] = (call, world, group)
 
